@@ -1,0 +1,79 @@
+"""The command line: help text, one-line errors with exit code 1, manifest commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+
+
+def test_help_lists_command_groups(cli):
+    r = cli("--help")
+    assert r.exit_code == 0
+    for group in ("manifest", "synth", "quickstart"):
+        assert group in r.output
+
+
+def test_version(cli):
+    from tvrpipe import __version__
+
+    r = cli("--version")
+    assert r.exit_code == 0 and r.output.strip() == f"tvrpipe {__version__}"
+
+
+def test_manifest_build_and_show(cli, shared_annotations, tmp_path):
+    out = tmp_path / "m"
+    r = cli("manifest", "build", "--dataset", "msvd", "--annotations", shared_annotations / "msvd", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "27,763" in r.output and "1,200" in r.output
+    assert (out / "videos.parquet").is_file() and (out / "captions.parquet").is_file()
+    r = cli("manifest", "show", out)
+    assert r.exit_code == 0
+    assert "670" in r.output and "27,763" in r.output and "12 frames, 32 words" in r.output
+
+
+def test_manifest_datasets_lists_specs(cli):
+    r = cli("manifest", "datasets")
+    assert r.exit_code == 0
+    for name in ("msrvtt", "msvd", "didemo", "lsmdc", "vatex", "charades", "custom"):
+        assert name in r.output
+
+
+def test_unknown_dataset_is_one_line_exit_1(cli, tmp_path):
+    r = cli("manifest", "build", "--dataset", "nope", "--annotations", tmp_path, "--out", tmp_path / "m")
+    assert r.exit_code == 1
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: unknown dataset 'nope'")
+    assert "Traceback" not in r.output
+
+
+def test_custom_empty_caption_via_cli(cli, tmp_path):
+    pd.DataFrame({"path": ["a.mp4", "b.mp4"], "caption": ["x", ""], "split": ["train", "test"]}).to_csv(
+        tmp_path / "t.csv", index=False
+    )
+    r = cli("manifest", "build", "--dataset", "custom", "--annotations", tmp_path / "t.csv", "--out", tmp_path / "m")
+    assert r.exit_code == 1
+    assert "t.csv line 3: empty caption" in r.output
+    assert not (tmp_path / "m" / "videos.parquet").exists()
+
+
+def test_show_on_a_folder_without_manifest(cli, tmp_path):
+    r = cli("manifest", "show", tmp_path)
+    assert r.exit_code == 1
+    assert "no manifest here" in r.output and "tvrpipe manifest build" in r.output
+
+
+def test_wrong_option_is_a_usage_error(cli):
+    r = cli("manifest", "build", "--datset", "msvd")
+    assert r.exit_code == 2
+    assert "No such option" in r.output
+
+
+def test_console_script_runs_as_a_process(tmp_path):
+    # The installed entry point, not just the in-process app: errors exit 1 without a traceback.
+    r = subprocess.run(
+        [sys.executable, "-m", "tvrpipe", "manifest", "show", str(tmp_path)], capture_output=True, text=True
+    )
+    assert r.returncode == 1
+    assert "error:" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,1 @@
+"""The ``tvrpipe`` command line: thin typer commands over the library (see ``main.py``)."""

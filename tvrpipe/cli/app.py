@@ -1,0 +1,68 @@
+"""The ``tvrpipe`` typer app object and the group class every command group uses.
+
+Each command parses typed options and calls one library function. Library errors
+(:class:`~tvrpipe.errors.TvrpipeError`) become one red line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from typer.core import TyperGroup
+
+from tvrpipe import __version__
+from tvrpipe.errors import TvrpipeError
+
+err_console = Console(stderr=True)
+
+
+class _ErrorsAsMessages(TyperGroup):
+    """A command group that reports :class:`TvrpipeError` as one line and exits 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TvrpipeError as e:
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
+def new_app(**kwargs: Any) -> typer.Typer:
+    """A typer app (or sub-group) with tvrpipe's defaults."""
+    return typer.Typer(
+        cls=_ErrorsAsMessages,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        rich_markup_mode="rich",
+        add_completion=False,
+        **kwargs,
+    )
+
+
+app = new_app(
+    help="tvrpipe: CLIP-based text-video retrieval. Build manifests, extract CLIP features, "
+    "train and evaluate retrieval heads.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tvrpipe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="More log output (-vv for debug).")] = 0,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(message)s", handlers=[RichHandler(console=err_console, show_path=False)],
+                        force=True)

@@ -1,0 +1,17 @@
+"""Console-script entry point: the app with every command module registered."""
+
+from __future__ import annotations
+
+from tvrpipe.cli import manifest, quickstart, synth  # noqa: F401  (each adds its commands)
+from tvrpipe.cli.app import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """Run the ``tvrpipe`` command line."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

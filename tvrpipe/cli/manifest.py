@@ -1,0 +1,78 @@
+"""``tvrpipe manifest``: build and inspect dataset manifests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tvrpipe.cli.app import app, new_app
+from tvrpipe.pipeline.datasets import build_manifest, list_datasets, load_spec
+from tvrpipe.pipeline.manifest import Manifest, read_manifest
+
+manifest_app = new_app(help="Build and inspect dataset manifests (videos.parquet + captions.parquet).")
+app.add_typer(manifest_app, name="manifest")
+console = Console()
+
+
+def print_counts(manifest: Manifest, title: str) -> None:
+    """Print a manifest's per-split counts as a table."""
+    table = Table(title=title)
+    for col in ("split", "videos", "captions"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    counts = manifest.counts()
+    for r in counts.itertuples():
+        table.add_row(r.split, f"{r.videos:,}", f"{r.captions:,}")
+    table.add_row("all", f"{counts.videos.sum():,}", f"{counts.captions.sum():,}", style="bold")
+    console.print(table)
+
+
+@manifest_app.command("build")
+def build(
+    dataset: Annotated[str, typer.Option(help=f"Dataset spec name: {', '.join(list_datasets())}.")],
+    annotations: Annotated[
+        Path, typer.Option(help="The dataset's annotation directory (for 'custom': the CSV/Parquet table).")
+    ],
+    out: Annotated[Path, typer.Option(help="Output directory for videos.parquet, captions.parquet, meta.json.")],
+    split_set: Annotated[
+        Optional[str], typer.Option(help="Split set, e.g. 9k, 7k or full for msrvtt (default: the spec's).")
+    ] = None,
+    video_root: Annotated[
+        Optional[Path],
+        typer.Option(help="If given, check every video exists under it (extension-insensitive) and resolve paths."),
+    ] = None,
+    allow_missing: Annotated[
+        bool, typer.Option(help="With --video-root: drop missing videos (listed in meta.json) instead of failing.")
+    ] = False,
+) -> None:
+    """Build a manifest from a dataset's annotation files."""
+    m = build_manifest(dataset, annotations, out, split_set, video_root, allow_missing)
+    print_counts(m, f"{dataset} ({m.meta['split_set']}) -> {out}")
+    if m.meta.get("missing_videos"):
+        console.print(f"[yellow]dropped {len(m.meta['missing_videos'])} missing videos (see {out}/meta.json)")
+
+
+@manifest_app.command("show")
+def show(manifest_dir: Annotated[Path, typer.Argument(help="A manifest directory.")]) -> None:
+    """Print a manifest's videos and captions per split, and its sampling defaults."""
+    m = read_manifest(manifest_dir)
+    name = m.meta.get("dataset", "?")
+    print_counts(m, f"{manifest_dir}: {name} ({m.meta.get('split_set', '?')})")
+    if "frames" in m.meta:
+        console.print(f"defaults: {m.meta['frames']} frames, {m.meta['max_words']} words")
+
+
+@manifest_app.command("datasets")
+def datasets() -> None:
+    """List the dataset specs and their split sets and defaults."""
+    table = Table(title="dataset specs (manifests/*.yaml)")
+    for col in ("dataset", "title", "split sets", "frames", "words"):
+        table.add_column(col)
+    for name in list_datasets():
+        spec = load_spec(name)
+        sets = ", ".join(f"[bold]{s}[/]" if s == spec.default_split_set else s for s in spec.split_sets) or "-"
+        table.add_row(name, spec.raw.get("title", ""), sets, str(spec.frames), str(spec.max_words))
+    console.print(table)

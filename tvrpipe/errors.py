@@ -1,0 +1,23 @@
+"""Errors raised by tvrpipe.
+
+Library code raises a :class:`TvrpipeError` subclass whose message says what went wrong and
+what to do about it; the CLI prints that message as one line and exits with code 1.
+"""
+
+from __future__ import annotations
+
+
+class TvrpipeError(Exception):
+    """Base class of every error tvrpipe raises on purpose."""
+
+
+class ConfigError(TvrpipeError):
+    """An option, a spec or a configuration value is invalid."""
+
+
+class ManifestError(TvrpipeError):
+    """An annotation file or a manifest is missing, malformed or inconsistent."""
+
+
+class VideoError(TvrpipeError):
+    """A video cannot be written or read."""

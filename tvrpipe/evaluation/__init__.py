@@ -1,0 +1,1 @@
+"""tvrpipe.evaluation: see ../DESIGN.md; filled in by later stages."""

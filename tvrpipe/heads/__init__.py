@@ -1,0 +1,1 @@
+"""tvrpipe.heads: see ../DESIGN.md; filled in by later stages."""

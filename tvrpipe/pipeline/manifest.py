@@ -1,0 +1,344 @@
+"""The manifest: two Parquet tables that name a dataset's videos and captions.
+
+Contract (DESIGN.md, "Manifest"), in ``<data_dir>/manifest/``:
+
+- ``videos.parquet``: ``video_id`` (str, unique), ``path`` (str, relative to the video root),
+  ``split`` (train|val|test), ``start_s``, ``end_s`` (float seconds or null; a clip inside a file).
+- ``captions.parquet``: ``caption_id`` (str, unique), ``video_id``, ``text``, ``split``.
+
+``meta.json`` beside them records where the manifest came from and the dataset's sampling
+defaults (frames, max words), which ``tvrpipe extract`` uses when not told otherwise.
+
+Every table is validated before anything is written, and files are written under temporary
+names and renamed, so a failed build leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tvrpipe.errors import ManifestError
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+VIDEO_COLUMNS = ("video_id", "path", "split", "start_s", "end_s")
+CAPTION_COLUMNS = ("caption_id", "video_id", "text", "split")
+VIDEOS_FILE = "videos.parquet"
+CAPTIONS_FILE = "captions.parquet"
+META_FILE = "meta.json"
+
+_VIDEO_SCHEMA = pa.schema(
+    [
+        ("video_id", pa.string()),
+        ("path", pa.string()),
+        ("split", pa.string()),
+        ("start_s", pa.float64()),
+        ("end_s", pa.float64()),
+    ]
+)
+_CAPTION_SCHEMA = pa.schema(
+    [
+        ("caption_id", pa.string()),
+        ("video_id", pa.string()),
+        ("text", pa.string()),
+        ("split", pa.string()),
+    ]
+)
+# How many offending ids an error message names before it summarises the rest.
+_SHOW = 5
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A dataset's videos and captions, validated.
+
+    Attributes:
+        videos: one row per video, columns :data:`VIDEO_COLUMNS`.
+        captions: one row per caption, columns :data:`CAPTION_COLUMNS`.
+        meta: provenance and defaults (dataset, split set, frames, max_words, ...).
+    """
+
+    videos: pd.DataFrame
+    captions: pd.DataFrame
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def counts(self) -> pd.DataFrame:
+        """Videos and captions per split, in train/val/test order (absent splits omitted)."""
+        v = self.videos.groupby("split").size()
+        c = self.captions.groupby("split").size()
+        rows = [
+            {"split": s, "videos": int(v.get(s, 0)), "captions": int(c.get(s, 0))}
+            for s in SPLITS
+            if s in v.index or s in c.index
+        ]
+        return pd.DataFrame(rows, columns=["split", "videos", "captions"])
+
+
+def isin_mask(values: pd.Series, pool: pd.Series) -> np.ndarray:
+    """Boolean mask of ``values`` found in ``pool`` (hash lookup; pandas' Arrow-string isin is a Python loop)."""
+    return pd.Index(pool.unique()).get_indexer(values) >= 0
+
+
+def _name_some(items: Iterable[Any]) -> str:
+    items = list(items)
+    shown = ", ".join(repr(x) for x in items[:_SHOW])
+    more = f" and {len(items) - _SHOW} more" if len(items) > _SHOW else ""
+    return shown + more
+
+
+def make_tables(
+    videos: Iterable[Mapping[str, Any]], captions: Iterable[Mapping[str, Any]]
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Build the two manifest tables from row dicts, filling optional columns with null."""
+    v = pd.DataFrame(list(videos), columns=list(VIDEO_COLUMNS))
+    c = pd.DataFrame(list(captions), columns=list(CAPTION_COLUMNS))
+    for col in ("start_s", "end_s"):
+        v[col] = pd.to_numeric(v[col], errors="coerce").astype("float64")
+    return v, c
+
+
+def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manifest") -> None:
+    """Check the manifest contract; raise :class:`ManifestError` naming the offending rows.
+
+    Args:
+        videos: the videos table.
+        captions: the captions table.
+        source: what the tables were built from, named in error messages.
+    """
+    for name, table, cols in (
+        ("videos", videos, VIDEO_COLUMNS),
+        ("captions", captions, CAPTION_COLUMNS),
+    ):
+        missing = [c for c in cols if c not in table.columns]
+        if missing:
+            raise ManifestError(f"{source}: {name} table lacks column(s) {missing}")
+        extra = [c for c in table.columns if c not in cols]
+        if extra:
+            raise ManifestError(f"{source}: {name} table has unexpected column(s) {extra}")
+    if videos.empty:
+        raise ManifestError(f"{source}: no videos")
+
+    for name, table, key in (("video", videos, "video_id"), ("caption", captions, "caption_id")):
+        ids = table[key]
+        blank = table.index[ids.isna() | (ids.astype(str).str.strip() == "")]
+        if len(blank):
+            raise ManifestError(f"{source}: empty {key} in {name} row(s) {_name_some(blank)}")
+        dup = ids[ids.duplicated()].unique()
+        if len(dup):
+            raise ManifestError(f"{source}: duplicate {key} {_name_some(dup)}")
+        bad_split = table.loc[~isin_mask(table["split"], pd.Series(SPLITS))]
+        if len(bad_split):
+            first = bad_split.iloc[0]
+            raise ManifestError(
+                f"{source}: {name} {first[key]!r} has split {first['split']!r}; "
+                f"expected one of {', '.join(SPLITS)}"
+            )
+
+    no_path = videos.loc[videos["path"].isna() | (videos["path"].astype(str).str.strip() == "")]
+    if len(no_path):
+        raise ManifestError(f"{source}: empty path for video(s) {_name_some(no_path['video_id'])}")
+    clipped = videos.dropna(subset=["start_s", "end_s"])
+    bad_clip = clipped.loc[~(clipped["start_s"] < clipped["end_s"]) | (clipped["start_s"] < 0)]
+    if len(bad_clip):
+        raise ManifestError(
+            f"{source}: video(s) {_name_some(bad_clip['video_id'])} need 0 <= start_s < end_s"
+        )
+
+    empty = captions.loc[captions["text"].isna() | (captions["text"].astype(str).str.strip() == "")]
+    if len(empty):
+        raise ManifestError(f"{source}: empty text in caption(s) {_name_some(empty['caption_id'])}")
+    split_of = videos.set_index("video_id")["split"]
+    unknown = captions.loc[~isin_mask(captions["video_id"], videos["video_id"])]
+    if len(unknown):
+        raise ManifestError(
+            f"{source}: caption(s) {_name_some(unknown['caption_id'])} name unknown video_id "
+            f"{_name_some(unknown['video_id'].unique())}"
+        )
+    mismatch = captions.loc[captions["split"].to_numpy() != split_of.loc[captions["video_id"]].to_numpy()]
+    if len(mismatch):
+        first = mismatch.iloc[0]
+        raise ManifestError(
+            f"{source}: caption {first['caption_id']!r} is in split {first['split']!r} but its "
+            f"video {first['video_id']!r} is in {split_of[first['video_id']]!r}"
+        )
+    uncaptioned = videos.loc[~isin_mask(videos["video_id"], captions["video_id"])]
+    if len(uncaptioned):
+        raise ManifestError(f"{source}: video(s) {_name_some(uncaptioned['video_id'])} have no caption")
+
+
+def _write_parquet(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
+    arrow = pa.Table.from_pandas(table, schema=schema, preserve_index=False)
+    # No pandas metadata and no timestamps: the same rows give the same bytes.
+    arrow = arrow.replace_schema_metadata(None)
+    pq.write_table(arrow, path, compression="zstd")
+
+
+def write_manifest(
+    out_dir: str | os.PathLike[str],
+    videos: pd.DataFrame,
+    captions: pd.DataFrame,
+    meta: Mapping[str, Any] | None = None,
+    source: str = "manifest",
+) -> Manifest:
+    """Validate the tables and write them atomically into ``out_dir``.
+
+    Rows are sorted by split order and id so that the same input always gives the same bytes.
+
+    Args:
+        out_dir: directory to write ``videos.parquet``, ``captions.parquet`` and ``meta.json``.
+        videos: the videos table (:data:`VIDEO_COLUMNS`).
+        captions: the captions table (:data:`CAPTION_COLUMNS`).
+        meta: provenance and defaults, stored in ``meta.json``.
+        source: what the tables were built from, named in error messages.
+
+    Returns:
+        The manifest as written.
+
+    Example:
+        >>> v, c = make_tables([{"video_id": "a", "path": "a.mp4", "split": "test"}],
+        ...                    [{"caption_id": "a#0", "video_id": "a", "text": "hi", "split": "test"}])
+        >>> write_manifest(tmp_path / "manifest", v, c).counts()  # doctest: +SKIP
+    """
+    validate(videos, captions, source)
+    order = {s: i for i, s in enumerate(SPLITS)}
+    videos = (
+        videos.assign(_o=videos["split"].map(order))
+        .sort_values(["_o", "video_id"], kind="stable")
+        .drop(columns="_o")
+        .reset_index(drop=True)
+    )
+    # Captions keep their source order within a video (paraphrase order, sentence ids).
+    vrank = pd.Series(range(len(videos)), index=videos["video_id"])
+    captions = (
+        captions.assign(_o=captions["video_id"].map(vrank))
+        .sort_values("_o", kind="stable")
+        .drop(columns="_o")
+        .reset_index(drop=True)
+    )
+    meta = dict(meta or {})
+    meta["counts"] = {
+        r.split: {"videos": r.videos, "captions": r.captions}
+        for r in Manifest(videos, captions).counts().itertuples()
+    }
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, write in (
+            (VIDEOS_FILE, lambda p: _write_parquet(videos, _VIDEO_SCHEMA, p)),
+            (CAPTIONS_FILE, lambda p: _write_parquet(captions, _CAPTION_SCHEMA, p)),
+            (META_FILE, lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")),
+        ):
+            tmp = out / f".{name}.tmp-{os.getpid()}"
+            write(tmp)
+            staged.append((tmp, out / name))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        for leftover in out.glob(f".*.tmp-{os.getpid()}"):
+            leftover.unlink(missing_ok=True)
+        raise
+    for tmp, final in staged:
+        os.replace(tmp, final)
+    log.info("wrote manifest to %s", out)
+    return Manifest(videos, captions, meta)
+
+
+def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:
+    """Read and validate a manifest written by :func:`write_manifest`.
+
+    Raises:
+        ManifestError: the directory lacks the tables or they break the contract.
+    """
+    d = Path(manifest_dir)
+    vp, cp = d / VIDEOS_FILE, d / CAPTIONS_FILE
+    if not vp.is_file() or not cp.is_file():
+        raise ManifestError(
+            f"{d}: no manifest here (expected {VIDEOS_FILE} and {CAPTIONS_FILE}); "
+            "build one with `tvrpipe manifest build` or `tvrpipe synth`"
+        )
+    try:
+        videos = pq.read_table(vp).to_pandas()
+        captions = pq.read_table(cp).to_pandas()
+    except (pa.ArrowException, OSError) as e:
+        raise ManifestError(f"{d}: cannot read manifest tables: {e}") from e
+    meta: dict[str, Any] = {}
+    mp = d / META_FILE
+    if mp.is_file():
+        try:
+            meta = json.loads(mp.read_text())
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{mp}: not valid JSON ({e})") from e
+    validate(videos, captions, str(d))
+    return Manifest(videos, captions, meta)
+
+
+def index_video_files(video_root: str | os.PathLike[str]) -> dict[str, str]:
+    """Map each file stem under ``video_root`` (recursively) to its relative path.
+
+    Extensions are ignored, so ``x.mp4`` and ``x.mov`` both answer to ``x``; where a stem
+    has several files the lexicographically first relative path wins (deterministic).
+    """
+    root = Path(video_root)
+    found: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            found.setdefault(p.stem if p.suffix else p.name, p.relative_to(root).as_posix())
+    return found
+
+
+def resolve_paths(
+    videos: pd.DataFrame, video_root: str | os.PathLike[str], allow_missing: bool = False
+) -> tuple[pd.DataFrame, list[str]]:
+    """Point each video's ``path`` at an existing file under ``video_root``.
+
+    A path that exists is kept; otherwise the file is looked up by the path's stem
+    (extension-insensitive, in any subfolder), so DiDeMo's ``.mov``/``.mp4``/``.m4v`` variants
+    and LSMDC's per-movie folders resolve without a dataset-specific rule.
+
+    Returns:
+        The table with resolved paths (missing videos dropped when ``allow_missing``) and the
+        ids of the missing videos.
+
+    Raises:
+        ManifestError: videos are missing and ``allow_missing`` is false.
+    """
+    root = Path(video_root)
+    if not root.is_dir():
+        raise ManifestError(f"--video-root {root}: not a directory")
+    index: dict[str, str] | None = None
+    paths, missing = [], []
+    for vid, path in zip(videos["video_id"], videos["path"]):
+        if (root / path).is_file():
+            paths.append(path)
+            continue
+        if index is None:
+            index = index_video_files(root)
+        stem = Path(path).stem if Path(path).suffix else Path(path).name
+        hit = index.get(stem) or index.get(vid)
+        paths.append(hit)
+        if hit is None:
+            missing.append(vid)
+    out = videos.assign(path=paths)
+    if missing and not allow_missing:
+        raise ManifestError(
+            f"{len(missing)} of {len(videos)} videos not found under {root}: "
+            f"{_name_some(missing)}; fix --video-root or pass --allow-missing to drop them"
+        )
+    if missing:
+        log.warning("dropping %d videos not found under %s: %s", len(missing), root, _name_some(missing))
+        out = out.loc[~isin_mask(out["video_id"], pd.Series(missing, dtype=object))].reset_index(drop=True)
+    return out, missing

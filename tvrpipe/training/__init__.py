@@ -1,0 +1,1 @@
+"""tvrpipe.training: see ../DESIGN.md; filled in by later stages."""
