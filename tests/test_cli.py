@@ -77,3 +77,26 @@ def test_console_script_runs_as_a_process(tmp_path):
     )
     assert r.returncode == 1
     assert "error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_synth_via_cli(cli, tmp_path):
+    r = cli("synth", "--out", tmp_path / "s", "--videos", "12", "--seed", "3")
+    assert r.exit_code == 0, r.output
+    assert len(list((tmp_path / "s" / "videos").glob("*.mp4"))) == 12
+    r = cli("manifest", "show", tmp_path / "s" / "manifest")
+    assert r.exit_code == 0 and "synthetic" in r.output
+
+
+def test_synth_bad_option_names_it(cli, tmp_path):
+    r = cli("synth", "--out", tmp_path / "s", "--videos", "0")
+    assert r.exit_code == 1
+    assert "--videos must be >= 1" in r.output
+    r = cli("synth", "--out", tmp_path / "s", "--videos", "4", "--distractor-fraction", "1.5")
+    assert r.exit_code == 1 and "--distractor-fraction" in r.output
+
+
+def test_quickstart_runs_what_exists(cli, tmp_path):
+    r = cli("quickstart", "--out", tmp_path / "q", "--videos", "10")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "q" / "data" / "manifest" / "videos.parquet").is_file()
+    assert "not yet available" in r.output

@@ -20,10 +20,10 @@ def synth(
     fps: Annotated[int, typer.Option(help="Frames per second.")] = 8,
     scene_seconds: Annotated[float, typer.Option(help="Length of one scene in seconds.")] = 2.0,
     captions_per_video: Annotated[int, typer.Option(help="Paraphrased captions per video.")] = 3,
-    multi_scene: Annotated[
+    multi_scene_fraction: Annotated[
         float, typer.Option(help="Fraction of multi-scene videos whose captions describe one scene only.")
     ] = 0.3,
-    distractors: Annotated[
+    distractor_fraction: Annotated[
         float, typer.Option(help="Fraction of near-duplicate videos differing in one attribute from another.")
     ] = 0.3,
 ) -> None:
@@ -32,7 +32,7 @@ def synth(
 
     m = synthesize(
         out, videos, seed, size=size, fps=fps, scene_seconds=scene_seconds,
-        captions_per_video=captions_per_video, multi_scene_fraction=multi_scene,
-        distractor_fraction=distractors,
+        captions_per_video=captions_per_video, multi_scene_fraction=multi_scene_fraction,
+        distractor_fraction=distractor_fraction,
     )
     print_counts(m, f"synthetic videos in {out / 'videos'}, manifest in {out / 'manifest'}")
