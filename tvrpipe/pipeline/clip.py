@@ -346,15 +346,19 @@ def preprocess_description(bundle: ClipBundle) -> str:
         bundle: The loaded model.
 
     Returns:
-        E.g. ``"resize short side to 224 (bicubic, at decode), centre crop 224, scale to [0, 1],
-        normalise mean=(0.48145466, 0.4578275, 0.40821073) std=(0.26862954, 0.26130258, 0.27577711)"``.
+        E.g. ``"resize short side to 224 (bilinear, at decode; model trained with bicubic), centre
+        crop 224, scale to [0, 1], normalise mean=(0.48145466, ...) std=(0.26862954, ...)"``.
+        The resize is the decoder's (FFmpeg swscale, see :mod:`tvrpipe.pipeline.decode`), which
+        is bilinear; the model's own preprocessing interpolation is named beside it.
     """
+    from tvrpipe.pipeline.decode import RESIZE_INTERPOLATION
+
     pp = open_clip.get_model_preprocess_cfg(bundle.model)
-    interpolation = pp.get("interpolation", "bicubic")
+    trained = pp.get("interpolation", "bicubic")
     s = bundle.image_size
     return (
-        f"resize short side to {s} ({interpolation}, at decode), centre crop {s}, scale to [0, 1], "
-        f"normalise mean={bundle.mean} std={bundle.std}"
+        f"resize short side to {s} ({RESIZE_INTERPOLATION}, at decode; model trained with {trained}), "
+        f"centre crop {s}, scale to [0, 1], normalise mean={bundle.mean} std={bundle.std}"
     )
 
 

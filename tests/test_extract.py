@@ -1,0 +1,201 @@
+"""Extraction end to end on generated videos with the tiny model: the store against a sequential
+reference, failures recorded, determinism across worker counts, resume after a kill, provenance
+refusal, HDF5 export. Ray is started once for the module (start-up is the slow part here)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+
+from tvrpipe.pipeline.clip import TINY_MODEL, encode_frames, encode_text_tokens, load_clip, tokenize
+from tvrpipe.pipeline.decode import decode_video
+from tvrpipe.pipeline.extract import ExtractConfig, extract
+from tvrpipe.pipeline.manifest import make_tables, read_manifest, write_manifest
+from tvrpipe.pipeline.store import StoreError, open_store
+from tvrpipe.pipeline.synth import synthesize
+
+N_VIDEOS = 14
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from tvrpipe.pipeline.extract import _ray_init
+
+    _ray_init(None, num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Synthetic videos plus a corrupt and a zero-byte video in the manifest."""
+    d = tmp_path_factory.mktemp("data")
+    synthesize(d, N_VIDEOS, seed=5, progress=False)
+    root = d / "videos"
+    (root / "zero.mp4").write_bytes(b"")
+    good = sorted(root.glob("synth_*.mp4"))[0].read_bytes()
+    (root / "corrupt.mp4").write_bytes(good[:200] + bytes(range(256)) * 4)  # header, then garbage
+    m = read_manifest(d / "manifest")
+    extra_v = [{"video_id": v, "path": f"{v}.mp4", "split": "test"} for v in ("zero", "corrupt")]
+    extra_c = [{"caption_id": f"{v}#0", "video_id": v, "text": f"a broken {v} video", "split": "test"}
+               for v in ("zero", "corrupt")]
+    v, c = make_tables(m.videos.to_dict("records") + extra_v, m.captions.to_dict("records") + extra_c)
+    write_manifest(d / "manifest", v, c, m.meta)
+    return d
+
+
+def _cfg(**kw) -> ExtractConfig:
+    base = dict(model=TINY_MODEL, pretrained="none", video_shard=4, text_shard=16, batch_size=3,
+                progress=False, timeout_s=30.0)
+    return ExtractConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def store_dir(ray_session, data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("feat")
+    summary = extract(data / "manifest", data / "videos", out, _cfg())
+    assert summary.videos_done == N_VIDEOS + 2 and summary.failed == 2
+    return out
+
+
+def test_store_equals_sequential_reference(store_dir, data):
+    store = open_store(store_dir)
+    m = read_manifest(data / "manifest")
+    bundle = load_clip(TINY_MODEL, "none")
+    F, L, D = store.provenance["frames"], store.provenance["max_words"], store.provenance["embed_dim"]
+    frames = store.array("videos/frames")[:]
+    mask = store.array("videos/frame_mask")[:]
+    stamps = store.array("videos/timestamps")[:]
+    assert frames.shape == (N_VIDEOS + 2, F, D) and frames.dtype == np.float16
+    # rows follow the manifest's order
+    assert list(store.videos.video_id) == list(m.videos.video_id)
+    for row, r in enumerate(m.videos.itertuples()):
+        if r.video_id in ("zero", "corrupt"):
+            assert not mask[row].any() and not frames[row].any()
+            continue
+        d = decode_video(data / "videos" / r.path, F, store.provenance["image_size"])
+        ref = encode_frames(bundle, d.frames[d.mask]).numpy()
+        np.testing.assert_array_equal(mask[row], d.mask)
+        np.testing.assert_allclose(frames[row][mask[row]].astype(np.float32), ref, rtol=1e-2, atol=2e-3)
+        np.testing.assert_allclose(stamps[row][mask[row]], d.timestamps[d.mask], atol=1e-6)
+    # texts: same rows as the manifest's captions, tokens and EOS sentence as encode_text
+    assert list(store.texts.caption_id) == list(m.captions.caption_id)
+    ids, tmask = tokenize(bundle, list(m.captions.text), L)
+    tok, sent = encode_text_tokens(bundle, ids)
+    np.testing.assert_array_equal(store.array("texts/token_mask")[:], tmask.numpy())
+    np.testing.assert_allclose(store.array("texts/sentence")[:].astype(np.float32), sent.numpy(), rtol=1e-2, atol=2e-3)
+    np.testing.assert_allclose(store.array("texts/tokens")[:].astype(np.float32), tok.numpy(), rtol=1e-2, atol=2e-3)
+    vrow = store.texts.video_row.to_numpy()
+    assert (store.videos.video_id.to_numpy()[vrow] == store.texts.video_id.to_numpy()).all()
+
+
+def test_failures_recorded(store_dir):
+    f = open_store(store_dir).failures.set_index("video_id")
+    assert sorted(f.index) == ["corrupt", "zero"]
+    assert f.loc["zero", "error"].startswith("empty:")
+    assert f.loc["corrupt", "error"].startswith("unreadable:")
+    assert (f.stage == "decode").all()
+
+
+def test_provenance_recorded_and_mismatch_refused(store_dir, data, tmp_path):
+    prov = open_store(store_dir).provenance
+    assert prov["model"] == TINY_MODEL and prov["pretrained"] == "none" and prov["frames"] == 12
+    assert prov["max_words"] == 32 and prov["dtype"] == "float16" and len(prov["weights_sha256"]) == 64
+    assert prov["frame_sampling"] == "uniform-segment-centre" and prov["complete"] is True
+    with pytest.raises(StoreError, match=r"frames: store has 12, expected 8"):
+        open_store(store_dir, expect={"frames": 8})
+    with pytest.raises(StoreError, match=r"weights_sha256: store has"):
+        open_store(store_dir, expect={"weights_sha256": "0" * 64})
+    # extracting into the same folder with another seed (other weights) is refused
+    with pytest.raises(StoreError, match=r"other settings \(weights_sha256.*--overwrite"):
+        extract(data / "manifest", data / "videos", store_dir, _cfg(seed=1))
+
+
+def test_rerun_skips_everything(store_dir, data):
+    before = open_store(store_dir).array("videos/frames")[:]
+    s = extract(data / "manifest", data / "videos", store_dir, _cfg())
+    assert (s.videos_done, s.videos_skipped, s.texts_done) == (0, N_VIDEOS + 2, 0)
+    assert s.failed == 2
+    np.testing.assert_array_equal(open_store(store_dir).array("videos/frames")[:], before)
+
+
+def test_same_rows_with_other_worker_counts(store_dir, data, tmp_path):
+    extract(data / "manifest", data / "videos", tmp_path / "b", _cfg(decoders=1, batch_size=5, video_shard=6))
+    a, b = open_store(store_dir), open_store(tmp_path / "b")
+    for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
+        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:])
+    pd.testing.assert_frame_equal(a.videos, b.videos)
+
+
+def test_export_hdf5(store_dir, tmp_path, cli):
+    r = cli("export", "--features", store_dir, "--format", "hdf5", "--out", tmp_path / "f.h5")
+    assert r.exit_code == 0, r.output
+    store = open_store(store_dir)
+    with h5py.File(tmp_path / "f.h5") as h5:
+        for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/token_mask", "texts/sentence"):
+            np.testing.assert_array_equal(h5[name][:], store.array(name)[:])
+        assert [x.decode() for x in h5["ids/videos/video_id"][:]] == list(store.videos.video_id)
+        assert '"tvrpipe-tiny"' == h5.attrs["model"]
+    r = cli("export", "--features", store_dir, "--format", "npz", "--out", tmp_path / "f.npz")
+    assert r.exit_code == 1 and "--format 'npz' is not supported" in r.output
+
+
+def test_features_show(store_dir, cli):
+    r = cli("features", "show", store_dir)
+    assert r.exit_code == 0
+    assert "16 x 12 x 64" in r.output and "weights_sha256" in r.output and "failed videos: 2" in r.output
+
+
+def test_incomplete_store_is_refused(tmp_path, cli):
+    r = cli("features", "show", tmp_path)
+    assert r.exit_code == 1 and "no feature store here" in r.output
+
+
+def test_resume_after_kill(data, tmp_path):
+    """Kill a CLI extraction after its first shard lands; the rerun finishes and matches."""
+    out = tmp_path / "k"
+    cmd = [sys.executable, "-m", "tvrpipe", "extract", "--manifest", str(data / "manifest"),
+           "--video-root", str(data / "videos"), "--out", str(out), "--model", TINY_MODEL,
+           "--pretrained", "none", "--batch-size", "1", "--decoders", "1", "--video-shard", "1"]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    markers = out / "_progress" / "videos"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if markers.is_dir() and any(markers.iterdir()):
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(markers.iterdir()))
+    assert 0 < done_before < N_VIDEOS + 2, done_before
+    with pytest.raises(StoreError, match="has not finished"):
+        open_store(out)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{done_before} already done" in r.stdout
+    store = open_store(out)
+    ref = _reference_frames(data)
+    np.testing.assert_allclose(store.array("videos/frames")[:].astype(np.float32), ref, rtol=1e-2, atol=2e-3)
+
+
+def _reference_frames(data: Path) -> np.ndarray:
+    m = read_manifest(data / "manifest")
+    bundle = load_clip(TINY_MODEL, "none")
+    out = np.zeros((len(m.videos), 12, bundle.embed_dim), np.float32)
+    for row, r in enumerate(m.videos.itertuples()):
+        if r.video_id in ("zero", "corrupt"):
+            continue
+        d = decode_video(data / "videos" / r.path, 12, bundle.image_size)
+        out[row][d.mask] = encode_frames(bundle, d.frames[d.mask]).numpy()
+    return out

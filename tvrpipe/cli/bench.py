@@ -1,0 +1,43 @@
+"""``tvrpipe bench``: speed and memory benchmarks, reported as ratios measured in one run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from tvrpipe.cli.app import app, new_app
+
+console = Console()
+bench_app = new_app(help="Benchmarks: throughput ratios measured in one run (see docs/performance.md).")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("extract")
+def bench_extract_cmd(
+    out: Annotated[Path, typer.Option(help="Working directory (videos are rendered once and reused).")] = Path(
+        "bench/extract"
+    ),
+    videos: Annotated[int, typer.Option(help="Number of generated videos.")] = 16,
+    width: Annotated[int, typer.Option(help="Video width in pixels.")] = 1280,
+    height: Annotated[int, typer.Option(help="Video height in pixels.")] = 720,
+    seconds: Annotated[float, typer.Option(help="Video length in seconds.")] = 10.0,
+    fps: Annotated[int, typer.Option(help="Video frame rate.")] = 30,
+    model: Annotated[str, typer.Option(help="open_clip architecture (random weights).")] = "ViT-B-32",
+    device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda.")] = "cpu",
+    batch_size: Annotated[int, typer.Option(help="Videos per encoder call.")] = 4,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+) -> None:
+    """Measure decode-only, encode-only, pipeline and naive-loop extraction throughput."""
+    from tvrpipe.pipeline.bench import BenchVideos, bench_extract
+
+    r = bench_extract(out, BenchVideos(count=videos, width=width, height=height, seconds=seconds, fps=fps),
+                      model=model, device=device, batch_size=batch_size)
+    for line in r.lines():
+        console.print(line)
+    if json_out:
+        json_out.write_text(json.dumps({**asdict(r), "vs_bound": r.vs_bound, "vs_naive": r.vs_naive}, indent=2))

@@ -1,0 +1,57 @@
+"""``tvrpipe export``: copy a complete feature store into one HDF5 file for sharing.
+
+The HDF5 file holds the same arrays under the same names (``videos/frames``, ...), the id
+tables as string datasets (``ids/video_id``, ``ids/caption_id``, ...) and the provenance as
+root attributes. Arrays are copied one Zarr chunk at a time, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.pipeline.store import open_store
+
+ARRAYS = ("videos/frames", "videos/frame_mask", "videos/timestamps",
+          "texts/tokens", "texts/token_mask", "texts/sentence")
+
+
+def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
+    """Write the store's arrays, ids and provenance into ``out_file`` (written atomically).
+
+    Example:
+        >>> export_hdf5("features/msrvtt-b32", "msrvtt-b32.h5")  # doctest: +SKIP
+    """
+    store = open_store(features_dir)
+    out = Path(out_file)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as features.h5")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as h5:
+            for name in ARRAYS:
+                src = store.array(name)
+                dst = h5.create_dataset(name, shape=src.shape, dtype=src.dtype, chunks=src.chunks)
+                step = src.chunks[0]
+                for a in range(0, src.shape[0], step):
+                    dst[a : a + step] = src[a : a + step]
+            strings = h5py.string_dtype()
+            for table, cols in ((store.videos, ("video_id", "split", "path")),
+                                (store.texts, ("caption_id", "video_id", "split"))):
+                prefix = "ids/videos" if "path" in cols else "ids/texts"
+                for col in cols:
+                    h5.create_dataset(f"{prefix}/{col}", data=table[col].astype(str).to_numpy(dtype=object),
+                                      dtype=strings)
+            h5.create_dataset("ids/texts/video_row", data=store.texts["video_row"].to_numpy(np.int64))
+            for k, v in store.provenance.items():
+                h5.attrs[k] = json.dumps(v)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
