@@ -95,8 +95,15 @@ def test_synth_bad_option_names_it(cli, tmp_path):
     assert r.exit_code == 1 and "--distractor-fraction" in r.output
 
 
-def test_quickstart_runs_what_exists(cli, tmp_path):
-    r = cli("quickstart", "--out", tmp_path / "q", "--videos", "10")
-    assert r.exit_code == 0, r.output
+def test_quickstart_end_to_end(tmp_path):
+    """The README's main command, as a user runs it (a process of its own, Ray included)."""
+    from tvrpipe.pipeline.store import open_store
+
+    r = subprocess.run([sys.executable, "-m", "tvrpipe", "quickstart", "--out", str(tmp_path / "q"),
+                        "--videos", "12"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "q" / "data" / "manifest" / "videos.parquet").is_file()
-    assert "not yet available" in r.output
+    store = open_store(tmp_path / "q" / "features")
+    assert store.array("videos/frames").shape[0] == 12 and store.array("videos/frame_mask")[:].all()
+    assert "12 extracted, 0 already done, 0 failed" in r.stdout
+    assert "not yet available" in r.stdout

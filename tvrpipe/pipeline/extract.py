@@ -75,9 +75,6 @@ class ExtractSummary:
     failed: int = 0  # failures in the whole store (this run and earlier ones)
     failure_kinds: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    # (seconds since the video stage started, videos in the batch) as batches reach the driver;
-    # the benchmark reads steady-state throughput off this, without actor start-up.
-    video_batches: list[tuple[float, int]] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         """A short human-readable summary."""
@@ -405,6 +402,5 @@ def _run_videos(writer, videos, shards, root, cfg, F, image_size, decoders, enc_
         summary.videos_done += len(batch["row"])
         summary.frames_done += int(batch["mask"].sum())
         dt = time.perf_counter() - t0
-        summary.video_batches.append((dt, len(batch["row"])))
         bar.update(task, advance=len(batch["row"]),
                    rate=f"{summary.videos_done / dt:.1f} videos/s, {summary.frames_done / dt:.0f} frames/s")
