@@ -107,3 +107,32 @@ def test_quickstart_end_to_end(tmp_path):
     assert store.array("videos/frames").shape[0] == 12 and store.array("videos/frame_mask")[:].all()
     assert "12 extracted, 0 already done, 0 failed" in r.stdout
     assert "not yet available" in r.stdout
+
+
+def test_extract_bad_input_is_one_line(cli, tmp_path):
+    cli("synth", "--out", tmp_path / "s", "--videos", "3")
+    m, root = tmp_path / "s" / "manifest", tmp_path / "s" / "videos"
+    cases = [
+        (["--manifest", tmp_path / "nope", "--video-root", root], "no manifest here"),
+        (["--manifest", m, "--video-root", tmp_path / "nope"], "--video-root"),
+        (["--manifest", m, "--video-root", root, "--device", "tpu"], "--device must be cpu or cuda, got 'tpu'"),
+        (["--manifest", m, "--video-root", root, "--batch-size", "0"], "--batch-size must be > 0, got 0"),
+        (["--manifest", m, "--video-root", root, "--dataset", "msrvtt"], "--dataset 'msrvtt' but the manifest"),
+        (["--manifest", m, "--video-root", root, "--model", "ViT-Q-99"], "ViT-Q-99"),
+        (["--manifest", m, "--video-root", root, "--model", "tvrpipe-tiny", "--pretrained", "/no/such.pt"],
+         "checkpoint not found"),
+    ]
+    for args, message in cases:
+        r = cli("extract", *args, "--out", tmp_path / "f")
+        assert r.exit_code == 1, (args, r.output)
+        assert message in r.output, (args, r.output)
+        assert "Traceback" not in r.output
+    assert not (tmp_path / "f").exists()  # nothing was started, nothing written
+
+
+def test_help_lists_extraction_commands(cli):
+    r = cli("--help")
+    for name in ("extract", "export", "features", "bench"):
+        assert name in r.output
+    r = cli("extract", "--help")
+    assert r.exit_code == 0 and "--pretrained" in r.output and "--address" in r.output
