@@ -41,3 +41,35 @@ def bench_extract_cmd(
         console.print(line)
     if json_out:
         json_out.write_text(json.dumps({**asdict(r), "vs_bound": r.vs_bound, "vs_naive": r.vs_naive}, indent=2))
+
+
+@bench_app.command("train-head")
+def bench_train_head_cmd(
+    out: Annotated[Path, typer.Option(help="Working directory (the 5.9 GB scale store is generated once).")] = Path(
+        "bench/train-head"
+    ),
+    method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
+    steps: Annotated[int, typer.Option(help="Training steps per method.")] = 20,
+    batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = 128,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+) -> None:
+    """Per head at MSR-VTT 9k/1k-A scale: samples/s, data share, test evaluation time and memory."""
+    from rich.table import Table
+
+    from tvrpipe.training.bench import XPOOL_OFFICIAL, bench_train_head
+
+    rows = bench_train_head(out, method, steps, batch_size)
+    table = Table(title="train-head at MSR-VTT 9k / 1k-A scale")
+    for col in ("method", "samples/s", "data share", "test eval (s)", "eval extra (GB)", "peak RSS (GB)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["method"], f"{r['samples_per_s']:.0f}", f"{100 * r['data_share']:.1f} %",
+                      f"{r['test_eval_seconds']:.2f}", f"{r['test_eval_extra_gb']:.2f}", f"{r['peak_rss_gb']:.2f}")
+    console.print(table)
+    for r in rows:
+        if r["method"] == "xpool":
+            console.print(f"xpool evaluation vs the official code ({XPOOL_OFFICIAL['eval_seconds']:.0f} s, "
+                          f"{XPOOL_OFFICIAL['peak_gb']} GB): {XPOOL_OFFICIAL['eval_seconds'] / r['test_eval_seconds']:.1f}x "
+                          f"faster, {r['test_eval_extra_gb']:.2f} GB extra")
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=2))

@@ -1,1 +1,26 @@
-"""tvrpipe.heads: see ../DESIGN.md; filled in by later stages."""
+"""Retrieval heads: the interface (``base``) and one file per method, registered on import.
+
+A new head is one file plus one import line here.
+"""
+
+from tvrpipe.heads.base import (
+    Head,
+    HeadConfig,
+    LossOutput,
+    TextBatch,
+    VideoBatch,
+    create_head,
+    list_heads,
+    register_head,
+)
+
+__all__ = ["Head", "HeadConfig", "LossOutput", "TextBatch", "VideoBatch", "create_head", "list_heads",
+           "register_head"]
+
+# One line per head: importing a head's module registers it.
+from tvrpipe.heads import (
+    meanpool,  # noqa: F401
+    seqtransf,  # noqa: F401
+    tokenwise,  # noqa: F401
+    xpool,  # noqa: F401
+)

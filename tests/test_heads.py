@@ -1,0 +1,401 @@
+"""Heads: registry-driven checks for every head, and each baseline against a slow reference.
+
+The generic tests run over ``list_heads()``, so a new head is covered as soon as it registers.
+The references are written from the papers' equations (loops over pairs, words and frames in
+NumPy float64, with the head's weights copied out) and share no code with the heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.heads import TextBatch, VideoBatch, create_head, list_heads
+from tvrpipe.heads.base import head_class
+
+D, L, NF = 16, 7, 5  # embed dim, tokens per caption, frames per video
+HEADS = list_heads()
+
+
+def batches(n_t: int, n_v: int, seed: int = 0, d: int = D,
+            dtype=torch.float32) -> tuple[TextBatch, VideoBatch]:
+    """Random raw features with store-style masks (real positions first, then padding).
+
+    Captions keep 3..L tokens (SOT, >= 1 word, EOT); videos keep 1..F frames; the first text and
+    the first video are full-length, every other one is padded.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n_tok = torch.randint(3, L, (n_t,), generator=g)
+    n_tok[0] = L
+    n_frm = torch.randint(1, NF, (n_v,), generator=g)
+    n_frm[0] = NF
+    texts = TextBatch(
+        tokens=torch.randn(n_t, L, d, generator=g, dtype=dtype),
+        token_mask=torch.arange(L) < n_tok[:, None],
+        sentence=torch.randn(n_t, d, generator=g, dtype=dtype),
+    )
+    videos = VideoBatch(torch.randn(n_v, NF, d, generator=g, dtype=dtype), torch.arange(NF) < n_frm[:, None])
+    return texts, videos
+
+
+def perturbed(name: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A head whose parameters are moved off their special initial values (zero, identity)."""
+    torch.manual_seed(seed)
+    head = create_head(name, embed_dim=D, **overrides).to(dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return head.eval()
+
+
+def sim(head, texts: TextBatch, videos: VideoBatch) -> torch.Tensor:
+    with torch.no_grad():
+        return head.similarity(head.encode_texts(texts), head.encode_videos(videos))
+
+
+def slice_emb(emb: dict, idx) -> dict:
+    return {k: v[idx] for k, v in emb.items()}
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+def test_baselines_are_registered():
+    assert {"meanpool", "seqtransf", "tokenwise", "xpool"} <= set(HEADS)
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_unknown_config_key_is_named(name):
+    with pytest.raises(ConfigError, match="bogus_key"):
+        create_head(name, embed_dim=D, bogus_key=1)
+
+
+def test_unknown_head_is_named():
+    with pytest.raises(ConfigError, match="no_such_head"):
+        create_head("no_such_head")
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_every_config_field_names_its_source(name):
+    cls = head_class(name).Config
+    assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        src = inspect.getsource(klass)
+        for field in klass.__annotations__:
+            line = re.search(rf"^\s+{field}:.*$", src, re.MULTILINE)
+            assert line and "#" in line.group(0), f"{klass.__name__}.{field} has no source comment"
+
+
+# -- generic behaviour, every head ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_training_step_reaches_every_parameter(name):
+    """Finite loss, finite gradients, and every parameter gets a non-zero gradient.
+
+    Heads may start from a deliberately degenerate point (seqtransf zero-initialises its output
+    projections so that it equals meanpool, which leaves the blocks' other weights without
+    gradient at step 0). So one SGD step is taken first, then every gradient is checked.
+    """
+    torch.manual_seed(0)
+    head = create_head(name, embed_dim=D).train()
+    texts, videos = batches(6, 6)
+    for step in range(2):
+        head.zero_grad()
+        out = head.loss(texts, videos)
+        assert torch.isfinite(out.total), (step, out.total)
+        assert out.terms and all(torch.isfinite(v).all() for v in out.terms.values())
+        out.total.backward()
+        for pname, p in head.named_parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all(), (step, pname)
+        if step == 0:  # a plain SGD step (torch.optim's first use imports dynamo: seconds)
+            with torch.no_grad():
+                for p in head.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+    for pname, p in head.named_parameters():
+        assert p.grad is not None, f"{name}.{pname} got no gradient"
+        assert p.grad.abs().sum() > 0, f"{name}.{pname} got an all-zero gradient"
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_similarity_shape_and_video_permutation(name):
+    head = perturbed(name)
+    texts, videos = batches(5, 7)
+    s = sim(head, texts, videos)
+    assert s.shape == (5, 7) and torch.isfinite(s).all()
+    perm = torch.tensor([3, 0, 6, 2, 5, 1, 4])
+    s_perm = sim(head, texts, VideoBatch(videos.frames[perm], videos.frame_mask[perm]))
+    torch.testing.assert_close(s_perm, s[:, perm], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_blocks_equal_full_matrix(name):
+    head = perturbed(name)
+    texts, videos = batches(5, 7)
+    with torch.no_grad():
+        te, ve = head.encode_texts(texts), head.encode_videos(videos)
+        full = head.similarity(te, ve)
+        # The engine slices blocks out of embeddings encoded once...
+        rows = [torch.cat([head.similarity(slice_emb(te, ti), slice_emb(ve, vi))
+                           for vi in (slice(0, 3), slice(3, 7))], dim=1)
+                for ti in (slice(0, 2), slice(2, 5))]
+        torch.testing.assert_close(torch.cat(rows), full, atol=1e-5, rtol=0)
+        # ...and encodes items in chunks whose outputs it concatenates.
+        chunks = [head.encode_videos(VideoBatch(videos.frames[i], videos.frame_mask[i]))
+                  for i in (slice(0, 4), slice(4, 7))]
+        ve_chunked = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
+        torch.testing.assert_close(head.similarity(te, ve_chunked), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fill", ["huge", "nan"])
+@pytest.mark.parametrize("name", HEADS)
+def test_padding_never_contributes(name, fill):
+    head = perturbed(name)
+    texts, videos = batches(5, 7)
+    g = torch.Generator().manual_seed(1)
+
+    def junk(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if fill == "nan":
+            return torch.where(mask.unsqueeze(-1), x, torch.full_like(x, float("nan")))
+        value = 1e6 * torch.randn(x.shape, generator=g)
+        return torch.where(mask.unsqueeze(-1), x, value)
+
+    assert (~texts.token_mask).any() and (~videos.frame_mask).any()
+    texts_j = TextBatch(junk(texts.tokens, texts.token_mask), texts.token_mask, texts.sentence)
+    videos_j = VideoBatch(junk(videos.frames, videos.frame_mask), videos.frame_mask)
+    torch.testing.assert_close(sim(head, texts_j, videos_j), sim(head, texts, videos), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_padded_item_equals_its_unpadded_self(name):
+    """A padded caption/video scores exactly as the same item cut to its real tokens/frames, so
+    padding is neither junk-sensitive nor treated as a zero-valued frame or token."""
+    head = perturbed(name)
+    texts, videos = batches(5, 7)
+    full = sim(head, texts, videos)
+    for i in range(5):
+        n = int(texts.token_mask[i].sum())
+        one = TextBatch(texts.tokens[i:i + 1, :n], texts.token_mask[i:i + 1, :n], texts.sentence[i:i + 1])
+        torch.testing.assert_close(sim(head, one, videos)[0], full[i], atol=1e-5, rtol=0)
+    for j in range(7):
+        n = int(videos.frame_mask[j].sum())
+        one = VideoBatch(videos.frames[j:j + 1, :n], videos.frame_mask[j:j + 1, :n])
+        torch.testing.assert_close(sim(head, texts, one)[:, 0], full[:, j], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_eval_is_deterministic(name):
+    head = perturbed(name)
+    texts, videos = batches(4, 5)
+    assert torch.equal(sim(head, texts, videos), sim(head, texts, videos))
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_logit_scale_starts_at_clip_init(name):
+    head = create_head(name, embed_dim=D)
+    assert head.logit_scale.requires_grad
+    assert head.logits_scale().item() == pytest.approx(1 / 0.07, rel=1e-5)
+
+
+# -- references written from the papers --------------------------------------------------------
+
+
+def np64(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to(torch.float64).numpy()
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_meanpool_matches_reference():
+    head = perturbed("meanpool", dtype=torch.float64)
+    texts, videos = batches(5, 7, dtype=torch.float64)
+    t, fr, fm = np64(texts.sentence), np64(videos.frames), videos.frame_mask.numpy()
+    ref = np.zeros((5, 7))
+    for i in range(5):
+        for j in range(7):
+            v = np.mean([unit(fr[j, m]) for m in range(NF) if fm[j, m]], axis=0)  # CLIP4Clip meanP
+            ref[i, j] = unit(t[i]) @ unit(v)
+    np.testing.assert_allclose(sim(head, texts, videos).numpy(), ref, atol=1e-10)
+
+
+def test_seqtransf_untrained_equals_meanpool():
+    texts, videos = batches(5, 7)
+    seq = create_head("seqtransf", embed_dim=D).eval()
+    mean = create_head("meanpool", embed_dim=D).eval()
+    torch.testing.assert_close(sim(seq, texts, videos), sim(mean, texts, videos), atol=1e-6, rtol=0)
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def test_seqtransf_matches_torch_encoder_on_unpadded_frames():
+    """Reference: PyTorch's own pre-LN encoder layers with the head's weights, run on each video's
+    real frames only (no mask at all), then the residual, normalisation, mean and cosine."""
+    head = perturbed("seqtransf", dtype=torch.float64, num_layers=2, num_heads=2)
+    texts, videos = batches(5, 7, dtype=torch.float64)
+    layers = []
+    for blk in head.blocks:
+        layer = torch.nn.TransformerEncoderLayer(D, 2, dim_feedforward=4 * D, dropout=0.0,
+                                                 activation=_quick_gelu, batch_first=True,
+                                                 norm_first=True, dtype=torch.float64)
+        with torch.no_grad():
+            layer.self_attn.in_proj_weight.copy_(blk.in_proj.weight)
+            layer.self_attn.in_proj_bias.copy_(blk.in_proj.bias)
+            layer.self_attn.out_proj.weight.copy_(blk.out_proj.weight)
+            layer.self_attn.out_proj.bias.copy_(blk.out_proj.bias)
+            layer.linear1.load_state_dict(blk.c_fc.state_dict())
+            layer.linear2.load_state_dict(blk.c_proj.state_dict())
+            layer.norm1.load_state_dict(blk.ln_1.state_dict())
+            layer.norm2.load_state_dict(blk.ln_2.state_dict())
+        layers.append(layer.train())  # train mode with dropout 0: the plain (non-fast-path) maths
+    pos = head.frame_position_embeddings.weight
+    ref = torch.zeros(5, 7, dtype=torch.float64)
+    with torch.no_grad():
+        for j in range(7):
+            n = int(videos.frame_mask[j].sum())
+            z = videos.frames[j, :n]  # (n, D) real frames only
+            x = (z + pos[:n])[None]
+            for layer in layers:
+                x = layer(x)
+            v = F.normalize(F.normalize(x[0] + z, dim=-1).mean(0), dim=0)  # CLIP4Clip: residual, mean
+            ref[:, j] = F.normalize(texts.sentence, dim=-1) @ v
+    torch.testing.assert_close(sim(head, texts, videos), ref, atol=1e-10, rtol=0)
+
+
+def test_seqtransf_rejects_too_many_frames():
+    head = create_head("seqtransf", embed_dim=D, max_frames=3)
+    _, videos = batches(2, 2)
+    with pytest.raises(ConfigError, match="max_frames"):
+        head.encode_videos(videos)
+
+
+def _tokenwise_reference(texts: TextBatch, videos: VideoBatch, drop_sot: bool) -> np.ndarray:
+    tok, tm = np64(texts.tokens), texts.token_mask.numpy()
+    fr, fm = np64(videos.frames), videos.frame_mask.numpy()
+    ref = np.zeros((len(texts), len(videos)))
+    for i in range(len(texts)):
+        real = [n for n in range(L) if tm[i, n]]
+        words = real[1:] if drop_sot else real  # Eq. 7 sums over n=1..N: no w^0 (SOT)
+        for j in range(len(videos)):
+            frames = [m for m in range(NF) if fm[j, m]]
+            c = {(n, m): unit(tok[i, n]) @ unit(fr[j, m]) for n in words for m in frames}
+            t2v = np.mean([max(c[n, m] for m in frames) for n in words])
+            v2t = np.mean([max(c[n, m] for n in words) for m in frames])
+            ref[i, j] = (t2v + v2t) / 2
+    return ref
+
+
+@pytest.mark.parametrize("drop_sot", [True, False])
+def test_tokenwise_matches_reference(drop_sot):
+    head = perturbed("tokenwise", dtype=torch.float64, drop_sot=drop_sot)
+    texts, videos = batches(5, 7, dtype=torch.float64)
+    ref = _tokenwise_reference(texts, videos, drop_sot)
+    np.testing.assert_allclose(sim(head, texts, videos).numpy(), ref, atol=1e-10)
+
+
+def test_tokenwise_ignores_padding_even_when_all_similarities_are_negative():
+    # Word and frames pointing away from each other: every real cosine is < 0. A padded slot
+    # treated as 0 (as the official code's multiplicative mask does) would win the max.
+    head = create_head("tokenwise", embed_dim=D, drop_sot=False).eval()
+    e = torch.zeros(D)
+    e[0] = 1.0
+    texts = TextBatch(torch.stack([e, e, e])[None], torch.tensor([[True, False, False]]), e[None])
+    videos = VideoBatch(torch.stack([-e, -e])[None], torch.tensor([[True, False]]))
+    assert sim(head, texts, videos).item() == pytest.approx(-1.0)
+
+
+def _layer_norm(x: np.ndarray, ln: torch.nn.LayerNorm) -> np.ndarray:
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + ln.eps) * np64(ln.weight) + np64(ln.bias)
+
+
+def _xpool_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
+    """X-Pool per (text, video) pair: LN -> Q, K, V -> softmax over real frames -> W_O -> LN ->
+    FC + residual -> LN -> cosine with the raw sentence."""
+    wq, wk, wv, wo = (np64(m.weight) for m in (head.q_proj, head.k_proj, head.v_proj, head.out_proj))
+    w_fc, b_fc = np64(head.linear_proj.weight), np64(head.linear_proj.bias)
+    h = head.config.num_heads
+    dh = D // h
+    ref = np.zeros((len(texts), len(videos)))
+    for i in range(len(texts)):
+        c_t = np64(texts.sentence[i])
+        q = _layer_norm(c_t, head.layer_norm1) @ wq.T  # Q_t
+        for j in range(len(videos)):
+            c_v = np64(videos.frames[j])[videos.frame_mask[j].numpy()]  # real frames only
+            k = _layer_norm(c_v, head.layer_norm1) @ wk.T  # K_v
+            v = _layer_norm(c_v, head.layer_norm1) @ wv.T  # V_v
+            heads_out = []
+            for hh in range(h):
+                sl = slice(hh * dh, (hh + 1) * dh)
+                logits = k[:, sl] @ q[sl] / np.sqrt(dh)
+                att = np.exp(logits - logits.max())
+                heads_out.append((att / att.sum()) @ v[:, sl])
+            r = _layer_norm(np.concatenate(heads_out) @ wo.T, head.layer_norm2)  # r_{v|t}
+            z = _layer_norm(r @ w_fc.T + b_fc + r, head.layer_norm3)  # z_{v|t}
+            ref[i, j] = unit(c_t) @ unit(z)
+    return ref
+
+
+@pytest.mark.parametrize("num_heads", [1, 2])
+def test_xpool_matches_reference(num_heads):
+    head = perturbed("xpool", dtype=torch.float64, num_heads=num_heads)
+    texts, videos = batches(5, 7, dtype=torch.float64)
+    ref = _xpool_reference(head, texts, videos)
+    with torch.no_grad():
+        te, ve = head.encode_texts(texts), head.encode_videos(videos)
+        factored = head.similarity(te, ve)  # eval: the closed form
+        pooled = head._similarity_pooled(te, ve)  # the explicit z_{v|t} used in training
+    np.testing.assert_allclose(factored.numpy(), ref, atol=1e-10)
+    np.testing.assert_allclose(pooled.numpy(), ref, atol=1e-10)
+
+
+def test_xpool_float32_closed_form_matches_reference():
+    head = perturbed("xpool")
+    texts, videos = batches(5, 7)
+    ref = _xpool_reference(head, texts, videos)
+    np.testing.assert_allclose(sim(head, texts, videos).numpy(), ref, atol=1e-4)
+
+
+def test_xpool_untrained_is_identity_attention_pooling():
+    # Identity projections (official init): the query is LN(t), keys and values are LN(f).
+    head = create_head("xpool", embed_dim=D).eval()
+    texts, videos = batches(3, 4)
+    with torch.no_grad():
+        z = head.pooled_videos(head.encode_texts(texts), head.encode_videos(videos))  # (3, 4, D)
+    assert z.shape == (3, 4, D)
+    ref = _xpool_reference(head, texts, videos)
+    np.testing.assert_allclose(sim(head, texts, videos).numpy(), ref, atol=1e-4)
+
+
+def test_xpool_dropout_only_in_training():
+    head = create_head("xpool", embed_dim=D)
+    texts, videos = batches(4, 4)
+    head.train()
+    torch.manual_seed(0)
+    a = sim(head, texts, videos)
+    torch.manual_seed(1)
+    b = sim(head, texts, videos)
+    assert not torch.equal(a, b)  # dropout 0.3 on FC's output
+    head.eval()
+    assert torch.equal(sim(head, texts, videos), sim(head, texts, videos))
+
+
+def test_xpool_video_without_frames_is_finite():
+    head = perturbed("xpool")
+    texts, videos = batches(3, 3)
+    videos = VideoBatch(videos.frames, videos.frame_mask.clone())
+    videos.frame_mask[1] = False
+    assert torch.isfinite(sim(head, texts, videos)).all()

@@ -1,0 +1,128 @@
+"""``tvrpipe train-head``, ``tvrpipe evaluate`` and ``tvrpipe heads``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tvrpipe.cli.app import app
+from tvrpipe.errors import ConfigError
+
+console = Console()
+_POST = ("dsl", "qbnorm")
+
+
+def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> typed overrides for ``method``'s config (unknown keys fail)."""
+    from tvrpipe.heads.base import head_class
+
+    cls = head_class(method).Config
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        if key not in hints:
+            raise ConfigError(f"{method}: unknown config key {key!r}; valid: {', '.join(sorted(hints))}")
+        kind = hints[key]
+        try:
+            if kind is bool:
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                out[key] = raw.lower() in ("true", "1")
+            elif kind in (int, float, str):
+                out[key] = kind(raw)
+            else:
+                out[key] = json.loads(raw)
+        except ValueError as e:
+            raise ConfigError(f"--set {key}={raw}: not a valid {getattr(kind, '__name__', kind)}") from e
+    return out
+
+
+def _post(post: list[str]) -> tuple[str, ...]:
+    bad = [p for p in post if p not in _POST]
+    if bad:
+        raise ConfigError(f"--post {bad[0]!r} is not one of: {', '.join(_POST)}")
+    return tuple(post)
+
+
+def _print_metrics(title: str, metrics: dict) -> None:
+    table = Table(title=title)
+    for col in ("", "R@1", "R@5", "R@10", "MdR", "MnR"):
+        table.add_column(col, justify="right")
+    for key in sorted(k for k in metrics if k.startswith(("t2v", "v2t"))):
+        m = metrics[key]
+        table.add_row(key, *(f"{m[c]:.1f}" for c in ("R@1", "R@5", "R@10", "MdR", "MnR")))
+    console.print(table)
+
+
+@app.command("train-head")
+def train_head(
+    features: Annotated[Path, typer.Option(help="A complete feature store (tvrpipe extract).")],
+    method: Annotated[str, typer.Option(help="Head to train (see `tvrpipe heads`).")],
+    out: Annotated[Path, typer.Option(help="Run directory; rerun the same command to resume.")],
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
+    ] = None,
+    epochs: Annotated[int, typer.Option(help="Training epochs (each video once per epoch).")] = 5,
+    batch_size: Annotated[int, typer.Option(help="Pairs per step (one caption per video).")] = 128,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate (cosine schedule, 10% warmup).")] = 1e-4,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.2,
+    seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = 0,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    post: Annotated[
+        Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
+    ] = None,
+) -> None:
+    """Train a retrieval head on cached features; select on validation; evaluate on test."""
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    overrides = parse_overrides(method, set_ or [])
+    if epochs < 0:
+        raise ConfigError(f"--epochs must be >= 0 (0: evaluate the untrained head), got {epochs}")
+    if batch_size < 2:
+        raise ConfigError(f"--batch-size must be >= 2 (a contrastive batch needs negatives), got {batch_size}")
+    if lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {lr}")
+    cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed,
+                      device=device)
+    metrics = fit(features, method, out, cfg, overrides, _post(post or []))
+    console.print(f"selected epoch {metrics['selected_epoch']} on {metrics['validation']}")
+    _print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
+
+
+@app.command("evaluate")
+def evaluate(
+    run: Annotated[Path, typer.Option(help="A run directory (tvrpipe train-head).")],
+    split: Annotated[str, typer.Option(help="Split to evaluate: val or test (train for diagnostics).")] = "test",
+    post: Annotated[Optional[list[str]], typer.Option(help="Post-processing: dsl or qbnorm (repeatable).")] = None,
+    features: Annotated[
+        Optional[Path], typer.Option(help="Feature store (default: the run's); its provenance must match.")
+    ] = None,
+) -> None:
+    """Evaluate a trained run's selected checkpoint (raw scores, plus post-processing if asked)."""
+    from tvrpipe.training.fit import evaluate_run
+
+    metrics = evaluate_run(run, split, _post(post or []), features)
+    _print_metrics(f"{run}: {split} ({run / f'eval_{split}.json'})", metrics)
+
+
+@app.command("heads")
+def heads() -> None:
+    """List the retrieval heads and their config fields with defaults."""
+    from tvrpipe.heads.base import head_class, list_heads
+
+    for name in list_heads():
+        cls = head_class(name)
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
+        console.print(f"[bold]{name}[/]: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        console.print(f"    {fields}", highlight=False)

@@ -1,0 +1,179 @@
+"""The head interface, its inputs and outputs, and the registry.
+
+A *head* turns cached (or live) CLIP features into a text-video similarity. Every head has the
+same small interface (DESIGN.md, "Heads"):
+
+- ``encode_texts(TextBatch) -> Emb`` and ``encode_videos(VideoBatch) -> Emb``: per-item work,
+  computed once per item at evaluation;
+- ``similarity(text_emb, video_emb) -> Tensor[n_text, n_video]``: pairwise; text-conditioned heads
+  (X-Pool, T-MASS, DUQ) do their per-pair work here, and the evaluation engine calls it on blocks
+  so memory is bounded by the block size;
+- ``loss(TextBatch, VideoBatch) -> LossOutput(total, terms)``: the training objective on a batch
+  of B matching (text_i, video_i) pairs, every term logged.
+
+``Emb`` is a dict of tensors that all have the items as their first dimension, so the engine can
+concatenate chunks and slice blocks without knowing what a head keeps.
+
+Each head is one file: a frozen ``Config`` dataclass (defaults are the paper's values, each with
+a comment naming its source) and a class decorated with ``@register_head("name")``. The trainer,
+evaluator and CLI never branch on which head they hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from tvrpipe.errors import ConfigError
+
+Emb = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class TextBatch:
+    """Text features of B captions: word tokens with their mask, and the EOS sentence embedding."""
+
+    tokens: Tensor  # (B, L, D) projected word tokens
+    token_mask: Tensor  # (B, L) bool, True for real tokens
+    sentence: Tensor  # (B, D) EOS embedding (= open_clip encode_text)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> TextBatch:
+        """The batch on ``device`` (float tensors cast to ``dtype`` when given)."""
+        cast = (lambda x: x.to(device, dtype)) if dtype else (lambda x: x.to(device))
+        return TextBatch(cast(self.tokens), self.token_mask.to(device), cast(self.sentence))
+
+    def __len__(self) -> int:
+        return self.sentence.shape[0]
+
+
+@dataclass(frozen=True)
+class VideoBatch:
+    """Frame features of B videos with the mask of real (not padded) frames."""
+
+    frames: Tensor  # (B, F, D) projected frame [CLS] embeddings
+    frame_mask: Tensor  # (B, F) bool, True for real frames
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> VideoBatch:
+        """The batch on ``device`` (frames cast to ``dtype`` when given)."""
+        frames = self.frames.to(device, dtype) if dtype else self.frames.to(device)
+        return VideoBatch(frames, self.frame_mask.to(device))
+
+    def __len__(self) -> int:
+        return self.frames.shape[0]
+
+
+@dataclass
+class LossOutput:
+    """A training loss: the total to back-propagate and every term, for logging."""
+
+    total: Tensor
+    terms: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Fields every head's config has; each head's ``Config`` subclasses this."""
+
+    embed_dim: int = 512  # D: CLIP ViT-B/32 projection width; the trainer sets it from the store
+
+
+class Head(nn.Module):
+    """Base class of every retrieval head.
+
+    Subclasses set ``Config`` (a frozen dataclass subclassing :class:`HeadConfig`) and implement
+    ``encode_texts``, ``encode_videos`` and ``similarity``; the default ``loss`` is the symmetric
+    InfoNCE over ``similarity`` scaled by the head's ``logit_scale`` (CLIP4Clip Eq. 6-8).
+    """
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[HeadConfig]] = HeadConfig
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def encode_texts(self, texts: TextBatch) -> Emb:
+        raise NotImplementedError
+
+    def encode_videos(self, videos: VideoBatch) -> Emb:
+        raise NotImplementedError
+
+    def similarity(self, text_emb: Emb, video_emb: Emb) -> Tensor:
+        raise NotImplementedError
+
+    def logits_scale(self) -> Tensor:
+        """The multiplier of similarities inside the contrastive loss."""
+        scale = getattr(self, "logit_scale", None)
+        if scale is None:
+            return torch.tensor(100.0)  # CLIP's learned temperature saturates at 100
+        return scale.exp().clamp(max=100.0)
+
+    def loss(self, texts: TextBatch, videos: VideoBatch) -> LossOutput:
+        """Symmetric InfoNCE over the B x B similarity of a batch of matching pairs."""
+        from tvrpipe.heads.losses import symmetric_infonce
+
+        sim = self.similarity(self.encode_texts(texts), self.encode_videos(videos))  # (B, B)
+        nce = symmetric_infonce(sim * self.logits_scale())
+        return LossOutput(total=nce, terms={"infonce": nce.detach()})
+
+
+H = TypeVar("H", bound=type[Head])
+_HEADS: dict[str, type[Head]] = {}
+
+
+def register_head(name: str) -> Callable[[H], H]:
+    """Class decorator: register a :class:`Head` subclass under ``name``."""
+
+    def deco(cls: H) -> H:
+        if name in _HEADS:
+            raise ValueError(f"head {name!r} registered twice")
+        if not (dataclasses.is_dataclass(cls.Config) and cls.Config.__dataclass_params__.frozen):
+            raise TypeError(f"{cls.__name__}.Config must be a frozen dataclass")
+        cls.name = name
+        _HEADS[name] = cls
+        return cls
+
+    return deco
+
+
+def list_heads() -> list[str]:
+    """Names of the registered heads, sorted."""
+    _import_all()
+    return sorted(_HEADS)
+
+
+def head_class(name: str) -> type[Head]:
+    """The class registered under ``name``; raises ConfigError naming the known heads."""
+    _import_all()
+    if name not in _HEADS:
+        raise ConfigError(f"unknown method {name!r}; known: {', '.join(sorted(_HEADS))}")
+    return _HEADS[name]
+
+
+def make_config(name: str, **overrides: Any) -> HeadConfig:
+    """The head's default config with ``overrides`` applied; unknown keys fail loudly."""
+    cls = head_class(name)
+    fields = {f.name: f for f in dataclasses.fields(cls.Config)}
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ConfigError(f"{name}: unknown config key(s) {unknown}; valid: {', '.join(sorted(fields))}")
+    return dataclasses.replace(cls.Config(), **overrides)
+
+
+def create_head(name: str, **overrides: Any) -> Head:
+    """Build a registered head with its default config plus ``overrides``.
+
+    Example:
+        >>> head = create_head("meanpool", embed_dim=512)  # doctest: +SKIP
+    """
+    return head_class(name)(make_config(name, **overrides))
+
+
+def _import_all() -> None:
+    # Importing the package registers every head (one import line per head in heads/__init__.py).
+    import tvrpipe.heads  # noqa: F401

@@ -1,0 +1,71 @@
+"""CLIP4Clip mean pooling ("meanP"): the parameter-free video embedding.
+
+Paper: Luo et al., "CLIP4Clip: An Empirical Study of CLIP for End to End Video Clip Retrieval"
+(Neurocomputing 2022), Sec. 3.3 "Similarity Calculator", parameter-free type: the video is the
+mean of its frame embeddings and the similarity is the cosine with the sentence embedding; the
+loss is CLIP4Clip's symmetric cross-entropy (InfoNCE), the base class's default ``loss``.
+Official code: ArrowLuo/CLIP4Clip, ``modules/modeling.py`` ``_loose_similarity`` with
+``sim_header="meanP"``.
+
+Equations (f_m = frame m, mask_m = 1 for real frames, t = EOS sentence embedding)::
+
+    v = mean_{m: mask_m} f_m / ||f_m||          # masked mean of L2-normalised frames
+    s(t, v) = <t / ||t||, v / ||v||>            # cosine
+
+Choices:
+- The frames are L2-normalised *before* the mean, as the official code does
+  (``visual_output / visual_output.norm(...)`` then ``_mean_pooling_for_similarity_visual``);
+  the paper's text says only "mean pooling".
+- Padded frames never contribute; a video with no real frame gets the zero vector and
+  similarity 0 (the code divides by a clamped count of 1, the same result).
+- The only parameter is ``logit_scale``. CLIP4Clip reuses CLIP's own learned logit scale; a head
+  on cached features has no CLIP, so it starts from CLIP's initial value log(1/0.07) (clamped to
+  100 by ``Head.logits_scale``). Untrained, the head is CLIP4Clip's zero-shot baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
+from tvrpipe.heads.losses import masked_mean
+
+
+@dataclass(frozen=True)
+class Config(HeadConfig):
+    """meanP: no parameters besides the contrastive temperature."""
+
+    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; CLIP4Clip reuses CLIP's learned scale
+
+
+def mean_video(frames: Tensor, frame_mask: Tensor) -> Tensor:
+    """L2-normalised masked mean of L2-normalised frames: (B, F, D), (B, F) -> (B, D)."""
+    frame_mask = frame_mask.bool()
+    frames = torch.where(frame_mask.unsqueeze(-1), frames, torch.zeros_like(frames))  # padding never enters
+    video = masked_mean(F.normalize(frames, dim=-1), frame_mask, dim=1)  # (B, D)
+    return F.normalize(video, dim=-1)
+
+
+@register_head("meanpool")
+class MeanPool(Head):
+    """CLIP4Clip meanP: cosine between the sentence and the mean of the normalised frames."""
+
+    Config = Config
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
+
+    def encode_texts(self, texts: TextBatch) -> Emb:
+        return {"sentence": F.normalize(texts.sentence, dim=-1)}  # (B, D)
+
+    def encode_videos(self, videos: VideoBatch) -> Emb:
+        return {"video": mean_video(videos.frames, videos.frame_mask)}  # (B, D)
+
+    def similarity(self, text_emb: Emb, video_emb: Emb) -> Tensor:
+        return text_emb["sentence"] @ video_emb["video"].t()  # (n_text, n_video)

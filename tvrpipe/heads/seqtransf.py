@@ -1,0 +1,162 @@
+"""CLIP4Clip sequential type with a temporal transformer ("seqTransf").
+
+Paper: Luo et al., "CLIP4Clip: An Empirical Study of CLIP for End to End Video Clip Retrieval"
+(Neurocomputing 2022), Sec. 3.3 "Similarity Calculator", sequential type: learned frame position
+embeddings P are added to the frame embeddings Z, a transformer encoder models the temporal
+relations, its output is added back to the frames (residual), and the result is mean-pooled and
+compared with the sentence by cosine. Loss: the symmetric InfoNCE (base class default).
+Official code: ArrowLuo/CLIP4Clip, ``modules/modeling.py`` ``_loose_similarity`` with
+``sim_header="seqTransf"``, and ``modules/module_cross.py`` (CLIP-style residual blocks).
+
+Equations (Z = frames (F, D), mask over the F frames)::
+
+    Z~ = TransformerEnc(Z + P; key padding mask) + Z           # residual to the original frames
+    v  = mean_{m: mask_m} Z~_m / ||Z~_m||                       # masked mean of normalised frames
+    s(t, v) = <t / ||t||, v / ||v||>
+
+The encoder is CLIP's pre-LN residual block (``x += attn(ln_1(x)); x += mlp(ln_2(x))``, MLP width
+4D with QuickGELU), ``num_layers`` = 4, width D, D // 64 heads; padded frames are masked as keys
+(the code adds -1e6 to their logits; here they are excluded exactly).
+
+Choices where the paper is silent or the code cannot be followed:
+- Initialisation. CLIP4Clip copies the first 4 blocks of CLIP's *text* transformer and CLIP's text
+  position embedding into the temporal module. A head trained on cached features has no CLIP
+  weights, so the blocks get CLIP's own initialisation (normal, std width^-0.5 for the attention
+  input projection, (2 width)^-0.5 for the MLP input) except that the *output* projections of
+  attention and MLP and the frame position embeddings start at zero (``zero_init=True``). Every
+  block is then the identity, ``Z~ = 2 Z``, and after per-frame normalisation the untrained head
+  equals ``meanpool`` exactly, which is what the residual design intends: training starts from
+  the zero-shot mean-pooling baseline. At the very first step only the output projections and
+  the position embeddings receive gradient; the rest follows once those are non-zero.
+- ``max_frames`` = 77: the code sizes the frame position table to CLIP's context length (77);
+  DiDeMo uses 64 frames.
+- No dropout, as in the code (``nn.MultiheadAttention`` with its default dropout 0).
+- A video with no real frame is the zero vector (similarity 0).
+- ``logit_scale`` starts at CLIP's initial log(1/0.07); CLIP4Clip reuses CLIP's learned scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
+from tvrpipe.heads.losses import masked_mean
+
+
+@dataclass(frozen=True)
+class Config(HeadConfig):
+    """seqTransf: a CLIP-style temporal transformer over the frames."""
+
+    num_layers: int = 4  # CLIP4Clip code cross_num_hidden_layers=4; UATVR Sec. 4.1: four layers, after CLIP4Clip
+    num_heads: int | None = None  # None: D // 64, CLIP4Clip code transformer_heads = width // 64 (8)
+    mlp_ratio: int = 4  # CLIP4Clip code (module_cross.ResidualAttentionBlock): MLP width 4D
+    max_frames: int = 77  # CLIP4Clip code: position table = CLIP context length 77 (DiDeMo: 64 frames)
+    zero_init: bool = True  # choice: no CLIP weights to copy; zero out-projections + positions = meanpool
+    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; CLIP4Clip reuses CLIP's learned scale
+
+
+class QuickGELU(nn.Module):
+    """CLIP's GELU approximation, x * sigmoid(1.702 x)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class ResidualAttentionBlock(nn.Module):
+    """CLIP's pre-LN transformer block, with an exact key padding mask."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(width)
+        self.in_proj = nn.Linear(width, 3 * width)
+        self.out_proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.c_fc = nn.Linear(width, mlp_ratio * width)
+        self.gelu = QuickGELU()
+        self.c_proj = nn.Linear(mlp_ratio * width, width)
+
+    def attention(self, x: Tensor, mask: Tensor) -> Tensor:
+        b, f, d = x.shape
+        q, k, v = self.in_proj(x).view(b, f, 3, self.heads, d // self.heads).unbind(2)  # 3 x (B, F, H, d_h)
+        logits = torch.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // self.heads)  # (B, H, F, F)
+        # Padded frames are never attended to (set, not added, so no overflow; an all-padded video
+        # gives finite uniform weights over garbage that is never read).
+        logits = logits.masked_fill(~mask[:, None, None, :], torch.finfo(logits.dtype).min)
+        out = torch.einsum("bhqk,bkhc->bqhc", logits.softmax(-1), v).reshape(b, f, d)  # (B, F, D)
+        return self.out_proj(out)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.attention(self.ln_1(x), mask)  # (B, F, D)
+        return x + self.c_proj(self.gelu(self.c_fc(self.ln_2(x))))  # (B, F, D)
+
+
+@register_head("seqtransf")
+class SeqTransf(Head):
+    """CLIP4Clip seqTransf: temporal transformer + residual, then mean pooling and cosine."""
+
+    Config = Config
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        width = config.embed_dim
+        heads = config.num_heads or max(1, width // 64)
+        if width % heads:
+            raise ConfigError(f"seqtransf: embed_dim {width} is not divisible by num_heads {heads}")
+        self.frame_position_embeddings = nn.Embedding(config.max_frames, width)
+        self.blocks = nn.ModuleList(
+            ResidualAttentionBlock(width, heads, config.mlp_ratio) for _ in range(config.num_layers)
+        )
+        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
+        self._init_parameters()
+
+    def _init_parameters(self) -> None:
+        # CLIP's text transformer initialisation (openai/CLIP model.py initialize_parameters).
+        width, layers = self.config.embed_dim, self.config.num_layers
+        attn_std, fc_std = width**-0.5, (2 * width) ** -0.5
+        proj_std = width**-0.5 * (2 * layers) ** -0.5
+        nn.init.normal_(self.frame_position_embeddings.weight, std=0.01)
+        for block in self.blocks:
+            nn.init.normal_(block.in_proj.weight, std=attn_std)
+            nn.init.normal_(block.out_proj.weight, std=proj_std)
+            nn.init.normal_(block.c_fc.weight, std=fc_std)
+            nn.init.normal_(block.c_proj.weight, std=proj_std)
+            for lin in (block.in_proj, block.out_proj, block.c_fc, block.c_proj):
+                nn.init.zeros_(lin.bias)
+            if self.config.zero_init:
+                nn.init.zeros_(block.out_proj.weight)
+                nn.init.zeros_(block.c_proj.weight)
+        if self.config.zero_init:
+            nn.init.zeros_(self.frame_position_embeddings.weight)
+
+    def temporal(self, frames: Tensor, frame_mask: Tensor) -> Tensor:
+        """The frames after the temporal transformer and the residual: (B, F, D) -> (B, F, D)."""
+        n_frames, frame_mask = frames.shape[1], frame_mask.bool()
+        if n_frames > self.config.max_frames:
+            raise ConfigError(
+                f"seqtransf: videos have {n_frames} frames but max_frames is "
+                f"{self.config.max_frames}; create the head with max_frames={n_frames} or more"
+            )
+        # Padding never enters (torch.where, not a product: NaN or inf in padded slots stay out).
+        frames = torch.where(frame_mask.unsqueeze(-1), frames, torch.zeros_like(frames))  # (B, F, D)
+        x = frames + self.frame_position_embeddings.weight[:n_frames]  # (B, F, D)
+        for block in self.blocks:
+            x = block(x, frame_mask)
+        return x + frames  # (B, F, D)
+
+    def encode_texts(self, texts: TextBatch) -> Emb:
+        return {"sentence": F.normalize(texts.sentence, dim=-1)}  # (B, D)
+
+    def encode_videos(self, videos: VideoBatch) -> Emb:
+        frames = F.normalize(self.temporal(videos.frames, videos.frame_mask), dim=-1)  # (B, F, D)
+        video = masked_mean(frames, videos.frame_mask, dim=1)  # (B, D)
+        return {"video": F.normalize(video, dim=-1)}
+
+    def similarity(self, text_emb: Emb, video_emb: Emb) -> Tensor:
+        return text_emb["sentence"] @ video_emb["video"].t()  # (n_text, n_video)

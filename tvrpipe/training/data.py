@@ -1,0 +1,166 @@
+"""Feature-store splits as head batches: rows read once into float16 memory, batches cast on use.
+
+A split's arrays are read chunk by chunk into float16 NumPy arrays (the store's dtype), so the
+whole store is never copied to float32: only a batch is, when it becomes a
+:class:`~tvrpipe.heads.base.TextBatch` / :class:`~tvrpipe.heads.base.VideoBatch`.
+
+Validation: a store with a ``val`` split uses it. One without (MSR-VTT 9k, Charades) gets a
+validation set carved from train deterministically: ``carve_fraction`` of the train videos
+(at most ``carve_max``), chosen by a permutation seeded with a fixed seed independent of the
+training seed, so runs with different seeds select on the same videos. Carved videos keep their
+first caption as the query (like MSR-VTT's 1k-A test) and leave training. Which one was used is
+recorded in the run's metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zarr
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.heads.base import TextBatch, VideoBatch
+from tvrpipe.pipeline.store import FeatureStore
+
+CARVE_SEED = 20240501  # fixed: the carved validation set does not depend on the training seed
+
+
+def read_rows(array: zarr.Array, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]`` for sorted row indices, read one chunk at a time (bounded extra memory)."""
+    out = np.empty((len(rows), *array.shape[1:]), dtype=array.dtype)
+    if len(rows) == 0:
+        return out
+    step = array.chunks[0]
+    chunk_of = rows // step
+    starts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]])
+    for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
+        c = int(chunk_of[a])
+        block = array[c * step : min((c + 1) * step, array.shape[0])]
+        out[a:b] = block[rows[a:b] - c * step]
+    return out
+
+
+@dataclass
+class SplitData:
+    """One split of a store in memory (float16), with each caption's video column.
+
+    Attributes:
+        name: split name (``train``, ``val``, ``test``; ``val`` may be carved from train).
+        frames, frame_mask: videos of the split, ``(n_v, F, D)`` float16 and ``(n_v, F)``.
+        tokens, token_mask, sentence: captions of the split.
+        text_video: ``(n_t,)`` index into this split's videos of each caption's video.
+        video_ids, caption_ids: ids, for reports.
+    """
+
+    name: str
+    frames: np.ndarray
+    frame_mask: np.ndarray
+    tokens: np.ndarray
+    token_mask: np.ndarray
+    sentence: np.ndarray
+    text_video: np.ndarray
+    video_ids: np.ndarray
+    caption_ids: np.ndarray
+
+    @property
+    def n_videos(self) -> int:
+        return len(self.video_ids)
+
+    @property
+    def n_texts(self) -> int:
+        return len(self.caption_ids)
+
+    def text_batch(self, idx: np.ndarray) -> TextBatch:
+        """Captions ``idx`` as a float32 TextBatch."""
+        return TextBatch(
+            tokens=torch.from_numpy(self.tokens[idx]).float(),
+            token_mask=torch.from_numpy(self.token_mask[idx]),
+            sentence=torch.from_numpy(self.sentence[idx]).float(),
+        )
+
+    def video_batch(self, idx: np.ndarray) -> VideoBatch:
+        """Videos ``idx`` as a float32 VideoBatch."""
+        return VideoBatch(frames=torch.from_numpy(self.frames[idx]).float(),
+                          frame_mask=torch.from_numpy(self.frame_mask[idx]))
+
+    def text_batches(self, batch_size: int) -> Iterator[TextBatch]:
+        """Every caption once, in order."""
+        for a in range(0, self.n_texts, batch_size):
+            yield self.text_batch(np.arange(a, min(a + batch_size, self.n_texts)))
+
+    def video_batches(self, batch_size: int) -> Iterator[VideoBatch]:
+        """Every video once, in order."""
+        for a in range(0, self.n_videos, batch_size):
+            yield self.video_batch(np.arange(a, min(a + batch_size, self.n_videos)))
+
+
+def _load(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> SplitData:
+    video_rows, text_rows = np.sort(video_rows), np.sort(text_rows)
+    col = np.full(len(store.videos), -1, dtype=np.int64)
+    col[video_rows] = np.arange(len(video_rows))
+    text_video = col[store.texts["video_row"].to_numpy()[text_rows]]
+    assert (text_video >= 0).all(), "a caption's video is outside its split"
+    g = store.group
+    return SplitData(
+        name=name,
+        frames=read_rows(g["videos/frames"], video_rows),
+        frame_mask=read_rows(g["videos/frame_mask"], video_rows),
+        tokens=read_rows(g["texts/tokens"], text_rows),
+        token_mask=read_rows(g["texts/token_mask"], text_rows),
+        sentence=read_rows(g["texts/sentence"], text_rows),
+        text_video=text_video,
+        video_ids=store.videos["video_id"].to_numpy()[video_rows],
+        caption_ids=store.texts["caption_id"].to_numpy()[text_rows],
+    )
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The train, validation and test splits of a store, and how validation was made."""
+
+    train: SplitData
+    val: SplitData
+    test: SplitData
+    val_source: str  # "val split" or "carved from train: N videos, first caption each"
+
+
+def load_splits(
+    store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True
+) -> Splits:
+    """Load train, validation (the store's or carved from train) and test splits.
+
+    Raises:
+        ConfigError: a split the trainer needs is empty.
+    """
+    v_split = store.videos["split"].to_numpy()
+    t_split = store.texts["split"].to_numpy()
+    t_vrow = store.texts["video_row"].to_numpy()
+    train_v = np.flatnonzero(v_split == "train")
+    if len(train_v) < 2:
+        raise ConfigError(f"{store.dir}: the train split has {len(train_v)} videos; need at least 2")
+    if (v_split == "val").any():
+        val_v, val_t = np.flatnonzero(v_split == "val"), np.flatnonzero(t_split == "val")
+        source = "val split"
+    else:
+        n = max(1, min(carve_max, int(round(carve_fraction * len(train_v)))))
+        if n >= len(train_v):
+            raise ConfigError(f"{store.dir}: too few train videos ({len(train_v)}) to carve a validation set")
+        val_v = np.sort(np.random.default_rng(CARVE_SEED).permutation(train_v)[:n])
+        in_val = np.isin(t_vrow, val_v) & (t_split == "train")
+        first = np.unique(t_vrow[in_val], return_index=True)[1]
+        val_t = np.flatnonzero(in_val)[first]
+        train_v = np.setdiff1d(train_v, val_v)
+        source = f"carved from train: {n} videos, first caption each (seed {CARVE_SEED})"
+    train_t = np.flatnonzero((t_split == "train") & np.isin(t_vrow, train_v))
+    test_v, test_t = np.flatnonzero(v_split == "test"), np.flatnonzero(t_split == "test")
+    if need_test and len(test_v) == 0:
+        raise ConfigError(f"{store.dir}: the store has no test split")
+    return Splits(
+        train=_load(store, "train", train_v, train_t),
+        val=_load(store, "val", val_v, val_t),
+        test=_load(store, "test", test_v, test_t),
+        val_source=source,
+    )

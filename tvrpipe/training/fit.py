@@ -1,0 +1,303 @@
+"""``fit``: train a head on a cached feature store; ``evaluate_run``: score a trained run.
+
+The loop reads top to bottom: data, model, optimiser, schedule, loop, validation, checkpoint.
+
+Protocol (DESIGN.md, "Evaluation protocol"): the epoch is selected on the **validation** split
+(the store's, or carved from train: see :mod:`tvrpipe.training.data`), never on test; test is
+evaluated once, with the selected checkpoint; DSL and QB-Norm are reported under their own keys.
+
+Choices (documented in docs/training.md): an epoch visits every training video once with one
+of its captions drawn at random (no video twice in a batch, so InfoNCE has no false negatives);
+AdamW with linear warmup then cosine decay (CLIP4Clip Sec. 4.1, X-Pool Sec. 4); the selection
+key is validation text-to-video (R@1, R@5, R@10).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.heads.base import Head, create_head, head_class, make_config
+from tvrpipe.pipeline.store import IDENTITY_KEYS, open_store
+from tvrpipe.training.data import SplitData, Splits, load_splits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Trainer settings; defaults follow the papers where they agree."""
+
+    epochs: int = 5  # choice: cached features converge in a few epochs (papers: 5 epochs end-to-end)
+    batch_size: int = 128  # CLIP4Clip Sec. 4.1: batch 128
+    lr: float = 1e-4  # CLIP4Clip Sec. 4.1: 1e-4 for the modules on top of CLIP
+    weight_decay: float = 0.2  # X-Pool Sec. 4 / CLIP: AdamW weight decay 0.2
+    warmup_fraction: float = 0.1  # CLIP4Clip: warmup proportion 0.1, then cosine
+    seed: int = 0
+    eval_batch: int = 256  # items per encode call at evaluation
+    block_texts: int = 256  # texts per similarity block at evaluation (memory bound)
+    device: str = "cpu"
+
+
+def _schedule(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank: SplitData | None = None) -> dict:
+    from tvrpipe.evaluation.engine import evaluate_head
+
+    dev = torch.device(cfg.device)
+    return evaluate_head(
+        head,
+        (b.to(dev) for b in split.text_batches(cfg.eval_batch)),
+        (b.to(dev) for b in split.video_batches(cfg.eval_batch)),
+        split.text_video,
+        block_texts=cfg.block_texts,
+        device=cfg.device,
+        post=post,
+        querybank=None if querybank is None else (b.to(dev) for b in querybank.text_batches(cfg.eval_batch)),
+    )
+
+
+def _key(metrics: dict) -> tuple[float, float, float]:
+    t = metrics["t2v"]
+    return (t["R@1"], t["R@5"], t["R@10"])
+
+
+def _save_checkpoint(head: Head, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(tmp),
+              metadata={"head": head.name, "config": json.dumps(dataclasses.asdict(head.config))})
+    os.replace(tmp, path)
+
+
+def load_head(checkpoint: str | os.PathLike[str], device: str = "cpu") -> Head:
+    """Rebuild a head from a safetensors checkpoint written by :func:`fit` (name + config inside)."""
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint), framework="pt") as f:
+        meta = f.metadata()
+    head = create_head(meta["head"], **json.loads(meta["config"]))
+    head.load_state_dict(load_file(str(checkpoint), device=device))
+    return head.to(device).eval()
+
+
+def _plots(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(exist_ok=True)
+    epochs = [r["epoch"] for r in rows]
+    for key, name, ylabel in (("loss", "loss.png", "training loss"), ("val_t2v_R@1", "val_r1.png", "val t2v R@1 (%)")):
+        fig, ax = plt.subplots(figsize=(4.5, 3.2))
+        ax.plot(epochs, [r[key] for r in rows], marker="o")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+
+
+def fit(
+    features: str | os.PathLike[str],
+    method: str,
+    out_dir: str | os.PathLike[str],
+    train: TrainConfig = TrainConfig(),
+    overrides: dict[str, Any] | None = None,
+    post: tuple[str, ...] = (),
+    progress: bool = True,
+    max_steps: int | None = None,
+) -> dict:
+    """Train ``method`` on a feature store, select the epoch on validation, evaluate on test.
+
+    Args:
+        features: a complete feature store (``tvrpipe extract`` or a generated one).
+        method: a registered head (``tvrpipe heads``).
+        out_dir: the run directory; rerunning with the same config resumes from the last epoch.
+        train: trainer settings.
+        overrides: head config overrides (``--set key=value``); unknown keys fail.
+        post: post-processing to report beside raw test metrics (``dsl``, ``qbnorm``).
+        progress: show a progress bar.
+        max_steps: cap on steps per epoch (benchmarks); None trains on every video.
+
+    Returns:
+        The run's metrics (also in ``out_dir/metrics.json``).
+
+    Example:
+        >>> fit("features/msrvtt-vitb32", "xpool", "runs/xpool", TrainConfig(epochs=5))  # doctest: +SKIP
+    """
+    # ---- data
+    store = open_store(features)
+    D = int(store.provenance["embed_dim"])
+    head_cfg = make_config(method, **{"embed_dim": D, **(overrides or {})})
+    splits: Splits = load_splits(store)
+    train_split = splits.train
+    if train_split.n_videos < 2:
+        raise ConfigError("the training split needs at least 2 videos")
+    out = Path(out_dir)
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    config = {
+        "method": method,
+        "head": dataclasses.asdict(head_cfg),
+        "train": dataclasses.asdict(train),
+        "post": list(post),
+        "features": str(Path(features).resolve()),
+        "provenance": {k: store.provenance.get(k) for k in IDENTITY_KEYS},
+        "validation": splits.val_source,
+        "max_steps": max_steps,
+    }
+    cfg_path = out / "config.yaml"
+    if cfg_path.is_file() and yaml.safe_load(cfg_path.read_text()) != json.loads(json.dumps(config)):
+        raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
+    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    # ---- model, optimiser, schedule
+    device = torch.device(train.device)
+    torch.manual_seed(train.seed)
+    head = head_class(method)(head_cfg).to(device)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay) if params else None
+    steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
+    if max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, max_steps)
+    batch = min(train.batch_size, train_split.n_videos)
+    total, warmup = steps_per_epoch * train.epochs, int(train.warmup_fraction * steps_per_epoch * train.epochs)
+    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, total, max(1, warmup)))
+             if opt else None)
+    by_video = np.argsort(train_split.text_video, kind="stable")  # caption rows grouped by video
+    counts = np.bincount(train_split.text_video, minlength=train_split.n_videos)
+    captions_of = np.split(by_video, np.cumsum(counts)[:-1])
+
+    # ---- resume
+    rows: list[dict] = []
+    start_epoch, best = 0, None
+    state_path = out / "checkpoints" / "state.pt"
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        head.load_state_dict(load_file(str(out / "checkpoints" / "last.safetensors"), device=str(device)))
+        if opt:
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+        start_epoch, best, rows = state["epoch"] + 1, state["best"], state["rows"]
+        log.info("resuming %s from epoch %d", out, start_epoch)
+
+    # ---- loop
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress)
+    with bar:
+        task = bar.add_task(method, total=steps_per_epoch * (train.epochs - start_epoch), info="")
+        for epoch in range(start_epoch, train.epochs):
+            head.train()
+            rng = np.random.default_rng([train.seed, epoch])
+            order = rng.permutation(train_split.n_videos)
+            t_data = t_step = 0.0
+            losses: list[float] = []
+            terms: dict[str, list[float]] = {}
+            for s in range(steps_per_epoch):
+                t0 = time.perf_counter()
+                vids = order[s * batch : (s + 1) * batch]
+                caps = np.array([rng.choice(captions_of[v]) for v in vids])
+                texts = train_split.text_batch(caps).to(device)
+                videos = train_split.video_batch(vids).to(device)
+                t1 = time.perf_counter()
+                out_loss = head.loss(texts, videos)
+                if opt:
+                    opt.zero_grad(set_to_none=True)
+                    out_loss.total.backward()
+                    opt.step()
+                    sched.step()
+                t2 = time.perf_counter()
+                t_data, t_step = t_data + (t1 - t0), t_step + (t2 - t1)
+                losses.append(float(out_loss.total.detach()))
+                for k, v in out_loss.terms.items():
+                    terms.setdefault(k, []).append(float(v))
+                bar.update(task, advance=1, info=f"epoch {epoch + 1}/{train.epochs} loss {losses[-1]:.3f} "
+                           f"{len(vids) / (t2 - t0):.0f} samples/s")
+            val = _evaluate(head, splits.val, train)
+            row = {"epoch": epoch + 1, "loss": float(np.mean(losses)),
+                   **{f"loss_{k}": float(np.mean(v)) for k, v in terms.items()},
+                   **{f"val_t2v_{k}": v for k, v in val["t2v"].items() if k != "n"},
+                   **{f"val_v2t_{k}": v for k, v in val["v2t"].items() if k != "n"},
+                   "lr": opt.param_groups[0]["lr"] if opt else 0.0,
+                   "samples_per_s": steps_per_epoch * batch / max(t_data + t_step, 1e-9),
+                   "data_share": t_data / max(t_data + t_step, 1e-9)}
+            rows.append(row)
+            _save_checkpoint(head, out / "checkpoints" / "last.safetensors")
+            if best is None or _key(val) > tuple(best["key"]):
+                best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val}
+                _save_checkpoint(head, out / "checkpoints" / "best.safetensors")
+            torch.save({"epoch": epoch, "best": best, "rows": rows,
+                        "optimizer": opt.state_dict() if opt else None,
+                        "scheduler": sched.state_dict() if sched else None}, state_path)
+            with open(out / "epochs.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[-1]))
+                w.writeheader()
+                w.writerows(rows)
+
+    # ---- evaluation of the selected epoch on test
+    if best is None:  # zero epochs: evaluate the untrained head (zero-shot)
+        _save_checkpoint(head, out / "checkpoints" / "best.safetensors")
+        best = {"epoch": 0, "key": None, "val": _evaluate(head, splits.val, train)}
+    selected = load_head(out / "checkpoints" / "best.safetensors", train.device)
+    test = _evaluate(selected, splits.test, train, post=post,
+                     querybank=splits.train if "qbnorm" in post else None)
+    metrics = {"method": method, "selected_epoch": best["epoch"], "selection": "validation t2v (R@1, R@5, R@10)",
+               "validation": splits.val_source, "val": best["val"], "test": test,
+               "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
+                         "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None}}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if rows:
+        _plots(rows, out / "plots")
+    return metrics
+
+
+def evaluate_run(
+    run_dir: str | os.PathLike[str],
+    split: str = "test",
+    post: tuple[str, ...] = (),
+    features: str | os.PathLike[str] | None = None,
+    train: TrainConfig | None = None,
+) -> dict:
+    """Evaluate a run's selected checkpoint on ``split``; writes ``eval_<split>.json`` in the run.
+
+    The store must have the provenance the run was trained on (else StoreError).
+    """
+    run = Path(run_dir)
+    cfg_path = run / "config.yaml"
+    if not cfg_path.is_file():
+        raise ConfigError(f"{run}: not a run directory (no config.yaml); train one with `tvrpipe train-head`")
+    config = yaml.safe_load(cfg_path.read_text())
+    store = open_store(features or config["features"], expect=config["provenance"])
+    if split not in ("train", "val", "test"):
+        raise ConfigError(f"--split must be train, val or test, got {split!r}")
+    splits = load_splits(store)
+    data = getattr(splits, split)
+    if data.n_videos == 0:
+        raise ConfigError(f"{store.dir}: the {split} split is empty")
+    tc = train or TrainConfig(**config["train"])
+    head = load_head(run / "checkpoints" / "best.safetensors", tc.device)
+    metrics = {"split": split, "validation": splits.val_source,
+               **_evaluate(head, data, tc, post=post, querybank=splits.train if "qbnorm" in post else None)}
+    (run / f"eval_{split}.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
