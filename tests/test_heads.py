@@ -399,3 +399,31 @@ def test_xpool_video_without_frames_is_finite():
     videos = VideoBatch(videos.frames, videos.frame_mask.clone())
     videos.frame_mask[1] = False
     assert torch.isfinite(sim(head, texts, videos)).all()
+
+
+def test_public_api_reexports():
+    import tvrpipe
+    from tvrpipe import create_head as ch
+    from tvrpipe import evaluate, extract, fit, list_heads as lh
+
+    assert lh() == list_heads() and "xpool" in lh()
+    assert ch("meanpool", embed_dim=8).config.embed_dim == 8
+    assert callable(extract) and callable(fit) and callable(evaluate)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        tvrpipe.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("name", list_heads())
+def test_uses_tokens_flag_is_truthful(name):
+    """A head that says it ignores word tokens gives the same scores when they are left out."""
+    torch.manual_seed(0)
+    head = create_head(name, embed_dim=16).eval()
+    t = TextBatch(torch.randn(3, 5, 16), torch.ones(3, 5, dtype=torch.bool), torch.randn(3, 16))
+    v = VideoBatch(torch.randn(4, 6, 16), torch.ones(4, 6, dtype=torch.bool))
+    full = head.similarity(head.encode_texts(t), head.encode_videos(v))
+    empty = TextBatch(torch.zeros(3, 0, 16), torch.zeros(3, 0, dtype=torch.bool), t.sentence)
+    if head.uses_tokens:  # then other tokens must give other scores
+        other = TextBatch(torch.randn(3, 5, 16), t.token_mask, t.sentence)
+        assert not torch.allclose(head.similarity(head.encode_texts(other), head.encode_videos(v)), full)
+    else:
+        torch.testing.assert_close(head.similarity(head.encode_texts(empty), head.encode_videos(v)), full)

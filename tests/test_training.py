@@ -158,3 +158,9 @@ def test_memory_mapped_split_is_float16(store):
     assert s.train.tokens.dtype == np.float16 and s.train.frames.dtype == np.float16
     assert s.train.n_videos == 144 and s.val.n_videos == 16 and s.test.n_videos == N_TEST
     assert not set(s.train.video_ids) & set(s.val.video_ids)
+
+
+def test_prefetch_does_not_change_training(store, tmp_path):
+    a = fit(store, "xpool", tmp_path / "a", TrainConfig(epochs=1, batch_size=32, prefetch=True), progress=False)
+    b = fit(store, "xpool", tmp_path / "b", TrainConfig(epochs=1, batch_size=32, prefetch=False), progress=False)
+    assert a["test"] == b["test"] and a["val"] == b["val"]

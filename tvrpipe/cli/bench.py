@@ -51,6 +51,7 @@ def bench_train_head_cmd(
     method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
     steps: Annotated[int, typer.Option(help="Training steps per method.")] = 20,
     batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = 128,
+    prefetch: Annotated[bool, typer.Option(help="Train with batch prefetching (as train-head does by default).")] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
 ) -> None:
     """Per head at MSR-VTT 9k/1k-A scale: samples/s, data share, test evaluation time and memory."""
@@ -58,7 +59,7 @@ def bench_train_head_cmd(
 
     from tvrpipe.training.bench import XPOOL_OFFICIAL, bench_train_head
 
-    rows = bench_train_head(out, method, steps, batch_size)
+    rows = bench_train_head(out, method, steps, batch_size, prefetch=prefetch)
     table = Table(title="train-head at MSR-VTT 9k / 1k-A scale")
     for col in ("method", "samples/s", "data share", "test eval (s)", "eval extra (GB)", "peak RSS (GB)"):
         table.add_column(col, justify="right")

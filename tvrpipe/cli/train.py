@@ -79,6 +79,9 @@ def train_head(
     weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.2,
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = 0,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    prefetch: Annotated[
+        bool, typer.Option(help="Build the next batch in a background thread (off may be faster on 2-core CPUs).")
+    ] = True,
     post: Annotated[
         Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
     ] = None,
@@ -94,7 +97,7 @@ def train_head(
     if lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {lr}")
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed,
-                      device=device)
+                      device=device, prefetch=prefetch)
     metrics = fit(features, method, out, cfg, overrides, _post(post or []))
     console.print(f"selected epoch {metrics['selected_epoch']} on {metrics['validation']}")
     _print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])

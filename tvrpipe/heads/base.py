@@ -92,6 +92,9 @@ class Head(nn.Module):
 
     name: ClassVar[str] = ""
     Config: ClassVar[type[HeadConfig]] = HeadConfig
+    # False for heads that read only the sentence embedding: loaders then pass an empty
+    # (B, 0, D) tokens tensor and skip gathering and casting word tokens (most of a batch's bytes).
+    uses_tokens: ClassVar[bool] = True
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()

@@ -55,6 +55,8 @@ def mean_video(frames: Tensor, frame_mask: Tensor) -> Tensor:
 class MeanPool(Head):
     """CLIP4Clip meanP: cosine between the sentence and the mean of the normalised frames."""
 
+    uses_tokens = False  # reads the sentence embedding only
+
     Config = Config
 
     def __init__(self, config: Config) -> None:

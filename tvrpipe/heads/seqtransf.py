@@ -101,6 +101,8 @@ class ResidualAttentionBlock(nn.Module):
 class SeqTransf(Head):
     """CLIP4Clip seqTransf: temporal transformer + residual, then mean pooling and cosine."""
 
+    uses_tokens = False  # reads the sentence embedding only
+
     Config = Config
 
     def __init__(self, config: Config) -> None:

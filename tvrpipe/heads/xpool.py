@@ -73,6 +73,8 @@ class Config(HeadConfig):
 class XPool(Head):
     """X-Pool: cosine between the sentence and the frames pooled by attention to that sentence."""
 
+    uses_tokens = False  # reads the sentence embedding only
+
     Config = Config
 
     def __init__(self, config: Config) -> None:

@@ -19,6 +19,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -55,16 +56,17 @@ class _PeakRss:
         self.peak = max(self.peak, _rss_bytes())
 
 
-def _one_method(args: tuple[str, str, int, int, str]) -> dict:
+def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     import torch
 
     from tvrpipe.pipeline.store import open_store
     from tvrpipe.training.data import load_splits
     from tvrpipe.training.fit import TrainConfig, _evaluate, fit, load_head
 
-    store_dir, method, steps, batch, run_dir = args
+    store_dir, method, steps, batch, run_dir, prefetch = args
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = TrainConfig(epochs=1, batch_size=batch, seed=0)  # one epoch capped at `steps` steps: enough for a rate
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: fit() would resume a finished one
+    cfg = TrainConfig(epochs=1, batch_size=batch, seed=0, prefetch=prefetch)  # one epoch capped at `steps` steps: enough for a rate
     t = time.perf_counter()
     metrics = fit(store_dir, method, run_dir, cfg, progress=False, max_steps=steps)
     fit_seconds = time.perf_counter() - t
@@ -83,11 +85,12 @@ def _one_method(args: tuple[str, str, int, int, str]) -> dict:
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "fit_seconds": fit_seconds,
         "n_test": metrics["test"]["t2v"]["n"],
+        "prefetch": prefetch,
     }
 
 
 def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None = None, steps: int = 20,
-                     batch_size: int = 128, spec: GenSpec = MSRVTT_9K) -> list[dict]:
+                     batch_size: int = 128, spec: GenSpec = MSRVTT_9K, prefetch: bool = True) -> list[dict]:
     """Generate (once) the scale store, then measure each method in its own process.
 
     Example:
@@ -102,6 +105,6 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
     for method in methods or list_heads():
         with ctx.Pool(1) as pool:
             results.append(pool.apply(_one_method, ((str(store), method, steps, batch_size,
-                                                      str(out / "runs" / method)),)))
+                                                      str(out / "runs" / method), prefetch),)))
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return results

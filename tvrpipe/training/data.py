@@ -73,23 +73,24 @@ class SplitData:
     def n_texts(self) -> int:
         return len(self.caption_ids)
 
-    def text_batch(self, idx: np.ndarray) -> TextBatch:
-        """Captions ``idx`` as a float32 TextBatch."""
-        return TextBatch(
-            tokens=torch.from_numpy(self.tokens[idx]).float(),
-            token_mask=torch.from_numpy(self.token_mask[idx]),
-            sentence=torch.from_numpy(self.sentence[idx]).float(),
-        )
+    def text_batch(self, idx: np.ndarray, tokens: bool = True) -> TextBatch:
+        """Captions ``idx`` as a float32 TextBatch (word tokens empty ``(B, 0, D)`` if not ``tokens``)."""
+        if tokens:
+            tok, mask = torch.from_numpy(self.tokens[idx]).float(), torch.from_numpy(self.token_mask[idx])
+        else:
+            tok = torch.zeros((len(idx), 0, self.tokens.shape[-1]))
+            mask = torch.zeros((len(idx), 0), dtype=torch.bool)
+        return TextBatch(tokens=tok, token_mask=mask, sentence=torch.from_numpy(self.sentence[idx]).float())
 
     def video_batch(self, idx: np.ndarray) -> VideoBatch:
         """Videos ``idx`` as a float32 VideoBatch."""
         return VideoBatch(frames=torch.from_numpy(self.frames[idx]).float(),
                           frame_mask=torch.from_numpy(self.frame_mask[idx]))
 
-    def text_batches(self, batch_size: int) -> Iterator[TextBatch]:
+    def text_batches(self, batch_size: int, tokens: bool = True) -> Iterator[TextBatch]:
         """Every caption once, in order."""
         for a in range(0, self.n_texts, batch_size):
-            yield self.text_batch(np.arange(a, min(a + batch_size, self.n_texts)))
+            yield self.text_batch(np.arange(a, min(a + batch_size, self.n_texts)), tokens)
 
     def video_batches(self, batch_size: int) -> Iterator[VideoBatch]:
         """Every video once, in order."""

@@ -21,6 +21,8 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ class TrainConfig:
     eval_batch: int = 256  # items per encode call at evaluation
     block_texts: int = 256  # texts per similarity block at evaluation (memory bound)
     device: str = "cpu"
+    prefetch: bool = True  # choice: build the next batch in a thread (see docs/performance.md for 2-core CPUs)
 
 
 def _schedule(step: int, total: int, warmup: int) -> float:
@@ -66,14 +69,28 @@ def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank
     dev = torch.device(cfg.device)
     return evaluate_head(
         head,
-        (b.to(dev) for b in split.text_batches(cfg.eval_batch)),
+        (b.to(dev) for b in split.text_batches(cfg.eval_batch, head.uses_tokens)),
         (b.to(dev) for b in split.video_batches(cfg.eval_batch)),
         split.text_video,
         block_texts=cfg.block_texts,
         device=cfg.device,
         post=post,
-        querybank=None if querybank is None else (b.to(dev) for b in querybank.text_batches(cfg.eval_batch)),
+        querybank=None if querybank is None else (b.to(dev) for b in querybank.text_batches(cfg.eval_batch,
+                                                                                           head.uses_tokens)),
     )
+
+
+def _prefetch(items: Iterator[Any]) -> Iterator[Any]:
+    """Yield ``items``, building the next one in a background thread meanwhile.
+
+    Batch building is NumPy gathers and torch casts, which release the GIL, so it overlaps with
+    the training step; the items are still produced in order, one at a time (same RNG draws).
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(next, items, None)
+        while (item := pending.result()) is not None:
+            pending = pool.submit(next, items, None)
+            yield item
 
 
 def _key(metrics: dict) -> tuple[float, float, float]:
@@ -185,7 +202,7 @@ def fit(
              if opt else None)
     by_video = np.argsort(train_split.text_video, kind="stable")  # caption rows grouped by video
     counts = np.bincount(train_split.text_video, minlength=train_split.n_videos)
-    captions_of = np.split(by_video, np.cumsum(counts)[:-1])
+    first = np.cumsum(counts) - counts  # where each video's captions start in by_video
 
     # ---- resume
     rows: list[dict] = []
@@ -214,13 +231,17 @@ def fit(
             t_data = t_step = 0.0
             losses: list[float] = []
             terms: dict[str, list[float]] = {}
-            for s in range(steps_per_epoch):
-                t0 = time.perf_counter()
-                vids = order[s * batch : (s + 1) * batch]
-                caps = np.array([rng.choice(captions_of[v]) for v in vids])
-                texts = train_split.text_batch(caps).to(device)
-                videos = train_split.video_batch(vids).to(device)
-                t1 = time.perf_counter()
+
+            def batches():  # one caption per video, drawn at random; built one step ahead
+                for s in range(steps_per_epoch):
+                    vids = order[s * batch : (s + 1) * batch]
+                    caps = by_video[first[vids] + (rng.random(len(vids)) * counts[vids]).astype(np.int64)]
+                    yield (len(vids), train_split.text_batch(caps, head.uses_tokens).to(device),
+                           train_split.video_batch(vids).to(device))
+
+            t0 = time.perf_counter()
+            for n, texts, videos in (_prefetch(batches()) if train.prefetch else batches()):
+                t1 = time.perf_counter()  # t1 - t0: time the step waited for its batch
                 out_loss = head.loss(texts, videos)
                 if opt:
                     opt.zero_grad(set_to_none=True)
@@ -233,7 +254,8 @@ def fit(
                 for k, v in out_loss.terms.items():
                     terms.setdefault(k, []).append(float(v))
                 bar.update(task, advance=1, info=f"epoch {epoch + 1}/{train.epochs} loss {losses[-1]:.3f} "
-                           f"{len(vids) / (t2 - t0):.0f} samples/s")
+                           f"{n / (t2 - t0):.0f} samples/s")
+                t0 = time.perf_counter()
             val = _evaluate(head, splits.val, train)
             row = {"epoch": epoch + 1, "loss": float(np.mean(losses)),
                    **{f"loss_{k}": float(np.mean(v)) for k, v in terms.items()},
