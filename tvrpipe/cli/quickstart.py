@@ -16,7 +16,8 @@ console = Console()
 # Stages of DESIGN.md's quickstart that this version does not have yet; each is removed from
 # this list in the commit that adds the stage.
 _NOT_YET = ["finetune --end-to-end (extraction uses random tiny weights until then)",
-            "train-head (every method)", "evaluate", "results table and plots"]
+            "train-head for every method and evaluate (available as commands: `tvrpipe train-head`, "
+            "`tvrpipe evaluate`)", "results table and plots"]
 
 
 @app.command("quickstart")
@@ -44,4 +45,4 @@ def quickstart(
     console.print(f"feature store: {out / 'features'} (inspect with `tvrpipe features show {out / 'features'}`)")
 
     console.rule("next stages")
-    console.print("[yellow]not yet available in this version:[/] " + "; ".join(_NOT_YET) + ".")
+    console.print("[yellow]not yet available in the quickstart:[/] " + "; ".join(_NOT_YET) + ".")
