@@ -22,6 +22,7 @@ evaluator and CLI never branch on which head they hold.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -80,6 +81,7 @@ class HeadConfig:
     """Fields every head's config has; each head's ``Config`` subclasses this."""
 
     embed_dim: int = 512  # D: CLIP ViT-B/32 projection width; the trainer sets it from the store
+    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; the papers reuse CLIP's learned scale
 
 
 class Head(nn.Module):
@@ -87,7 +89,8 @@ class Head(nn.Module):
 
     Subclasses set ``Config`` (a frozen dataclass subclassing :class:`HeadConfig`) and implement
     ``encode_texts``, ``encode_videos`` and ``similarity``; the default ``loss`` is the symmetric
-    InfoNCE over ``similarity`` scaled by the head's ``logit_scale`` (CLIP4Clip Eq. 6-8).
+    InfoNCE over ``similarity`` scaled by the learnable ``logit_scale`` every head has
+    (CLIP4Clip Eq. 6-8).
     """
 
     name: ClassVar[str] = ""
@@ -99,6 +102,7 @@ class Head(nn.Module):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
+        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         raise NotImplementedError
@@ -111,10 +115,7 @@ class Head(nn.Module):
 
     def logits_scale(self) -> Tensor:
         """The multiplier of similarities inside the contrastive loss."""
-        scale = getattr(self, "logit_scale", None)
-        if scale is None:
-            return torch.tensor(100.0)  # CLIP's learned temperature saturates at 100
-        return scale.exp().clamp(max=100.0)
+        return self.logit_scale.exp().clamp(max=100.0)  # CLIP clamps its learned scale at 100
 
     def loss(self, texts: TextBatch, videos: VideoBatch) -> LossOutput:
         """Symmetric InfoNCE over the B x B similarity of a batch of matching pairs."""

@@ -25,7 +25,6 @@ Choices:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +39,6 @@ from tvrpipe.heads.losses import masked_mean
 class Config(HeadConfig):
     """meanP: no parameters besides the contrastive temperature."""
 
-    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; CLIP4Clip reuses CLIP's learned scale
 
 
 def mean_video(frames: Tensor, frame_mask: Tensor) -> Tensor:
@@ -61,7 +59,6 @@ class MeanPool(Head):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         return {"sentence": F.normalize(texts.sentence, dim=-1)}  # (B, D)

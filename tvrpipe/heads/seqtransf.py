@@ -58,7 +58,6 @@ class Config(HeadConfig):
     mlp_ratio: int = 4  # CLIP4Clip code (module_cross.ResidualAttentionBlock): MLP width 4D
     max_frames: int = 77  # CLIP4Clip code: position table = CLIP context length 77 (DiDeMo: 64 frames)
     zero_init: bool = True  # choice: no CLIP weights to copy; zero out-projections + positions = meanpool
-    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; CLIP4Clip reuses CLIP's learned scale
 
 
 class QuickGELU(nn.Module):
@@ -115,7 +114,6 @@ class SeqTransf(Head):
         self.blocks = nn.ModuleList(
             ResidualAttentionBlock(width, heads, config.mlp_ratio) for _ in range(config.num_layers)
         )
-        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
         self._init_parameters()
 
     def _init_parameters(self) -> None:

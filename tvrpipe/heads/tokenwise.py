@@ -39,7 +39,6 @@ reuses CLIP's learned scale.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,6 @@ class Config(HeadConfig):
     """Token-wise interaction: parameter-free apart from the contrastive temperature."""
 
     drop_sot: bool = True  # UATVR Eq. 7: n=1..N, no w^0 = SOT (its code: CLS_TOKEN, kept there)
-    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; UATVR reuses CLIP's learned scale
 
 
 def without_first(token_mask: Tensor) -> Tensor:
@@ -78,7 +76,6 @@ class TokenWise(Head):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         mask = without_first(texts.token_mask) if self.config.drop_sot else texts.token_mask.bool()

@@ -66,7 +66,6 @@ class Config(HeadConfig):
     num_heads: int = 1  # X-Pool code num_mha_heads=1 (paper: a single query per text), D_p = D
     dropout: float = 0.3  # X-Pool code transformer_dropout=0.3; T-MASS Sec. 4.1 keeps X-Pool's 0.3
     identity_init: bool = True  # X-Pool code Transformer._init_parameters: identity projections, zero biases
-    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; X-Pool reuses CLIP's learned scale
 
 
 @register_head("xpool")
@@ -93,7 +92,6 @@ class XPool(Head):
         self.linear_proj = nn.Linear(d, d)
         self.dropout = nn.Dropout(config.dropout)
         self.layer_norm3 = nn.LayerNorm(d)
-        self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
         if config.identity_init:
             for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.linear_proj):
                 nn.init.eye_(lin.weight)
