@@ -178,7 +178,8 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
         raise ManifestError(f"{source}: video(s) {_name_some(uncaptioned['video_id'])} have no caption")
 
 
-def _write_parquet(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
+def write_parquet(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
+    """Write ``table`` with ``schema`` so that the same rows always give the same bytes."""
     arrow = pa.Table.from_pandas(table, schema=schema, preserve_index=False)
     # No pandas metadata and no timestamps: the same rows give the same bytes.
     arrow = arrow.replace_schema_metadata(None)
@@ -238,8 +239,8 @@ def write_manifest(
     staged: list[tuple[Path, Path]] = []
     try:
         for name, write in (
-            (VIDEOS_FILE, lambda p: _write_parquet(videos, _VIDEO_SCHEMA, p)),
-            (CAPTIONS_FILE, lambda p: _write_parquet(captions, _CAPTION_SCHEMA, p)),
+            (VIDEOS_FILE, lambda p: write_parquet(videos, _VIDEO_SCHEMA, p)),
+            (CAPTIONS_FILE, lambda p: write_parquet(captions, _CAPTION_SCHEMA, p)),
             (META_FILE, lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")),
         ):
             tmp = out / f".{name}.tmp-{os.getpid()}"

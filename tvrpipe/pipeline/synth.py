@@ -51,7 +51,6 @@ import decord
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 import tvrpipe
@@ -64,6 +63,7 @@ from tvrpipe.pipeline.manifest import (
     Manifest,
     make_tables,
     write_manifest,
+    write_parquet,
 )
 
 log = logging.getLogger(__name__)
@@ -613,8 +613,7 @@ def attribute_rows(plans: Sequence[VideoPlan], size: int, frames_per_scene: int)
 def _write_table(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        arrow = pa.Table.from_pandas(table, schema=schema, preserve_index=False)
-        pq.write_table(arrow.replace_schema_metadata(None), tmp, compression="zstd")
+        write_parquet(table, schema, tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
