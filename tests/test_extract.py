@@ -5,6 +5,7 @@ refusal, HDF5 export. Ray is started once for the module (start-up is the slow p
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,8 +57,9 @@ def data(tmp_path_factory) -> Path:
 
 
 def _cfg(**kw) -> ExtractConfig:
+    # 2 broken videos of 16 (12.5 %) are over the default 10 % failure limit: allow them here
     base = dict(model=TINY_MODEL, pretrained="none", video_shard=4, text_shard=16, batch_size=3,
-                progress=False, timeout_s=30.0)
+                progress=False, timeout_s=30.0, max_failed_fraction=0.2)
     return ExtractConfig(**{**base, **kw})
 
 
@@ -65,7 +67,8 @@ def _cfg(**kw) -> ExtractConfig:
 def store_dir(ray_session, data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("feat")
     summary = extract(data / "manifest", data / "videos", out, _cfg())
-    assert summary.videos_done == N_VIDEOS + 2 and summary.failed == 2
+    assert (summary.videos_done, summary.videos_skipped, summary.failed) == (N_VIDEOS, 0, 2)
+    assert summary.failure_kinds == {"empty": 1, "unreadable": 1}
     return out
 
 
@@ -122,12 +125,17 @@ def test_provenance_recorded_and_mismatch_refused(store_dir, data, tmp_path):
         extract(data / "manifest", data / "videos", store_dir, _cfg(seed=1))
 
 
-def test_rerun_skips_everything(store_dir, data):
-    before = open_store(store_dir).array("videos/frames")[:]
+def test_rerun_skips_everything_but_retries_failures(store_dir, data):
+    before = {a: open_store(store_dir).array(a)[:] for a in ("videos/frames", "videos/frame_mask", "texts/tokens")}
     s = extract(data / "manifest", data / "videos", store_dir, _cfg())
-    assert (s.videos_done, s.videos_skipped, s.texts_done) == (0, N_VIDEOS + 2, 0)
-    assert s.failed == 2
-    np.testing.assert_array_equal(open_store(store_dir).array("videos/frames")[:], before)
+    # the two broken videos are retried (and fail again); counts are disjoint and add up
+    assert (s.videos_done, s.videos_skipped, s.failed, s.retried, s.recovered) == (0, N_VIDEOS, 2, 2, 0)
+    assert s.texts_done == 0 and s.texts_skipped == s.texts_total and s.repaired == 0
+    assert "0 extracted, 14 already done, 2 failed (16 in all; 2 retried, 0 recovered)" in s.lines()[0]
+    s = extract(data / "manifest", data / "videos", store_dir, _cfg(retry_failed=False))
+    assert (s.videos_done, s.videos_skipped, s.failed, s.retried) == (0, N_VIDEOS, 2, 0)
+    for name, values in before.items():
+        np.testing.assert_array_equal(open_store(store_dir).array(name)[:], values)
 
 
 def test_same_rows_with_other_worker_counts(store_dir, data, tmp_path):
@@ -167,7 +175,8 @@ def test_resume_after_kill(data, tmp_path):
     out = tmp_path / "k"
     cmd = [sys.executable, "-m", "tvrpipe", "extract", "--manifest", str(data / "manifest"),
            "--video-root", str(data / "videos"), "--out", str(out), "--model", TINY_MODEL,
-           "--pretrained", "none", "--batch-size", "1", "--decoders", "1", "--video-shard", "1"]
+           "--pretrained", "none", "--batch-size", "1", "--decoders", "1", "--video-shard", "1",
+           "--max-failed-fraction", "0.2"]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     markers = out / "_progress" / "videos"
     deadline = time.time() + 240
@@ -183,7 +192,7 @@ def test_resume_after_kill(data, tmp_path):
         open_store(out)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"{done_before} already done" in r.stdout
+    assert f"{N_VIDEOS + 2 - done_before - 2} extracted, {done_before} already done, 2 failed" in r.stdout
     store = open_store(out)
     ref = _reference_frames(data)
     np.testing.assert_allclose(store.array("videos/frames")[:].astype(np.float32), ref, rtol=1e-2, atol=2e-3)
@@ -199,3 +208,98 @@ def _reference_frames(data: Path) -> np.ndarray:
         d = decode_video(data / "videos" / r.path, 12, bundle.image_size)
         out[row][d.mask] = encode_frames(bundle, d.frames[d.mask]).numpy()
     return out
+
+
+# ------------------------------------------------------------------ failures, retries, repair
+
+
+def test_wrong_video_root_fails_the_run_then_the_right_one_retries(store_dir, data, tmp_path, cli):
+    """All videos missing: exit 1 with counts and a hint, store kept incomplete; the rerun with the
+    right root retries them (no --overwrite) and gives the same store as a clean run."""
+    from tvrpipe.pipeline.extract import ExtractionError
+
+    out, wrong = tmp_path / "f", tmp_path / "empty"
+    wrong.mkdir()
+    with pytest.raises(ExtractionError) as e:
+        extract(data / "manifest", wrong, out, _cfg())
+    msg = str(e.value)
+    assert msg.startswith(f"{N_VIDEOS + 2} of {N_VIDEOS + 2} videos failed (100.0 % > --max-failed-fraction 0.2)")
+    assert f"missing: {N_VIDEOS + 2}" in msg and f"check --video-root {wrong}" in msg and "failures.parquet" in msg
+    s = e.value.summary
+    assert (s.videos_done, s.videos_skipped, s.failed) == (0, 0, N_VIDEOS + 2)
+    with pytest.raises(StoreError, match=f"{N_VIDEOS + 2} of {N_VIDEOS + 2} videos failed"):
+        open_store(out)  # not complete: nothing reads it as if it were whole
+    r = cli("train-head", "--features", out, "--method", "meanpool", "--out", tmp_path / "run")
+    assert r.exit_code == 1 and "videos failed" in r.output
+    s = extract(data / "manifest", data / "videos", out, _cfg())
+    assert (s.videos_done, s.videos_skipped, s.failed, s.retried, s.recovered) == (N_VIDEOS, 0, 2, N_VIDEOS + 2, N_VIDEOS)
+    assert s.texts_done == 0  # texts were done by the failed run and kept
+    a, b = open_store(out), open_store(store_dir)
+    for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
+        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:], err_msg=name)
+    assert sorted(a.failures.video_id) == ["corrupt", "zero"]
+
+
+def test_failure_limit_exit_code_and_summary_via_cli(data, tmp_path, cli):
+    """The CLI prints the summary, then one error line, and exits 1 (default limit 10 %: 2 of 16 fail)."""
+    out = tmp_path / "f"
+    r = cli("extract", "--manifest", data / "manifest", "--video-root", data / "videos", "--out", out,
+            "--model", TINY_MODEL, "--pretrained", "none", "--video-shard", "8")
+    assert r.exit_code == 1, r.output
+    text = " ".join(r.output.split())
+    assert f"{N_VIDEOS} extracted, 0 already done, 2 failed ({N_VIDEOS + 2} in all)" in text
+    assert "error: 2 of 16 videos failed (12.5 % > --max-failed-fraction 0.1): empty: 1, unreadable: 1" in text
+    assert "--max-failed-fraction 0.12" in text
+    r = cli("extract", "--manifest", data / "manifest", "--video-root", data / "videos", "--out", out,
+            "--model", TINY_MODEL, "--pretrained", "none", "--no-retry-failed", "--max-failed-fraction", "0.125")
+    assert r.exit_code == 0, r.output
+    assert f"0 extracted, {N_VIDEOS} already done, 2 failed" in " ".join(r.output.split())
+    assert open_store(out).provenance["complete"] is True
+
+
+def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(store_dir, d)
+    (d / ".tvrpipe.lock").unlink(missing_ok=True)
+    zarr_dir = d / "features.zarr"
+    (zarr_dir / "videos" / "frames" / "c" / "1" / "0" / "0").unlink()
+    tok = zarr_dir / "texts" / "tokens" / "c" / "0" / "0" / "0"
+    tok.write_bytes(np.random.default_rng(0).bytes(tok.stat().st_size))
+    with pytest.raises(StoreError, match="videos/frames chunk c/1/0/0 is missing"):
+        open_store(d)
+    markers = {p.relative_to(d).as_posix(): p.stat().st_mtime_ns for p in (d / "_progress").rglob("*.json")}
+    s = extract(data / "manifest", data / "videos", d, _cfg(retry_failed=False))
+    assert s.repaired == 2 and s.videos_done == 4 and s.texts_done == 16, s.lines()
+    changed = sorted(k for k, t in markers.items() if (d / k).stat().st_mtime_ns != t)
+    assert changed == ["_progress/texts/000000.json", "_progress/videos/000001.json"]
+    a, b = open_store(d), open_store(store_dir)
+    for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
+        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:], err_msg=name)
+
+
+def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch):
+    """Invalid values never become defaults, and nothing (no Ray, no model, no directory) starts."""
+    from tvrpipe.errors import ConfigError, ManifestError
+    from tvrpipe.pipeline import clip, extract as extract_module
+
+    def forbidden(*a, **kw):
+        raise AssertionError("started before the options were checked")
+
+    monkeypatch.setattr(extract_module, "_ray_init", forbidden)
+    monkeypatch.setattr(clip, "load_clip", forbidden)
+    out = tmp_path / "f"
+    for kw, message in [({"frames": -1}, "--frames must be >= 1, got -1"), ({"frames": 0}, "--frames must be >= 1"),
+                        ({"max_words": 0}, "--max-words must be >= 2, got 0"),
+                        ({"max_words": 1}, "--max-words must be >= 2, got 1"),
+                        ({"decoders": 0}, "--decoders must be >= 1, got 0"),
+                        ({"timeout_s": 0.0}, "--timeout must be > 0"),
+                        ({"max_failed_fraction": 1.5}, "--max-failed-fraction must be between 0 and 1")]:
+        with pytest.raises(ConfigError, match=message):
+            extract(data / "manifest", data / "videos", out, _cfg(**kw))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "videos.parquet").write_text("not parquet")
+    (bad / "captions.parquet").write_text("not parquet")
+    with pytest.raises(ManifestError):
+        extract(bad, data / "videos", out, _cfg())
+    assert not out.exists()

@@ -43,11 +43,11 @@ def _fill(w: StoreWriter, rng, only=None):
 
 def test_layout_dtypes_chunks_and_roundtrip(tmp_path):
     v, t = _tables()
-    w = StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4)
-    assert [(s.start, s.stop) for s in w.shards("videos")] == [(0, 3), (3, 6), (6, 7)]
-    rng = np.random.default_rng(0)
-    _fill(w, rng)
-    failures = w.finalize()
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        assert [(s.start, s.stop) for s in w.shards("videos")] == [(0, 3), (3, 6), (6, 7)]
+        rng = np.random.default_rng(0)
+        _fill(w, rng)
+        failures = w.finalize()
     assert list(failures.video_id) == ["v0"]
     store = open_store(tmp_path)
     frames = store.array("videos/frames")
@@ -65,45 +65,45 @@ def test_layout_dtypes_chunks_and_roundtrip(tmp_path):
 
 def test_written_values_read_back(tmp_path):
     v, t = _tables(nv=4, nt=4)
-    w = StoreWriter(tmp_path, v, t, _prov(), video_shard=2, text_shard=2)
-    x = np.arange(2 * F * D, dtype=np.float32).reshape(2, F, D) / 7
-    s = w.shards("videos")[1]
-    w.write_videos(s, x, np.array([[1, 1, 0], [1, 0, 0]], bool), np.full((2, F), 0.5), [])
-    g = zarr.open_group(tmp_path / STORE_NAME, mode="r")
-    np.testing.assert_array_equal(g["videos/frames"][2:4], x.astype(np.float16))
-    assert g["videos/frame_mask"][3].tolist() == [True, False, False]
-    assert [p.index for p in w.pending("videos")] == [0]
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=2, text_shard=2) as w:
+        x = np.arange(2 * F * D, dtype=np.float32).reshape(2, F, D) / 7
+        s = w.shards("videos")[1]
+        w.write_videos(s, x, np.array([[1, 1, 0], [1, 0, 0]], bool), np.full((2, F), 0.5), [])
+        g = zarr.open_group(tmp_path / STORE_NAME, mode="r")
+        np.testing.assert_array_equal(g["videos/frames"][2:4], x.astype(np.float16))
+        assert g["videos/frame_mask"][3].tolist() == [True, False, False]
+        assert [p.index for p in w.pending("videos")] == [0]
 
 
 def test_resume_reuses_completed_shards(tmp_path):
     v, t = _tables()
     rng = np.random.default_rng(1)
-    w = StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4)
-    _fill(w, rng, only={0})
-    with pytest.raises(StoreError, match="not complete yet"):
-        w.finalize()
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        _fill(w, rng, only={0})
+        with pytest.raises(StoreError, match="not complete yet"):
+            w.finalize()
     with pytest.raises(StoreError, match="has not finished.*resume"):
         open_store(tmp_path)
-    w2 = StoreWriter(tmp_path, v, t, _prov(), video_shard=99, text_shard=99)  # chunking comes from the store
-    assert [s.index for s in w2.pending("videos")] == [1, 2]
-    _fill(w2, rng)
-    assert list(w2.finalize().video_id) == ["v0"]  # the first run's failure survives the resume
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=99, text_shard=99) as w2:  # chunking: the store's
+        assert [s.index for s in w2.pending("videos")] == [1, 2]
+        _fill(w2, rng)
+        assert list(w2.finalize().video_id) == ["v0"]  # the first run's failure survives the resume
 
 
 def test_other_provenance_is_refused_unless_overwrite(tmp_path):
     v, t = _tables()
-    StoreWriter(tmp_path, v, t, _prov())
+    StoreWriter(tmp_path, v, t, _prov()).close()
     with pytest.raises(StoreError, match=r"other settings \(frames: store has 3, expected 8\).*--overwrite"):
         StoreWriter(tmp_path, v, t, _prov(frames=8))
-    w = StoreWriter(tmp_path, v, t, _prov(frames=8), overwrite=True)
-    assert w.root["videos/frames"].shape == (7, 8, D)
+    with StoreWriter(tmp_path, v, t, _prov(frames=8), overwrite=True) as w:
+        assert w.root["videos/frames"].shape == (7, 8, D)
 
 
 def test_reader_refuses_mismatch_and_missing(tmp_path):
     v, t = _tables()
-    w = StoreWriter(tmp_path / "s", v, t, _prov())
-    _fill(w, np.random.default_rng(2))
-    w.finalize()
+    with StoreWriter(tmp_path / "s", v, t, _prov()) as w:
+        _fill(w, np.random.default_rng(2))
+        w.finalize()
     with pytest.raises(StoreError, match=r"model: store has 'm', expected 'ViT-B-32'"):
         open_store(tmp_path / "s", expect={"model": "ViT-B-32"})
     assert open_store(tmp_path / "s", expect={"model": "m", "frames": F}).provenance["model"] == "m"

@@ -21,3 +21,15 @@ class ManifestError(TvrpipeError):
 
 class VideoError(TvrpipeError):
     """A video cannot be written or read."""
+
+
+class LockError(TvrpipeError):
+    """Another process is writing the same feature store or run directory."""
+
+
+class NonFiniteError(TvrpipeError):
+    """A loss, a similarity score, a feature or a weight is NaN or infinite."""
+
+
+class RunError(TvrpipeError):
+    """A run directory is missing a file or holds a damaged one."""

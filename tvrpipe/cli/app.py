@@ -22,14 +22,27 @@ err_console = Console(stderr=True)
 
 
 class _ErrorsAsMessages(TyperGroup):
-    """A command group that reports :class:`TvrpipeError` as one line and exits 1."""
+    """A command group that reports :class:`TvrpipeError` (and file-system errors) as one line, exit 1.
+
+    An ``OSError`` that the library did not turn into a message of its own (a disk that filled, a
+    folder that became read-only mid-run) names its file and what the system said; ``-vv`` logs
+    its traceback.
+    """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except TvrpipeError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+            _one_line(str(e))
+        except OSError as e:
+            logging.getLogger("tvrpipe").debug("traceback", exc_info=True)
+            where = f"{e.filename}: " if e.filename else ""
+            _one_line(f"{where}{e.strerror or e} (check that the path exists, is writable and the disk has room)")
+
+
+def _one_line(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {' '.join(message.split())}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
 
 
 def new_app(**kwargs: Any) -> typer.Typer:

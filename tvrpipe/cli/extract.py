@@ -1,4 +1,4 @@
-"""``tvrpipe extract``, ``tvrpipe export`` and ``tvrpipe features show``."""
+"""``tvrpipe extract``, ``tvrpipe export``, ``tvrpipe features show`` and ``tvrpipe features verify``."""
 
 from __future__ import annotations
 
@@ -42,10 +42,22 @@ def extract_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the random weights for --pretrained none.")] = 0,
     video_shard: Annotated[int, typer.Option(help="Videos per shard (one Zarr chunk; the unit of resume).")] = 64,
     text_shard: Annotated[int, typer.Option(help="Captions per shard.")] = 256,
-    overwrite: Annotated[bool, typer.Option(help="Replace a store made with other settings.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Delete the store in --out (whatever its settings) and extract from scratch.")
+    ] = False,
+    retry_failed: Annotated[
+        bool, typer.Option(help="On a rerun, retry the videos recorded as failed (the rest is kept).")
+    ] = True,
+    max_failed_fraction: Annotated[
+        float, typer.Option(help="Exit 1, leaving the store incomplete and resumable, if more than this "
+                                 "fraction of the videos failed.")
+    ] = 0.1,
 ) -> None:
-    """Extract CLIP frame and text features of a manifest into a Zarr feature store (Ray)."""
-    from tvrpipe.pipeline.extract import ExtractConfig, extract
+    """Extract CLIP frame and text features of a manifest into a Zarr feature store (Ray).
+
+    Rerun the same command to resume an interrupted run, re-extract damaged shards and retry failed videos.
+    """
+    from tvrpipe.pipeline.extract import ExtractConfig, ExtractionError, extract
     from tvrpipe.pipeline.manifest import read_manifest
 
     if dataset is not None:
@@ -55,10 +67,16 @@ def extract_cmd(
     cfg = ExtractConfig(model=model, pretrained=pretrained, frames=frames, max_words=max_words,
                         batch_size=batch_size, device=device, address=address, decoders=decoders,
                         encoders=encoders, timeout_s=timeout, seed=seed, video_shard=video_shard,
-                        text_shard=text_shard, overwrite=overwrite)
-    summary = extract(manifest, video_root, out, cfg)
+                        text_shard=text_shard, overwrite=overwrite, retry_failed=retry_failed,
+                        max_failed_fraction=max_failed_fraction)
+    try:
+        summary = extract(manifest, video_root, out, cfg)
+    except ExtractionError as e:
+        for line in e.summary.lines():
+            console.print(line, highlight=False)
+        raise
     for line in summary.lines():
-        console.print(line)
+        console.print(line, highlight=False)
 
 
 @app.command("export")
@@ -94,3 +112,36 @@ def show(features: Annotated[Path, typer.Argument(help="A feature store director
         console.print(f"  {k}: {store.provenance[k]}")
     splits = store.videos.groupby("split").size().to_dict()
     console.print(f"videos per split: {splits}; failed videos: {len(store.failures)}")
+
+
+@features_app.command("verify")
+def verify(features: Annotated[Path, typer.Argument(help="A feature store directory.")]) -> None:
+    """Check every chunk of a store against its checksum and scan the embeddings for NaN/inf."""
+    from tvrpipe.errors import NonFiniteError
+    from tvrpipe.pipeline.store import StoreError, open_store, verify_store
+
+    report = verify_store(features)
+    console.print(f"{features}: {report.shards} shards, {report.bytes / 1e9:.3f} GB checked in "
+                  f"{report.seconds:.1f} s" + ("" if report.complete else
+                                               f"; extraction unfinished: {report.not_written} shards to go"),
+                  highlight=False)
+    for d in report.damage:
+        console.print(f"  damaged: {d}", highlight=False)
+    if report.damage:
+        raise StoreError(
+            f"{features}: {len(report.damage)} damaged shard(s), e.g. {report.damage[0]}; repair by running "
+            f"`{report.made_by}` again with the same options and --out: it re-extracts exactly those shards"
+        )
+    bad = {k: v for k, v in report.nonfinite.items() if v}
+    if bad:
+        store = open_store(features)
+        parts = []
+        for name, rows in bad.items():
+            table = store.videos if name.startswith("videos") else store.texts
+            ids = table.iloc[rows[:3]].iloc[:, 0].tolist()
+            parts.append(f"{name}: {len(rows)} rows, e.g. row {rows[0]} ({ids[0]}) in {store.shard_of(name, rows[0])}")
+        raise NonFiniteError(
+            f"{features}: the checksums match but the extractor stored non-finite values ({'; '.join(parts)}); "
+            "re-extract with --overwrite (with --device cuda, try --device cpu: fp16 overflow)"
+        )
+    console.print("ok: every chunk matches its checksum and every embedding is finite")

@@ -90,12 +90,6 @@ def train_head(
     from tvrpipe.training.fit import TrainConfig, fit
 
     overrides = parse_overrides(method, set_ or [])
-    if epochs < 0:
-        raise ConfigError(f"--epochs must be >= 0 (0: evaluate the untrained head), got {epochs}")
-    if batch_size < 2:
-        raise ConfigError(f"--batch-size must be >= 2 (a contrastive batch needs negatives), got {batch_size}")
-    if lr <= 0:
-        raise ConfigError(f"--lr must be > 0, got {lr}")
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed,
                       device=device, prefetch=prefetch)
     metrics = fit(features, method, out, cfg, overrides, _post(post or []))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, NonFiniteError
 from tvrpipe.evaluation.metrics import retrieval_metrics, t2v_ranks, v2t_ranks
 from tvrpipe.evaluation.post import (
     DSL_TEMPERATURE,
@@ -161,6 +161,28 @@ def _video_querybank(head: Head, querybank: Iterable[VideoBatch], text_emb: Emb,
     return acc.summary()
 
 
+def _names(ids: Sequence[str] | None, idx: np.ndarray, what: str) -> str:
+    shown = [str(ids[i]) if ids is not None else f"{what} {i}" for i in idx[:5]]
+    return ", ".join(shown) + (f" (+{len(idx) - 5} more)" if len(idx) > 5 else "")
+
+
+def check_finite(sim: Tensor, what: str, text_ids: Sequence[str] | None = None,
+                 video_ids: Sequence[str] | None = None) -> Tensor:
+    """``sim`` if every score is finite; else :class:`NonFiniteError` naming the rows and columns involved."""
+    bad = ~torch.isfinite(sim)
+    if not bad.any():
+        return sim
+    rows = torch.nonzero(bad.any(1)).flatten().numpy()
+    cols = torch.nonzero(bad.any(0)).flatten().numpy()
+    raise NonFiniteError(
+        f"{int(bad.sum())} of {sim.shape[0]} x {sim.shape[1]} {what} scores are NaN or infinite, for "
+        f"{len(rows)} captions ({_names(text_ids, rows, 'caption row')}) and {len(cols)} videos "
+        f"({_names(video_ids, cols, 'video row')}); no metric is computed from them. The head's weights or "
+        "these features hold NaN/inf: check the store with `tvrpipe features verify`, and retrain if the "
+        "checkpoint is damaged"
+    )
+
+
 def _check_post(post: Sequence[str]) -> tuple[str, ...]:
     if isinstance(post, str):
         post = (post,)
@@ -188,8 +210,13 @@ def evaluate_head(
     qb_k: int = QB_K,
     qb_beta: float = QB_BETA,
     return_sim: bool = False,
+    text_ids: Sequence[str] | None = None,
+    video_ids: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Evaluate a head on a test split: raw t2v / v2t metrics, plus requested post-processing.
+
+    A NaN or infinite score stops the evaluation with :class:`~tvrpipe.errors.NonFiniteError`
+    naming the captions and videos involved: no metric is computed from non-finite scores.
 
     Args:
         head: any head (``encode_texts``, ``encode_videos``, ``similarity``); put in eval mode
@@ -206,6 +233,7 @@ def evaluate_head(
         dsl_temperature: softmax multiplier of DSL (100 = CLIP's logit scale).
         qb_k, qb_beta: QB-Norm activation-set size and inverse temperature.
         return_sim: also return the raw float32 matrix under ``"sim"``.
+        text_ids, video_ids: ids of the captions and videos, to name them in errors (default: indices).
 
     Returns:
         ``{"t2v": {...}, "v2t": {...}, "n_texts": int, "n_videos": int}`` plus ``"t2v_dsl"``,
@@ -236,6 +264,8 @@ def evaluate_head(
         sim = similarity_matrix(head, text_emb, video_emb, block_texts=block_texts,
                                 block_videos=block_videos, device=device)
         t2 = time.perf_counter()
+        names = (text_ids, video_ids)
+        check_finite(sim, "similarity", *names)
         result: dict[str, Any] = {
             "t2v": retrieval_metrics(t2v_ranks(sim, tv)),
             "v2t": retrieval_metrics(v2t_ranks(sim, tv)),
@@ -243,17 +273,21 @@ def evaluate_head(
             "n_videos": n_v,
         }
         if "dsl" in post:
-            result["t2v_dsl"] = retrieval_metrics(t2v_ranks(dual_softmax(sim, dsl_temperature, dim=0), tv))
-            result["v2t_dsl"] = retrieval_metrics(v2t_ranks(dual_softmax(sim, dsl_temperature, dim=1), tv))
+            t2v_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=0), "DSL (t2v)", *names)
+            v2t_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=1), "DSL (v2t)", *names)
+            result["t2v_dsl"] = retrieval_metrics(t2v_ranks(t2v_dsl, tv))
+            result["v2t_dsl"] = retrieval_metrics(v2t_ranks(v2t_dsl, tv))
         if "qbnorm" in post:
             bank = _text_querybank(head, querybank, video_emb, k=qb_k, beta=qb_beta,
                                    block_texts=block_texts, block_videos=block_videos, device=device)
-            result["t2v_qbnorm"] = retrieval_metrics(t2v_ranks(apply_qb_norm(sim, bank), tv))
+            result["t2v_qbnorm"] = retrieval_metrics(t2v_ranks(check_finite(apply_qb_norm(sim, bank),
+                                                                            "QB-Norm (t2v)", *names), tv))
             if video_querybank is not None:
                 vbank = _video_querybank(head, video_querybank, text_emb, k=qb_k, beta=qb_beta,
                                          block_texts=block_texts, block_videos=block_videos, device=device)
                 # videos are the queries: normalise the rows of sim.T, rank back in (text, video) layout
-                result["v2t_qbnorm"] = retrieval_metrics(v2t_ranks(apply_qb_norm(sim.T, vbank).T, tv))
+                v2t_qb = check_finite(apply_qb_norm(sim.T, vbank).T, "QB-Norm (v2t)", *names)
+                result["v2t_qbnorm"] = retrieval_metrics(v2t_ranks(v2t_qb, tv))
             else:
                 log.info("v2t QB-Norm skipped: it needs a bank of training videos (video_querybank=)")
         log.info("evaluated %d texts x %d videos: encode %.2fs, similarity %.2fs, metrics+post %.2fs",

@@ -15,14 +15,18 @@ import h5py
 import numpy as np
 
 from tvrpipe.errors import ConfigError
+from tvrpipe.lock import check_writable
+from tvrpipe.pipeline.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.pipeline.store import open_store
 
-ARRAYS = ("videos/frames", "videos/frame_mask", "videos/timestamps",
-          "texts/tokens", "texts/token_mask", "texts/sentence")
+ARRAYS = tuple(f"{kind}/{name}" for kind, names in STORE_ARRAYS.items() for name in names)
 
 
 def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
     """Write the store's arrays, ids and provenance into ``out_file`` (written atomically).
+
+    The store is checked as it is opened (:func:`~tvrpipe.pipeline.store.open_store`); a damaged
+    store is refused before anything is written.
 
     Example:
         >>> export_hdf5("features/msrvtt-b32", "msrvtt-b32.h5")  # doctest: +SKIP
@@ -31,10 +35,15 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     out = Path(out_file)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as features.h5")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out.parent, "--out")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        with h5py.File(tmp, "w") as h5:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        h5 = h5py.File(tmp, "w")
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}); choose a writable path") from None
+    try:
+        with h5:
             for name in ARRAYS:
                 src = store.array(name)
                 dst = h5.create_dataset(name, shape=src.shape, dtype=src.dtype, chunks=src.chunks)

@@ -13,7 +13,14 @@ Decode is the bottleneck (DESIGN.md measured ~160 frames/s per core for 720p H.2
 gets the cores and encoding overlaps with it. Locally ``ray.init()`` starts a private instance;
 ``--address``/``RAY_ADDRESS`` runs the same code on a cluster (paths must then be visible to
 every node). A bad video is recorded in ``failures.parquet`` with zero features and an all-False
-mask; it never stops the run. Rerunning the same command resumes: complete shards are skipped.
+mask; it never stops the run, but a run where more than ``max_failed_fraction`` of the videos
+failed exits with an error and leaves the store incomplete (nothing is lost: it stays resumable).
+
+Rerunning the same command resumes: whole shards are skipped, damaged shards (a chunk missing,
+truncated or overwritten since it was written) are re-extracted, and the videos recorded as failed
+are retried (their shard is rewritten with the rows that succeeded before kept as they were).
+Options and the manifest are checked before Ray starts or a model loads, and the store is locked
+while written (:mod:`tvrpipe.lock`).
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
+from tvrpipe.lock import check_writable
 from tvrpipe.pipeline.manifest import read_manifest
-from tvrpipe.pipeline.store import StoreWriter, make_provenance, manifest_sha256
+from tvrpipe.pipeline.store import Shard, StoreWriter, make_provenance, manifest_sha256, nonfinite_rows
 
 log = logging.getLogger(__name__)
 
@@ -59,36 +67,97 @@ class ExtractConfig:
     seed: int = 0  # for --pretrained none
     overwrite: bool = False
     progress: bool = True
+    retry_failed: bool = True  # a rerun retries the videos recorded as failed
+    # choice: a wrong --video-root or a broken decoder fails (nearly) every video, while a real
+    # download that lost a few files stays well under 10 %; above it the run exits 1
+    max_failed_fraction: float = 0.1
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid option; reads and creates nothing."""
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        for opt, value, low in (("--frames", self.frames, 1), ("--max-words", self.max_words, 2),
+                                ("--decoders", self.decoders, 1), ("--batch-size", self.batch_size, 1),
+                                ("--encoders", self.encoders, 1), ("--video-shard", self.video_shard, 1),
+                                ("--text-shard", self.text_shard, 1)):
+            if value is not None and value < low:
+                raise ConfigError(f"{opt} must be >= {low}, got {value}")
+        if not self.timeout_s > 0:  # NaN too
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ConfigError(f"--max-failed-fraction must be between 0 and 1, got {self.max_failed_fraction}")
 
 
 @dataclass
 class ExtractSummary:
-    """What an extraction did."""
+    """What an extraction did. ``videos_done + videos_skipped + failed == videos_total``."""
 
     out: Path
     videos_total: int
-    videos_done: int = 0  # extracted in this run (failed ones included)
-    videos_skipped: int = 0  # in shards completed by an earlier run
+    videos_done: int = 0  # extracted in this run (failures not included)
+    videos_skipped: int = 0  # extracted by an earlier run (failures not included)
+    failed: int = 0  # videos that have failed, in this run or an earlier one not retried
+    retried: int = 0  # videos that had failed before and were tried again in this run
+    recovered: int = 0  # of those, the ones that succeeded this time
+    texts_total: int = 0
     texts_done: int = 0
     texts_skipped: int = 0
     frames_done: int = 0
-    failed: int = 0  # failures in the whole store (this run and earlier ones)
+    repaired: int = 0  # damaged shards re-extracted (videos and texts)
     failure_kinds: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
     def lines(self) -> list[str]:
         """A short human-readable summary."""
         rate = self.videos_done / self.seconds if self.seconds else 0.0
+        retried = f"; {self.retried} retried, {self.recovered} recovered" if self.retried else ""
+        repaired = f"; {self.repaired} damaged shards re-extracted" if self.repaired else ""
         out = [
-            f"videos: {self.videos_done} extracted, {self.videos_skipped} already done, "
-            f"{self.failed} failed (of {self.videos_total}); texts: {self.texts_done} encoded, "
-            f"{self.texts_skipped} already done",
+            f"videos: {self.videos_done} extracted, {self.videos_skipped} already done, {self.failed} failed "
+            f"({self.videos_total} in all{retried}); texts: {self.texts_done} encoded, "
+            f"{self.texts_skipped} already done ({self.texts_total} in all){repaired}",
             f"{self.seconds:.1f} s, {rate:.2f} videos/s, {self.frames_done / max(self.seconds, 1e-9):.1f} frames/s",
         ]
         if self.failure_kinds:
             kinds = ", ".join(f"{k}: {n}" for k, n in Counter(self.failure_kinds).most_common(5))
             out.append(f"failures by kind: {kinds} (see {self.out / 'failures.parquet'})")
         return out
+
+
+class ExtractionError(TvrpipeError):
+    """Too many videos failed; the store is kept, incomplete and resumable. ``summary`` says what was done."""
+
+    def __init__(self, message: str, summary: ExtractSummary) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+_HINTS = {
+    "missing": "check --video-root {root}: {example} does not exist",
+    "empty": "the files have zero bytes: download them again",
+    "unreadable": "neither decord nor PyAV can read them: check them with ffprobe",
+    "no_frames": "they hold no decodable frame, or none inside the clip's start/end",
+    "timeout": "raise --timeout (now {timeout:g} s) if the videos are long",
+    "nonfinite": "the encoder returned NaN or infinity: try --device cpu (fp16 overflow)",
+}
+
+
+def _too_many_failures(failures: pd.DataFrame, videos: pd.DataFrame, root: Path, out: Path,
+                       cfg: ExtractConfig) -> str | None:
+    n, total = len(failures), len(videos)
+    if n <= cfg.max_failed_fraction * total:
+        return None
+    kinds = sorted(Counter(e.split(":", 1)[0] for e in failures["error"]).items(), key=lambda kv: (-kv[1], kv[0]))
+    top = kinds[0][0]
+    path = videos.set_index("video_id").loc[failures["video_id"].iloc[0], "path"]
+    hint = _HINTS.get(top, "see the errors").format(root=root, example=root / path, timeout=cfg.timeout_s)
+    return (
+        f"{n} of {total} videos failed ({100 * n / total:.1f} % > --max-failed-fraction "
+        f"{cfg.max_failed_fraction:g}): {', '.join(f'{k}: {c}' for k, c in kinds)}; {hint}. "
+        f"The store in {out} is kept but not marked complete: fix the cause and rerun the same command (it "
+        f"retries the failed videos and keeps the rest), or accept the failures with --max-failed-fraction "
+        f"{n / total:.2f}; details in {out / 'failures.parquet'}"
+    )
 
 
 # ------------------------------------------------------------------------- Ray Data stages
@@ -142,11 +211,16 @@ class EncodeStage:
         frames, mask = batch["frames"], batch["mask"]  # (B, F, S, S, 3), (B, F)
         B, F = mask.shape
         out = np.zeros((B, F, self.bundle.embed_dim), np.float16)
+        error = batch["error"].copy()
         if mask.any():
             emb = encode_frames(self.bundle, frames[mask])  # (n_valid, D)
             out[mask] = emb.numpy().astype(np.float16)
-        return {"row": batch["row"], "emb": out, "mask": mask, "timestamps": batch["timestamps"],
-                "error": batch["error"]}
+            bad = nonfinite_rows(out)  # e.g. fp16 overflow: never stored as if it were a feature
+            if bad.any():
+                out[bad], mask = 0, mask.copy()
+                mask[bad] = False
+                error[bad] = "nonfinite: the encoder returned NaN or infinity for this video's frames"
+        return {"row": batch["row"], "emb": out, "mask": mask, "timestamps": batch["timestamps"], "error": error}
 
 
 class TextStage:
@@ -207,8 +281,10 @@ def _progress(enabled: bool):
     )
 
 
-def _rows_for(shards, table: pd.DataFrame) -> pd.DataFrame:
-    idx = np.concatenate([np.arange(s.start, s.stop) for s in shards]) if shards else np.array([], int)
+def _rows_for(jobs: list[tuple[Shard, np.ndarray | None]], table: pd.DataFrame) -> pd.DataFrame:
+    """The table's rows that ``jobs`` (shard, rows to do or None for all) need, with a ``row`` column."""
+    idx = [np.arange(s.start, s.stop) if rows is None else rows for s, rows in jobs]
+    idx = np.concatenate(idx) if idx else np.array([], int)
     return table.iloc[idx].assign(row=idx)
 
 
@@ -222,28 +298,38 @@ def _video_items(rows: pd.DataFrame, video_root: Path) -> list[dict[str, Any]]:
 
 
 class _ShardBuffer:
-    """Collects rows that arrive in any order; yields a shard's arrays once all its rows are in."""
+    """Collects rows that arrive in any order; yields a shard's arrays once all its rows are in.
 
-    def __init__(self, shards, width: dict[str, tuple[tuple[int, ...], Any]]) -> None:
+    A shard being retried (``partial``: shard index -> the number of its rows being redone)
+    starts from its stored arrays, read by ``load`` when its first row arrives (so at most the
+    shards in flight are in memory), and waits only for its retried rows.
+    """
+
+    def __init__(self, shards, width: dict[str, tuple[tuple[int, ...], Any]],
+                 partial: dict[int, int] | None = None, load=None) -> None:
         self.of_row = {}
-        self.pending = {}
         for s in shards:
             for r in range(s.start, s.stop):
                 self.of_row[r] = s
         self.width = width
+        self.partial, self.load = partial or {}, load
         self.filled: dict[int, int] = Counter()
         self.data: dict[int, dict[str, np.ndarray]] = {}
 
     def add(self, row: int, values: dict[str, Any]) -> Any:
         s = self.of_row[row]
+        n = s.stop - s.start
         if s.index not in self.data:
-            n = s.stop - s.start
-            self.data[s.index] = {k: np.full((n, *shape), fill, dtype=np.asarray(fill).dtype if dt is None else dt)
-                                  for k, (shape, fill, dt) in self.width.items()}
+            if s.index in self.partial:
+                self.data[s.index] = self.load(s)
+                self.filled[s.index] = n - self.partial[s.index]
+            else:
+                self.data[s.index] = {k: np.full((n, *shape), fill, dtype=np.asarray(fill).dtype if dt is None else dt)
+                                      for k, (shape, fill, dt) in self.width.items()}
         for k, v in values.items():
             self.data[s.index][k][row - s.start] = v
         self.filled[s.index] += 1
-        if self.filled[s.index] == s.stop - s.start:
+        if self.filled[s.index] == n:
             return s, self.data.pop(s.index)
         return None
 
@@ -266,32 +352,34 @@ def extract(
         config: model, sampling and execution options.
 
     Returns:
-        What was done, skipped and failed.
+        What was done, skipped and failed (disjoint counts).
+
+    Raises:
+        ConfigError: an invalid option, video root or output directory (before anything is created).
+        ManifestError: an invalid manifest (before Ray starts).
+        LockError: another process is writing ``out_dir``.
+        StoreError: ``out_dir`` holds a store made with other settings (pass ``overwrite``).
+        ExtractionError: more than ``max_failed_fraction`` of the videos failed; the store is kept,
+            incomplete, and the next run retries them.
 
     Example:
         >>> extract("data/msrvtt/manifest", "data/msrvtt/videos", "features/msrvtt-b32",
         ...         ExtractConfig(model="ViT-B-32", pretrained="openai", device="cuda"))  # doctest: +SKIP
     """
-    from ray.data import ActorPoolStrategy
+    cfg = config or ExtractConfig()
+    t0 = time.perf_counter()
+    # Everything that can be checked cheaply is checked before Ray starts or a model loads.
+    cfg.validate()
+    manifest = read_manifest(manifest_dir)
+    root, out = Path(video_root), Path(out_dir)
+    if not root.is_dir():
+        raise ConfigError(f"--video-root {root}: not a directory")
+    check_writable(out, "--out")
+    F = cfg.frames if cfg.frames is not None else int(manifest.meta.get("frames", 12))
+    L = cfg.max_words if cfg.max_words is not None else int(manifest.meta.get("max_words", 32))
 
     from tvrpipe.pipeline.clip import load_clip, preprocess_description
     from tvrpipe.pipeline.decode import FRAME_SAMPLING
-
-    cfg = config or ExtractConfig()
-    t0 = time.perf_counter()
-    manifest = read_manifest(manifest_dir)
-    root = Path(video_root)
-    if not root.is_dir():
-        raise ConfigError(f"--video-root {root}: not a directory")
-    if cfg.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be cpu or cuda, got {cfg.device!r}")
-    for opt, value in (("--batch-size", cfg.batch_size), ("--video-shard", cfg.video_shard),
-                       ("--text-shard", cfg.text_shard), ("--encoders", cfg.encoders),
-                       ("--decoders", cfg.decoders or 1), ("--timeout", cfg.timeout_s)):
-        if value <= 0:
-            raise ConfigError(f"{opt} must be > 0, got {value}")
-    F = cfg.frames or int(manifest.meta.get("frames", 12))
-    L = cfg.max_words or int(manifest.meta.get("max_words", 32))
 
     # The driver loads the model once (on CPU) for provenance: weights hash, D, preprocessing.
     bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
@@ -310,30 +398,47 @@ def extract(
     texts = manifest.captions.assign(video_row=vrow.loc[manifest.captions["video_id"]].to_numpy())[
         ["caption_id", "video_id", "video_row", "split", "text"]
     ]
-    writer = StoreWriter(out_dir, videos[["video_id", "split", "path"]], texts.drop(columns="text"), provenance,
-                         cfg.video_shard, cfg.text_shard, cfg.overwrite)
-    summary = ExtractSummary(out=Path(out_dir), videos_total=len(videos))
-    v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
-    summary.videos_skipped = len(videos) - sum(s.stop - s.start for s in v_pending)
-    summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in t_pending)
-
-    if v_pending or t_pending:
-        _ray_init(cfg.address)
-        cpus = _cluster_cpus()
-        gpu = cfg.device == "cuda"
-        enc_opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 0}
-        threads = 1 if gpu else cpus  # CPU encoders share the cores with the decoders
-        with _progress(cfg.progress) as bar:
-            if t_pending:
-                _run_texts(writer, texts, t_pending, cfg, L, enc_opts, threads, bar, summary)
-            if v_pending:
-                decoders = cfg.decoders or cpus
-                _run_videos(writer, videos, v_pending, root, cfg, F, provenance["image_size"], decoders,
-                            enc_opts, threads, bar, summary, ActorPoolStrategy)
-    failures = writer.finalize()
-    summary.failed = len(failures)
-    summary.failure_kinds = dict(Counter(e.split(":", 1)[0] for e in failures["error"]))
+    summary = ExtractSummary(out=out, videos_total=len(videos), texts_total=len(texts))
+    with StoreWriter(out, videos[["video_id", "split", "path"]], texts.drop(columns="text"), provenance,
+                     cfg.video_shard, cfg.text_shard, cfg.overwrite) as writer:
+        damaged = len(writer.damaged("videos")) + len(writer.damaged("texts"))
+        v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
+        retry = {s: rows for s, rows in writer.failed_rows().items() if s not in set(v_pending)} \
+            if cfg.retry_failed else {}
+        jobs = [(s, None) for s in v_pending] + list(retry.items())
+        summary.repaired = damaged
+        summary.retried = sum(len(rows) for rows in retry.values())
+        summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in t_pending)
+        failed_before = set(writer.failures()["video_id"])
+        processed = 0
+        if jobs or t_pending:
+            _ray_init(cfg.address)
+            cpus = _cluster_cpus()
+            gpu = cfg.device == "cuda"
+            enc_opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 0}
+            threads = 1 if gpu else cpus  # CPU encoders share the cores with the decoders
+            with _progress(cfg.progress) as bar:
+                if t_pending:
+                    _run_texts(writer, texts, t_pending, cfg, L, enc_opts, threads, bar, summary)
+                if jobs:
+                    decoders = cfg.decoders if cfg.decoders is not None else cpus
+                    processed = _run_videos(writer, videos, jobs, root, cfg, F, provenance["image_size"],
+                                            decoders, enc_opts, threads, bar, summary)
+        failures = writer.failures()
+        failed_now = set(failures["video_id"])
+        ids = videos["video_id"].to_numpy()
+        redone = {str(i) for s, rows in jobs for i in ids[np.arange(s.start, s.stop) if rows is None else rows]}
+        retried = {str(i) for rows in retry.values() for i in ids[rows]}
+        summary.failed = len(failures)
+        summary.videos_done = processed - len(failed_now & redone)
+        summary.videos_skipped = summary.videos_total - summary.videos_done - summary.failed
+        summary.recovered = len((failed_before & retried) - failed_now)
+        summary.failure_kinds = dict(Counter(e.split(":", 1)[0] for e in failures["error"]))
+        reason = _too_many_failures(failures, videos, root, out, cfg)
+        writer.finalize(incomplete_reason=reason)
     summary.seconds = time.perf_counter() - t0
+    if reason:
+        raise ExtractionError(reason, summary)
     return summary
 
 
@@ -341,7 +446,7 @@ def _run_texts(writer, texts, shards, cfg, L, enc_opts, threads, bar, summary) -
     import ray
     from ray.data import ActorPoolStrategy
 
-    rows = _rows_for(shards, texts)
+    rows = _rows_for([(s, None) for s in shards], texts)
     task = bar.add_task("texts", total=len(rows), rate="")
     ds = ray.data.from_items([{"row": int(r), "text": t} for r, t in zip(rows["row"], rows["text"])])
     ds = ds.map_batches(
@@ -355,20 +460,30 @@ def _run_texts(writer, texts, shards, cfg, L, enc_opts, threads, bar, summary) -
     t0 = time.perf_counter()
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         for i, row in enumerate(batch["row"]):
-            done = buf.add(int(row), {k: batch[k][i] for k in ("tokens", "token_mask", "sentence")})
-            if done:
-                s, d = done
+            full = buf.add(int(row), {k: batch[k][i] for k in ("tokens", "token_mask", "sentence")})
+            if full:
+                s, d = full
+                bad = np.flatnonzero(nonfinite_rows(d["tokens"]) | nonfinite_rows(d["sentence"]))
+                if len(bad):  # never stored as if it were a feature; the shard stays pending
+                    caps = texts["caption_id"].to_numpy()[s.start + bad]
+                    raise NonFiniteError(
+                        f"the text encoder returned NaN or infinity for captions {', '.join(map(str, caps[:5]))}"
+                        f" ({len(bad)} in {s}); with --device cuda try --device cpu (fp16 overflow)"
+                    )
                 writer.write_texts(s, d["tokens"], d["token_mask"], d["sentence"])
         summary.texts_done += len(batch["row"])
         bar.update(task, advance=len(batch["row"]),
                    rate=f"{summary.texts_done / (time.perf_counter() - t0):.0f} texts/s")
 
 
-def _run_videos(writer, videos, shards, root, cfg, F, image_size, decoders, enc_opts, threads, bar, summary,
-                ActorPoolStrategy) -> None:
+def _run_videos(writer, videos, jobs, root, cfg, F, image_size, decoders, enc_opts, threads, bar,
+                summary) -> int:
+    """Decode and encode the rows of ``jobs`` and write their shards; returns the videos processed."""
     import ray
+    from ray.data import ActorPoolStrategy
 
-    rows = _rows_for(shards, videos)
+    shards = [s for s, _ in jobs]
+    rows = _rows_for(jobs, videos)
     task = bar.add_task("videos", total=len(rows), rate="")
     ds = ray.data.from_items(_video_items(rows, root))
     ds = ds.map_batches(
@@ -381,26 +496,33 @@ def _run_videos(writer, videos, shards, root, cfg, F, image_size, decoders, enc_
         batch_size=cfg.batch_size, compute=ActorPoolStrategy(size=cfg.encoders), **enc_opts,
     )
     D = writer.provenance["embed_dim"]
+
+    def stored(shard):  # a retried shard keeps its other rows as stored
+        old = writer.read_videos(shard)
+        return {"emb": old["frames"], "mask": old["frame_mask"], "timestamps": old["timestamps"]}
+
     buf = _ShardBuffer(shards, {"emb": ((F, D), 0, np.float16), "mask": ((F,), False, bool),
-                                "timestamps": ((F,), np.nan, np.float32)})
+                                "timestamps": ((F,), np.nan, np.float32)},
+                       partial={s.index: len(rows) for s, rows in jobs if rows is not None}, load=stored)
     failures: dict[int, list[dict[str, str]]] = {}
     ids = videos["video_id"].to_numpy()
     t0 = time.perf_counter()
+    done = 0
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         for i, row in enumerate(batch["row"]):
             row = int(row)
             err = str(batch["error"][i])
             shard = buf.of_row[row]
             if err:
-                failures.setdefault(shard.index, []).append(
-                    {"video_id": str(ids[row]), "stage": "decode", "error": err})
-            done = buf.add(row, {"emb": batch["emb"][i], "mask": batch["mask"][i],
-                                 "timestamps": batch["timestamps"][i]})
-            if done:
-                s, d = done
+                stage = "encode" if err.startswith("nonfinite") else "decode"
+                failures.setdefault(shard.index, []).append({"video_id": str(ids[row]), "stage": stage, "error": err})
+            full = buf.add(row, {"emb": batch["emb"][i], "mask": batch["mask"][i], "timestamps": batch["timestamps"][i]})
+            if full:
+                s, d = full
                 writer.write_videos(s, d["emb"], d["mask"], d["timestamps"], failures.pop(s.index, []))
-        summary.videos_done += len(batch["row"])
+        done += len(batch["row"])
         summary.frames_done += int(batch["mask"].sum())
         dt = time.perf_counter() - t0
         bar.update(task, advance=len(batch["row"]),
-                   rate=f"{summary.videos_done / dt:.1f} videos/s, {summary.frames_done / dt:.0f} frames/s")
+                   rate=f"{done / dt:.1f} videos/s, {summary.frames_done / dt:.0f} frames/s")
+    return done

@@ -68,6 +68,7 @@ DATASET = "synthetic-features"
 SPLIT_SET = "generated"
 LATENT_VIDEOS = "latent_videos.parquet"
 LATENT_TEXTS = "latent_texts.parquet"
+MADE_BY = "generate_store (tvrpipe.pipeline.genstore)"
 
 BLOCK = 64  # rows per random stream (choice: independent of shard sizes)
 NOISE_UNIT = 0.375  # per-coordinate noise std at noise=1 (choice: calibrated, see module doc)
@@ -441,7 +442,8 @@ def generate_store(
     """Write a complete synthetic feature store (same layout as ``tvrpipe extract``'s).
 
     Shards are generated and written one at a time, so memory stays at a few shards even for
-    MSR-VTT-sized stores; rerunning on a partial store resumes it. Beside the store,
+    MSR-VTT-sized stores; rerunning on a partial store resumes it, and on a damaged one
+    regenerates exactly the damaged shards. Beside the store,
     ``latent_videos.parquet`` (row, video_id, dup_group, n_frames, concepts) and
     ``latent_texts.parquet`` (row, caption_id, video_row, scene, concepts) record the ground truth.
 
@@ -451,7 +453,7 @@ def generate_store(
         video_shard: videos per shard / Zarr chunk.
         text_shard: texts per shard / Zarr chunk.
         progress: show a progress bar.
-        overwrite: replace a store made from another spec instead of refusing it.
+        overwrite: delete the store in ``out_dir`` (whatever its spec) and generate it afresh.
 
     Returns:
         ``out_dir`` as a Path.
@@ -469,25 +471,25 @@ def generate_store(
     videos, captions = _tables(spec)
     lat = _latents(spec, videos, captions)
     texts = captions.assign(video_row=lat.video_row)[["caption_id", "video_id", "video_row", "split"]]
-    writer = StoreWriter(out, videos[["video_id", "split", "path"]], texts,
-                         _provenance(spec, videos, captions), video_shard, text_shard, overwrite)
-    v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with StoreWriter(out, videos[["video_id", "split", "path"]], texts, _provenance(spec, videos, captions),
+                     video_shard, text_shard, overwrite, made_by=MADE_BY) as writer:
+        v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("videos", total=len(v_pending))
-        for s in v_pending:
-            frames, mask, stamps = _video_shard(spec, lat, s, len(videos))
-            writer.write_videos(s, frames, mask, stamps, [])
-            bar.advance(task)
-        task = bar.add_task("texts", total=len(t_pending))
-        for s in t_pending:
-            tokens, mask, sent = _text_shard(spec, lat, s, len(texts))
-            writer.write_texts(s, tokens, mask, sent)
-            bar.advance(task)
-    _write_latents(out, spec, videos, captions, lat)
-    writer.finalize()
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, disable=not progress) as bar:
+            task = bar.add_task("videos", total=len(v_pending))
+            for s in v_pending:
+                frames, mask, stamps = _video_shard(spec, lat, s, len(videos))
+                writer.write_videos(s, frames, mask, stamps, [])
+                bar.advance(task)
+            task = bar.add_task("texts", total=len(t_pending))
+            for s in t_pending:
+                tokens, mask, sent = _text_shard(spec, lat, s, len(texts))
+                writer.write_texts(s, tokens, mask, sent)
+                bar.advance(task)
+        _write_latents(out, spec, videos, captions, lat)
+        writer.finalize()
     log.info("generated %d videos, %d texts into %s in %.1f s", len(videos), len(texts), out,
              time.perf_counter() - t0)
     return out

@@ -10,6 +10,10 @@ validation set carved from train deterministically: ``carve_fraction`` of the tr
 training seed, so runs with different seeds select on the same videos. Carved videos keep their
 first caption as the query (like MSR-VTT's 1k-A test) and leave training. Which one was used is
 recorded in the run's metrics.
+
+Every embedding read is checked for NaN and infinity (a damaged chunk whose size is intact reads
+as garbage floats): a non-finite row stops the run with an error naming the array, the rows, their
+ids and the shard, before any training step.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import numpy as np
 import torch
 import zarr
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, NonFiniteError
 from tvrpipe.heads.base import TextBatch, VideoBatch
-from tvrpipe.pipeline.store import FeatureStore
+from tvrpipe.pipeline.store import FeatureStore, nonfinite_rows
 
 CARVE_SEED = 20240501  # fixed: the carved validation set does not depend on the training seed
 
@@ -98,6 +102,22 @@ class SplitData:
             yield self.video_batch(np.arange(a, min(a + batch_size, self.n_videos)))
 
 
+def check_finite_rows(store: FeatureStore, name: str, data: np.ndarray, rows: np.ndarray, block: int = 4096) -> None:
+    """Raise :class:`NonFiniteError` if any row of ``data`` (store rows ``rows`` of ``name``) is NaN/inf."""
+    bad = np.concatenate([a + np.flatnonzero(nonfinite_rows(data[a : a + block]))
+                          for a in range(0, len(data), block)] or [np.array([], int)])
+    if len(bad) == 0:
+        return
+    where = rows[bad]
+    table = store.videos if name.startswith("videos") else store.texts
+    ids = ", ".join(map(str, table.iloc[where[:5], 0])) + (f" (+{len(where) - 5} more)" if len(where) > 5 else "")
+    raise NonFiniteError(
+        f"{store.dir}: {name} holds NaN or infinite values in {len(where)} rows ({ids}; first: row {where[0]} "
+        f"in {store.shard_of(name, int(where[0]))}): the store is damaged. Run `tvrpipe features verify "
+        f"{store.dir}`, then repair it by running `{store.made_by}` again with the same options and --out"
+    )
+
+
 def _load(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> SplitData:
     video_rows, text_rows = np.sort(video_rows), np.sort(text_rows)
     col = np.full(len(store.videos), -1, dtype=np.int64)
@@ -105,13 +125,19 @@ def _load(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.
     text_video = col[store.texts["video_row"].to_numpy()[text_rows]]
     assert (text_video >= 0).all(), "a caption's video is outside its split"
     g = store.group
+    arrays = {}
+    for array, rows in (("videos/frames", video_rows), ("videos/frame_mask", video_rows),
+                        ("texts/tokens", text_rows), ("texts/token_mask", text_rows), ("texts/sentence", text_rows)):
+        arrays[array] = read_rows(g[array], rows)
+        if arrays[array].dtype.kind == "f":
+            check_finite_rows(store, array, arrays[array], rows)
     return SplitData(
         name=name,
-        frames=read_rows(g["videos/frames"], video_rows),
-        frame_mask=read_rows(g["videos/frame_mask"], video_rows),
-        tokens=read_rows(g["texts/tokens"], text_rows),
-        token_mask=read_rows(g["texts/token_mask"], text_rows),
-        sentence=read_rows(g["texts/sentence"], text_rows),
+        frames=arrays["videos/frames"],
+        frame_mask=arrays["videos/frame_mask"],
+        tokens=arrays["texts/tokens"],
+        token_mask=arrays["texts/token_mask"],
+        sentence=arrays["texts/sentence"],
         text_video=text_video,
         video_ids=store.videos["video_id"].to_numpy()[video_rows],
         caption_ids=store.texts["caption_id"].to_numpy()[text_rows],

@@ -10,12 +10,20 @@ Choices (documented in docs/training.md): an epoch visits every training video o
 of its captions drawn at random (no video twice in a batch, so InfoNCE has no false negatives);
 AdamW with linear warmup then cosine decay (CLIP4Clip Sec. 4.1, X-Pool Sec. 4); the selection
 key is validation text-to-video (R@1, R@5, R@10).
+
+Integrity: a run directory is locked while written (:mod:`tvrpipe.lock`); features are checked
+finite as they load; a non-finite loss stops training at its step, naming the batch's videos and
+captions, and a non-finite score stops evaluation; no checkpoint with non-finite weights is ever
+written, so none can be selected as best. The selected checkpoint's sha256 is recorded in
+``metrics.json`` and checked whenever the run is evaluated again.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
+import io
 import json
 import logging
 import math
@@ -32,9 +40,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.heads.base import Head, create_head, head_class, make_config
-from tvrpipe.pipeline.store import IDENTITY_KEYS, open_store
+from tvrpipe.lock import check_writable, locked
+from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, open_store
 from tvrpipe.training.data import SplitData, Splits, load_splits
 
 log = logging.getLogger(__name__)
@@ -54,6 +63,24 @@ class TrainConfig:
     block_texts: int = 256  # texts per similarity block at evaluation (memory bound)
     device: str = "cpu"
     prefetch: bool = True  # choice: build the next batch in a thread (see docs/performance.md for 2-core CPUs)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid option; reads and creates nothing."""
+        if self.epochs < 0:
+            raise ConfigError(f"--epochs must be >= 0 (0: evaluate the untrained head), got {self.epochs}")
+        if self.batch_size < 2:
+            raise ConfigError(f"--batch-size must be >= 2 (a contrastive batch needs negatives), got {self.batch_size}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not self.weight_decay >= 0 or not math.isfinite(self.weight_decay):
+            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0.0 <= self.warmup_fraction <= 1.0:
+            raise ConfigError(f"warmup_fraction must be between 0 and 1, got {self.warmup_fraction}")
+        for opt, value in (("eval_batch", self.eval_batch), ("block_texts", self.block_texts)):
+            if value < 1:
+                raise ConfigError(f"{opt} must be >= 1, got {value}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"--device must be cpu or cuda (cuda:N), got {self.device!r}")
 
 
 def _schedule(step: int, total: int, warmup: int) -> float:
@@ -77,6 +104,8 @@ def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank
         post=post,
         querybank=None if querybank is None else (b.to(dev) for b in querybank.text_batches(cfg.eval_batch,
                                                                                            head.uses_tokens)),
+        text_ids=split.caption_ids,
+        video_ids=split.video_ids,
     )
 
 
@@ -98,22 +127,88 @@ def _key(metrics: dict) -> tuple[float, float, float]:
     return (t["R@1"], t["R@5"], t["R@10"])
 
 
-def _save_checkpoint(head: Head, path: Path) -> None:
+def _save_checkpoint(head: Head, path: Path) -> str:
+    """Write the head's weights (head name and config inside); returns the file's sha256.
+
+    Raises:
+        NonFiniteError: a weight is NaN or infinite (such a state is never written).
+    """
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise NonFiniteError(f"{head.name}: weights {', '.join(bad[:5])} are NaN or infinite; not saved to {path}")
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(tmp),
-              metadata={"head": head.name, "config": json.dumps(dataclasses.asdict(head.config))})
+    save_file(state, str(tmp), metadata={"head": head.name, "config": json.dumps(dataclasses.asdict(head.config))})
     os.replace(tmp, path)
+    return _sha256(path)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load_head(checkpoint: str | os.PathLike[str], device: str = "cpu") -> Head:
-    """Rebuild a head from a safetensors checkpoint written by :func:`fit` (name + config inside)."""
+    """Rebuild a head from a safetensors checkpoint written by :func:`fit` (name + config inside).
+
+    Raises:
+        RunError: the file is missing, not a checkpoint of this format, or does not fit its head.
+        NonFiniteError: a weight is NaN or infinite.
+    """
     from safetensors import safe_open
 
-    with safe_open(str(checkpoint), framework="pt") as f:
-        meta = f.metadata()
-    head = create_head(meta["head"], **json.loads(meta["config"]))
-    head.load_state_dict(load_file(str(checkpoint), device=device))
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise RunError(f"{path}: no such checkpoint; if its training was interrupted, rerun the same "
+                       "`tvrpipe train-head` (it resumes), else delete the run directory and train it again")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        head = create_head(meta["head"], **json.loads(meta["config"]))
+        head.load_state_dict(load_file(str(path), device=device))
+    except TvrpipeError:
+        raise
+    except Exception as e:  # safetensors, JSON, missing metadata, shape mismatch
+        raise RunError(f"{path} is damaged ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                       "delete the run directory and train it again") from None
+    bad = [k for k, v in head.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise NonFiniteError(f"{path}: weights {', '.join(bad[:5])} are NaN or infinite; "
+                             "delete the run directory and train it again")
     return head.to(device).eval()
+
+
+def _read_config(run: Path) -> dict:
+    """A run's config.yaml, checked for the keys evaluation and resuming need."""
+    path = run / "config.yaml"
+    if not path.is_file():
+        raise RunError(f"{run}: not a run directory (no config.yaml); train one with `tvrpipe train-head`")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise RunError(f"{path} is not valid YAML{line}; restore it or train the run again "
+                       "into a new --out") from None
+    need = ("method", "head", "train", "features", "provenance")
+    missing = [k for k in need if not isinstance(config, dict) or k not in config]
+    if missing:
+        raise RunError(f"{path} lacks {', '.join(missing)}; restore it or train the run again into a new --out")
+    return config
+
+
+def _nonfinite_loss(out_loss, epoch: int, step: int, vids: np.ndarray, caps: np.ndarray, split: SplitData,
+                    last_epoch: int) -> NonFiniteError:
+    terms = ", ".join(f"{k} {float(v):.4g}" for k, v in out_loss.terms.items())
+
+    def names(ids: np.ndarray) -> str:
+        return ", ".join(map(str, ids[:5])) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
+    kept = f"epoch {last_epoch}" if last_epoch else "no epoch"
+    return NonFiniteError(
+        f"epoch {epoch} step {step}: the loss is {float(out_loss.total.detach())} ({terms}) on the batch of "
+        f"videos {names(split.video_ids[vids])} and captions {names(split.caption_ids[caps])}; their features "
+        f"are finite, so training diverged: lower --lr and train into a new --out (the run keeps {kept} "
+        "as its last finite checkpoint)"
+    )
 
 
 def _plots(rows: list[dict], out: Path) -> None:
@@ -162,7 +257,9 @@ def fit(
     Example:
         >>> fit("features/msrvtt-vitb32", "xpool", "runs/xpool", TrainConfig(epochs=5))  # doctest: +SKIP
     """
-    # ---- data
+    # ---- options and data (nothing is written before they are checked)
+    train.validate()
+    check_writable(out_dir, "--out")
     store = open_store(features)
     D = int(store.provenance["embed_dim"])
     head_cfg = make_config(method, **{"embed_dim": D, **(overrides or {})})
@@ -171,7 +268,14 @@ def fit(
     if train_split.n_videos < 2:
         raise ConfigError("the training split needs at least 2 videos")
     out = Path(out_dir)
-    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    with locked(out, "--out"):
+        return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features)
+
+
+def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: TrainConfig, post: tuple[str, ...],
+           progress: bool, max_steps: int | None, features) -> dict:
+    """The training run proper, with the run directory locked."""
+    train_split = splits.train
     config = {
         "method": method,
         "head": dataclasses.asdict(head_cfg),
@@ -183,9 +287,10 @@ def fit(
         "max_steps": max_steps,
     }
     cfg_path = out / "config.yaml"
-    if cfg_path.is_file() and yaml.safe_load(cfg_path.read_text()) != json.loads(json.dumps(config)):
+    if cfg_path.is_file() and _read_config(out) != json.loads(json.dumps(config)):
         raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
-    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    atomic_write_text(cfg_path, yaml.safe_dump(config, sort_keys=False))
+    (out / "checkpoints").mkdir(exist_ok=True)
 
     # ---- model, optimiser, schedule
     device = torch.device(train.device)
@@ -209,12 +314,18 @@ def fit(
     start_epoch, best = 0, None
     state_path = out / "checkpoints" / "state.pt"
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
-        head.load_state_dict(load_file(str(out / "checkpoints" / "last.safetensors"), device=str(device)))
-        if opt:
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-        start_epoch, best, rows = state["epoch"] + 1, state["best"], state["rows"]
+        try:
+            state = torch.load(state_path, weights_only=False)
+            last = load_head(out / "checkpoints" / "last.safetensors", str(device))
+            head.load_state_dict(last.state_dict())
+            if opt:
+                opt.load_state_dict(state["optimizer"])
+                sched.load_state_dict(state["scheduler"])
+            start_epoch, best, rows = state["epoch"] + 1, state["best"], state["rows"]
+        except Exception as e:
+            raise RunError(f"{out}: cannot resume, its checkpoints are damaged ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:160]}); delete {out / 'checkpoints'} to train from "
+                           "scratch") from None
         log.info("resuming %s from epoch %d", out, start_epoch)
 
     # ---- loop
@@ -236,13 +347,16 @@ def fit(
                 for s in range(steps_per_epoch):
                     vids = order[s * batch : (s + 1) * batch]
                     caps = by_video[first[vids] + (rng.random(len(vids)) * counts[vids]).astype(np.int64)]
-                    yield (len(vids), train_split.text_batch(caps, head.uses_tokens).to(device),
+                    yield (vids, caps, train_split.text_batch(caps, head.uses_tokens).to(device),
                            train_split.video_batch(vids).to(device))
 
             t0 = time.perf_counter()
-            for n, texts, videos in (_prefetch(batches()) if train.prefetch else batches()):
+            for step, (vids, caps, texts, videos) in enumerate(_prefetch(batches()) if train.prefetch else batches()):
+                n = len(vids)
                 t1 = time.perf_counter()  # t1 - t0: time the step waited for its batch
                 out_loss = head.loss(texts, videos)
+                if not torch.isfinite(out_loss.total.detach()):  # before the step: the weights stay finite
+                    raise _nonfinite_loss(out_loss, epoch + 1, step + 1, vids, caps, train_split, epoch)
                 if opt:
                     opt.zero_grad(set_to_none=True)
                     out_loss.total.backward()
@@ -267,28 +381,36 @@ def fit(
             rows.append(row)
             _save_checkpoint(head, out / "checkpoints" / "last.safetensors")
             if best is None or _key(val) > tuple(best["key"]):
-                best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val}
-                _save_checkpoint(head, out / "checkpoints" / "best.safetensors")
+                sha = _save_checkpoint(head, out / "checkpoints" / "best.safetensors")
+                best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val, "sha256": sha}
+            tmp = state_path.with_name(".state.pt.tmp")
             torch.save({"epoch": epoch, "best": best, "rows": rows,
                         "optimizer": opt.state_dict() if opt else None,
-                        "scheduler": sched.state_dict() if sched else None}, state_path)
-            with open(out / "epochs.csv", "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[-1]))
-                w.writeheader()
-                w.writerows(rows)
+                        "scheduler": sched.state_dict() if sched else None}, tmp)
+            os.replace(tmp, state_path)
+            csv_text = io.StringIO()
+            w = csv.DictWriter(csv_text, fieldnames=list(rows[-1]))
+            w.writeheader()
+            w.writerows(rows)
+            atomic_write_text(out / "epochs.csv", csv_text.getvalue())
 
     # ---- evaluation of the selected epoch on test
     if best is None:  # zero epochs: evaluate the untrained head (zero-shot)
-        _save_checkpoint(head, out / "checkpoints" / "best.safetensors")
-        best = {"epoch": 0, "key": None, "val": _evaluate(head, splits.val, train)}
-    selected = load_head(out / "checkpoints" / "best.safetensors", train.device)
+        val = _evaluate(head, splits.val, train)
+        best = {"epoch": 0, "key": None, "val": val,
+                "sha256": _save_checkpoint(head, out / "checkpoints" / "best.safetensors")}
+    best_path = out / "checkpoints" / "best.safetensors"
+    if best.get("sha256") and best_path.is_file() and _sha256(best_path) != best["sha256"]:
+        raise RunError(f"{best_path} changed after it was written (sha256 mismatch); delete {out} and train again")
+    selected = load_head(best_path, train.device)
     test = _evaluate(selected, splits.test, train, post=post,
                      querybank=splits.train if "qbnorm" in post else None)
     metrics = {"method": method, "selected_epoch": best["epoch"], "selection": "validation t2v (R@1, R@5, R@10)",
                "validation": splits.val_source, "val": best["val"], "test": test,
+               "checkpoint": {"file": "checkpoints/best.safetensors", "sha256": best.get("sha256")},
                "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
                          "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None}}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
     if rows:
         _plots(rows, out / "plots")
     return metrics
@@ -303,23 +425,42 @@ def evaluate_run(
 ) -> dict:
     """Evaluate a run's selected checkpoint on ``split``; writes ``eval_<split>.json`` in the run.
 
-    The store must have the provenance the run was trained on (else StoreError).
+    The store must have the provenance the run was trained on (else StoreError); the checkpoint
+    must match the sha256 that training recorded in ``metrics.json`` (else RunError).
     """
     run = Path(run_dir)
-    cfg_path = run / "config.yaml"
-    if not cfg_path.is_file():
-        raise ConfigError(f"{run}: not a run directory (no config.yaml); train one with `tvrpipe train-head`")
-    config = yaml.safe_load(cfg_path.read_text())
-    store = open_store(features or config["features"], expect=config["provenance"])
     if split not in ("train", "val", "test"):
         raise ConfigError(f"--split must be train, val or test, got {split!r}")
-    splits = load_splits(store)
-    data = getattr(splits, split)
-    if data.n_videos == 0:
-        raise ConfigError(f"{store.dir}: the {split} split is empty")
-    tc = train or TrainConfig(**config["train"])
-    head = load_head(run / "checkpoints" / "best.safetensors", tc.device)
-    metrics = {"split": split, "validation": splits.val_source,
-               **_evaluate(head, data, tc, post=post, querybank=splits.train if "qbnorm" in post else None)}
-    (run / f"eval_{split}.json").write_text(json.dumps(metrics, indent=2))
+    config = _read_config(run)
+    try:
+        tc = train or TrainConfig(**config["train"])
+    except TypeError as e:
+        raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
+                       "restore it or train the run again into a new --out") from None
+    tc.validate()
+    with locked(run, "--run"):
+        best_path = run / "checkpoints" / "best.safetensors"
+        want = _recorded_sha256(run)
+        if want and best_path.is_file() and _sha256(best_path) != want:
+            raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
+                           "checkpoint is damaged or was replaced; delete the run directory and train it again")
+        head = load_head(best_path, tc.device)
+        store = open_store(features or config["features"], expect=config["provenance"])
+        splits = load_splits(store)
+        data = getattr(splits, split)
+        if data.n_videos == 0:
+            raise ConfigError(f"{store.dir}: the {split} split is empty")
+        metrics = {"split": split, "validation": splits.val_source,
+                   **_evaluate(head, data, tc, post=post, querybank=splits.train if "qbnorm" in post else None)}
+        atomic_write_text(run / f"eval_{split}.json", json.dumps(metrics, indent=2))
     return metrics
+
+
+def _recorded_sha256(run: Path) -> str | None:
+    path = run / "metrics.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("checkpoint", {}).get("sha256")
+    except (ValueError, AttributeError):
+        raise RunError(f"{path} is damaged (not JSON); delete the run directory and train it again") from None

@@ -1,0 +1,139 @@
+"""One writer at a time: an advisory lock on the directory a command writes.
+
+The lock is ``flock`` on ``<dir>/.tvrpipe.lock``. It belongs to the open file, so the kernel
+drops it when the holder exits, however it exits (Ctrl-C, SIGKILL, out of memory, a lost job):
+a crashed writer never leaves a stuck lock, and there is nothing to clean up by hand. The file's
+text names the holder (pid, host, start time, command) for the message a second writer gets.
+Linux emulates ``flock`` with POSIX record locks on NFS, so the lock also holds between the nodes
+of a cluster that share the filesystem.
+
+Writers that take it: :class:`~tvrpipe.pipeline.store.StoreWriter` (``tvrpipe extract`` and
+generated stores) and the training run directory (``tvrpipe train-head``, ``tvrpipe evaluate``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tvrpipe.errors import ConfigError, LockError
+
+LOCK_NAME = ".tvrpipe.lock"
+
+
+def _holder() -> str:
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "python"
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"pid {os.getpid()} on {socket.gethostname()} since {started} ({command[:200]})"
+
+
+def _new_dirs(path: Path) -> list[Path]:
+    """The directories ``path.mkdir(parents=True)`` would create, deepest first."""
+    out: list[Path] = []
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+class DirLock:
+    """An exclusive lock on ``directory`` (created if needed), held until :meth:`release`.
+
+    Args:
+        directory: the directory about to be written.
+        option: the option that named it (``--out``), for messages.
+
+    Raises:
+        LockError: another live process holds the lock; the message names it.
+        ConfigError: the directory cannot be created or written.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], option: str = "--out") -> None:
+        self.dir, self.option = Path(directory), option
+        self._fd = -1
+        self._created = _new_dirs(self.dir)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            self._remove_created()
+            raise ConfigError(
+                f"{option} {self.dir}: cannot write there ({e.strerror}); choose a writable directory"
+            ) from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(self._fd)
+            self._fd = -1
+            raise LockError(
+                f"{self.dir} is being written by {holder}; wait for it to finish or choose another {option}"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, _holder().encode(), 0)
+
+    def release(self) -> None:
+        """Unlock; a directory this lock created and nothing else wrote to is removed again."""
+        if self._fd < 0:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+            if self._created and [p.name for p in self.dir.iterdir()] == [LOCK_NAME]:
+                (self.dir / LOCK_NAME).unlink()  # still holding the lock: nobody else is inside
+                self._remove_created()
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+    def _remove_created(self) -> None:
+        for p in self._created:  # deepest first; stops at the first one something else wrote into
+            try:
+                p.rmdir()
+            except OSError:
+                return
+
+    def __enter__(self) -> DirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            self.release()
+
+
+@contextmanager
+def locked(directory: str | os.PathLike[str], option: str = "--out") -> Iterator[Path]:
+    """``with locked(run_dir):`` hold :class:`DirLock` on ``run_dir`` for the block."""
+    lock = DirLock(directory, option)
+    try:
+        yield lock.dir
+    finally:
+        lock.release()
+
+
+def check_writable(path: str | os.PathLike[str], option: str = "--out") -> None:
+    """Raise :class:`ConfigError` if the directory ``path`` could not be created or written.
+
+    Creates nothing: checks the nearest existing ancestor. (Root passes permission checks, so
+    :class:`DirLock` also turns a failed creation into the same one-line error.)
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{option} {p}: is a file, not a directory")
+    ancestor = p.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{option} {p}: {ancestor} is a file, so the directory cannot be created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {p}: cannot write there ({ancestor} is not writable); choose a writable directory")
