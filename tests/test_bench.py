@@ -35,3 +35,39 @@ def test_bench_extract_cli(tmp_path):
 def test_bench_rejects_too_few_videos(cli, tmp_path):
     r = cli("bench", "extract", "--out", tmp_path, "--videos", "3", "--batch-size", "4")
     assert r.exit_code == 1 and "--videos must be at least 2 x --batch-size (8), got 3" in r.output
+
+
+def test_bench_convergence_tables_and_curves(tmp_path):
+    import csv
+
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.convergence import bench_convergence
+
+    spec = GenSpec(train_videos=96, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=1)
+    from tvrpipe.heads.base import head_class
+
+    lr0 = head_class("xpool").default_lr
+    lrs = (lr0, lr0 * 10)
+    from tvrpipe.training.fit import TrainConfig
+
+    base = TrainConfig(batch_size=32, min_steps=10, patience=3, max_epochs=12)  # small: seconds, not minutes
+    rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, epochs=(2,), progress=False, train=base)
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["schedule"], float(r["lr"])) for r in runs] == [
+        ("epochs=2", lrs[0]), ("epochs=2", lrs[1]), ("open", lrs[0]), ("open", lrs[1]), ("default", lr0)]
+    grid = max(float(r["val_r1"]) for r in runs if r["schedule"] == "epochs=2")
+    default = next(r for r in runs if r["schedule"] == "default")
+    assert rows[0]["grid_best_r1"] == grid and rows[0]["default_r1"] == float(default["val_r1"])
+    assert rows[0]["gap"] == grid - float(default["val_r1"])
+    # the default run is the open-ended run at the head's default lr (same configuration and seed)
+    same = next(r for r in runs if r["schedule"] == "open" and float(r["lr"]) == lr0)
+    assert same["val_r1"] == default["val_r1"] and same["epochs_run"] == default["epochs_run"]
+    with open(tmp_path / "curves.csv") as f:
+        curves = list(csv.DictReader(f))
+    assert sum(r["schedule"] == "epochs=2" for r in curves) == 4  # two runs x two epochs
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    # a second bench in the same directory reuses the recorded runs (a long bench resumes)
+    again = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, epochs=(2,), progress=False, train=base)
+    assert again == rows

@@ -164,3 +164,94 @@ def test_prefetch_does_not_change_training(store, tmp_path):
     a = fit(store, "xpool", tmp_path / "a", TrainConfig(epochs=1, batch_size=32, prefetch=True), progress=False)
     b = fit(store, "xpool", tmp_path / "b", TrainConfig(epochs=1, batch_size=32, prefetch=False), progress=False)
     assert a["test"] == b["test"] and a["val"] == b["val"]
+
+
+# ------------------------------------------------------------ schedule: early stopping, defaults
+
+
+REAL_EVALUATE = fit_module._evaluate
+
+
+def _scripted_validation(monkeypatch, r1_by_epoch, interrupt_at=None):
+    """Validation returns R@1 from a script (one value per epoch); test is evaluated for real."""
+    real = REAL_EVALUATE
+    seen = {"val": 0}
+
+    def scripted(head, split, cfg, *a, **kw):
+        out = real(head, split, cfg, *a, **kw)
+        if split.name != "val":
+            return out
+        seen["val"] += 1
+        if interrupt_at is not None and seen["val"] == interrupt_at:
+            raise KeyboardInterrupt
+        r1 = r1_by_epoch[seen["val"] - 1]
+        out["t2v"] = {**out["t2v"], "R@1": r1, "R@5": 0.0, "R@10": 0.0}
+        return out
+
+    monkeypatch.setattr(fit_module, "_evaluate", scripted)
+
+
+R1_SCRIPT = [10, 20, 30, 25, 26, 30, 28, 29, 27, 40, 41]  # best at epoch 3; epoch 6 only ties it
+
+
+def test_early_stopping_stops_after_patience_and_halves_on_plateaus(store, tmp_path, monkeypatch):
+    _scripted_validation(monkeypatch, R1_SCRIPT)
+    cfg = TrainConfig(batch_size=32, lr=1e-3, patience=6, plateau=2, max_epochs=30, min_steps=0)
+    m = fit(store, "xpool", tmp_path / "r", cfg, progress=False)
+    assert m["selected_epoch"] == 3 and m["val"]["t2v"]["R@1"] == 30  # a tie is not an improvement
+    sch = m["schedule"]
+    assert sch["epochs_run"] == 9 and sch["stopped_early"] and sch["lr_halvings"] == 3
+    with open(tmp_path / "r" / "epochs.csv") as f:
+        lrs = [float(r["lr"]) for r in csv.DictReader(f)]
+    # constant after the warmup epoch, halved after epochs 5 and 7 (2 and 4 epochs without improvement)
+    assert lrs[1] == pytest.approx(1e-3) and lrs[4] == pytest.approx(1e-3)
+    assert lrs[5] == pytest.approx(5e-4) and lrs[6] == pytest.approx(5e-4) and lrs[7] == pytest.approx(2.5e-4)
+    assert lrs[0] == pytest.approx(1e-3)  # the warmup ends at the last step of epoch 1
+
+
+def test_early_stopping_resumes_to_the_same_stop(store, tmp_path, monkeypatch):
+    cfg = TrainConfig(batch_size=32, lr=1e-3, patience=6, plateau=2, max_epochs=30, min_steps=0)
+    _scripted_validation(monkeypatch, R1_SCRIPT)
+    full = fit(store, "xpool", tmp_path / "full", cfg, progress=False)
+    _scripted_validation(monkeypatch, R1_SCRIPT, interrupt_at=6)
+    with pytest.raises(KeyboardInterrupt):
+        fit(store, "xpool", tmp_path / "cut", cfg, progress=False)
+    _scripted_validation(monkeypatch, R1_SCRIPT[5:])  # epochs 6.. after the resume
+    resumed = fit(store, "xpool", tmp_path / "cut", cfg, progress=False)
+    assert resumed["schedule"] == full["schedule"] and resumed["selected_epoch"] == 3
+    assert resumed["test"] == full["test"]
+    assert (tmp_path / "cut" / "epochs.csv").read_text().splitlines()[1:] != []
+    again = fit(store, "xpool", tmp_path / "cut", cfg, progress=False)  # a finished run stays finished
+    assert again["schedule"]["epochs_run"] == 9
+
+
+def test_explicit_epochs_and_lr_win_and_are_recorded(store, tmp_path):
+    from tvrpipe.heads.base import head_class
+
+    m = fit(store, "seqtransf", tmp_path / "a", TrainConfig(epochs=2, lr=5e-3, batch_size=32), progress=False)
+    assert m["schedule"]["lr"] == 5e-3 and m["schedule"]["lr_source"] == "--lr"
+    assert m["schedule"]["epochs_run"] == 2 and not m["schedule"]["stopped_early"]
+    assert m["schedule"]["description"].startswith("2 epochs: warmup")
+    cfg = yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())
+    assert cfg["resolved"]["lr"] == 5e-3 and cfg["train"]["epochs"] == 2
+    m = fit(store, "seqtransf", tmp_path / "b", TrainConfig(epochs=1, batch_size=32), progress=False)
+    assert m["schedule"]["lr"] == head_class("seqtransf").default_lr
+    assert m["schedule"]["lr_source"] == "seqtransf.default_lr"
+    cfg = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    assert cfg["resolved"]["lr_source"] == "seqtransf.default_lr"
+
+
+def test_min_steps_defers_halving_and_stopping(store, tmp_path, monkeypatch):
+    """144 train videos / 32 = 4 steps an epoch: no halving or stop before step 28 (epoch 7)."""
+    _scripted_validation(monkeypatch, R1_SCRIPT)
+    cfg = TrainConfig(batch_size=32, lr=1e-3, patience=6, plateau=2, max_epochs=30, min_steps=28)
+    m = fit(store, "xpool", tmp_path / "r", cfg, progress=False)
+    assert m["schedule"]["epochs_run"] == 9 and m["schedule"]["lr_halvings"] == 2  # after epochs 7 and 9
+    with open(tmp_path / "r" / "epochs.csv") as f:
+        lrs = [float(r["lr"]) for r in csv.DictReader(f)]
+    assert lrs[6] == pytest.approx(1e-3) and lrs[7] == pytest.approx(5e-4)
+    # a store too small for min_steps within max_epochs trains past max_epochs to reach it
+    _scripted_validation(monkeypatch, [10] * 40)
+    m = fit(store, "xpool", tmp_path / "s", TrainConfig(batch_size=32, max_epochs=2, patience=3, min_steps=40),
+            progress=False)
+    assert m["schedule"]["epochs_run"] == 10 and m["schedule"]["stopped_early"]

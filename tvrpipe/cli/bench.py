@@ -74,3 +74,32 @@ def bench_train_head_cmd(
                           f"faster, {r['test_eval_extra_gb']:.2f} GB extra")
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2))
+
+
+@bench_app.command("convergence")
+def bench_convergence_cmd(
+    out: Annotated[Path, typer.Option(help="Working directory (stores are generated once and reused).")] = Path(
+        "bench/convergence"
+    ),
+    size: Annotated[
+        Optional[list[str]], typer.Option(help="Store sizes: small, medium, msrvtt9k (repeatable; default: small, medium).")
+    ] = None,
+    method: Annotated[Optional[list[str]], typer.Option(help="Heads (repeatable; default: all).")] = None,
+    lr: Annotated[Optional[list[float]], typer.Option(help="Learning rates (repeatable; default 1e-4 .. 1e-2).")] = None,
+    epochs: Annotated[Optional[list[int]], typer.Option(help="Grid epoch counts (repeatable; default 5, 15, 40).")] = None,
+) -> None:
+    """Does train-head's default schedule reach the best validation R@1 of a grid of lrs x epochs?"""
+    from rich.table import Table
+
+    from tvrpipe.training.convergence import EPOCHS, LRS, bench_convergence
+
+    rows = bench_convergence(out, size, method, tuple(lr or LRS), tuple(epochs or EPOCHS))
+    table = Table(title=f"validation t2v R@1: default schedule vs grid ({out / 'summary.csv'}, curves.png)")
+    for col in ("store", "method", "grid best", "(run)", "default", "gap", "default lr", "epochs", "seconds",
+                "best open lr"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["store"], r["method"], f"{r['grid_best_r1']:.1f}", r["grid_best"], f"{r['default_r1']:.1f}",
+                      f"{r['gap']:+.1f}", f"{r['default_lr']:g}", str(r["default_epochs_run"]),
+                      f"{r['default_seconds']:.0f}", f"{r['best_open_lr']:g}")
+    console.print(table)

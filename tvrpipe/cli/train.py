@@ -73,9 +73,19 @@ def train_head(
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
     ] = None,
-    epochs: Annotated[int, typer.Option(help="Training epochs (each video once per epoch).")] = 5,
+    epochs: Annotated[
+        Optional[int], typer.Option(help="Train exactly this many epochs (warmup + cosine). Default: until "
+                                         "validation stops improving (--patience, at most --max-epochs).")
+    ] = None,
+    max_epochs: Annotated[int, typer.Option(help="Cap on epochs when --epochs is not given.")] = 60,
+    patience: Annotated[
+        int, typer.Option(help="Without --epochs: stop after this many epochs without a better validation score "
+                               "(t2v R@1+R@5+R@10; the lr halves every 3 such epochs).")
+    ] = 8,
     batch_size: Annotated[int, typer.Option(help="Pairs per step (one caption per video).")] = 128,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate (cosine schedule, 10% warmup).")] = 1e-4,
+    lr: Annotated[
+        Optional[float], typer.Option(help="AdamW learning rate. Default: the head's (`tvrpipe heads` lists them).")
+    ] = None,
     weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.2,
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = 0,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -90,10 +100,14 @@ def train_head(
     from tvrpipe.training.fit import TrainConfig, fit
 
     overrides = parse_overrides(method, set_ or [])
-    cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay, seed=seed,
+    cfg = TrainConfig(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
+                      weight_decay=weight_decay, seed=seed,
                       device=device, prefetch=prefetch)
     metrics = fit(features, method, out, cfg, overrides, _post(post or []))
-    console.print(f"selected epoch {metrics['selected_epoch']} on {metrics['validation']}")
+    sch = metrics["schedule"]
+    console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
+                  f" (lr {sch['lr']:g} from {sch['lr_source']}{', stopped early' if sch['stopped_early'] else ''})",
+                  highlight=False)
     _print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
 
 
@@ -121,5 +135,6 @@ def heads() -> None:
     for name in list_heads():
         cls = head_class(name)
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
-        console.print(f"[bold]{name}[/]: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        console.print(f"[bold]{name}[/]: {(cls.__doc__ or '').strip().splitlines()[0]} "
+                      f"(default lr {cls.default_lr:g})")
         console.print(f"    {fields}", highlight=False)

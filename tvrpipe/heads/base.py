@@ -98,6 +98,10 @@ class Head(nn.Module):
     # False for heads that read only the sentence embedding: loaders then pass an empty
     # (B, 0, D) tokens tensor and skip gathering and casting word tokens (most of a batch's bytes).
     uses_tokens: ClassVar[bool] = True
+    # The learning rate ``train-head`` uses when --lr is not given: a training setting, not part of
+    # the head's Config (the papers' lrs are for end-to-end finetuning, where CLIP itself moves).
+    # Each head sets it from the validation curves of `tvrpipe bench convergence` (docs/training.md).
+    default_lr: ClassVar[float] = 1e-3
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()

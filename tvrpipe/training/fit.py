@@ -51,13 +51,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Trainer settings; defaults follow the papers where they agree."""
+    """Trainer settings; defaults follow the papers where they agree, and validation elsewhere.
 
-    epochs: int = 5  # choice: cached features converge in a few epochs (papers: 5 epochs end-to-end)
+    With ``epochs`` None (the default) a run trains until validation stops improving: linear
+    warmup over the first epoch, then a constant learning rate, halved after ``plateau`` epochs
+    without a better validation score (t2v R@1 + R@5 + R@10), stopping after ``patience`` such
+    epochs (at most ``max_epochs``); the checkpoint is still selected on t2v (R@1, R@5, R@10). With ``epochs`` set, the schedule is the papers' warmup + cosine over exactly
+    that many epochs. ``lr`` None takes the head's ``default_lr``. The evidence for these
+    defaults is in docs/training.md (``tvrpipe bench convergence``).
+    """
+
+    epochs: int | None = None  # choice: until validation stops improving (issue 8); papers: 5 end-to-end
+    max_epochs: int = 60  # choice: cap of a run without --epochs (stopping comes far earlier on the grid)
+    patience: int = 8  # choice: epochs without a better validation score before stopping (docs/training.md)
+    plateau: int = 3  # choice: epochs without a better validation score before the lr halves
+    # choice: no halving or stopping before this many optimizer steps: progress per epoch depends on
+    # the steps in an epoch, so a store of few videos would otherwise stop after a few dozen updates
+    min_steps: int = 300
     batch_size: int = 128  # CLIP4Clip Sec. 4.1: batch 128
-    lr: float = 1e-4  # CLIP4Clip Sec. 4.1: 1e-4 for the modules on top of CLIP
+    lr: float | None = None  # None: the head's default_lr (chosen on validation curves, docs/training.md)
     weight_decay: float = 0.2  # X-Pool Sec. 4 / CLIP: AdamW weight decay 0.2
-    warmup_fraction: float = 0.1  # CLIP4Clip: warmup proportion 0.1, then cosine
+    warmup_fraction: float = 0.1  # CLIP4Clip: warmup proportion 0.1, then cosine (runs with --epochs)
     seed: int = 0
     eval_batch: int = 256  # items per encode call at evaluation
     block_texts: int = 256  # texts per similarity block at evaluation (memory bound)
@@ -66,11 +80,17 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid option; reads and creates nothing."""
-        if self.epochs < 0:
+        if self.epochs is not None and self.epochs < 0:
             raise ConfigError(f"--epochs must be >= 0 (0: evaluate the untrained head), got {self.epochs}")
+        for opt, value in (("--max-epochs", self.max_epochs), ("--patience", self.patience),
+                           ("plateau", self.plateau)):
+            if value < 1:
+                raise ConfigError(f"{opt} must be >= 1, got {value}")
+        if self.min_steps < 0:
+            raise ConfigError(f"min_steps must be >= 0, got {self.min_steps}")
         if self.batch_size < 2:
             raise ConfigError(f"--batch-size must be >= 2 (a contrastive batch needs negatives), got {self.batch_size}")
-        if not self.lr > 0 or not math.isfinite(self.lr):
+        if self.lr is not None and (not self.lr > 0 or not math.isfinite(self.lr)):
             raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
         if not self.weight_decay >= 0 or not math.isfinite(self.weight_decay):
             raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
@@ -83,11 +103,22 @@ class TrainConfig:
             raise ConfigError(f"--device must be cpu or cuda (cuda:N), got {self.device!r}")
 
 
-def _schedule(step: int, total: int, warmup: int) -> float:
+def _schedule(step: int, total: int | None, warmup: int, halvings: int = 0) -> float:
+    """The lr multiplier at global ``step``: warmup, then cosine to ``total`` steps, or (``total``
+    None: a run until validation stops improving) constant, halved ``halvings`` times."""
     if step < warmup:
-        return (step + 1) / warmup
+        return (step + 1) / warmup * (0.5 ** halvings if total is None else 1.0)
+    if total is None:
+        return 0.5 ** halvings
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def resolved_lr(method: str, train: TrainConfig) -> tuple[float, str]:
+    """The learning rate a run uses and where it comes from (``--lr`` or the head's default)."""
+    if train.lr is not None:
+        return train.lr, "--lr"
+    return head_class(method).default_lr, f"{method}.default_lr"
 
 
 def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank: SplitData | None = None) -> dict:
@@ -125,6 +156,13 @@ def _prefetch(items: Iterator[Any]) -> Iterator[Any]:
 def _key(metrics: dict) -> tuple[float, float, float]:
     t = metrics["t2v"]
     return (t["R@1"], t["R@5"], t["R@10"])
+
+
+def _progress_score(metrics: dict) -> float:
+    """What early stopping watches: validation t2v R@1 + R@5 + R@10 (choice: smoother than R@1
+    alone on a few hundred validation videos, so noise neither stops a run nor halves its lr)."""
+    t = metrics["t2v"]
+    return t["R@1"] + t["R@5"] + t["R@10"]
 
 
 def _save_checkpoint(head: Head, path: Path) -> str:
@@ -276,10 +314,17 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
            progress: bool, max_steps: int | None, features) -> dict:
     """The training run proper, with the run directory locked."""
     train_split = splits.train
+    lr, lr_source = resolved_lr(method, train)
+    open_ended = train.epochs is None
+    schedule = (f"until validation t2v R@1+R@5+R@10 stops improving: warmup 1 epoch, lr halved after "
+                f"{train.plateau} epochs without improvement, stop after {train.patience}, neither before "
+                f"{train.min_steps} steps, at most {train.max_epochs} epochs (more if {train.min_steps} steps need it)"
+                if open_ended else f"{train.epochs} epochs: warmup {train.warmup_fraction:g}, then cosine")
     config = {
         "method": method,
         "head": dataclasses.asdict(head_cfg),
         "train": dataclasses.asdict(train),
+        "resolved": {"lr": lr, "lr_source": lr_source, "schedule": schedule},
         "post": list(post),
         "features": str(Path(features).resolve()),
         "provenance": {k: store.provenance.get(k) for k in IDENTITY_KEYS},
@@ -297,14 +342,17 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     torch.manual_seed(train.seed)
     head = head_class(method)(head_cfg).to(device)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay) if params else None
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=train.weight_decay) if params else None
     steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
     if max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, max_steps)
     batch = min(train.batch_size, train_split.n_videos)
-    total, warmup = steps_per_epoch * train.epochs, int(train.warmup_fraction * steps_per_epoch * train.epochs)
-    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, total, max(1, warmup)))
-             if opt else None)
+    n_epochs = (max(train.max_epochs, -(-train.min_steps // steps_per_epoch) + train.patience) if open_ended
+                else train.epochs)
+    if open_ended:  # warmup over the first epoch, then constant (halved on plateaus)
+        total, warmup = None, steps_per_epoch
+    else:
+        total, warmup = steps_per_epoch * n_epochs, max(1, int(train.warmup_fraction * steps_per_epoch * n_epochs))
     by_video = np.argsort(train_split.text_video, kind="stable")  # caption rows grouped by video
     counts = np.bincount(train_split.text_video, minlength=train_split.n_videos)
     first = np.cumsum(counts) - counts  # where each video's captions start in by_video
@@ -312,6 +360,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     # ---- resume
     rows: list[dict] = []
     start_epoch, best = 0, None
+    best_score, since_best, halvings, stopped = None, 0, 0, False  # early stopping (runs without --epochs)
     state_path = out / "checkpoints" / "state.pt"
     if state_path.is_file():
         try:
@@ -320,8 +369,9 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
             head.load_state_dict(last.state_dict())
             if opt:
                 opt.load_state_dict(state["optimizer"])
-                sched.load_state_dict(state["scheduler"])
             start_epoch, best, rows = state["epoch"] + 1, state["best"], state["rows"]
+            best_score, since_best = state["best_score"], state["since_best"]
+            halvings, stopped = state["halvings"], state["stopped"]
         except Exception as e:
             raise RunError(f"{out}: cannot resume, its checkpoints are damaged ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:160]}); delete {out / 'checkpoints'} to train from "
@@ -334,8 +384,10 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress)
     with bar:
-        task = bar.add_task(method, total=steps_per_epoch * (train.epochs - start_epoch), info="")
-        for epoch in range(start_epoch, train.epochs):
+        task = bar.add_task(method, total=steps_per_epoch * (n_epochs - start_epoch), info="")
+        for epoch in range(start_epoch, n_epochs):
+            if stopped:
+                break
             head.train()
             rng = np.random.default_rng([train.seed, epoch])
             order = rng.permutation(train_split.n_videos)
@@ -358,16 +410,17 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                 if not torch.isfinite(out_loss.total.detach()):  # before the step: the weights stay finite
                     raise _nonfinite_loss(out_loss, epoch + 1, step + 1, vids, caps, train_split, epoch)
                 if opt:
+                    for g in opt.param_groups:
+                        g["lr"] = lr * _schedule(epoch * steps_per_epoch + step, total, warmup, halvings)
                     opt.zero_grad(set_to_none=True)
                     out_loss.total.backward()
                     opt.step()
-                    sched.step()
                 t2 = time.perf_counter()
                 t_data, t_step = t_data + (t1 - t0), t_step + (t2 - t1)
                 losses.append(float(out_loss.total.detach()))
                 for k, v in out_loss.terms.items():
                     terms.setdefault(k, []).append(float(v))
-                bar.update(task, advance=1, info=f"epoch {epoch + 1}/{train.epochs} loss {losses[-1]:.3f} "
+                bar.update(task, advance=1, info=f"epoch {epoch + 1}/{n_epochs} loss {losses[-1]:.3f} "
                            f"{n / (t2 - t0):.0f} samples/s")
                 t0 = time.perf_counter()
             val = _evaluate(head, splits.val, train)
@@ -383,10 +436,18 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
             if best is None or _key(val) > tuple(best["key"]):
                 sha = _save_checkpoint(head, out / "checkpoints" / "best.safetensors")
                 best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val, "sha256": sha}
+            if best_score is None or _progress_score(val) > best_score:
+                best_score, since_best = _progress_score(val), 0
+            else:
+                since_best += 1
+                if open_ended and (epoch + 1) * steps_per_epoch >= train.min_steps:
+                    if since_best % train.plateau == 0:
+                        halvings += 1
+                    stopped = since_best >= train.patience
             tmp = state_path.with_name(".state.pt.tmp")
-            torch.save({"epoch": epoch, "best": best, "rows": rows,
-                        "optimizer": opt.state_dict() if opt else None,
-                        "scheduler": sched.state_dict() if sched else None}, tmp)
+            torch.save({"epoch": epoch, "best": best, "rows": rows, "best_score": best_score, "since_best": since_best,
+                        "halvings": halvings, "stopped": stopped,
+                        "optimizer": opt.state_dict() if opt else None}, tmp)
             os.replace(tmp, state_path)
             csv_text = io.StringIO()
             w = csv.DictWriter(csv_text, fieldnames=list(rows[-1]))
@@ -408,6 +469,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     metrics = {"method": method, "selected_epoch": best["epoch"], "selection": "validation t2v (R@1, R@5, R@10)",
                "validation": splits.val_source, "val": best["val"], "test": test,
                "checkpoint": {"file": "checkpoints/best.safetensors", "sha256": best.get("sha256")},
+               "schedule": {"lr": lr, "lr_source": lr_source, "description": schedule, "epochs_run": len(rows),
+                            "stopped_early": stopped, "lr_halvings": halvings},
                "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
                          "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None}}
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))

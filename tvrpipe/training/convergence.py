@@ -1,0 +1,238 @@
+"""``tvrpipe bench convergence``: does ``train-head``'s default schedule train every head to its
+validation optimum? The evidence for the trainer's defaults (issue 8, docs/training.md).
+
+For each generated store size and each head, three kinds of run, all selected on validation only:
+
+- the **grid**: the papers' schedule (warmup + cosine) for every learning rate in ``lrs`` and
+  every epoch count in ``epochs``; its best validation t2v R@1 is the target;
+- the **open-ended schedule at each learning rate** (no ``--epochs``: warmup, constant lr halved
+  on plateaus, early stopping): which learning rate it needs, i.e. the head's ``default_lr``;
+- the **default**: ``TrainConfig()`` as ``train-head`` runs it with no schedule option.
+
+Outputs in ``out_dir``: ``results.csv`` (one row per run: store, method, schedule, lr, best
+validation R@1/R@5, selected epoch, epochs run, seconds), ``curves.csv`` (validation R@1 per
+epoch of every run), ``curves.png`` (per store and head: the open-ended curves per learning rate,
+the default's, and the grid's best as a line) and ``summary.csv`` (per store and head: the grid's
+best and the default, the gap in R@1 points, the default's epochs and wall time). The test split
+is never read. Rerunning in the same directory reuses the runs already recorded there (a long
+bench resumes; delete the directory after changing the trainer).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tvrpipe.pipeline.genstore import GenSpec, generate_store
+
+log = logging.getLogger(__name__)
+
+# The issue's generated stores: D = 64, 4 captions per train video, 10 % near-duplicates,
+# whole-video captions, noise 0.6, seed 4242; sizes differ in train and validation videos.
+BASE = GenSpec(train_videos=2000, val_videos=200, test_videos=200, captions_per_train_video=4,
+               near_duplicates=0.1, noise=0.6, embed_dim=64, intrinsic_dim=64, seed=4242)
+SIZES: dict[str, GenSpec] = {
+    "small": replace(BASE, train_videos=500, val_videos=100, test_videos=100),
+    "medium": BASE,
+    "msrvtt9k": GenSpec(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20,
+                        near_duplicates=0.1, noise=0.6, embed_dim=512, seed=4242),  # validation carved: 900
+}
+LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+EPOCHS = (5, 15, 40)
+
+
+@dataclass
+class Run:
+    """One training run of the bench."""
+
+    store: str
+    method: str
+    schedule: str  # "epochs=N" (grid), "open" (no --epochs) or "default"
+    lr: float
+    val_r1: float
+    val_r5: float
+    selected_epoch: int
+    epochs_run: int
+    seconds: float
+    curve: list[float]
+
+
+def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | None, epochs: int | None,
+         run_dir: Path, base) -> Run:
+    from tvrpipe.training.fit import fit, resolved_lr
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = replace(base, epochs=epochs, lr=lr)
+    t = time.perf_counter()
+    m = fit(store_dir, method, run_dir, cfg, progress=False)
+    seconds = time.perf_counter() - t
+    with open(run_dir / "epochs.csv") as f:
+        curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # keep the logs, not the weights
+    return Run(store, method, schedule, resolved_lr(method, cfg)[0], m["val"]["t2v"]["R@1"],
+               m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve), seconds, curve)
+
+
+def bench_convergence(
+    out_dir: str | os.PathLike[str],
+    sizes: list[str] | dict[str, GenSpec] | None = None,
+    methods: list[str] | None = None,
+    lrs: tuple[float, ...] = LRS,
+    epochs: tuple[int, ...] = EPOCHS,
+    progress: bool = True,
+    train=None,
+) -> list[dict]:
+    """Run the grid, the open-ended schedule per lr and the default; write tables and curves.
+
+    Args:
+        out_dir: working directory (stores are generated once and reused).
+        sizes: names of :data:`SIZES` (default: small and medium), or ``{name: GenSpec}``.
+        methods: heads (default: every registered head).
+        lrs: learning rates of the grid and of the open-ended runs.
+        epochs: epoch counts of the grid.
+        progress: progress bars while generating stores.
+        train: the trainer settings every run starts from (default ``TrainConfig()``, as
+            ``train-head`` runs); each run sets its own ``epochs`` and ``lr``.
+
+    Returns:
+        The summary rows (per store and head: grid best, default, gap).
+
+    Example:
+        >>> bench_convergence("bench/convergence", ["small"], ["xpool"])  # doctest: +SKIP
+    """
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import head_class, list_heads
+    from tvrpipe.training.fit import TrainConfig
+
+    base = train or TrainConfig()
+
+    out = Path(out_dir)
+    if not isinstance(sizes, dict):
+        names = sizes or ["small", "medium"]
+        unknown = [s for s in names if s not in SIZES]
+        if unknown:
+            raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(SIZES)}")
+        sizes = {name: SIZES[name] for name in names}
+    methods = methods or list_heads()
+    done = _load(out)  # runs of an earlier, interrupted bench in the same directory are reused
+    runs: list[Run] = []
+    for size, spec in sizes.items():
+        store_dir = generate_store(out / "stores" / size, spec, progress=progress)
+        for method in methods:
+            plan = [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
+            plan += [("open", lr, None) for lr in lrs] + [("default", None, None)]
+            for schedule, lr, e in plan:
+                same = [r for r in runs if (r.store, r.method, r.schedule) == (size, method, "open")
+                        and r.lr == head_class(method).default_lr]
+                lr_used = head_class(method).default_lr if lr is None else lr
+                if schedule == "default" and same:  # the same configuration and seed: the same run
+                    run = replace(same[0], schedule="default")
+                elif (size, method, schedule, lr_used) in done:
+                    run = done[(size, method, schedule, lr_used)]
+                else:
+                    run = _run(store_dir, size, method, schedule, lr, e,
+                               out / "runs" / size / method / f"{schedule}-{lr}", base)
+                runs.append(run)
+                log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
+                            run.lr, run.val_r1, run.selected_epoch, run.epochs_run, run.seconds)
+                _write(out, runs)
+    summary = _summary(runs)
+    _write(out, runs, summary)
+    _plot(out / "curves.png", runs)
+    return summary
+
+
+def _load(out: Path) -> dict[tuple[str, str, str, float], Run]:
+    """Runs recorded in ``results.csv`` / ``curves.csv`` by an earlier bench in ``out``."""
+    if not (out / "results.csv").is_file() or not (out / "curves.csv").is_file():
+        return {}
+    curves: dict[tuple, list[float]] = {}
+    with open(out / "curves.csv") as f:
+        for r in csv.DictReader(f):
+            curves.setdefault((r["store"], r["method"], r["schedule"], float(r["lr"])), []).append(float(r["val_r1"]))
+    runs = {}
+    with open(out / "results.csv") as f:
+        for r in csv.DictReader(f):
+            key = (r["store"], r["method"], r["schedule"], float(r["lr"]))
+            if r["schedule"] != "default":
+                runs[key] = Run(r["store"], r["method"], r["schedule"], float(r["lr"]), float(r["val_r1"]),
+                                float(r["val_r5"]), int(r["selected_epoch"]), int(r["epochs_run"]),
+                                float(r["seconds"]), curves.get(key, []))
+    return runs
+
+
+def _summary(runs: list[Run]) -> list[dict]:
+    rows = []
+    for store, method in dict.fromkeys((r.store, r.method) for r in runs):
+        mine = [r for r in runs if (r.store, r.method) == (store, method)]
+        grid = [r for r in mine if r.schedule.startswith("epochs=")]
+        default = [r for r in mine if r.schedule == "default"]
+        if not grid or not default:
+            continue
+        g, d = max(grid, key=lambda r: r.val_r1), default[0]
+        opened = max((r for r in mine if r.schedule == "open"), key=lambda r: r.val_r1, default=None)
+        rows.append({"store": store, "method": method, "grid_best_r1": g.val_r1, "grid_best": f"{g.schedule} lr {g.lr:g}",
+                     "default_r1": d.val_r1, "gap": g.val_r1 - d.val_r1, "default_lr": d.lr,
+                     "default_epochs_run": d.epochs_run, "default_seconds": round(d.seconds, 1),
+                     "best_open_lr": opened.lr if opened else None})
+    return rows
+
+
+def _write(out: Path, runs: list[Run], summary: list[dict] | None = None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    fields = ["store", "method", "schedule", "lr", "val_r1", "val_r5", "selected_epoch", "epochs_run", "seconds"]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        for r in runs:
+            w.writerow([getattr(r, k) if k != "seconds" else round(r.seconds, 1) for k in fields])
+    with open(out / "curves.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["store", "method", "schedule", "lr", "epoch", "val_r1"])
+        for r in runs:
+            for i, v in enumerate(r.curve):
+                w.writerow([r.store, r.method, r.schedule, r.lr, i + 1, v])
+    if summary is not None:
+        with open(out / "summary.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(summary[0]) if summary else ["store"])
+            w.writeheader()
+            w.writerows(summary)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _plot(path: Path, runs: list[Run]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stores = list(dict.fromkeys(r.store for r in runs))
+    methods = list(dict.fromkeys(r.method for r in runs))
+    fig, axes = plt.subplots(len(stores), len(methods), figsize=(3.6 * len(methods), 2.9 * len(stores)),
+                             squeeze=False)
+    for i, store in enumerate(stores):
+        for j, method in enumerate(methods):
+            ax = axes[i][j]
+            mine = [r for r in runs if (r.store, r.method) == (store, method)]
+            for r in mine:
+                if r.schedule == "open":
+                    ax.plot(range(1, len(r.curve) + 1), r.curve, lw=1, label=f"lr {r.lr:g}")
+                elif r.schedule == "default":
+                    ax.plot(range(1, len(r.curve) + 1), r.curve, "k--", lw=1.5, label="default")
+            grid = [r for r in mine if r.schedule.startswith("epochs=")]
+            if grid:
+                g = max(grid, key=lambda r: r.val_r1)
+                ax.axhline(g.val_r1, color="grey", lw=0.8, ls=":", label=f"grid best ({g.schedule}, lr {g.lr:g})")
+            ax.set_title(f"{method} / {store}", fontsize=9)
+            ax.set_xlabel("epoch", fontsize=8)
+            ax.set_ylabel("val t2v R@1", fontsize=8)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
