@@ -71,3 +71,27 @@ def test_bench_convergence_tables_and_curves(tmp_path):
     # a second bench in the same directory reuses the recorded runs (a long bench resumes)
     again = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, epochs=(2,), progress=False, train=base)
     assert again == rows
+
+
+def test_bench_eval_cli_reports_time_and_memory_per_head(cli, tmp_path, monkeypatch):
+    """`tvrpipe bench eval` on a tiny size: each head evaluated in its own process through the
+    engine, on random features; untrained heads on random features sit near chance."""
+    import tvrpipe.training.bench as tb
+
+    monkeypatch.setitem(tb.EVAL_SIZES, "tiny", (90, 30))  # 3 captions per video (multi-caption, as MSVD)
+    r = cli("bench", "eval", "--method", "tmass", "--method", "meanpool", "--size", "tiny", "--dim", "16",
+            "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [(x["size"], x["method"], x["n_texts"], x["n_videos"]) for x in rows] == [
+        ("tiny", "tmass", 90, 30), ("tiny", "meanpool", 90, 30)]
+    for x in rows:
+        assert x["seconds"] > 0 and x["extra_gb"] >= 0
+        assert x["scores_gb"] == 90 * 30 * 4 / 2**30
+        assert 0 <= x["t2v_R@1"] <= 40  # chance is 1/30: no signal in random features
+    assert rows[0]["official_seconds"] is None  # the official figures are for the 1k-A size only
+
+
+def test_bench_eval_rejects_unknown_size(cli):
+    r = cli("bench", "eval", "--size", "huge")
+    assert r.exit_code == 1 and "--size 'huge' is not one of: msrvtt1k, msvd" in r.output

@@ -325,11 +325,17 @@ def _layer_norm(x: np.ndarray, ln: torch.nn.LayerNorm) -> np.ndarray:
 def _xpool_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
     """X-Pool per (text, video) pair: LN -> Q, K, V -> softmax over real frames -> W_O -> LN ->
     FC + residual -> LN -> cosine with the raw sentence."""
+    z = xpool_pooled_reference(head, texts, videos)
+    return np.einsum("td,tvd->tv", unit(np64(texts.sentence)), unit(z))
+
+
+def xpool_pooled_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
+    """z_{v|t} of every (text, video) pair, (n_text, n_video, D), from X-Pool's equations."""
     wq, wk, wv, wo = (np64(m.weight) for m in (head.q_proj, head.k_proj, head.v_proj, head.out_proj))
     w_fc, b_fc = np64(head.linear_proj.weight), np64(head.linear_proj.bias)
     h = head.config.num_heads
     dh = D // h
-    ref = np.zeros((len(texts), len(videos)))
+    ref = np.zeros((len(texts), len(videos), head.config.embed_dim))
     for i in range(len(texts)):
         c_t = np64(texts.sentence[i])
         q = _layer_norm(c_t, head.layer_norm1) @ wq.T  # Q_t
@@ -344,8 +350,7 @@ def _xpool_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
                 att = np.exp(logits - logits.max())
                 heads_out.append((att / att.sum()) @ v[:, sl])
             r = _layer_norm(np.concatenate(heads_out) @ wo.T, head.layer_norm2)  # r_{v|t}
-            z = _layer_norm(r @ w_fc.T + b_fc + r, head.layer_norm3)  # z_{v|t}
-            ref[i, j] = unit(c_t) @ unit(z)
+            ref[i, j] = _layer_norm(r @ w_fc.T + b_fc + r, head.layer_norm3)  # z_{v|t}
     return ref
 
 

@@ -103,3 +103,31 @@ def bench_convergence_cmd(
                       f"{r['gap']:+.1f}", f"{r['default_lr']:g}", str(r["default_epochs_run"]),
                       f"{r['default_seconds']:.0f}", f"{r['best_open_lr']:g}")
     console.print(table)
+
+
+@bench_app.command("eval")
+def bench_eval_cmd(
+    method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
+    size: Annotated[
+        Optional[list[str]], typer.Option(help="Test-set sizes: msrvtt1k (1,000 x 1,000), msvd (27,763 x 670); repeatable.")
+    ] = None,
+    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = 512,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+) -> None:
+    """Per head: evaluation time and memory on random features of the MSR-VTT 1k-A and MSVD test sizes."""
+    from rich.table import Table
+
+    from tvrpipe.training.bench import bench_eval
+
+    rows = bench_eval(method, size, dim=dim)
+    table = Table(title="evaluation through the block engine (random features, F = 12, L = 32)")
+    for col in ("size", "method", "captions x videos", "seconds", "extra GB", "beyond scores GB", "official"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        official = (f"{r['official_seconds']:.0f} s, {r['official_peak_gb']} GB: "
+                    f"{r['official_seconds'] / r['seconds']:.0f}x faster" if r["official_seconds"] else "")
+        table.add_row(r["size"], r["method"], f"{r['n_texts']:,} x {r['n_videos']:,}", f"{r['seconds']:.2f}",
+                      f"{r['extra_gb']:.2f}", f"{r['extra_beyond_scores_gb']:.2f}", official)
+    console.print(table)
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=2))

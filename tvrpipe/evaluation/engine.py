@@ -136,6 +136,47 @@ def similarity_matrix(head: Head, text_emb: Emb, video_emb: Emb, *, block_texts:
 
 
 @torch.no_grad()
+def pair_readout_means(head: Head, text_emb: Emb, video_emb: Emb, text_video: np.ndarray, *,
+                       block_texts: int = 256, block_videos: int = 4096,
+                       device: torch.device | str = "cpu") -> dict[str, dict[str, float]]:
+    """Means of the head's ``pair_readouts`` over matching and over non-matching pairs.
+
+    Computed on the blocks of the similarity engine (bounded memory). A caption matches the
+    video ``text_video`` names; every other (caption, video) pair is non-matching. Returns
+    ``{name: {"match": mean, "nonmatch": mean}}``, empty for a head without readouts.
+
+    Example:
+        >>> pair_readout_means(head, text_emb, video_emb, text_video)  # doctest: +SKIP
+        {'radius_l1': {'match': 3.1, 'nonmatch': 4.7}}
+    """
+    n_t, n_v = emb_len(text_emb), emb_len(video_emb)
+    tv = torch.as_tensor(np.asarray(text_video), dtype=torch.long)
+    sums: dict[str, list[float]] = {}  # name -> [sum over matching, sum over all pairs]
+    for a in range(0, n_t, block_texts):
+        b = min(a + block_texts, n_t)
+        t = _to(slice_emb(text_emb, a, b), device)
+        for c in range(0, n_v, block_videos):
+            d = min(c + block_videos, n_v)
+            out = head.pair_readouts(t, _to(slice_emb(video_emb, c, d), device))
+            if not out:
+                return {}
+            col = tv[a:b] - c  # (b - a,) matching column inside this block, if any
+            inside = (col >= 0) & (col < d - c)
+            for name, x in out.items():
+                if tuple(x.shape) != (b - a, d - c):
+                    raise ValueError(f"{type(head).__name__}.pair_readouts[{name!r}] has shape {tuple(x.shape)} "
+                                     f"for a block of {b - a} texts x {d - c} videos")
+                x = x.detach().double().cpu()
+                acc = sums.setdefault(name, [0.0, 0.0])
+                acc[0] += float(x[inside.nonzero().flatten(), col[inside]].sum())
+                acc[1] += float(x.sum())
+    n_match = n_t
+    n_non = n_t * n_v - n_match
+    return {name: {"match": m / max(n_match, 1), "nonmatch": (total - m) / n_non if n_non else float("nan")}
+            for name, (m, total) in sums.items()}
+
+
+@torch.no_grad()
 def _text_querybank(head: Head, querybank: Iterable[TextBatch], video_emb: Emb, *, k: int, beta: float,
                     block_texts: int, block_videos: int, device: torch.device | str) -> QueryBankSummary:
     """Stream training captions against the test videos into a QB-Norm summary (gallery = videos)."""
@@ -212,6 +253,7 @@ def evaluate_head(
     return_sim: bool = False,
     text_ids: Sequence[str] | None = None,
     video_ids: Sequence[str] | None = None,
+    readouts: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a head on a test split: raw t2v / v2t metrics, plus requested post-processing.
 
@@ -234,11 +276,14 @@ def evaluate_head(
         qb_k, qb_beta: QB-Norm activation-set size and inverse temperature.
         return_sim: also return the raw float32 matrix under ``"sim"``.
         text_ids, video_ids: ids of the captions and videos, to name them in errors (default: indices).
+        readouts: also report the head's ``pair_readouts`` averaged over matching and non-matching
+            pairs, under ``"readouts"`` (only for heads that declare some).
 
     Returns:
         ``{"t2v": {...}, "v2t": {...}, "n_texts": int, "n_videos": int}`` plus ``"t2v_dsl"``,
         ``"v2t_dsl"`` for DSL and ``"t2v_qbnorm"`` (and ``"v2t_qbnorm"`` with a video
-        querybank) for QB-Norm; each metrics dict has R@1, R@5, R@10 (percent), MdR, MnR, n.
+        querybank) for QB-Norm; each metrics dict has R@1, R@5, R@10 (percent), MdR, MnR, n;
+        ``"readouts"`` when asked for and the head has some.
 
     Example:
         >>> res = evaluate_head(head, texts, videos, text_video, post=("dsl",))  # doctest: +SKIP
@@ -272,6 +317,11 @@ def evaluate_head(
             "n_texts": n_t,
             "n_videos": n_v,
         }
+        if readouts:
+            means = pair_readout_means(head, text_emb, video_emb, tv, block_texts=block_texts,
+                                       block_videos=block_videos, device=device)
+            if means:
+                result["readouts"] = means
         if "dsl" in post:
             t2v_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=0), "DSL (t2v)", *names)
             v2t_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=1), "DSL (v2t)", *names)

@@ -22,5 +22,6 @@ from tvrpipe.heads import (
     meanpool,  # noqa: F401
     seqtransf,  # noqa: F401
     tokenwise,  # noqa: F401
+    tmass,  # noqa: F401
     xpool,  # noqa: F401
 )

@@ -9,7 +9,10 @@ same small interface (DESIGN.md, "Heads"):
   (X-Pool, T-MASS, DUQ) do their per-pair work here, and the evaluation engine calls it on blocks
   so memory is bounded by the block size;
 - ``loss(TextBatch, VideoBatch) -> LossOutput(total, terms)``: the training objective on a batch
-  of B matching (text_i, video_i) pairs, every term logged.
+  of B matching (text_i, video_i) pairs, every term logged;
+- optionally ``pair_readouts(text_emb, video_emb) -> {name: Tensor[n_text, n_video]}``: per-pair
+  quantities (an uncertainty, a radius) that evaluation averages over matching and non-matching
+  pairs and training logs per epoch.
 
 ``Emb`` is a dict of tensors that all have the items as their first dimension, so the engine can
 concatenate chunks and slice blocks without knowing what a head keeps.
@@ -116,6 +119,16 @@ class Head(nn.Module):
 
     def similarity(self, text_emb: Emb, video_emb: Emb) -> Tensor:
         raise NotImplementedError
+
+    def pair_readouts(self, text_emb: Emb, video_emb: Emb) -> dict[str, Tensor]:
+        """Per-pair quantities to log beside the metrics: ``{name: Tensor[n_text, n_video]}``.
+
+        The evaluation engine calls it on the same blocks as ``similarity`` (when asked for
+        readouts) and reports each quantity's mean over matching and over non-matching pairs;
+        the trainer logs them per validation epoch and plots them (T-MASS: the radius |R|_1 of
+        its Fig. 3 and 5). Default: none.
+        """
+        return {}
 
     def logits_scale(self) -> Tensor:
         """The multiplier of similarities inside the contrastive loss."""

@@ -176,6 +176,18 @@ class XPool(Head):
         return torch.einsum("td,tvd->tv", text_emb["sentence"], z)  # (n_t, n_v)
 
     def _similarity_factored(self, text_emb: Emb, video_emb: Emb) -> Tensor:
+        f = self.factored(text_emb, video_emb)
+        return (f["dot"] / f["norm_z"].clamp(min=1e-12)).t()  # (n_t, n_v), F.normalize semantics
+
+    def factored(self, text_emb: Emb, video_emb: Emb) -> dict[str, Tensor]:
+        """The per-pair scalars of the eval-mode (no dropout) chain, video-major, without any
+        (n_text, n_video, D) tensor.
+
+        Returns ``a`` (n_v, n_t, J) attention weights and, each (n_v, n_t): ``inv_sigma`` and
+        ``inv_s`` (1 / the LN2 and LN3 scales), ``dot`` = <t / |t|, z> and ``norm_z`` = |z|. With
+        P = sum_j a_j rc_j (``rc`` of ``encode_videos``), the pooled video is
+        z = g3 * (inv_sigma P + c) * inv_s + b3, c = :meth:`_offset` (heads that need z use this).
+        """
         # Exact closed form of cos(t, LN3(y)), y = r + FC(r), r = LN2(sum_j a_j VO_j); no dropout.
         # With pc_j, rc_j the centred per-slot vectors of encode_videos:
         #   sigma^2 = a^T Gp a / D + eps2                      (LN2)
@@ -207,4 +219,4 @@ class XPool(Head):
         g3y2 = qz * inv_sigma.square() + 2 * lz * inv_sigma + (g3.square() * c2c.square()).sum()
         g3b3y = lb * inv_sigma + (g3 * b3 * c2c).sum()  # sum g3 b3 y~
         norm_z = (g3y2 * inv_s.square() + 2 * g3b3y * inv_s + b3.square().sum()).clamp(min=0).sqrt()
-        return (dot / norm_z.clamp(min=1e-12)).t()  # (n_t, n_v), F.normalize semantics
+        return {"a": a_v, "inv_sigma": inv_sigma, "inv_s": inv_s, "dot": dot, "norm_z": norm_z}

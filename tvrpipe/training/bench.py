@@ -108,3 +108,97 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
                                                       str(out / "runs" / method), prefetch),)))
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return results
+
+
+# ---- evaluation cost alone: ``tvrpipe bench eval`` ----------------------------------------------
+
+# (captions, videos) of the standard test sets: MSR-VTT 1k-A and MSVD's multi-caption test split
+EVAL_SIZES: dict[str, tuple[int, int]] = {"msrvtt1k": (1000, 1000), "msvd": (27763, 670)}
+# The official code's inference on random features of the MSR-VTT 1k-A size, measured on this
+# 2-core machine (issues 4 and 9): seconds and peak resident memory (GB).
+OFFICIAL_EVAL = {"xpool": (63.0, 8.4), "tmass": (517.0, 18.7)}
+
+
+def _random_features(n_t: int, n_v: int, frames: int, words: int, dim: int, tokens: bool, seed: int):
+    """CLIP-shaped random features in float16 (the trainer's in-memory format), masks with padding."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):  # generated in slices: no float64 copy of the largest array
+        out = np.empty(shape, np.float16)
+        for a in range(0, shape[0], 1024):
+            out[a:a + 1024] = rng.standard_normal((min(1024, shape[0] - a), *shape[1:]), np.float32)
+        return out
+
+    n_words = rng.integers(5, words + 1, n_t)
+    n_frames = rng.integers(max(1, frames // 2), frames + 1, n_v)
+    n_frames[: n_v // 2] = frames  # half the videos full, half padded
+    return {
+        "sentence": normal(n_t, dim),
+        "tokens": normal(n_t, words, dim) if tokens else np.zeros((n_t, 0, dim), np.float16),
+        "token_mask": np.arange(words if tokens else 0) < n_words[:, None],
+        "frames": normal(n_v, frames, dim),
+        "frame_mask": np.arange(frames) < n_frames[:, None],
+        "text_video": (np.arange(n_t) * n_v) // n_t,  # captions grouped by video, every video captioned
+    }
+
+
+def _eval_one(args: tuple[str, int, int, int, int, int, int]) -> dict:
+    import torch
+
+    from tvrpipe.evaluation.engine import evaluate_head
+    from tvrpipe.heads.base import TextBatch, VideoBatch, create_head
+
+    method, n_t, n_v, frames, words, dim, block_texts = args
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    head = create_head(method, embed_dim=dim).eval()  # cost does not depend on the weights' values
+    x = _random_features(n_t, n_v, frames, words, dim, head.uses_tokens, seed=0)
+    f32 = lambda a: torch.from_numpy(a).float()  # noqa: E731  (float16 -> float32 per batch, as the trainer)
+    texts = (TextBatch(f32(x["tokens"][a:a + 256]), torch.from_numpy(x["token_mask"][a:a + 256]),
+                       f32(x["sentence"][a:a + 256])) for a in range(0, n_t, 256))
+    videos = (VideoBatch(f32(x["frames"][a:a + 256]), torch.from_numpy(x["frame_mask"][a:a + 256]))
+              for a in range(0, n_v, 256))
+    with _PeakRss() as mem:
+        t = time.perf_counter()
+        res = evaluate_head(head, texts, videos, x["text_video"], block_texts=block_texts)
+        seconds = time.perf_counter() - t
+    scores_gb = n_t * n_v * 4 / 2**30
+    return {"method": method, "n_texts": n_t, "n_videos": n_v, "seconds": seconds,
+            "extra_gb": (mem.peak - mem.start) / 2**30, "scores_gb": scores_gb,
+            "extra_beyond_scores_gb": (mem.peak - mem.start) / 2**30 - scores_gb,
+            "t2v_R@1": res["t2v"]["R@1"]}
+
+
+def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None, frames: int = 12,
+               words: int = 32, dim: int = 512, block_texts: int = 256) -> list[dict]:
+    """Evaluation time and memory per head on random features of the standard test-set sizes.
+
+    Each (head, size) runs in a fresh process: random CLIP-shaped features (float16, padded
+    masks) go through :func:`tvrpipe.evaluation.engine.evaluate_head` exactly as ``train-head``
+    evaluates (encode once, similarity in blocks of ``block_texts`` captions, ranks). Memory is the
+    resident set sampled every 10 ms during the evaluation minus the set before it (the features
+    themselves are excluded); ``extra_beyond_scores_gb`` subtracts the float32 score matrix.
+
+    Example:
+        >>> bench_eval(["tmass"], ["msrvtt1k"])  # doctest: +SKIP
+    """
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import list_heads
+
+    sizes = sizes or list(EVAL_SIZES)
+    unknown = [s for s in sizes if s not in EVAL_SIZES]
+    if unknown:
+        raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(EVAL_SIZES)}")
+    rows = []
+    ctx = mp.get_context("spawn")
+    for size in sizes:
+        n_t, n_v = EVAL_SIZES[size]
+        for method in methods or list_heads():
+            with ctx.Pool(1) as pool:
+                row = pool.apply(_eval_one, ((method, n_t, n_v, frames, words, dim, block_texts),))
+            official = OFFICIAL_EVAL.get(method) if size == "msrvtt1k" else None
+            rows.append({"size": size, **row, "official_seconds": official[0] if official else None,
+                         "official_peak_gb": official[1] if official else None})
+    return rows

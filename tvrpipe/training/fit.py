@@ -121,7 +121,8 @@ def resolved_lr(method: str, train: TrainConfig) -> tuple[float, str]:
     return head_class(method).default_lr, f"{method}.default_lr"
 
 
-def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank: SplitData | None = None) -> dict:
+def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank: SplitData | None = None,
+              readouts: bool = True) -> dict:
     from tvrpipe.evaluation.engine import evaluate_head
 
     dev = torch.device(cfg.device)
@@ -137,6 +138,7 @@ def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank
                                                                                            head.uses_tokens)),
         text_ids=split.caption_ids,
         video_ids=split.video_ids,
+        readouts=readouts,
     )
 
 
@@ -264,6 +266,23 @@ def _plots(rows: list[dict], out: Path) -> None:
         ax.set_ylabel(ylabel)
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+    # the head's pair readouts (matching vs non-matching pairs) against validation R@1
+    names = sorted({k[len("val_"):-len("_match")] for k in rows[0] if k.startswith("val_") and k.endswith("_match")})
+    if names:
+        fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.4), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            ax.plot(epochs, [r[f"val_{name}_match"] for r in rows], marker="o", label="matching pairs")
+            ax.plot(epochs, [r[f"val_{name}_nonmatch"] for r in rows], marker="s", label="non-matching pairs")
+            ax.set_xlabel("epoch")
+            ax.set_ylabel(f"val mean {name}")
+            r1 = ax.twinx()
+            r1.plot(epochs, [r["val_t2v_R@1"] for r in rows], color="grey", ls="--", label="val t2v R@1")
+            r1.set_ylabel("val t2v R@1 (%)")
+            lines = ax.get_legend_handles_labels()[0] + r1.get_legend_handles_labels()[0]
+            ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "readouts.png", dpi=100)
         plt.close(fig)
 
 
@@ -428,6 +447,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                    **{f"loss_{k}": float(np.mean(v)) for k, v in terms.items()},
                    **{f"val_t2v_{k}": v for k, v in val["t2v"].items() if k != "n"},
                    **{f"val_v2t_{k}": v for k, v in val["v2t"].items() if k != "n"},
+                   **{f"val_{name}_{kind}": v for name, r in val.get("readouts", {}).items() for kind, v in r.items()},
                    "lr": opt.param_groups[0]["lr"] if opt else 0.0,
                    "samples_per_s": steps_per_epoch * batch / max(t_data + t_step, 1e-9),
                    "data_share": t_data / max(t_data + t_step, 1e-9)}
