@@ -95,3 +95,24 @@ def test_bench_eval_cli_reports_time_and_memory_per_head(cli, tmp_path, monkeypa
 def test_bench_eval_rejects_unknown_size(cli):
     r = cli("bench", "eval", "--size", "huge")
     assert r.exit_code == 1 and "--size 'huge' is not one of: msrvtt1k, msvd" in r.output
+
+
+def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path):
+    import csv
+
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=2)
+    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    rows = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
+                             only_default=True)
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["method"], r["schedule"]) for r in runs] == [("meanpool", "default"), ("xpool", "default")]
+    assert all(r["grid_best_r1"] is None and r["gap"] is None for r in rows)
+    assert 1 <= rows[1]["default_selected_epoch"] <= rows[1]["default_epochs_run"] <= 6
+    assert bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
+                             only_default=True) == rows  # recorded runs are reused, not retrained

@@ -87,21 +87,26 @@ def bench_convergence_cmd(
     method: Annotated[Optional[list[str]], typer.Option(help="Heads (repeatable; default: all).")] = None,
     lr: Annotated[Optional[list[float]], typer.Option(help="Learning rates (repeatable; default 1e-4 .. 1e-2).")] = None,
     epochs: Annotated[Optional[list[int]], typer.Option(help="Grid epoch counts (repeatable; default 5, 15, 40).")] = None,
+    only_default: Annotated[bool, typer.Option(
+        help="Run only train-head's default (no grid): its cost and curve on stores too large for the grid.")] = False,
 ) -> None:
     """Does train-head's default schedule reach the best validation R@1 of a grid of lrs x epochs?"""
     from rich.table import Table
 
     from tvrpipe.training.convergence import EPOCHS, LRS, bench_convergence
 
-    rows = bench_convergence(out, size, method, tuple(lr or LRS), tuple(epochs or EPOCHS))
+    rows = bench_convergence(out, size, method, tuple(lr or LRS), tuple(epochs or EPOCHS), only_default=only_default)
     table = Table(title=f"validation t2v R@1: default schedule vs grid ({out / 'summary.csv'}, curves.png)")
     for col in ("store", "method", "grid best", "(run)", "default", "gap", "default lr", "epochs", "seconds",
                 "best open lr"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["store"], r["method"], f"{r['grid_best_r1']:.1f}", r["grid_best"], f"{r['default_r1']:.1f}",
-                      f"{r['gap']:+.1f}", f"{r['default_lr']:g}", str(r["default_epochs_run"]),
-                      f"{r['default_seconds']:.0f}", f"{r['best_open_lr']:g}")
+        def num(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        table.add_row(r["store"], r["method"], num(r["grid_best_r1"], ".1f"), r["grid_best"] or "-",
+                      f"{r['default_r1']:.1f}", num(r["gap"], "+.1f"), f"{r['default_lr']:g}",
+                      str(r["default_epochs_run"]), f"{r['default_seconds']:.0f}", num(r["best_open_lr"], "g"))
     console.print(table)
 
 

@@ -87,6 +87,7 @@ def bench_convergence(
     epochs: tuple[int, ...] = EPOCHS,
     progress: bool = True,
     train=None,
+    only_default: bool = False,
 ) -> list[dict]:
     """Run the grid, the open-ended schedule per lr and the default; write tables and curves.
 
@@ -99,6 +100,8 @@ def bench_convergence(
         progress: progress bars while generating stores.
         train: the trainer settings every run starts from (default ``TrainConfig()``, as
             ``train-head`` runs); each run sets its own ``epochs`` and ``lr``.
+        only_default: run only the default (no grid, no open-ended runs per lr): what
+            ``train-head`` costs with no schedule option, on stores too large for the grid.
 
     Returns:
         The summary rows (per store and head: grid best, default, gap).
@@ -125,8 +128,9 @@ def bench_convergence(
     for size, spec in sizes.items():
         store_dir = generate_store(out / "stores" / size, spec, progress=progress)
         for method in methods:
-            plan = [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
-            plan += [("open", lr, None) for lr in lrs] + [("default", None, None)]
+            plan = [] if only_default else [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
+            plan += [] if only_default else [("open", lr, None) for lr in lrs]
+            plan += [("default", None, None)]
             for schedule, lr, e in plan:
                 same = [r for r in runs if (r.store, r.method, r.schedule) == (size, method, "open")
                         and r.lr == head_class(method).default_lr]
@@ -159,11 +163,10 @@ def _load(out: Path) -> dict[tuple[str, str, str, float], Run]:
     runs = {}
     with open(out / "results.csv") as f:
         for r in csv.DictReader(f):
-            key = (r["store"], r["method"], r["schedule"], float(r["lr"]))
-            if r["schedule"] != "default":
-                runs[key] = Run(r["store"], r["method"], r["schedule"], float(r["lr"]), float(r["val_r1"]),
-                                float(r["val_r5"]), int(r["selected_epoch"]), int(r["epochs_run"]),
-                                float(r["seconds"]), curves.get(key, []))
+            key = (r["store"], r["method"], r["schedule"], float(r["lr"]))  # default runs too (--only-default resumes)
+            runs[key] = Run(r["store"], r["method"], r["schedule"], float(r["lr"]), float(r["val_r1"]),
+                            float(r["val_r5"]), int(r["selected_epoch"]), int(r["epochs_run"]),
+                            float(r["seconds"]), curves.get(key, []))
     return runs
 
 
@@ -173,13 +176,15 @@ def _summary(runs: list[Run]) -> list[dict]:
         mine = [r for r in runs if (r.store, r.method) == (store, method)]
         grid = [r for r in mine if r.schedule.startswith("epochs=")]
         default = [r for r in mine if r.schedule == "default"]
-        if not grid or not default:
+        if not default:
             continue
-        g, d = max(grid, key=lambda r: r.val_r1), default[0]
+        d = default[0]
+        g = max(grid, key=lambda r: r.val_r1) if grid else None
         opened = max((r for r in mine if r.schedule == "open"), key=lambda r: r.val_r1, default=None)
-        rows.append({"store": store, "method": method, "grid_best_r1": g.val_r1, "grid_best": f"{g.schedule} lr {g.lr:g}",
-                     "default_r1": d.val_r1, "gap": g.val_r1 - d.val_r1, "default_lr": d.lr,
-                     "default_epochs_run": d.epochs_run, "default_seconds": round(d.seconds, 1),
+        rows.append({"store": store, "method": method, "grid_best_r1": g.val_r1 if g else None,
+                     "grid_best": f"{g.schedule} lr {g.lr:g}" if g else None,
+                     "default_r1": d.val_r1, "gap": g.val_r1 - d.val_r1 if g else None, "default_lr": d.lr,
+                     "default_epochs_run": d.epochs_run, "default_selected_epoch": d.selected_epoch, "default_seconds": round(d.seconds, 1),
                      "best_open_lr": opened.lr if opened else None})
     return rows
 
