@@ -241,16 +241,13 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-def test_seqtransf_matches_torch_encoder_on_unpadded_frames():
-    """Reference: PyTorch's own pre-LN encoder layers with the head's weights, run on each video's
-    real frames only (no mask at all), then the residual, normalisation, mean and cosine."""
-    head = perturbed("seqtransf", dtype=torch.float64, num_layers=2, num_heads=2)
-    texts, videos = batches(5, 7, dtype=torch.float64)
+def torch_encoder_layers(blocks, n_heads: int, ln_eps: float) -> list:
+    """PyTorch's own pre-LN encoder layers (float64) carrying the weights of a head's blocks."""
     layers = []
-    for blk in head.blocks:
-        layer = torch.nn.TransformerEncoderLayer(D, 2, dim_feedforward=4 * D, dropout=0.0,
+    for blk in blocks:
+        layer = torch.nn.TransformerEncoderLayer(D, n_heads, dim_feedforward=4 * D, dropout=0.0,
                                                  activation=_quick_gelu, batch_first=True,
-                                                 norm_first=True, dtype=torch.float64)
+                                                 norm_first=True, dtype=torch.float64, layer_norm_eps=ln_eps)
         with torch.no_grad():
             layer.self_attn.in_proj_weight.copy_(blk.in_proj.weight)
             layer.self_attn.in_proj_bias.copy_(blk.in_proj.bias)
@@ -261,6 +258,15 @@ def test_seqtransf_matches_torch_encoder_on_unpadded_frames():
             layer.norm1.load_state_dict(blk.ln_1.state_dict())
             layer.norm2.load_state_dict(blk.ln_2.state_dict())
         layers.append(layer.train())  # train mode with dropout 0: the plain (non-fast-path) maths
+    return layers
+
+
+def test_seqtransf_matches_torch_encoder_on_unpadded_frames():
+    """Reference: PyTorch's own pre-LN encoder layers with the head's weights, run on each video's
+    real frames only (no mask at all), then the residual, normalisation, mean and cosine."""
+    head = perturbed("seqtransf", dtype=torch.float64, num_layers=2, num_heads=2)
+    texts, videos = batches(5, 7, dtype=torch.float64)
+    layers = torch_encoder_layers(head.blocks, 2, head.config.ln_eps)
     pos = head.frame_position_embeddings.weight
     ref = torch.zeros(5, 7, dtype=torch.float64)
     with torch.no_grad():
@@ -273,6 +279,17 @@ def test_seqtransf_matches_torch_encoder_on_unpadded_frames():
             v = F.normalize(F.normalize(x[0] + z, dim=-1).mean(0), dim=0)  # CLIP4Clip: residual, mean
             ref[:, j] = F.normalize(texts.sentence, dim=-1) @ v
     torch.testing.assert_close(sim(head, texts, videos), ref, atol=1e-10, rtol=0)
+
+
+def test_seqtransf_layer_norm_is_clip4clips_tf_style():
+    """CLIP4Clip's module_cross.LayerNorm puts eps = 1e-12 inside the square root (the whole
+    difference found side by side against the official seqTransf, issue 10)."""
+    head = create_head("seqtransf", embed_dim=D)
+    assert {m.eps for m in head.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-12}
+    x = torch.randn(3, D, dtype=torch.float64)
+    ln = head.blocks[0].ln_1.double()
+    u, s = x.mean(-1, keepdim=True), (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+    torch.testing.assert_close(ln(x), (x - u) / torch.sqrt(s + 1e-12), atol=1e-12, rtol=0)
 
 
 def test_seqtransf_rejects_too_many_frames():

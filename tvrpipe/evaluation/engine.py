@@ -277,7 +277,8 @@ def evaluate_head(
         return_sim: also return the raw float32 matrix under ``"sim"``.
         text_ids, video_ids: ids of the captions and videos, to name them in errors (default: indices).
         readouts: also report the head's ``pair_readouts`` averaged over matching and non-matching
-            pairs, under ``"readouts"`` (only for heads that declare some).
+            pairs (``{name: {"match", "nonmatch"}}``) and its ``item_readouts`` (``{name: value}``),
+            under ``"readouts"`` (only for heads that declare some).
 
     Returns:
         ``{"t2v": {...}, "v2t": {...}, "n_texts": int, "n_videos": int}`` plus ``"t2v_dsl"``,
@@ -320,6 +321,7 @@ def evaluate_head(
         if readouts:
             means = pair_readout_means(head, text_emb, video_emb, tv, block_texts=block_texts,
                                        block_videos=block_videos, device=device)
+            means.update(head.item_readouts(text_emb, video_emb))
             if means:
                 result["readouts"] = means
         if "dsl" in post:

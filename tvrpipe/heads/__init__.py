@@ -23,5 +23,6 @@ from tvrpipe.heads import (
     seqtransf,  # noqa: F401
     tokenwise,  # noqa: F401
     tmass,  # noqa: F401
+    uatvr,  # noqa: F401
     xpool,  # noqa: F401
 )

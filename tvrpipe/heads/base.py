@@ -12,7 +12,8 @@ same small interface (DESIGN.md, "Heads"):
   of B matching (text_i, video_i) pairs, every term logged;
 - optionally ``pair_readouts(text_emb, video_emb) -> {name: Tensor[n_text, n_video]}``: per-pair
   quantities (an uncertainty, a radius) that evaluation averages over matching and non-matching
-  pairs and training logs per epoch.
+  pairs and training logs per epoch; ``item_readouts(text_emb, video_emb) -> {name: float}`` for
+  quantities of the items themselves (a mean variance).
 
 ``Emb`` is a dict of tensors that all have the items as their first dimension, so the engine can
 concatenate chunks and slice blocks without knowing what a head keeps.
@@ -128,6 +129,11 @@ class Head(nn.Module):
         the trainer logs them per validation epoch and plots them (T-MASS: the radius |R|_1 of
         its Fig. 3 and 5). Default: none.
         """
+        return {}
+
+    def item_readouts(self, text_emb: Emb, video_emb: Emb) -> dict[str, float]:
+        """Quantities over all encoded texts and videos of a split (e.g. UATVR's geometric mean of
+        sigma, its Fig. 3), logged beside the metrics like :meth:`pair_readouts`. Default: none."""
         return {}
 
     def logits_scale(self) -> Tensor:

@@ -31,6 +31,8 @@ Choices where the paper is silent or the code cannot be followed:
 - ``max_frames`` = 77: the code sizes the frame position table to CLIP's context length (77);
   DiDeMo uses 64 frames.
 - No dropout, as in the code (``nn.MultiheadAttention`` with its default dropout 0).
+- LayerNorm epsilon 1e-12, as CLIP4Clip's TF-style ``module_cross.LayerNorm`` (torch's default
+  1e-5 was the whole 3.3e-6 difference found side by side on identical weights; issue 10).
 - A video with no real frame is the zero vector (similarity 0).
 - ``logit_scale`` starts at CLIP's initial log(1/0.07); CLIP4Clip reuses CLIP's learned scale.
 """
@@ -58,6 +60,7 @@ class Config(HeadConfig):
     mlp_ratio: int = 4  # CLIP4Clip code (module_cross.ResidualAttentionBlock): MLP width 4D
     max_frames: int = 77  # CLIP4Clip code: position table = CLIP context length 77 (DiDeMo: 64 frames)
     zero_init: bool = True  # choice: no CLIP weights to copy; zero out-projections + positions = meanpool
+    ln_eps: float = 1e-12  # CLIP4Clip code module_cross.LayerNorm (TF style, eps 1e-12); torch's default is 1e-5
 
 
 class QuickGELU(nn.Module):
@@ -70,13 +73,13 @@ class QuickGELU(nn.Module):
 class ResidualAttentionBlock(nn.Module):
     """CLIP's pre-LN transformer block, with an exact key padding mask."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: int) -> None:
+    def __init__(self, width: int, heads: int, mlp_ratio: int, ln_eps: float = 1e-12) -> None:
         super().__init__()
         self.heads = heads
-        self.ln_1 = nn.LayerNorm(width)
+        self.ln_1 = nn.LayerNorm(width, eps=ln_eps)
         self.in_proj = nn.Linear(width, 3 * width)
         self.out_proj = nn.Linear(width, width)
-        self.ln_2 = nn.LayerNorm(width)
+        self.ln_2 = nn.LayerNorm(width, eps=ln_eps)
         self.c_fc = nn.Linear(width, mlp_ratio * width)
         self.gelu = QuickGELU()
         self.c_proj = nn.Linear(mlp_ratio * width, width)
@@ -96,6 +99,52 @@ class ResidualAttentionBlock(nn.Module):
         return x + self.c_proj(self.gelu(self.c_fc(self.ln_2(x))))  # (B, F, D)
 
 
+def init_sequence_transformer(positions: nn.Embedding, blocks: nn.ModuleList, zero_init: bool) -> None:
+    """CLIP's text-transformer initialisation (openai/CLIP ``initialize_parameters``) of a
+    seqTransf; with ``zero_init`` the output projections and positions start at zero (identity)."""
+    width, layers = positions.weight.shape[1], len(blocks)
+    attn_std, fc_std = width**-0.5, (2 * width) ** -0.5
+    proj_std = width**-0.5 * (2 * max(1, layers)) ** -0.5
+    nn.init.normal_(positions.weight, std=0.01)
+    for block in blocks:
+        nn.init.normal_(block.in_proj.weight, std=attn_std)
+        nn.init.normal_(block.out_proj.weight, std=proj_std)
+        nn.init.normal_(block.c_fc.weight, std=fc_std)
+        nn.init.normal_(block.c_proj.weight, std=proj_std)
+        for lin in (block.in_proj, block.out_proj, block.c_fc, block.c_proj):
+            nn.init.zeros_(lin.bias)
+        if zero_init:
+            nn.init.zeros_(block.out_proj.weight)
+            nn.init.zeros_(block.c_proj.weight)
+    if zero_init:
+        nn.init.zeros_(positions.weight)
+
+
+def sequence_transformer(x: Tensor, mask: Tensor, positions: Tensor, blocks: nn.ModuleList,
+                         extra: Tensor | None = None) -> Tensor:
+    """CLIP4Clip's seqTransf over a masked sequence, optionally enlarged by learnable tokens.
+
+    ``x`` (B, N, D) with ``mask`` (B, N) True for real items; ``positions`` (>= N, D) are added to
+    the N slots; ``extra`` (C, D) tokens (UATVR's DSA tokens, no position) are appended after the
+    N slots and always attended to. The blocks run over the N + C slots with padded slots masked
+    as keys; the input ``x`` is added back to the N real slots (the residual of CLIP4Clip, which
+    UATVR's code also applies to the real slots only). Returns (B, N + C, D); padded slots hold
+    values that must never be read.
+    """
+    mask = mask.bool()
+    # Padding never enters (torch.where, not a product: NaN or inf in padded slots stay out).
+    x = torch.where(mask.unsqueeze(-1), x, torch.zeros_like(x))  # (B, N, D)
+    h = x + positions[: x.shape[1]]  # (B, N, D)
+    if extra is not None and extra.shape[0]:
+        b = x.shape[0]
+        h = torch.cat([h, extra.unsqueeze(0).expand(b, -1, -1)], dim=1)  # (B, N + C, D)
+        x = torch.cat([x, torch.zeros_like(h[:, x.shape[1]:])], dim=1)  # no residual on the extra tokens
+        mask = torch.cat([mask, mask.new_ones(b, extra.shape[0])], dim=1)  # (B, N + C)
+    for block in blocks:
+        h = block(h, mask)
+    return h + x  # (B, N + C, D)
+
+
 @register_head("seqtransf")
 class SeqTransf(Head):
     """CLIP4Clip seqTransf: temporal transformer + residual, then mean pooling and cosine."""
@@ -112,28 +161,9 @@ class SeqTransf(Head):
             raise ConfigError(f"seqtransf: embed_dim {width} is not divisible by num_heads {heads}")
         self.frame_position_embeddings = nn.Embedding(config.max_frames, width)
         self.blocks = nn.ModuleList(
-            ResidualAttentionBlock(width, heads, config.mlp_ratio) for _ in range(config.num_layers)
+            ResidualAttentionBlock(width, heads, config.mlp_ratio, config.ln_eps) for _ in range(config.num_layers)
         )
-        self._init_parameters()
-
-    def _init_parameters(self) -> None:
-        # CLIP's text transformer initialisation (openai/CLIP model.py initialize_parameters).
-        width, layers = self.config.embed_dim, self.config.num_layers
-        attn_std, fc_std = width**-0.5, (2 * width) ** -0.5
-        proj_std = width**-0.5 * (2 * layers) ** -0.5
-        nn.init.normal_(self.frame_position_embeddings.weight, std=0.01)
-        for block in self.blocks:
-            nn.init.normal_(block.in_proj.weight, std=attn_std)
-            nn.init.normal_(block.out_proj.weight, std=proj_std)
-            nn.init.normal_(block.c_fc.weight, std=fc_std)
-            nn.init.normal_(block.c_proj.weight, std=proj_std)
-            for lin in (block.in_proj, block.out_proj, block.c_fc, block.c_proj):
-                nn.init.zeros_(lin.bias)
-            if self.config.zero_init:
-                nn.init.zeros_(block.out_proj.weight)
-                nn.init.zeros_(block.c_proj.weight)
-        if self.config.zero_init:
-            nn.init.zeros_(self.frame_position_embeddings.weight)
+        init_sequence_transformer(self.frame_position_embeddings, self.blocks, config.zero_init)
 
     def temporal(self, frames: Tensor, frame_mask: Tensor) -> Tensor:
         """The frames after the temporal transformer and the residual: (B, F, D) -> (B, F, D)."""
@@ -143,12 +173,7 @@ class SeqTransf(Head):
                 f"seqtransf: videos have {n_frames} frames but max_frames is "
                 f"{self.config.max_frames}; create the head with max_frames={n_frames} or more"
             )
-        # Padding never enters (torch.where, not a product: NaN or inf in padded slots stay out).
-        frames = torch.where(frame_mask.unsqueeze(-1), frames, torch.zeros_like(frames))  # (B, F, D)
-        x = frames + self.frame_position_embeddings.weight[:n_frames]  # (B, F, D)
-        for block in self.blocks:
-            x = block(x, frame_mask)
-        return x + frames  # (B, F, D)
+        return sequence_transformer(frames, frame_mask, self.frame_position_embeddings.weight, self.blocks)
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         return {"sentence": F.normalize(texts.sentence, dim=-1)}  # (B, D)

@@ -63,9 +63,34 @@ def without_first(token_mask: Tensor) -> Tensor:
     return mask & (pos > first[:, None])
 
 
-def _masked_normalize(x: Tensor, mask: Tensor) -> Tensor:
+def masked_normalize(x: Tensor, mask: Tensor) -> Tensor:
     # Padded rows become exactly zero, whatever they held (NaN and inf included).
     return F.normalize(torch.where(mask.unsqueeze(-1), x, torch.zeros_like(x)), dim=-1)
+
+
+def token_wise_similarity(words: Tensor, wmask: Tensor, frames: Tensor, fmask: Tensor) -> Tensor:
+    """UATVR Eq. 7 (and Eq. 8 over enlarged sequences) with means: (n_text, n_video).
+
+    ``words`` (n_t, L, D) and ``frames`` (n_v, F, D) L2-normalised, zero at padding; masks True for
+    the positions that take part. 1/2 (mean over words of the best frame + mean over frames of the
+    best word); padding never wins a max nor enters a mean; an empty side contributes 0.
+    """
+    neg_inf = torch.tensor(float("-inf"), dtype=words.dtype, device=words.device)
+    zero = torch.zeros((), dtype=words.dtype, device=words.device)
+    wbias = torch.where(wmask, zero, neg_inf)  # (n_t, L) 0 for words, -inf for padding
+    fbias = torch.where(fmask, zero, neg_inf)  # (n_v, F)
+
+    cos = torch.einsum("tld,vfd->tvlf", words, frames)  # (n_t, n_v, L, F)
+    word_to_frame = (cos + fbias[None, :, None, :]).amax(dim=3)  # (n_t, n_v, L) best real frame per word
+    cos.add_(wbias[:, None, :, None])  # in place: einsum does not keep its output for backward
+    frame_to_word = cos.amax(dim=2)  # (n_t, n_v, F) best real word per frame
+
+    n_words = wmask.sum(1).clamp(min=1).to(words.dtype)  # (n_t,)
+    n_frames = fmask.sum(1).clamp(min=1).to(words.dtype)  # (n_v,)
+    # torch.where (not a product) so -inf from empty sides never reaches the sums.
+    t2v = torch.where(wmask[:, None, :] & fmask.any(1)[None, :, None], word_to_frame, zero).sum(2)
+    v2t = torch.where(fmask[None, :, :] & wmask.any(1)[:, None, None], frame_to_word, zero).sum(2)
+    return (t2v / n_words[:, None] + v2t / n_frames[None, :]) / 2  # (n_t, n_v)
 
 
 @register_head("tokenwise")
@@ -79,28 +104,12 @@ class TokenWise(Head):
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         mask = without_first(texts.token_mask) if self.config.drop_sot else texts.token_mask.bool()
-        return {"tokens": _masked_normalize(texts.tokens, mask), "token_mask": mask}  # (B, L, D), (B, L)
+        return {"tokens": masked_normalize(texts.tokens, mask), "token_mask": mask}  # (B, L, D), (B, L)
 
     def encode_videos(self, videos: VideoBatch) -> Emb:
         mask = videos.frame_mask.bool()
-        return {"frames": _masked_normalize(videos.frames, mask), "frame_mask": mask}  # (B, F, D), (B, F)
+        return {"frames": masked_normalize(videos.frames, mask), "frame_mask": mask}  # (B, F, D), (B, F)
 
     def similarity(self, text_emb: Emb, video_emb: Emb) -> Tensor:
-        words, wmask = text_emb["tokens"], text_emb["token_mask"]  # (n_t, L, D), (n_t, L)
-        frames, fmask = video_emb["frames"], video_emb["frame_mask"]  # (n_v, F, D), (n_v, F)
-        neg_inf = torch.tensor(float("-inf"), dtype=words.dtype, device=words.device)
-        zero = torch.zeros((), dtype=words.dtype, device=words.device)
-        wbias = torch.where(wmask, zero, neg_inf)  # (n_t, L) 0 for words, -inf for padding
-        fbias = torch.where(fmask, zero, neg_inf)  # (n_v, F)
-
-        cos = torch.einsum("tld,vfd->tvlf", words, frames)  # (n_t, n_v, L, F)
-        word_to_frame = (cos + fbias[None, :, None, :]).amax(dim=3)  # (n_t, n_v, L) best real frame per word
-        cos.add_(wbias[:, None, :, None])  # in place: einsum does not keep its output for backward
-        frame_to_word = cos.amax(dim=2)  # (n_t, n_v, F) best real word per frame
-
-        n_words = wmask.sum(1).clamp(min=1).to(words.dtype)  # (n_t,)
-        n_frames = fmask.sum(1).clamp(min=1).to(words.dtype)  # (n_v,)
-        # torch.where (not a product) so -inf from empty sides never reaches the sums.
-        t2v = torch.where(wmask[:, None, :] & fmask.any(1)[None, :, None], word_to_frame, zero).sum(2)
-        v2t = torch.where(fmask[None, :, :] & wmask.any(1)[:, None, None], frame_to_word, zero).sum(2)
-        return (t2v / n_words[:, None] + v2t / n_frames[None, :]) / 2  # (n_t, n_v)
+        return token_wise_similarity(text_emb["tokens"], text_emb["token_mask"], video_emb["frames"],
+                                     video_emb["frame_mask"])

@@ -251,6 +251,14 @@ def _nonfinite_loss(out_loss, epoch: int, step: int, vids: np.ndarray, caps: np.
     )
 
 
+def _flat_readouts(metrics: dict) -> dict[str, float]:
+    """``val_<name>`` for item readouts, ``val_<name>_match`` / ``_nonmatch`` for pair readouts."""
+    flat = {}
+    for name, r in metrics.get("readouts", {}).items():
+        flat.update({f"val_{name}_{kind}": v for kind, v in r.items()} if isinstance(r, dict) else {f"val_{name}": r})
+    return flat
+
+
 def _plots(rows: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -267,13 +275,20 @@ def _plots(rows: list[dict], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
         plt.close(fig)
-    # the head's pair readouts (matching vs non-matching pairs) against validation R@1
-    names = sorted({k[len("val_"):-len("_match")] for k in rows[0] if k.startswith("val_") and k.endswith("_match")})
+    # the head's readouts (pair readouts: matching vs non-matching pairs) against validation R@1
+    pair = sorted({k[len("val_"):-len("_match")] for k in rows[0] if k.startswith("val_") and k.endswith("_match")})
+    paired_keys = {f"val_{p}_{kind}" for p in pair for kind in ("match", "nonmatch")}
+    item = sorted(k[len("val_"):] for k in rows[0] if k.startswith("val_") and k not in paired_keys
+                  and not k.startswith(("val_t2v_", "val_v2t_")))
+    names = pair + item
     if names:
         fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.4), squeeze=False)
         for ax, name in zip(axes[0], names):
-            ax.plot(epochs, [r[f"val_{name}_match"] for r in rows], marker="o", label="matching pairs")
-            ax.plot(epochs, [r[f"val_{name}_nonmatch"] for r in rows], marker="s", label="non-matching pairs")
+            if name in pair:
+                ax.plot(epochs, [r[f"val_{name}_match"] for r in rows], marker="o", label="matching pairs")
+                ax.plot(epochs, [r[f"val_{name}_nonmatch"] for r in rows], marker="s", label="non-matching pairs")
+            else:
+                ax.plot(epochs, [r[f"val_{name}"] for r in rows], marker="o", label=name)
             ax.set_xlabel("epoch")
             ax.set_ylabel(f"val mean {name}")
             r1 = ax.twinx()
@@ -447,7 +462,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                    **{f"loss_{k}": float(np.mean(v)) for k, v in terms.items()},
                    **{f"val_t2v_{k}": v for k, v in val["t2v"].items() if k != "n"},
                    **{f"val_v2t_{k}": v for k, v in val["v2t"].items() if k != "n"},
-                   **{f"val_{name}_{kind}": v for name, r in val.get("readouts", {}).items() for kind, v in r.items()},
+                   **_flat_readouts(val),
                    "lr": opt.param_groups[0]["lr"] if opt else 0.0,
                    "samples_per_s": steps_per_epoch * batch / max(t_data + t_step, 1e-9),
                    "data_share": t_data / max(t_data + t_step, 1e-9)}
