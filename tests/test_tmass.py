@@ -213,20 +213,35 @@ def test_table_6a_row_1_is_xpool_training():
     torch.testing.assert_close(head.loss(texts, videos).total, xpool.train().loss(texts, videos).total)
 
 
-def test_support_text_lies_on_the_mass_surface_toward_the_video():
-    """|t_sup - t| = R coordinate-wise scaled: t_sup - t = R * (v - t)/|v - t| (Eq. 8), so with a
-    scalar radius it is at distance R from t, on the segment toward v."""
-    head = perturbed("tmass", dtype=torch.float64, radius="mean", dropout=0.0).train()
-    texts, videos = batches(3, 3, dtype=torch.float64)
-    te, ve = head.encode_texts(texts), head.encode_videos(videos)
+def test_training_draws_follow_the_prior_and_train_mode_similarity_samples():
+    """Without explicit eps, each loss call draws fresh noise (from torch's seeded RNG), scaled by
+    prior_std; train-mode similarity is one draw of t_s against each pair's pooled video."""
+    head = perturbed("tmass", dropout=0.0, prior_std=1e-9).train()
+    texts, videos = batches(4, 4)
+    xpool = create_head("xpool", embed_dim=D, dropout=0.0).train()
+    xpool.load_state_dict({k: v for k, v in head.state_dict().items() if k in xpool.state_dict()})
+    # prior_std -> 0: t_s = t, so the train-mode similarity is X-Pool's cosine (radius ~ 1 here)
+    torch.testing.assert_close(head.similarity(head.encode_texts(texts), head.encode_videos(videos)).detach(),
+                               xpool.similarity(xpool.encode_texts(texts), xpool.encode_videos(videos)).detach(),
+                               atol=1e-6, rtol=0)
+    noisy = perturbed("tmass", dropout=0.0).train()
+    torch.manual_seed(0)
+    a = noisy.loss(texts, videos).terms["s"]
+    b = noisy.loss(texts, videos).terms["s"]
+    torch.manual_seed(0)
+    assert float(a) != float(b) and float(noisy.loss(texts, videos).terms["s"]) == float(a)
+    with pytest.raises(ConfigError, match="prior_std"):
+        create_head("tmass", embed_dim=D, prior_std=0.0)
+
+
+def test_eval_similarity_keeps_gradients_when_asked():
+    head = perturbed("tmass")
+    texts, videos = batches(3, 4)
+    s = head.similarity(head.encode_texts(texts), head.encode_videos(videos))
+    s.sum().backward()  # no in-place product on a tensor autograd needs
+    assert head.radius_proj.weight.grad is not None and torch.isfinite(head.radius_proj.weight.grad).all()
     with torch.no_grad():
-        v = head.pooled_videos(te, ve)
-        r = head.radius(te, ve)[..., 0]  # (3, 3) scalar radius
-        t = te["raw"][:, None]
-        t_sup = t + F.normalize(v - t, dim=-1) * r[..., None]
-        cos = head._train_logits(te, ve, terms=("sup",))["sup"]
-    torch.testing.assert_close((t_sup - t).norm(dim=-1), r)
-    torch.testing.assert_close(cos, F.cosine_similarity(t_sup, v, dim=-1))
+        torch.testing.assert_close(head.similarity(head.encode_texts(texts), head.encode_videos(videos)), s.detach())
 
 
 def test_pair_readout_is_the_radius_l1_and_the_engine_splits_match_from_nonmatch():

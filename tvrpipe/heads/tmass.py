@@ -28,9 +28,14 @@ Choices (docs/methods.md, "T-MASS"):
 - **Training noise**: one eps per caption per step, shared by the videos it is scored against
   (common random numbers across the row, as at inference); drawn from torch's global RNG, which
   the trainer seeds.
-- **Prior**: N(0, I) as the paper writes (``prior="normal"``); the official code's default is
-  U[0, 1) (``stochastic_prior='uniform01'``), available as ``prior="uniform"``. Uniform noise is
-  not centred: it shifts every text by R/2 along the positive orthant.
+- **Prior**: N(0, I) as the paper writes (``prior="normal"``, ``prior_std`` = 1); the official
+  code's default is U[0, 1) (``stochastic_prior='uniform01'``), available as ``prior="uniform"``
+  (its released LSMDC run uses normal with std 3e-3). Uniform noise is not centred: it shifts every
+  text by R/2 along the positive orthant.
+- **alpha = 1.2** as the paper's Sec. 4 and Fig. 6; the official code's default
+  ``support_loss_weight`` is 0 and its README trains MSR-VTT with 0.8.
+- **Radius variants**: the official code implements only exp(S W) (its ``learnable_scalar`` is
+  never used); the scalar and mean variants follow the paper's Tab. 5 text.
 - **Padding**: S has entries for real frames only. For exp(S W) the padded slots of S are 0, so
   the rows of W for padded positions never contribute (the official code assumes 12 real frames);
   the two mean variants average over the real frames. A video with no real frame has S = 0.
@@ -38,8 +43,10 @@ Choices (docs/methods.md, "T-MASS"):
   the (D, F) weight), bias 0, so R starts at exp(S_d) on the first F channels and 1 elsewhere;
   theta starts at 1 (the official ``nn.Parameter(torch.Tensor(1))`` is left uninitialised), so
   the scalar variant starts as the parameter-free exp(mean S).
-- **Leak-free inference**: every (query text, video) pair pools the video with the query text
-  (the official ``eval`` pools each video with its own ground-truth caption; DESIGN.md).
+- **Leak-free inference**: every (query text, video) pair pools the video with the query text.
+  The official ``eval`` selects the best sample against the query-pooled video, but its final
+  cosine (``sim_matrix_inference_stochastic``, which keeps ``sims[i, :, :, i]``) uses each video
+  pooled with its own captions (DESIGN.md).
 - **Fixed noise** (DESIGN.md): the M inference draws eps_1..eps_M are a (M, D) buffer drawn once
   from ``noise_seed``; every pair uses the same M draws, so a pair's score is a pure function of
   the pair and the weights. The official code draws fresh noise for every video.
@@ -85,6 +92,7 @@ class Config(XPoolConfig):
     num_frames: int = 12  # T', T-MASS Sec. 4.1 (12 frames): the rows of W in R = exp(S W)
     radius: str = "linear"  # T-MASS Eq. 7 / Tab. 5 final model exp(S W); "scalar": exp(theta mean S), "mean": exp(mean S)
     prior: str = "normal"  # T-MASS Eq. 5: P = N(0, I); "uniform": U[0, 1), the official code's default
+    prior_std: float = 1.0  # T-MASS Eq. 5: N(0, 1); official stochastic_prior_std (its LSMDC run: normal, 3e-3)
     num_samples: int = 20  # M, T-MASS Sec. 4.1 / Tab. 6b (M = 20); 0 scores t itself ("w/o sampling")
     alpha: float = 1.2  # T-MASS Eq. 9 / Fig. 6: weight of L_sup (0 drops it)
     w_s: float = 1.0  # T-MASS Eq. 9 / Tab. 6a: weight of L_s on sampled t_s (0 drops it)
@@ -108,6 +116,8 @@ class TMass(XPool):
                 raise ConfigError(f"tmass: {name} must be one of {', '.join(allowed)}, got {value!r}")
         if config.num_samples < 0:
             raise ConfigError(f"tmass: num_samples must be >= 0 (0: score t itself), got {config.num_samples}")
+        if not config.prior_std > 0:
+            raise ConfigError(f"tmass: prior_std must be > 0, got {config.prior_std}")
         if config.num_frames < 1:
             raise ConfigError(f"tmass: num_frames must be >= 1, got {config.num_frames}")
         if min(config.alpha, config.w_s, config.w_ce) < 0 or config.alpha + config.w_s + config.w_ce == 0:
@@ -127,8 +137,8 @@ class TMass(XPool):
               device: torch.device | None = None) -> Tensor:
         """Samples of the prior P of Eq. 5."""
         if self.config.prior == "normal":
-            return torch.randn(shape, generator=generator, device=device)
-        return torch.rand(shape, generator=generator, device=device)
+            return self.config.prior_std * torch.randn(shape, generator=generator, device=device)
+        return torch.rand(shape, generator=generator, device=device)  # the official code ignores the std here
 
     # -- per-item work --------------------------------------------------------------------------
 
@@ -191,6 +201,7 @@ class TMass(XPool):
         eps_t, eps_g = eps.t(), (g3 * eps).t()  # (D, M)
         eps_bc = torch.cat([b3 * eps, c * g3 * eps]).t()  # (D, 2M)
         out = text_emb["raw"].new_empty(text_emb["raw"].shape[0], video_emb["keys"].shape[0])
+        inplace = not torch.is_grad_enabled()  # in-place products save a pass, but break autograd
         for a, b, c0, d0, te, ve in self._tiles(text_emb, video_emb):
             # z = g3 * (inv_sigma P + c) * inv_s + b3 (X-Pool's chain, folded per slot), P = sum_j a_j rc_j
             f = self.factored(te, ve)  # video-major (n_v, n) scalars: inv_sigma, inv_s, dot, norm_z
@@ -204,9 +215,10 @@ class TMass(XPool):
                 r_z, r_t, r2 = r * z_eps, r * (t @ eps_t), r.square() * eps.square().sum(-1)  # (n_v, n, M) each
             else:
                 r_b, r_c = (r @ eps_bc).split(m, dim=-1)  # (n_v, n, M): <R b3, eps_m>, <R c g3, eps_m>
-                r_z = inv_s * inv_sigma * (p.mul_(r) @ eps_g) + inv_s * r_c + r_b  # (n_v, n, M) <R * z, eps_m>
+                r_p = p.mul_(r) if inplace else p * r  # (n_v, n, D)
+                r_z = inv_s * inv_sigma * (r_p @ eps_g) + inv_s * r_c + r_b  # (n_v, n, M) <R * z, eps_m>
                 r_t = (r * t) @ eps_t  # (n_v, n, M) <R * t, eps_m>
-                r2 = r.square_() @ eps.square().t()  # (n_v, n, M) <R^2, eps_m^2>
+                r2 = (r.square_() if inplace else r.square()) @ eps.square().t()  # (n_v, n, M) <R^2, eps_m^2>
             norm_ts = (t.square().sum(-1)[:, None] + 2 * r_t + r2).clamp(min=0).sqrt()  # (n_v, n, M) |t_s|
             cos = (t_z.unsqueeze(-1) + r_z) / (norm_ts.clamp(min=1e-12) * f["norm_z"].clamp(min=1e-12).unsqueeze(-1))
             out[a:b, c0:d0] = cos.amax(-1).t()  # Eq. 10: the best of the M samples
