@@ -18,7 +18,8 @@ from test_heads import D, batches, np64, perturbed, sim, torch_encoder_layers, u
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads import TextBatch, VideoBatch, create_head
-from tvrpipe.heads.uatvr import kl_to_standard_normal, multi_instance_infonce
+from tvrpipe.heads.losses import kl_to_standard_normal
+from tvrpipe.heads.uatvr import multi_instance_infonce
 
 
 def dsa_reference(layers, positions, extra, x: torch.Tensor, first: int = 0) -> np.ndarray:

@@ -38,7 +38,7 @@ from tvrpipe.evaluation.post import (
     apply_qb_norm,
     dual_softmax,
 )
-from tvrpipe.heads.base import Emb, Head, TextBatch, VideoBatch
+from tvrpipe.heads.base import Emb, Head, Reranked, TextBatch, VideoBatch
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,24 @@ def pair_readout_means(head: Head, text_emb: Emb, video_emb: Emb, text_video: np
             for name, (m, total) in sums.items()}
 
 
+def query_readout_means(reranked: Reranked, sim: Tensor, text_video: np.ndarray) -> dict[str, dict[str, float]]:
+    """Means of a re-ranking's per-query readouts over queries whose raw top-1 is correct and the rest.
+
+    Returns ``{f"{name}_{direction}": {"correct": mean, "incorrect": mean}}`` (NaN for an empty group).
+    """
+    top1 = {"t2v": t2v_ranks(sim, text_video) == 1, "v2t": v2t_ranks(sim, text_video) == 1}
+    captioned = torch.as_tensor(np.bincount(text_video, minlength=sim.shape[1]) > 0)  # v2t queries
+    out = {}
+    for direction, values in reranked.query_readouts.items():
+        ok = torch.as_tensor(np.asarray(top1[direction]))
+        for name, x in values.items():
+            x = x.detach().double().cpu()
+            x = x[captioned] if direction == "v2t" else x
+            out[f"{name}_{direction}"] = {"correct": float(x[ok].mean()) if ok.any() else float("nan"),
+                                          "incorrect": float(x[~ok].mean()) if (~ok).any() else float("nan")}
+    return out
+
+
 @torch.no_grad()
 def _text_querybank(head: Head, querybank: Iterable[TextBatch], video_emb: Emb, *, k: int, beta: float,
                     block_texts: int, block_videos: int, device: torch.device | str) -> QueryBankSummary:
@@ -278,13 +296,15 @@ def evaluate_head(
         text_ids, video_ids: ids of the captions and videos, to name them in errors (default: indices).
         readouts: also report the head's ``pair_readouts`` averaged over matching and non-matching
             pairs (``{name: {"match", "nonmatch"}}``) and its ``item_readouts`` (``{name: value}``),
-            under ``"readouts"`` (only for heads that declare some).
+            and the means of a re-ranking's per-query readouts over correct and incorrect raw top-1
+            retrievals (``{name_direction: {"correct", "incorrect"}}``), under ``"readouts"``.
 
     Returns:
         ``{"t2v": {...}, "v2t": {...}, "n_texts": int, "n_videos": int}`` plus ``"t2v_dsl"``,
         ``"v2t_dsl"`` for DSL and ``"t2v_qbnorm"`` (and ``"v2t_qbnorm"`` with a video
         querybank) for QB-Norm; each metrics dict has R@1, R@5, R@10 (percent), MdR, MnR, n;
-        ``"readouts"`` when asked for and the head has some.
+        ``"readouts"`` when asked for and the head has some; ``"t2v_rerank"`` and ``"v2t_rerank"``
+        when the head declares a re-ranking (:meth:`Head.rerank`).
 
     Example:
         >>> res = evaluate_head(head, texts, videos, text_video, post=("dsl",))  # doctest: +SKIP
@@ -318,10 +338,17 @@ def evaluate_head(
             "n_texts": n_t,
             "n_videos": n_v,
         }
+        reranked = head.rerank(sim, text_emb, video_emb)
+        if reranked is not None:  # a head-declared step over the full matrix, reported apart from raw
+            for direction, ranks in (("t2v", t2v_ranks), ("v2t", v2t_ranks)):
+                m = check_finite(getattr(reranked, direction), f"re-ranked ({direction})", *names)
+                result[f"{direction}_rerank"] = retrieval_metrics(ranks(m, tv))
         if readouts:
             means = pair_readout_means(head, text_emb, video_emb, tv, block_texts=block_texts,
                                        block_videos=block_videos, device=device)
             means.update(head.item_readouts(text_emb, video_emb))
+            if reranked is not None:
+                means.update(query_readout_means(reranked, sim, tv))
             if means:
                 result["readouts"] = means
         if "dsl" in post:

@@ -20,6 +20,7 @@ __all__ = ["Head", "HeadConfig", "LossOutput", "TextBatch", "VideoBatch", "creat
 # One line per head: importing a head's module registers it.
 from tvrpipe.heads import (
     meanpool,  # noqa: F401
+    duq,  # noqa: F401
     seqtransf,  # noqa: F401
     tokenwise,  # noqa: F401
     tmass,  # noqa: F401

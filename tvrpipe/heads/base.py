@@ -13,7 +13,9 @@ same small interface (DESIGN.md, "Heads"):
 - optionally ``pair_readouts(text_emb, video_emb) -> {name: Tensor[n_text, n_video]}``: per-pair
   quantities (an uncertainty, a radius) that evaluation averages over matching and non-matching
   pairs and training logs per epoch; ``item_readouts(text_emb, video_emb) -> {name: float}`` for
-  quantities of the items themselves (a mean variance).
+  quantities of the items themselves (a mean variance);
+- optionally ``rerank(sim, text_emb, video_emb) -> Reranked``: a row- or column-wise step over the
+  full score matrix after the block engine (DUQ's Eq. 16), reported beside the raw scores.
 
 ``Emb`` is a dict of tensors that all have the items as their first dimension, so the engine can
 concatenate chunks and slice blocks without knowing what a head keeps.
@@ -80,6 +82,21 @@ class LossOutput:
     terms: dict[str, Tensor]
 
 
+@dataclass
+class Reranked:
+    """A head's re-ranking of a full score matrix (:meth:`Head.rerank`), one matrix per direction.
+
+    Both are (n_text, n_video): ``t2v`` ranks the videos of each caption (row), ``v2t`` the
+    captions of each video (column). ``query_readouts`` holds per-query quantities the re-ranking
+    used, ``{"t2v": {name: Tensor[n_text]}, "v2t": {name: Tensor[n_video]}}``; evaluation reports
+    their means over queries whose raw top-1 is correct and over the others.
+    """
+
+    t2v: Tensor
+    v2t: Tensor
+    query_readouts: dict[str, dict[str, Tensor]] = dataclasses.field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     """Fields every head's config has; each head's ``Config`` subclasses this."""
@@ -135,6 +152,13 @@ class Head(nn.Module):
         """Quantities over all encoded texts and videos of a split (e.g. UATVR's geometric mean of
         sigma, its Fig. 3), logged beside the metrics like :meth:`pair_readouts`. Default: none."""
         return {}
+
+    def rerank(self, sim: Tensor, text_emb: Emb, video_emb: Emb) -> Reranked | None:
+        """A re-ranking of the full raw score matrix ``sim`` (n_text, n_video), for heads whose
+        inference step needs a query's whole candidate set (DUQ's Eq. 16); evaluation reports it
+        under ``t2v_rerank`` / ``v2t_rerank`` beside the raw metrics. ``text_emb`` / ``video_emb``
+        are every item's embeddings, on the CPU. Default: None (no re-ranking)."""
+        return None
 
     def logits_scale(self) -> Tensor:
         """The multiplier of similarities inside the contrastive loss."""

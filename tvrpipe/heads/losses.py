@@ -21,3 +21,8 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int) -> Tensor:
     """Mean of ``x`` over ``dim`` counting only positions where ``mask`` is True (0 if none)."""
     m = mask.to(x.dtype).unsqueeze(-1) if x.dim() == mask.dim() + 1 else mask.to(x.dtype)
     return (x * m).sum(dim) / m.sum(dim).clamp(min=1)
+
+
+def kl_to_standard_normal(mu: Tensor, log_sigma: Tensor) -> Tensor:
+    """KL(N(mu, diag sigma^2) || N(0, I)) per item: 1/2 sum(sigma^2 + mu^2 - 1 - 2 log sigma), (B,)."""
+    return 0.5 * (torch.exp(2 * log_sigma) + mu.square() - 1 - 2 * log_sigma).sum(-1)

@@ -70,7 +70,7 @@ from torch import Tensor, nn
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
-from tvrpipe.heads.losses import masked_mean, symmetric_infonce
+from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
 from tvrpipe.heads.seqtransf import ResidualAttentionBlock, init_sequence_transformer, sequence_transformer
 from tvrpipe.heads.tokenwise import masked_normalize, token_wise_similarity, without_first
 
@@ -108,11 +108,6 @@ class GaussianHead(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return F.normalize(self.mu_ln(self.mu_fc(x)), dim=-1), self.sigma_fc(x)  # mu (B, D), log sigma (B, D)
-
-
-def kl_to_standard_normal(mu: Tensor, log_sigma: Tensor) -> Tensor:
-    """KL(N(mu, diag sigma^2) || N(0, I)) per item: 1/2 sum(sigma^2 + mu^2 - 1 - 2 log sigma), (B,)."""
-    return 0.5 * (torch.exp(2 * log_sigma) + mu.square() - 1 - 2 * log_sigma).sum(-1)
 
 
 def multi_instance_infonce(logits: Tensor, k_rows: int, k_cols: int) -> Tensor:

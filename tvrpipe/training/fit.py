@@ -259,7 +259,8 @@ def _flat_readouts(metrics: dict) -> dict[str, float]:
     return flat
 
 
-def _plots(rows: list[dict], out: Path) -> None:
+def _plots(rows: list[dict], out: Path, groups: dict[str, list[str]] | None = None) -> None:
+    """loss.png, val_r1.png and, with ``groups`` ({readout: [kinds]}, "" for a single value), readouts.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,20 +276,14 @@ def _plots(rows: list[dict], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
         plt.close(fig)
-    # the head's readouts (pair readouts: matching vs non-matching pairs) against validation R@1
-    pair = sorted({k[len("val_"):-len("_match")] for k in rows[0] if k.startswith("val_") and k.endswith("_match")})
-    paired_keys = {f"val_{p}_{kind}" for p in pair for kind in ("match", "nonmatch")}
-    item = sorted(k[len("val_"):] for k in rows[0] if k.startswith("val_") and k not in paired_keys
-                  and not k.startswith(("val_t2v_", "val_v2t_")))
-    names = pair + item
-    if names:
-        fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.4), squeeze=False)
-        for ax, name in zip(axes[0], names):
-            if name in pair:
-                ax.plot(epochs, [r[f"val_{name}_match"] for r in rows], marker="o", label="matching pairs")
-                ax.plot(epochs, [r[f"val_{name}_nonmatch"] for r in rows], marker="s", label="non-matching pairs")
-            else:
-                ax.plot(epochs, [r[f"val_{name}"] for r in rows], marker="o", label=name)
+    # the head's readouts (pair readouts: matching vs non-matching pairs; query readouts: correct vs
+    # incorrect top-1; item readouts: one line) against validation R@1
+    if groups:
+        fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.4), squeeze=False)
+        for ax, (name, kinds) in zip(axes[0], groups.items()):
+            for kind, marker in zip(kinds, "osd^"):
+                key = f"val_{name}_{kind}" if kind else f"val_{name}"
+                ax.plot(epochs, [r[key] for r in rows], marker=marker, label=kind or name)
             ax.set_xlabel("epoch")
             ax.set_ylabel(f"val mean {name}")
             r1 = ax.twinx()
@@ -510,7 +505,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                          "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None}}
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
     if rows:
-        _plots(rows, out / "plots")
+        groups = {name: list(r) if isinstance(r, dict) else [""] for name, r in best["val"].get("readouts", {}).items()}
+        _plots(rows, out / "plots", groups)
     return metrics
 
 
