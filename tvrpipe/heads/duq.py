@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, Reranked, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
-from tvrpipe.heads.seqtransf import ResidualAttentionBlock
+from tvrpipe.heads.seqtransf import ResidualAttentionBlock, attention_heads
 from tvrpipe.heads.xpool import Config as XPoolConfig
 from tvrpipe.heads.xpool import XPool
 
@@ -132,9 +132,7 @@ class DUQ(Head):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         d = config.embed_dim
-        heads = config.agg_heads or max(1, d // 64)
-        if d % heads:
-            raise ConfigError(f"duq: embed_dim {d} is not divisible by agg_heads {heads}")
+        heads = attention_heads("duq", "agg_heads", d, config.agg_heads)
         if config.num_samples < 1:
             raise ConfigError(f"duq: num_samples (K) must be >= 1, got {config.num_samples}")
         for name in ("uncertainty_weight", "distance_weight", "kl_weight", "gamma1", "gamma2"):

@@ -99,6 +99,14 @@ class ResidualAttentionBlock(nn.Module):
         return x + self.c_proj(self.gelu(self.c_fc(self.ln_2(x))))  # (B, F, D)
 
 
+def attention_heads(head: str, option: str, width: int, heads: int | None) -> int:
+    """Heads of a CLIP-style block: ``heads`` or width // 64 (CLIP's rule); width must divide."""
+    heads = heads or max(1, width // 64)
+    if width % heads:
+        raise ConfigError(f"{head}: embed_dim {width} is not divisible by {option} {heads}")
+    return heads
+
+
 def init_sequence_transformer(positions: nn.Embedding, blocks: nn.ModuleList, zero_init: bool) -> None:
     """CLIP's text-transformer initialisation (openai/CLIP ``initialize_parameters``) of a
     seqTransf; with ``zero_init`` the output projections and positions start at zero (identity)."""
@@ -156,9 +164,7 @@ class SeqTransf(Head):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         width = config.embed_dim
-        heads = config.num_heads or max(1, width // 64)
-        if width % heads:
-            raise ConfigError(f"seqtransf: embed_dim {width} is not divisible by num_heads {heads}")
+        heads = attention_heads("seqtransf", "num_heads", width, config.num_heads)
         self.frame_position_embeddings = nn.Embedding(config.max_frames, width)
         self.blocks = nn.ModuleList(
             ResidualAttentionBlock(width, heads, config.mlp_ratio, config.ln_eps) for _ in range(config.num_layers)

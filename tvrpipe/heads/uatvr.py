@@ -71,7 +71,12 @@ from torch import Tensor, nn
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
-from tvrpipe.heads.seqtransf import ResidualAttentionBlock, init_sequence_transformer, sequence_transformer
+from tvrpipe.heads.seqtransf import (
+    ResidualAttentionBlock,
+    attention_heads,
+    init_sequence_transformer,
+    sequence_transformer,
+)
 from tvrpipe.heads.tokenwise import masked_normalize, token_wise_similarity, without_first
 
 
@@ -132,9 +137,7 @@ class UATVR(Head):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         d = config.embed_dim
-        heads = config.num_heads or max(1, d // 64)
-        if d % heads:
-            raise ConfigError(f"uatvr: embed_dim {d} is not divisible by num_heads {heads}")
+        heads = attention_heads("uatvr", "num_heads", d, config.num_heads)
         if min(config.extra_video_tokens, config.extra_text_tokens) < 0:
             raise ConfigError("uatvr: extra_video_tokens and extra_text_tokens must be >= 0")
         if config.num_samples < 1:
