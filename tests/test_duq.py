@@ -203,3 +203,16 @@ def test_learns_near_duplicate_store_far_above_chance(tmp_path):
     assert {"loss_s", "loss_s_u", "loss_d", "loss_d_u", "loss_kl", "val_u_s_t2v_correct",
             "val_u_d_t2v_incorrect"} <= set(rows[0])
     assert (tmp_path / "run" / "plots" / "readouts.png").stat().st_size > 1000
+
+
+def test_train_head_cli_prints_reranked_rows_and_readouts(cli, tmp_path):
+    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+
+    store = generate_store(tmp_path / "store", GenSpec(train_videos=64, val_videos=16, test_videos=16,
+                                                       captions_per_train_video=2, embed_dim=16, frames=4,
+                                                       max_words=6, seed=2))
+    r = cli("train-head", "--features", store, "--method", "duq", "--out", tmp_path / "run", "--epochs", "1",
+            "--batch-size", "32")
+    assert r.exit_code == 0, r.output
+    assert "t2v_rerank" in r.output and "v2t_rerank" in r.output
+    assert "readout u_s_t2v: correct" in r.output and "incorrect" in r.output
