@@ -94,9 +94,9 @@ def rerank_reference(head, texts, videos) -> tuple[np.ndarray, np.ndarray]:
     with torch.no_grad():
         te, ve = head.encode_texts(texts), head.encode_videos(videos)
         s = np64(head.similarity(te, ve))
-    eps = np64(head.noise)
-    zt = _samples(te["p_mu"], te["p_log_sigma"], eps)
-    zv = _samples(ve["p_mu"], ve["p_log_sigma"], eps)
+    eps = np64(head.noise)  # (2, K, D): texts, videos
+    zt = _samples(te["p_mu"], te["p_log_sigma"], eps[0])
+    zv = _samples(ve["p_mu"], ve["p_log_sigma"], eps[1])
     n_t, n_v = s.shape
     d = np.array([[np.mean([1 - a @ b for a in zt[i] for b in zv[j]]) for j in range(n_v)] for i in range(n_t)])
     g1, g2 = head.config.gamma1, head.config.gamma2
@@ -160,9 +160,10 @@ def test_permuting_videos_permutes_raw_and_reranked_columns():
     torch.testing.assert_close(rb.v2t, ra.v2t[:, perm], atol=1e-6, rtol=0)
 
 
-def test_inference_noise_is_fixed_by_the_seed():
+def test_inference_noise_is_fixed_by_the_seed_and_independent_per_modality():
     a, b = create_head("duq", embed_dim=D), create_head("duq", embed_dim=D)
-    assert torch.equal(a.noise, b.noise) and a.noise.shape == (7, D)
+    assert torch.equal(a.noise, b.noise) and a.noise.shape == (2, 7, D)
+    assert not torch.allclose(a.noise[0], a.noise[1])
     assert not torch.equal(create_head("duq", embed_dim=D, noise_seed=1).noise, a.noise)
 
 
@@ -170,12 +171,51 @@ def test_inference_noise_is_fixed_by_the_seed():
     ({"uncertainty_weight": 0.0, "distance_weight": 0.0, "kl_weight": 0.0}, {"s"}),  # Tab. 3 #1: L_S
     ({"distance_weight": 0.0, "kl_weight": 0.0}, {"s", "s_u"}),  # +L_S^U
     ({"distance_uncertainty": False}, {"s", "s_u", "d", "kl"}),  # +L_D
-    ({}, {"s", "s_u", "d", "d_u", "kl"}),  # +L_D^U: the full model
+    ({"distance_infonce": False}, {"s", "s_u", "d_u", "kl"}),  # L_D^U without L_D (row #5)
+    ({}, {"s", "s_u", "d", "d_u", "kl"}),  # +L_D + L_D^U: the full model
 ])
 def test_ablation_rows(overrides, terms):
-    head = create_head("duq", embed_dim=D, **overrides).train()
+    head = create_head("duq", embed_dim=D, xpool_dropout=0.0, **overrides).train()
     texts, videos = batches(4, 4)
-    assert set(head.loss(texts, videos).terms) == terms
+    torch.manual_seed(0)
+    out = head.loss(texts, videos)
+    assert set(out.terms) == terms
+    c, t = head.config, out.terms
+    want = t["s"] + c.uncertainty_weight * t.get("s_u", 0) + c.distance_weight * (t.get("d", 0) + t.get("d_u", 0)) \
+        + c.kl_weight * t.get("kl", 0)
+    torch.testing.assert_close(out.total.detach(), torch.as_tensor(want, dtype=out.total.dtype))
+
+
+def test_zero_variance_distances_are_the_mean_cosines():
+    """sigma -> 0: every sample is mu, so Eq. 11's min and max and the inference mean all equal
+    1 - cos(mu_t, mu_v)."""
+    head = perturbed("duq", dtype=torch.float64, xpool_dropout=0.0)
+    with torch.no_grad():
+        head.text_sigma.bias.fill_(-60.0)
+        head.video_sigma.bias.fill_(-60.0)
+    texts, videos = batches(4, 4, dtype=torch.float64)
+    te, ve = head.encode_texts(texts), head.encode_videos(videos)
+    ref = 1 - torch.nn.functional.normalize(te["p_mu"], dim=-1) @ torch.nn.functional.normalize(ve["p_mu"], dim=-1).t()
+    torch.testing.assert_close(head.distance(te, ve), ref)
+    head.train()
+    eps = tuple(torch.randn(4, 7, D, dtype=torch.float64) for _ in range(2))
+    out = head.loss(texts, videos, eps=eps)
+    lam = head.logits_scale()
+    from tvrpipe.heads.losses import symmetric_infonce
+
+    torch.testing.assert_close(out.terms["d"], symmetric_infonce(-ref * lam).detach())
+
+
+def test_gammas_cannot_change_a_rank_under_per_query_ranking():
+    """u_s and u_d are per query, so Eq. 16's exponential factors are constant along every ranked list."""
+    texts, videos = batches(6, 5)
+    tv = np.array([0, 1, 2, 3, 4, 1])
+    results = []
+    for g in (0.0, 0.1, 5.0):
+        head = perturbed("duq", gamma1=g, gamma2=g)
+        r = evaluate_head(head, [texts], [videos], tv)
+        results.append((r["t2v_rerank"], r["v2t_rerank"]))
+    assert results[0] == results[1] == results[2]
 
 
 def test_bad_config_is_named():

@@ -45,20 +45,24 @@ Choices (docs/methods.md, "DUQ"):
   uses the same reduction: the mean of d over the K x K pairs of fixed samples (the Monte Carlo
   expected distance, between the min the positives were trained with and the max of the
   negatives). It factors exactly: mean_{m,n} cos = <mean_m z^m/|z^m|, mean_n z^n/|z^n|>, one
-  (D,)-vector per item and a matrix product. The K samples use a fixed (K, D) noise buffer drawn
-  from ``noise_seed`` (DESIGN.md's common random numbers).
+  (D,)-vector per item and a matrix product. The K samples use a fixed noise buffer drawn from
+  ``noise_seed`` (DESIGN.md's common random numbers), independent for texts and videos.
 - **Eq. 16 is a step over the full score matrix** (``Head.rerank``), after the block engine:
   u_s and u_d of a query are Eq. 3 over its whole candidate set (a caption's videos for t2v, a
   video's captions for v2t), so each direction gets its own re-ranked matrix, reported as
-  ``t2v_rerank`` / ``v2t_rerank`` beside the raw scores. No softmax over the test queries is ever
-  applied (the official evaluation always applies one; DSL is a separate, opt-in post-processing).
-  Note the printed product: when both 1 - d and s are negative their product is positive; Eq. 16 is
-  kept as printed. gamma1 = gamma2 = 0 and ``rerank=False`` disable it.
+  ``t2v_rerank`` / ``v2t_rerank`` beside the raw scores. Since u_s and u_d are per query, the factors
+  exp(-g1 u_d) exp(-g2 u_s) are constant along each ranked list: under this protocol (each query
+  ranks its own candidates) they cannot change a rank, and only (1 - d) reorders candidates; they
+  would matter only where scores of different queries are compared. No softmax over the test
+  queries is ever applied (the official evaluation applies one on single-caption test sets; DSL is
+  a separate, opt-in post-processing). When both 1 - d and s are negative their product is
+  positive; Eq. 16 is kept as printed. ``rerank=False`` turns it off.
 - **Readouts**: mean u_s and u_d over validation queries whose raw top-1 is correct vs incorrect,
   per direction, logged per epoch and plotted.
 
 Ablations (Tab. 3): ``uncertainty_weight`` (L_S^U), ``distance_weight`` (alpha on L_D and L_D^U),
-``distance_uncertainty`` (L_D^U on/off), ``kl_weight``, ``num_samples`` (K), ``gamma1``/``gamma2``.
+``distance_infonce`` (L_D on/off), ``distance_uncertainty`` (L_D^U on/off), ``kl_weight``,
+``num_samples`` (K), ``gamma1``/``gamma2``.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class Config(HeadConfig):
     num_samples: int = 7  # K, DUQ Sec. 4.1
     uncertainty_weight: float = 1.0  # DUQ Eq. 15: L_S^U weight 1; 0 = Tab. 3 without "+L_S^U"
     distance_weight: float = 0.1  # alpha, DUQ Eq. 15 / Sec. 4.1; 0 = Tab. 3 without "+L_D"
+    distance_infonce: bool = True  # DUQ Eq. 12 / Tab. 3 "+L_D" (row #5 has L_D^U without L_D)
     distance_uncertainty: bool = True  # DUQ Eq. 13 / Tab. 3 "+L_D^U"
     kl_weight: float = 1e-4  # beta, DUQ Eq. 15 / Sec. 4.1
     gamma1: float = 0.1  # DUQ Eq. 16 / Sec. 4.1: weight of u_d
@@ -144,28 +149,30 @@ class DUQ(Head):
         self.text_mu, self.text_sigma = nn.Linear(d, d), nn.Linear(d, d)  # Eq. 8: linear h_mu, h_sigma
         self.video_mu, self.video_sigma = nn.Linear(d, d), nn.Linear(d, d)
         g = torch.Generator().manual_seed(config.noise_seed)
-        self.register_buffer("noise", torch.randn(config.num_samples, d, generator=g), persistent=False)  # (K, D)
+        # independent draws for texts [0] and videos [1]: sample k of a caption and of a video must not
+        # share eps_k, or the K x K mean distance would be biased by the correlated diagonal pairs
+        self.register_buffer("noise", torch.randn(2, config.num_samples, d, generator=g), persistent=False)  # (2, K, D)
 
     # -- per-item work --------------------------------------------------------------------------
 
     def _gaussian(self, agg: LocalAggregation, h_mu: nn.Linear, h_sigma: nn.Linear, x: Tensor, mask: Tensor,
-                  global_feature: Tensor) -> dict[str, Tensor]:
+                  global_feature: Tensor, noise: Tensor) -> dict[str, Tensor]:
         z = agg(x, mask, global_feature)  # (B, D)
         mu, log_sigma = h_mu(z), h_sigma(z)  # Eq. 8
         # mean direction of the K fixed samples (Eq. 9): the inference distance factors through it
-        samples = F.normalize(mu[:, None] + torch.exp(log_sigma)[:, None] * self.noise.to(mu.dtype), dim=-1)
+        samples = F.normalize(mu[:, None] + torch.exp(log_sigma)[:, None] * noise.to(mu.dtype), dim=-1)
         return {"mu": mu, "log_sigma": log_sigma, "sample_mean": samples.mean(1)}  # (B, D) each
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         g = self._gaussian(self.text_agg, self.text_mu, self.text_sigma, texts.tokens, texts.token_mask,
-                           texts.sentence)
+                           texts.sentence, self.noise[0])
         return {**self.xpool.encode_texts(texts), **{f"p_{k}": v for k, v in g.items()}}
 
     def encode_videos(self, videos: VideoBatch) -> Emb:
         mask = videos.frame_mask.bool()
         frames = torch.where(mask.unsqueeze(-1), videos.frames, torch.zeros_like(videos.frames))
         g = self._gaussian(self.video_agg, self.video_mu, self.video_sigma, frames, mask,
-                           masked_mean(frames, mask, dim=1))
+                           masked_mean(frames, mask, dim=1), self.noise[1])
         return {**self.xpool.encode_videos(videos), **{f"p_{k}": v for k, v in g.items()}}
 
     # -- pairwise work --------------------------------------------------------------------------
@@ -217,8 +224,10 @@ class DUQ(Head):
             zv = F.normalize(ve["p_mu"][:, None] + torch.exp(ve["p_log_sigma"])[:, None] * eps[1], dim=-1)
             dist = 1 - torch.einsum("imc,jnc->ijmn", zt, zv).flatten(2)  # (B, B, K K) Eq. 10
             dmat = torch.where(eye.bool(), dist.amin(-1), dist.amax(-1))  # Eq. 11
-            terms["d"] = symmetric_infonce(-dmat * scale)  # Eq. 12 (see the module doc on its sign)
-            l_d = terms["d"]
+            l_d = torch.zeros((), device=s.device, dtype=s.dtype)
+            if cfg.distance_infonce:
+                terms["d"] = symmetric_infonce(-dmat * scale)  # Eq. 12 (see the module doc on its sign)
+                l_d = l_d + terms["d"]
             if cfg.distance_uncertainty:
                 terms["d_u"] = (evidential_mse(dmat, 1 - eye).sum() + evidential_mse(dmat.t(), 1 - eye).sum()) / b
                 l_d = l_d + terms["d_u"]  # Eq. 13

@@ -45,7 +45,9 @@ Choices (also in docs/methods.md, "UATVR"):
   The official code samples with exp(logsigma) as the standard deviation but regularises with
   exp(logsigma) as the variance, and uses the mean of the samples instead of mu in the KL.
 - **Eq. 11 as printed**: -log(sum over the K positives of exp s / sum over all B K of exp s), every
-  sample of each side an anchor, both directions averaged (as L_DSA, Eq. 4-6). s is the plain
+  sample of each side an anchor, both directions averaged.
+- **L_DSA = (L_t2v + L_v2t) / 2**, as the official code (``(sim_loss1 + sim_loss2) / 2``) and every
+  head here; Eq. 6 prints the sum, which would double L_DSA against the alpha and beta terms. s is the plain
   inner product of the samples, unscaled (the code; the paper does not name a temperature). The code
   averages the positives' log-probabilities instead (MIL-NCE "BoF"); that is not Eq. 11.
 - **KL reduction**: the mean over the batch (Eq. 12 is per pair, like Eq. 4's 1/B); the official
