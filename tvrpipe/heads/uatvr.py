@@ -179,7 +179,7 @@ class UATVR(Head):
             if n > self.config.max_len:
                 raise ConfigError(f"uatvr: sequences of {n} items exceed max_len={self.config.max_len}; "
                                   f"set --set max_len={n}")
-            h = sequence_transformer(x, mask, positions.weight, blocks, extra)  # (B, n + C, D)
+            h = self._packed_transformer(x, mask, positions.weight, blocks, extra)  # (B, n + C, D)
             mask = torch.cat([mask, mask.new_ones(x.shape[0], extra.shape[0])], dim=1)  # (B, n + C)
         else:
             h = x
@@ -187,6 +187,26 @@ class UATVR(Head):
         # global embedding (DUA input): mean of the normalised real slots (no extra tokens), l2-normalised
         pooled = F.normalize(masked_mean(tokens[:, :n], mask[:, :n], dim=1), dim=-1)  # (B, D)
         return tokens, mask, pooled
+
+    @staticmethod
+    def _packed_transformer(x: Tensor, mask: Tensor, positions: Tensor, blocks: nn.ModuleList,
+                            extra: Tensor, group: int = 32) -> Tensor:
+        """:func:`sequence_transformer` on items grouped by length, each group cut after its last real
+        slot: the same outputs (padding never enters; the cut slots are padding), without spending
+        the transformer on the padded tail of short captions. Returns (B, n + C, D)."""
+        b, n, _ = x.shape
+        last = torch.where(mask, torch.arange(1, n + 1, device=x.device), 0).amax(1)  # (B,) slots to keep
+        if int(last.min()) == n:  # nothing to cut
+            return sequence_transformer(x, mask, positions, blocks, extra)
+        order = torch.argsort(last)
+        out = x.new_zeros(b, n + extra.shape[0], x.shape[2])
+        for a in range(0, b, group):
+            idx = order[a:a + group]
+            keep = max(1, int(last[idx].max()))
+            h = sequence_transformer(x[idx, :keep], mask[idx, :keep], positions, blocks, extra)  # (g, keep + C, D)
+            out[idx, :keep] = h[:, :keep]
+            out[idx, n:] = h[:, keep:]
+        return out
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         mask = without_first(texts.token_mask) if self.config.drop_sot else texts.token_mask.bool()
