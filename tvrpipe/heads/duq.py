@@ -33,8 +33,10 @@ Choices (docs/methods.md, "DUQ"):
   negatives hardest (gradient lambda p_ij on d_ij). It is read as what its text says ("similar to
   Eq. 1"): the InfoNCE of Eq. 1 with the similarity 1 - D, i.e. over -lambda D, which pulls the
   matched pair's boundary distance down and pushes the closest negatives hardest.
-- **Local feature aggregation**: one CLIP-style residual attention block (``seqtransf``'s, 8 heads
-  at D = 512 like the official ``module_agg``) over the real words (frames), their masked mean,
+- **Local feature aggregation**: one pre-LN residual multi-head attention layer (``seqtransf``'s
+  block without its MLP: the paper names multi-head attention only; the official ``module_agg``
+  adds an MLP, which would triple the per-token cost; 8 heads at D = 512) over the real words
+  (frames), their masked mean,
   concatenated with the global feature and projected back to D (a linear map of [local ; global]).
   The global text feature is the EOS sentence; the global video feature is the mean of its frames
   (X-Pool's F_v is text-conditioned, which would make z_v, hence every sample, a per-pair quantity
@@ -89,7 +91,7 @@ from torch import Tensor, nn
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, Reranked, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
-from tvrpipe.heads.seqtransf import ResidualAttentionBlock, attention_heads
+from tvrpipe.heads.seqtransf import ResidualAttentionBlock, attention_heads, length_groups
 from tvrpipe.heads.xpool import Config as XPoolConfig
 from tvrpipe.heads.xpool import XPool
 
@@ -133,18 +135,20 @@ def uncertainty_mass(sim: Tensor, dim: int = -1) -> Tensor:
 
 
 class LocalAggregation(nn.Module):
-    """Multi-head attention over local features, masked mean, fused with the global feature by
-    concatenation: z = W [mean(attn(x)) ; g] + b."""
+    """Multi-head attention over local features (pre-LN, residual, no MLP), masked mean, fused with
+    the global feature by concatenation: z = W [mean(x + MHA(LN(x))) ; g] + b."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        self.block = ResidualAttentionBlock(dim, heads, mlp_ratio=4, ln_eps=1e-5)
+        self.block = ResidualAttentionBlock(dim, heads, mlp_ratio=0, ln_eps=1e-5)  # attention only
         self.fuse = nn.Linear(2 * dim, dim)
 
     def forward(self, x: Tensor, mask: Tensor, global_feature: Tensor) -> Tensor:
         mask = mask.bool()
         x = torch.where(mask.unsqueeze(-1), x, torch.zeros_like(x))  # padding never enters
-        local = masked_mean(self.block(x, mask), mask, dim=1)  # (B, D)
+        local = x.new_empty(x.shape[0], x.shape[2])  # (B, D)
+        for idx, keep in length_groups(mask):  # no work on the padded tails of short captions
+            local[idx] = masked_mean(self.block(x[idx, :keep], mask[idx, :keep]), mask[idx, :keep], dim=1)
         return self.fuse(torch.cat([local, global_feature], dim=-1))  # (B, D)
 
 

@@ -79,10 +79,12 @@ class ResidualAttentionBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(width, eps=ln_eps)
         self.in_proj = nn.Linear(width, 3 * width)
         self.out_proj = nn.Linear(width, width)
-        self.ln_2 = nn.LayerNorm(width, eps=ln_eps)
-        self.c_fc = nn.Linear(width, mlp_ratio * width)
-        self.gelu = QuickGELU()
-        self.c_proj = nn.Linear(mlp_ratio * width, width)
+        self.mlp_ratio = mlp_ratio
+        if mlp_ratio:  # 0: an attention-only block
+            self.ln_2 = nn.LayerNorm(width, eps=ln_eps)
+            self.c_fc = nn.Linear(width, mlp_ratio * width)
+            self.gelu = QuickGELU()
+            self.c_proj = nn.Linear(mlp_ratio * width, width)
 
     def attention(self, x: Tensor, mask: Tensor) -> Tensor:
         b, f, d = x.shape
@@ -96,6 +98,8 @@ class ResidualAttentionBlock(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         x = x + self.attention(self.ln_1(x), mask)  # (B, F, D)
+        if not self.mlp_ratio:
+            return x
         return x + self.c_proj(self.gelu(self.c_fc(self.ln_2(x))))  # (B, F, D)
 
 
@@ -126,6 +130,19 @@ def init_sequence_transformer(positions: nn.Embedding, blocks: nn.ModuleList, ze
             nn.init.zeros_(block.c_proj.weight)
     if zero_init:
         nn.init.zeros_(positions.weight)
+
+
+def length_groups(mask: Tensor, group: int = 32):
+    """Yield ``(idx, keep)``: items in groups of ``group`` sorted by their last real slot, and the
+    number of leading slots that hold every real slot of the group. Per-item work run on
+    ``x[idx, :keep]`` skips the padded tail of short items and gives the same results wherever
+    padding never enters."""
+    n = mask.shape[1]
+    last = torch.where(mask.bool(), torch.arange(1, n + 1, device=mask.device), 0).amax(1)  # (B,)
+    order = torch.argsort(last)
+    for a in range(0, mask.shape[0], group):
+        idx = order[a:a + group]
+        yield idx, max(1, int(last[idx].max()))
 
 
 def sequence_transformer(x: Tensor, mask: Tensor, positions: Tensor, blocks: nn.ModuleList,

@@ -77,6 +77,7 @@ from tvrpipe.heads.seqtransf import (
     ResidualAttentionBlock,
     attention_heads,
     init_sequence_transformer,
+    length_groups,
     sequence_transformer,
 )
 from tvrpipe.heads.tokenwise import masked_normalize, token_wise_similarity, without_first
@@ -195,14 +196,10 @@ class UATVR(Head):
         slot: the same outputs (padding never enters; the cut slots are padding), without spending
         the transformer on the padded tail of short captions. Returns (B, n + C, D)."""
         b, n, _ = x.shape
-        last = torch.where(mask, torch.arange(1, n + 1, device=x.device), 0).amax(1)  # (B,) slots to keep
-        if int(last.min()) == n:  # nothing to cut
+        if bool(mask[:, -1].all()):  # no padded tail to cut
             return sequence_transformer(x, mask, positions, blocks, extra)
-        order = torch.argsort(last)
         out = x.new_zeros(b, n + extra.shape[0], x.shape[2])
-        for a in range(0, b, group):
-            idx = order[a:a + group]
-            keep = max(1, int(last[idx].max()))
+        for idx, keep in length_groups(mask, group):
             h = sequence_transformer(x[idx, :keep], mask[idx, :keep], positions, blocks, extra)  # (g, keep + C, D)
             out[idx, :keep] = h[:, :keep]
             out[idx, n:] = h[:, keep:]
