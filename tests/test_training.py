@@ -141,7 +141,7 @@ def test_train_head_cli(store, tmp_path, cli):
     r = cli("train-head", "--features", store, "--method", "meanpool", "--out", tmp_path / "d", "--set", "nope=1")
     assert r.exit_code == 1 and "unknown config key 'nope'" in r.output
     r = cli("train-head", "--features", store, "--method", "nosuch", "--out", tmp_path / "d")
-    assert r.exit_code == 1 and "unknown method 'nosuch'; known: meanpool" in r.output
+    assert r.exit_code == 1 and "unknown method 'nosuch'; known: duq, meanpool" in r.output
     r = cli("train-head", "--features", store, "--method", "meanpool", "--out", tmp_path / "d", "--post", "x")
     assert r.exit_code == 1 and "--post 'x' is not one of: dsl, qbnorm" in r.output
     r = cli("train-head", "--features", tmp_path / "none", "--method", "meanpool", "--out", tmp_path / "d")
