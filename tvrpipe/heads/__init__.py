@@ -21,6 +21,7 @@ __all__ = ["Head", "HeadConfig", "LossOutput", "TextBatch", "VideoBatch", "creat
 from tvrpipe.heads import (
     meanpool,  # noqa: F401
     duq,  # noqa: F401
+    prota,  # noqa: F401
     seqtransf,  # noqa: F401
     tokenwise,  # noqa: F401
     tmass,  # noqa: F401

@@ -1,0 +1,449 @@
+"""ProTA: dual partial-related aggregation + token-based probabilistic alignment.
+
+Paper: Fang et al., "ProTA: Probabilistic Token Aggregation for Text-Video Retrieval" (ICME 2024),
+Sec. 3, Eq. 1-16; settings Sec. 4.1 and Supp. B (R = 5, lambda = xi = 100, eta = beta = 5e-4,
+temporal transformer 4 layers x 8 heads x 512); Tab. 1 ablation, Tab. 10 (temperatures), Tab. 11 (R).
+No official code exists: every reading of an ambiguous equation below is a choice, with its reason.
+
+Tokens: text tokens f_t are the cached word tokens (SOS, words, EOS: the paper lists t_SOS among
+them); video tokens f_v are the frames after CLIP4Clip's temporal transformer (``seqtransf``'s
+blocks and residual). Both are l2-normalised per token. Masks hold everywhere: padding never enters
+a softmax, a max, a sum or a Gram matrix. Equations (t2v shown; v2t is the mirror)::
+
+    s_ij            = <t_i, v_j>                                                    Eq. 1
+    l_{t_i->v}      = sum_j s_ij softmax_j(lambda s_ij)                              Eq. 2
+    g_ij            = 1/R sum_k exp(-|f_i - f_j|^2 / (2 s_k^2))   over f = [f_t; f_v]  Eq. 3-4
+    h_{t->t}        = softmax_i(W_t(G_tt f_t / N))       (N,) token weights            Eq. 5
+    h_{t_i->v}      = sum_j g_ij softmax_j(xi g_ij)                                  Eq. 6
+    h^_t            = h_{t->v} (.) h_{t->t}              elementwise, (N,)             Eq. 7
+    S(t, v)         = (<l_{t->v}, h^_t> + <l_{v->t}, h^_v>) / 2                        Eq. 8
+    mu = W^mean(f), sigma^2 = exp W^var(f)               per token                     Eq. 9
+    s^p_ij          = -sqrt(|mu_t^i - mu_v^j|^2 + |sigma_t^i - sigma_v^j|^2)           Eq. 10
+    S^p             = Eq. 2-8 with s^p in Eq. 1 and G^p built from the means           Eq. 11
+    L^kl            = 1/2 [KL(N_t || N(0, I)) + KL(N_v || N(0, I))]                    Eq. 12
+    L_t2v           = -E log exp((S^p_ii - eta m_ii)/tau) / sum_j exp(S^d_ij/tau)        Eq. 13
+    m_t2v           = exp(-KL(N_t || N_v))                                             Eq. 14
+    L = (L_t2v + L_v2t)/2 + beta L^kl                                                  Eq. 15-16
+
+Choices (docs/methods.md, "ProTA"):
+
+- **Eq. 1 is a cosine**: the tokens are l2-normalised. lambda = xi = 100 are CLIP's logit scale for
+  cosines; on raw 512-d dot products (norms ~10) a softmax at 100 would be a hard max everywhere,
+  and Tab. 10 reports the hard max ("max") as a different setting.
+- **Eq. 2 and 6 are soft maxima**: the softmax runs over the other modality's real tokens;
+  ``lam`` / ``xi`` = inf is Tab. 10's "max" row.
+- **Eq. 5: W_t yields one weight per token**: the two-layer MLP maps each re-aggregated token
+  (G_tt f_t)_i to a logit (Linear D->2D, ReLU, Linear 2D->1: the token-weight MLP of Mean-Max/DRL,
+  the paper's [22] and Tab. 1 baseline) and a softmax over the real tokens makes the weights, so
+  h_{t->t} is (N,) like l_{t->v} (Eq. 8 takes their inner product; a (N, D) h could not be).
+  G_tt f_t is divided by N (``gram_aggregation="mean"``): a sum would scale with the caption's
+  length, which an MLP on frozen features cannot undo; "sum" is the literal print. The MLP's
+  output layer starts at zero, so the untrained weights are uniform (the LdA row's means).
+- **Eq. 7's product is elementwise** (the "double weighting"): both factors are per-token (N,)
+  vectors; an inner product would give a scalar, and Eq. 8 would then multiply the vector
+  l_{t->v} by a scalar, which is not a similarity. No renormalisation after the product (as printed).
+- **Kernels**: R Gaussian kernels on the unit-norm tokens with bandwidths s_k^2 = s^2 mul^(k - (R-1)/2),
+  s^2 = 1 and mul = 2 (the multi-bandwidth family of multi-kernel MMD, geometric around the
+  squared distance of two orthogonal unit vectors, 2 = 2 s^2). Fixed, not estimated from the
+  batch: a bandwidth from the batch would make a pair's score depend on its neighbours. With
+  mul = 2 the R kernels are one exp and R-1 squarings (exp(-a 2^k) = exp(-a)^(2^k)).
+- **No (N+M)^2 Gram per pair**: G_tt depends on the text only and G_vv on the video only (both
+  computed once per item at encoding), and G_tv is a function of the same token cosines as
+  Eq. 1 (|x - y|^2 = 2 - 2 cos for unit vectors), so a pair needs one (N, M) cosine matrix.
+  :func:`gram_matrix` builds the full matrix of Eq. 4; the tests check the blocks against it.
+- **Eq. 10 is the 2-Wasserstein distance**: for diagonal Gaussians W2^2 = |mu_1 - mu_2|^2 +
+  |sigma_1 - sigma_2|^2 with sigma the *standard deviations*. As printed, Eq. 10 subtracts
+  sigma^2, which Eq. 9 defines as the variance; the text names W2, so the standard deviations are
+  the default and ``w2_spread="variance"`` is the literal print. Under autograd a squared
+  distance below 1e-12 counts as 0 (sqrt's gradient is unbounded at 0).
+- **Means are l2-normalised** (mu = normalize(f + W^mean(f))): the Gram kernels and lambda are set
+  for unit vectors, as in the deterministic path. W^mean is a residual two-layer MLP whose output
+  layer starts at zero, so mu starts at the token itself (``mean_residual=False``: the plain MLP);
+  W^var is a two-layer MLP with torch's default initialisation and log-variance bias
+  ``log_var_init`` = 0 (sigma^2 = 1, where Eq. 12's KL is minimal in sigma). Zero-initialising
+  W^var's output would be a fixed point: with every sigma equal, Eq. 10's gradient in sigma is 0.
+- **Eq. 12 per token**: each token's KL to N(0, I) (closed form, summed over dimensions), averaged
+  over the item's real tokens, then over the batch.
+- **Eq. 13's S^d**: the denominator's logits are S^p with the margin subtracted from the positive
+  only (so the positive appears in numerator and denominator alike and L_t2v is a proper
+  cross-entropy, >= 0). tau is the learnable CLIP temperature every head has. Reading S^d as the
+  deterministic Eq. 8 score would make the loss unbounded below (numerator and denominator on
+  different scores) and cost a second similarity for nothing at inference.
+- **Eq. 14's distributions**: N_t and N_v are the caption's and the video's token distributions
+  as a whole: the equal-weight mixture of their token Gaussians, moment-matched to one diagonal
+  Gaussian (mean = mean of mu_i, variance = mean of sigma_i^2 + mu_i^2 minus the squared mean).
+  KL is asymmetric, so m_t2v = exp(-KL(N_t || N_v)) and m_v2t = exp(-KL(N_v || N_t)), as
+  Fig. 3(b) averages two different margins. The margin is an indicator (the paper's word) and is
+  detached: with gradient through m the loss would be lowered by pushing matched pairs' KL up
+  (``margin_grad=True`` lets it flow).
+- **Inference** is S^p (S with ``probabilistic=False``), deterministic: no samples anywhere.
+- **Readouts**: mean token variance of texts and videos (item readouts, Fig. 3(a) plots log
+  sigma^2) and the adaptive margin (m_t2v + m_v2t)/2 of every validation pair, averaged over
+  matching and non-matching pairs (Fig. 3(b)), logged per epoch and plotted.
+
+Ablations (Tab. 1): LdA ``intra=False inter=False probabilistic=False kl_weight=0 margin_weight=0``;
++G_intra ``intra=True``; +G_inter ``inter=True``; G-dagger ``gram=dot``; DPA-section-sign
+``probabilistic=True``; +L^kl ``kl_weight``; +AC ``margin_weight``. Tab. 10 ``lam``, ``xi``; Tab. 11
+``num_kernels``. docs/methods.md lists the ``--set`` line of every row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
+from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean
+from tvrpipe.heads.seqtransf import (
+    ResidualAttentionBlock,
+    attention_heads,
+    init_sequence_transformer,
+    length_groups,
+    sequence_transformer,
+)
+from tvrpipe.heads.tokenwise import masked_normalize, without_first
+
+_SQRT_FLOOR = 1e-12  # Eq. 10 under autograd: squared distances below it give 0 (gradient <= 1 / (2 sqrt(floor)))
+_TILE_TEXTS = 32  # texts per evaluation tile, grouped by length (measured: tiles that stay in cache)
+_PAIR_KEYS = ("x", "mask", "weight", "spread", "spread_sq")  # per-token embedding entries the pair scores read
+_TILE_ELEMENTS = 1 << 18  # (texts, tokens, videos, frames) elements of one evaluation tile (1 MB in float32)
+
+
+@dataclass(frozen=True)
+class Config(HeadConfig):
+    """ProTA: DPA (Eq. 1-8) over token Gaussians (Eq. 9-11), KL and adaptive-margin InfoNCE."""
+
+    num_layers: int = 4  # ProTA Supp. B: temporal transformer 4 layers (CLIP4Clip seqTransf)
+    num_heads: int | None = None  # None: D // 64 (8 at D = 512), ProTA Supp. B: 8 heads
+    mlp_ratio: int = 4  # CLIP4Clip code (module_cross.ResidualAttentionBlock): MLP width 4D
+    max_frames: int = 77  # CLIP4Clip code: position table = CLIP context length 77
+    ln_eps: float = 1e-12  # CLIP4Clip code module_cross.LayerNorm (TF style)
+    zero_init: bool = True  # choice: as seqtransf, identity temporal transformer at the start (no CLIP weights)
+    drop_sot: bool = False  # ProTA Sec. 3: f_t = {t_SOS, t_1, ..., t_EOS}, SOS included
+    lam: float = 100.0  # lambda, ProTA Sec. 4.1 / Tab. 10: Eq. 2 temperature (inf = Tab. 10 "max")
+    xi: float = 100.0  # xi, ProTA Sec. 4.1 / Tab. 10: Eq. 6 temperature (inf = Tab. 10 "max")
+    num_kernels: int = 5  # R, ProTA Sec. 4.1 / Tab. 11
+    kernel_sigma2: float = 1.0  # choice: middle bandwidth s^2 (2 s^2 = squared distance of orthogonal unit vectors)
+    kernel_mul: float = 2.0  # choice: bandwidth ratio between kernels (multi-kernel MMD family)
+    gram: str = "rbf"  # ProTA Tab. 1: "rbf" (G, Eq. 3) or "dot" (G-dagger, Gram by dot product)
+    gram_aggregation: str = "mean"  # choice: Eq. 5's G_tt f_t divided by N; "sum" = as printed
+    intra: bool = True  # ProTA Tab. 1 "+G_intra" (Eq. 5); False: uniform token weights
+    inter: bool = True  # ProTA Tab. 1 "+G_inter" (Eq. 6-7); False: h_{t->v} = 1
+    probabilistic: bool = True  # ProTA Tab. 1 "DPA-section" (Eq. 9-11); False: DPA on the tokens (Eq. 8)
+    w2_spread: str = "std"  # choice: Eq. 10 with standard deviations (W2); "variance" = as printed
+    mean_residual: bool = True  # choice: mu = f + W^mean(f), output layer zero (starts at f); False: plain MLP
+    log_var_init: float = 0.0  # choice: W^var output bias, sigma^2 = 1 (KL minimum in sigma)
+    kl_weight: float = 5e-4  # beta, ProTA Sec. 4.1 / Eq. 16; 0 = Tab. 1 without "+L^kl"
+    margin_weight: float = 5e-4  # eta, ProTA Sec. 4.1 / Eq. 13; 0 = Tab. 1 without "+AC"
+    margin_grad: bool = False  # choice: the margin is a detached indicator (ProTA Sec. 3.2, "indicator")
+
+
+class TokenMLP(nn.Sequential):
+    """Linear -> ReLU -> Linear over the last dimension (the paper's "two-layer MLP")."""
+
+    def __init__(self, dim: int, hidden: int, out: int) -> None:
+        super().__init__(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, out))
+
+    def tokens(self, x: Tensor, mask: Tensor) -> Tensor:
+        """The MLP on the real tokens only, zero at padding: (B, L, D) -> (B, L, out)."""
+        real = self(x[mask])  # (n_real, out): no work on the padded tails of short captions
+        return real.new_zeros(*mask.shape, real.shape[-1]).index_put((mask,), real)
+
+
+# -- the equations, as functions of tensors -----------------------------------------------------
+
+
+def soft_max_aggregate(x: Tensor, valid: Tensor, temperature: float, dim: int) -> Tensor:
+    """Eq. 2 / Eq. 6: ``sum_k x_k softmax_k(temperature x_k)`` over the ``valid`` positions of
+    ``dim`` (``valid`` broadcasts to ``x``); ``temperature`` = inf is the hard max. A slice with no
+    valid position gives a finite value that callers must mask."""
+    low = torch.finfo(x.dtype).min
+    if math.isinf(temperature):
+        return x.masked_fill(~valid, low).amax(dim)
+    bias = torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(~valid, low)
+    z = torch.add(bias, x, alpha=temperature)
+    inplace = not torch.is_grad_enabled()  # in-place passes save memory traffic, but break autograd
+    z = z.sub_(z.amax(dim, keepdim=True)) if inplace else z - z.amax(dim, keepdim=True)
+    e = z.exp_() if inplace else z.exp()
+    return (e * x).sum(dim) / e.sum(dim)
+
+
+def rbf_kernels(cos: Tensor, num_kernels: int, sigma2: float, mul: float) -> Tensor:
+    """Eq. 3 for unit vectors from their cosine: the mean of R Gaussian kernels
+    exp(-|x - y|^2 / (2 s_k^2)), |x - y|^2 = 2 - 2 cos, s_k^2 = sigma2 mul^(k - (R - 1) / 2)."""
+    d2 = (2 - 2 * cos).clamp_(min=0) if not torch.is_grad_enabled() else (2 - 2 * cos).clamp(min=0)
+    gammas = [1 / (2 * sigma2 * mul ** (k - (num_kernels - 1) / 2)) for k in range(num_kernels)]
+    if mul == 2.0:  # gamma_k = gamma_min 2^k: exp(-gamma_k d2) = exp(-gamma_min d2)^(2^k)
+        g0 = min(gammas)
+        q = d2.mul_(-g0).exp_() if not torch.is_grad_enabled() else (-g0 * d2).exp()
+        acc = q.clone()
+        for _ in range(1, num_kernels):
+            q = q * q
+            acc += q
+        return acc.div_(num_kernels)
+    return sum(torch.exp(-g * d2) for g in gammas) / num_kernels
+
+
+def gram_matrix(f: Tensor, cfg: Config) -> Tensor:
+    """Eq. 3-4: the (N + M, N + M) Gram matrix of the unit-norm joint tokens ``f`` (kernel or dot)."""
+    cos = f @ f.t()
+    return cos if cfg.gram == "dot" else rbf_kernels(cos, cfg.num_kernels, cfg.kernel_sigma2, cfg.kernel_mul)
+
+
+def w2_similarity(mu_a: Tensor, spread_a: Tensor, mu_b: Tensor, spread_b: Tensor) -> Tensor:
+    """Eq. 10 between token distributions broadcast against each other: -sqrt(|mu_a - mu_b|^2 +
+    |spread_a - spread_b|^2), reduced over the last dimension."""
+    d2 = (mu_a - mu_b).square().sum(-1) + (spread_a - spread_b).square().sum(-1)
+    return -safe_sqrt(d2)
+
+
+def safe_sqrt(d2: Tensor) -> Tensor:
+    """sqrt of a squared distance that rounding may have made slightly negative: exact above a
+    floor of 1e-12, 0 below it (where the gradient of sqrt is unbounded) and at negative values."""
+    if not torch.is_grad_enabled():
+        return d2.clamp(min=0).sqrt_()
+    ok = d2 > _SQRT_FLOOR
+    return torch.where(ok, torch.where(ok, d2, torch.ones_like(d2)).sqrt(), torch.zeros_like(d2))
+
+
+def gaussian_kl(mu_p: Tensor, var_p: Tensor, mu_q: Tensor, var_q: Tensor) -> Tensor:
+    """KL(N(mu_p, diag var_p) || N(mu_q, diag var_q)), reduced over the last dimension."""
+    return 0.5 * (var_p / var_q + (mu_q - mu_p).square() / var_q - 1 + var_q.log() - var_p.log()).sum(-1)
+
+
+def gaussian_kl_matrix(mu_p: Tensor, var_p: Tensor, mu_q: Tensor, var_q: Tensor) -> Tensor:
+    """:func:`gaussian_kl` of every (p_i, q_j): (n_p, D) x (n_q, D) -> (n_p, n_q), by matrix products."""
+    inv_q = 1 / var_q  # (n_q, D)
+    quad = (var_p + mu_p.square()) @ inv_q.t() - 2 * mu_p @ (mu_q * inv_q).t()  # (n_p, n_q)
+    per_q = (mu_q.square() * inv_q).sum(-1) + var_q.log().sum(-1)  # (n_q,)
+    kl = 0.5 * (quad + per_q[None, :] - var_p.log().sum(-1)[:, None] - mu_p.shape[-1])
+    return kl.clamp(min=0)  # >= 0; the expansion can round a zero KL slightly below
+
+
+def pooled_gaussian(mu: Tensor, var: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. 14's item distribution: the equal-weight mixture of the real tokens' Gaussians,
+    moment-matched: (B, L, D) x2 -> mean (B, D), variance (B, D)."""
+    mean = masked_mean(mu, mask, dim=1)
+    second = masked_mean(var + mu.square(), mask, dim=1)
+    return mean, (second - mean.square()).clamp(min=1e-12)
+
+
+def dpa_scores(low: Tensor, gram: Tensor | None, text_mask: Tensor, frame_mask: Tensor, text_weight: Tensor,
+               frame_weight: Tensor, lam: float, xi: float) -> Tensor:
+    """Eq. 2, 6, 7, 8 for every pair, given the token similarities.
+
+    ``low`` (Eq. 1 or Eq. 10) and ``gram`` (the G_tv block, None without G_inter) are
+    (n_t, L, n_v, F); masks (n_t, L) and (n_v, F); the intra weights h_{t->t} (n_t, L) and
+    h_{v->v} (n_v, F) are zero at padding. Returns S (n_t, n_v); an item with no real token
+    contributes 0 for its direction.
+    """
+    words = text_mask[:, :, None, None]  # (n_t, L, 1, 1)
+    frames = frame_mask[None, None, :, :]  # (1, 1, n_v, F)
+    l_t2v = soft_max_aggregate(low, frames, lam, dim=3)  # (n_t, L, n_v)  Eq. 2
+    l_v2t = soft_max_aggregate(low, words, lam, dim=1)  # (n_t, n_v, F)  Eq. 2, v->t
+    if gram is not None:  # Eq. 6-7: double weighting by the inter-modality soft maxima
+        l_t2v = l_t2v * soft_max_aggregate(gram, frames, xi, dim=3)
+        l_v2t = l_v2t * soft_max_aggregate(gram, words, xi, dim=1)
+    t_side = torch.einsum("tlv,tl->tv", l_t2v, text_weight)  # <l_{t->v}, h^_t>
+    v_side = torch.einsum("tvf,vf->tv", l_v2t, frame_weight)  # <l_{v->t}, h^_v>
+    zero = torch.zeros((), dtype=low.dtype, device=low.device)
+    t_side = torch.where(frame_mask.any(1)[None, :], t_side, zero)
+    v_side = torch.where(text_mask.any(1)[:, None], v_side, zero)
+    return (t_side + v_side) / 2  # Eq. 8 / Eq. 11
+
+
+# -- the head --------------------------------------------------------------------------------------
+
+
+@register_head("prota")
+class ProTA(Head):
+    """ProTA: S^p of Eq. 11 (or S of Eq. 8), trained with Eq. 16."""
+
+    Config = Config
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        cfg, d = config, config.embed_dim
+        heads = attention_heads("prota", "num_heads", d, cfg.num_heads)
+        for option, value, allowed in (("gram", cfg.gram, ("rbf", "dot")),
+                                       ("gram_aggregation", cfg.gram_aggregation, ("mean", "sum")),
+                                       ("w2_spread", cfg.w2_spread, ("std", "variance"))):
+            if value not in allowed:
+                raise ConfigError(f"prota: {option} must be one of {', '.join(allowed)}, got {value!r}")
+        if cfg.num_kernels < 1:
+            raise ConfigError(f"prota: num_kernels (R) must be >= 1, got {cfg.num_kernels}")
+        if not (cfg.kernel_sigma2 > 0 and cfg.kernel_mul > 0):
+            raise ConfigError("prota: kernel_sigma2 and kernel_mul must be > 0")
+        if not (cfg.lam > 0 and cfg.xi > 0):
+            raise ConfigError(f"prota: lam and xi must be > 0 (inf = hard max), got {cfg.lam}, {cfg.xi}")
+        if min(cfg.kl_weight, cfg.margin_weight) < 0:
+            raise ConfigError("prota: kl_weight and margin_weight must be >= 0")
+        if not cfg.probabilistic and (cfg.kl_weight or cfg.margin_weight):
+            raise ConfigError("prota: kl_weight and margin_weight need the token distributions of "
+                              "probabilistic=True; for the deterministic rows of Tab. 1 add "
+                              "--set kl_weight=0 --set margin_weight=0")
+        self.frame_position_embeddings = nn.Embedding(cfg.max_frames, d)
+        self.blocks = nn.ModuleList(ResidualAttentionBlock(d, heads, cfg.mlp_ratio, cfg.ln_eps)
+                                    for _ in range(cfg.num_layers))
+        init_sequence_transformer(self.frame_position_embeddings, self.blocks, cfg.zero_init)
+        if cfg.intra:  # W_t, W_v (Eq. 5): token weight logits, uniform at the start
+            self.text_weight = TokenMLP(d, 2 * d, 1)
+            self.video_weight = TokenMLP(d, 2 * d, 1)
+            for mlp in (self.text_weight, self.video_weight):
+                nn.init.zeros_(mlp[2].weight)
+                nn.init.zeros_(mlp[2].bias)
+        if cfg.probabilistic:  # W^mean, W^var (Eq. 9), one pair per modality
+            self.text_mean, self.video_mean = TokenMLP(d, d, d), TokenMLP(d, d, d)
+            self.text_var, self.video_var = TokenMLP(d, d, d), TokenMLP(d, d, d)
+            for mlp in (self.text_var, self.video_var):
+                nn.init.constant_(mlp[2].bias, cfg.log_var_init)
+            if cfg.mean_residual:
+                for mlp in (self.text_mean, self.video_mean):
+                    nn.init.zeros_(mlp[2].weight)
+                    nn.init.zeros_(mlp[2].bias)
+
+    # -- per-item work ------------------------------------------------------------------------------
+
+    def _kernel(self, cos: Tensor) -> Tensor:
+        cfg = self.config
+        return cos if cfg.gram == "dot" else rbf_kernels(cos, cfg.num_kernels, cfg.kernel_sigma2, cfg.kernel_mul)
+
+    def _intra_weights(self, x: Tensor, mask: Tensor, mlp: nn.Module | None) -> Tensor:
+        """Eq. 5: h_{t->t} = softmax over the real tokens of W_t(G_tt f_t): (B, L, D) -> (B, L)."""
+        count = mask.sum(1, keepdim=True).clamp(min=1).to(x.dtype)  # (B, 1)
+        if mlp is None:
+            return mask.to(x.dtype) / count  # uniform: the LdA row's means
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        g = torch.where(mask[:, None, :], self._kernel(x @ x.transpose(1, 2)), zero)  # (B, L, L) G_tt, real columns
+        agg = g @ x  # (B, L, D)
+        if self.config.gram_aggregation == "mean":
+            agg = agg / count[:, :, None]
+        logits = mlp.tokens(agg, mask).squeeze(-1).masked_fill(~mask, torch.finfo(x.dtype).min)  # (B, L)
+        return torch.where(mask, logits.softmax(-1), zero)
+
+    def _encode(self, f: Tensor, mask: Tensor, weight: nn.Module | None, mean: nn.Module | None,
+                var: nn.Module | None) -> Emb:
+        """Normalised tokens (B, L, D) -> the head's per-item embedding."""
+        f = masked_normalize(f, mask)  # (B, L, D), zero at padding
+        emb: Emb = {"mask": mask}
+        if self.config.probabilistic:
+            mu = mean.tokens(f, mask) + f if self.config.mean_residual else mean.tokens(f, mask)
+            mu = masked_normalize(mu, mask)  # (B, L, D)
+            log_var = var.tokens(f, mask)  # (B, L, D) Eq. 9: sigma^2 = exp W^var(f), 0 at padding
+            spread = torch.exp(0.5 * log_var) if self.config.w2_spread == "std" else torch.exp(log_var)
+            # centred at the prior's 1 (Eq. 10 uses differences only): no cancellation in |a|^2 + |b|^2 - 2ab
+            spread = torch.where(mask[..., None], spread - 1, torch.zeros((), dtype=f.dtype, device=f.device))
+            variance = torch.exp(log_var)
+            pool_mu, pool_var = pooled_gaussian(mu, variance, mask)  # (B, D) each, Eq. 14
+            kl = kl_to_standard_normal(mu, 0.5 * log_var)  # (B, L) Eq. 12 per token
+            n = mask.sum(1).to(f.dtype)
+            emb.update(x=mu, spread=spread, spread_sq=spread.square().sum(-1), pool_mu=pool_mu, pool_var=pool_var,
+                       kl=masked_mean(kl, mask, dim=1),
+                       var_mean=masked_mean(variance.mean(-1), mask, dim=1), n_tokens=n)
+        else:
+            emb["x"] = f
+        emb["weight"] = self._intra_weights(emb["x"], mask, weight)
+        return emb
+
+    def encode_texts(self, texts: TextBatch) -> Emb:
+        mask = without_first(texts.token_mask) if self.config.drop_sot else texts.token_mask.bool()
+        return self._encode(texts.tokens, mask, getattr(self, "text_weight", None),
+                            getattr(self, "text_mean", None), getattr(self, "text_var", None))
+
+    def encode_videos(self, videos: VideoBatch) -> Emb:
+        n, mask = videos.frames.shape[1], videos.frame_mask.bool()
+        if n > self.config.max_frames:
+            raise ConfigError(f"prota: videos have {n} frames but max_frames is {self.config.max_frames}; "
+                              f"set --set max_frames={n}")
+        h = sequence_transformer(videos.frames, mask, self.frame_position_embeddings.weight, self.blocks)
+        return self._encode(h, mask, getattr(self, "video_weight", None),
+                            getattr(self, "video_mean", None), getattr(self, "video_var", None))
+
+    # -- pairwise work ------------------------------------------------------------------------------
+
+    def _scores(self, te: Emb, ve: Emb) -> Tensor:
+        """S^p (or S) of every pair of ``te`` x ``ve``: (n_t, n_v)."""
+        cfg = self.config
+        xt, xv = te["x"], ve["x"]
+        (t, length, d), (v, frames, _) = xt.shape, xv.shape
+        cos = (xt.reshape(t * length, d) @ xv.reshape(v * frames, d).t()).view(t, length, v, frames)  # Eq. 1
+        gram = self._kernel(cos) if cfg.inter else None  # G_tv (Eq. 3) from the same cosines
+        if cfg.probabilistic:  # Eq. 10 for every token pair, unit means: |mu_t - mu_v|^2 = 2 - 2 cos
+            cross = (te["spread"].reshape(t * length, d) @ ve["spread"].reshape(v * frames, d).t())
+            d2 = (2 - 2 * cos) + te["spread_sq"][:, :, None, None] + ve["spread_sq"][None, None] \
+                - 2 * cross.view(t, length, v, frames)
+            low = -safe_sqrt(d2)
+        else:
+            low = cos
+        return dpa_scores(low, gram, te["mask"], ve["mask"], te["weight"], ve["weight"], cfg.lam, cfg.xi)
+
+    def similarity(self, text_emb: Emb, video_emb: Emb) -> Tensor:
+        """Eq. 11 (Eq. 8 with ``probabilistic=False``): (n_text, n_video), deterministic.
+
+        With autograd off, pairs are computed in small tiles of texts and videos grouped by length
+        and cut after their last real token (padding never enters, so a pair's score does not
+        depend on its tile): memory is bounded by the tile and the work by the real lengths.
+        """
+        if torch.is_grad_enabled():
+            return self._scores(text_emb, video_emb)
+        out = text_emb["x"].new_empty(text_emb["x"].shape[0], video_emb["x"].shape[0])
+        for ti, tk in length_groups(text_emb["mask"], _TILE_TEXTS):
+            te = {k: text_emb[k][ti, :tk] for k in _PAIR_KEYS if k in text_emb}
+            tile_v = max(1, _TILE_ELEMENTS // (len(ti) * tk * video_emb["x"].shape[1]))
+            for vi, vk in length_groups(video_emb["mask"], tile_v):
+                ve = {k: video_emb[k][vi, :vk] for k in _PAIR_KEYS if k in video_emb}
+                out[ti[:, None], vi[None, :]] = self._scores(te, ve)
+        return out
+
+    def pair_margins(self, text_emb: Emb, video_emb: Emb) -> tuple[Tensor, Tensor]:
+        """Eq. 14 for every pair: m_t2v = exp(-KL(N_t || N_v)), m_v2t = exp(-KL(N_v || N_t)), (n_t, n_v) each."""
+        tm, tv, vm, vv = text_emb["pool_mu"], text_emb["pool_var"], video_emb["pool_mu"], video_emb["pool_var"]
+        return torch.exp(-gaussian_kl_matrix(tm, tv, vm, vv)), torch.exp(-gaussian_kl_matrix(vm, vv, tm, tv).t())
+
+    def pair_readouts(self, text_emb: Emb, video_emb: Emb) -> dict[str, Tensor]:
+        """The adaptive margin (m_t2v + m_v2t) / 2 of every pair (ProTA Fig. 3(b))."""
+        if not self.config.probabilistic:
+            return {}
+        m_t2v, m_v2t = self.pair_margins(text_emb, video_emb)
+        return {"margin": (m_t2v + m_v2t) / 2}
+
+    def item_readouts(self, text_emb: Emb, video_emb: Emb) -> dict[str, float]:
+        """Mean token variance (over real tokens and dimensions) of the texts and of the videos."""
+        if not self.config.probabilistic:
+            return {}
+        out = {}
+        for side, emb in (("text", text_emb), ("video", video_emb)):
+            n = emb["n_tokens"].double()
+            out[f"var_{side}"] = float((emb["var_mean"].double() * n).sum() / n.sum().clamp(min=1))
+        return out
+
+    # -- training ------------------------------------------------------------------------------------
+
+    def loss(self, texts: TextBatch, videos: VideoBatch) -> LossOutput:
+        """Eq. 16: the adaptive-margin symmetric InfoNCE (Eq. 13-15) + beta L^kl (Eq. 12)."""
+        cfg = self.config
+        te, ve = self.encode_texts(texts), self.encode_videos(videos)
+        scale = self.logits_scale()
+        logits = self.similarity(te, ve) * scale  # (B, B)
+        target = torch.arange(logits.shape[0], device=logits.device)
+        t2v_logits, v2t_logits = logits, logits
+        if cfg.probabilistic and cfg.margin_weight > 0:  # Eq. 13-14: margin on the positives only (S^d)
+            m_t2v = torch.exp(-gaussian_kl(te["pool_mu"], te["pool_var"], ve["pool_mu"], ve["pool_var"]))  # (B,)
+            m_v2t = torch.exp(-gaussian_kl(ve["pool_mu"], ve["pool_var"], te["pool_mu"], te["pool_var"]))
+            if not cfg.margin_grad:
+                m_t2v, m_v2t = m_t2v.detach(), m_v2t.detach()
+            t2v_logits = logits - torch.diag(cfg.margin_weight * m_t2v) * scale
+            v2t_logits = logits - torch.diag(cfg.margin_weight * m_v2t) * scale
+        contra = (F.cross_entropy(t2v_logits, target) + F.cross_entropy(v2t_logits.t(), target)) / 2  # Eq. 15
+        terms = {"contra": contra}
+        total = contra
+        if cfg.probabilistic and cfg.kl_weight > 0:
+            kl = (te["kl"].mean() + ve["kl"].mean()) / 2  # Eq. 12
+            terms["kl"] = kl
+            total = total + cfg.kl_weight * kl
+        return LossOutput(total=total, terms={k: v.detach() for k, v in terms.items()})
