@@ -116,3 +116,27 @@ def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_p
     assert 1 <= rows[1]["default_selected_epoch"] <= rows[1]["default_epochs_run"] <= 6
     assert bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
                              only_default=True) == rows  # recorded runs are reused, not retrained
+
+
+def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path, monkeypatch):
+    """`tvrpipe bench convergence --only-default` end to end on a tiny store: one default run per
+    head, no grid, tables written and the default's row printed."""
+    import csv
+    import functools
+
+    import tvrpipe.training.convergence as conv
+    import tvrpipe.training.fit as fit_module
+    from tvrpipe.pipeline.genstore import GenSpec
+
+    monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(train_videos=64, val_videos=32, test_videos=16,
+                                                    captions_per_train_video=2, frames=4, max_words=6,
+                                                    embed_dim=16, seed=2))
+    monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, batch_size=32,
+                                                                     min_steps=4, patience=2, max_epochs=6))
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--method", "meanpool", "--only-default")
+    assert r.exit_code == 0, r.output
+    with open(tmp_path / "results.csv") as f:
+        assert [(x["store"], x["method"], x["schedule"]) for x in csv.DictReader(f)] == [("tiny", "meanpool", "default")]
+    assert "meanpool" in r.output and (tmp_path / "summary.csv").is_file()
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "huge", "--only-default")
+    assert r.exit_code == 1 and "--size 'huge' is not one of: small, medium, msrvtt9k" in r.output

@@ -94,7 +94,9 @@ def encode_all(encode: Callable[[Any], Emb], batches: Iterable[TextBatch] | Iter
             chunks.setdefault(k, []).append(v.detach().cpu())
     if not chunks:
         raise ValueError("encode_all got no batches: nothing to evaluate")
-    return {k: torch.cat(v) for k, v in chunks.items()}
+    # One key at a time, its chunks released as soon as they are copied: the peak is all the
+    # embeddings plus one key's chunks, not twice all the embeddings.
+    return {k: torch.cat(chunks.pop(k)) for k in list(chunks)}
 
 
 @torch.no_grad()

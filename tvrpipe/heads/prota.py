@@ -1,8 +1,9 @@
 """ProTA: dual partial-related aggregation + token-based probabilistic alignment.
 
-Paper: Fang et al., "ProTA: Probabilistic Token Aggregation for Text-Video Retrieval" (ICME 2024),
-Sec. 3, Eq. 1-16; settings Sec. 4.1 and Supp. B (R = 5, lambda = xi = 100, eta = beta = 5e-4,
-temporal transformer 4 layers x 8 heads x 512); Tab. 1 ablation, Tab. 10 (temperatures), Tab. 11 (R).
+Paper: Fang, Zang et al., "ProTA: Probabilistic Token Aggregation for Text-Video Retrieval"
+(../shared/papers/prota.txt), Sec. 3, Eq. 1-16; settings Sec. 4.1 and Supp. B (R = 5,
+lambda = xi = 100, eta = beta = 5e-4, temporal transformer 4 layers x 8 heads x 512); Tab. 1
+ablation, Tab. 10 (temperatures), Tab. 11 (R).
 No official code exists: every reading of an ambiguous equation below is a choice, with its reason.
 
 Tokens: text tokens f_t are the cached word tokens (SOS, words, EOS: the paper lists t_SOS among
@@ -167,26 +168,35 @@ def soft_max_aggregate(x: Tensor, valid: Tensor, temperature: float, dim: int) -
         return x.masked_fill(~valid, low).amax(dim)
     bias = torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(~valid, low)
     z = torch.add(bias, x, alpha=temperature)
-    inplace = not torch.is_grad_enabled()  # in-place passes save memory traffic, but break autograd
-    z = z.sub_(z.amax(dim, keepdim=True)) if inplace else z - z.amax(dim, keepdim=True)
-    e = z.exp_() if inplace else z.exp()
-    return (e * x).sum(dim) / e.sum(dim)
+    if torch.is_grad_enabled():
+        e = (z - z.amax(dim, keepdim=True)).exp()
+        return (e * x).sum(dim) / e.sum(dim)
+    e = z.sub_(z.amax(dim, keepdim=True)).exp_()  # in place (no autograd): fewer passes over memory
+    den = e.sum(dim)
+    return e.mul_(x).sum(dim).div_(den)
 
 
 def rbf_kernels(cos: Tensor, num_kernels: int, sigma2: float, mul: float) -> Tensor:
     """Eq. 3 for unit vectors from their cosine: the mean of R Gaussian kernels
     exp(-|x - y|^2 / (2 s_k^2)), |x - y|^2 = 2 - 2 cos, s_k^2 = sigma2 mul^(k - (R - 1) / 2)."""
-    d2 = (2 - 2 * cos).clamp_(min=0) if not torch.is_grad_enabled() else (2 - 2 * cos).clamp(min=0)
     gammas = [1 / (2 * sigma2 * mul ** (k - (num_kernels - 1) / 2)) for k in range(num_kernels)]
-    if mul == 2.0:  # gamma_k = gamma_min 2^k: exp(-gamma_k d2) = exp(-gamma_min d2)^(2^k)
-        g0 = min(gammas)
-        q = d2.mul_(-g0).exp_() if not torch.is_grad_enabled() else (-g0 * d2).exp()
-        acc = q.clone()
+    if mul != 2.0:
+        d2 = (2 - 2 * cos).clamp(min=0)
+        return sum(torch.exp(-g * d2) for g in gammas) / num_kernels
+    # gamma_k = gamma_min 2^k: exp(-gamma_k d2) = q^(2^k) with q = exp(-gamma_min d2) = exp(2 gamma_min (cos - 1))
+    g0 = min(gammas)
+    if torch.is_grad_enabled():
+        q = ((cos - 1).clamp(max=0) * (2 * g0)).exp()
+        acc = q
         for _ in range(1, num_kernels):
             q = q * q
-            acc += q
-        return acc.div_(num_kernels)
-    return sum(torch.exp(-g * d2) for g in gammas) / num_kernels
+            acc = acc + q
+        return acc / num_kernels
+    q = (cos - 1).clamp_(max=0).mul_(2 * g0).exp_()  # in place (no autograd)
+    acc = q.clone()
+    for _ in range(1, num_kernels):
+        acc.add_(q.square_())
+    return acc.div_(num_kernels)
 
 
 def gram_matrix(f: Tensor, cfg: Config) -> Tensor:
@@ -374,10 +384,14 @@ class ProTA(Head):
         cos = (xt.reshape(t * length, d) @ xv.reshape(v * frames, d).t()).view(t, length, v, frames)  # Eq. 1
         gram = self._kernel(cos) if cfg.inter else None  # G_tv (Eq. 3) from the same cosines
         if cfg.probabilistic:  # Eq. 10 for every token pair, unit means: |mu_t - mu_v|^2 = 2 - 2 cos
-            cross = (te["spread"].reshape(t * length, d) @ ve["spread"].reshape(v * frames, d).t())
-            d2 = (2 - 2 * cos) + te["spread_sq"][:, :, None, None] + ve["spread_sq"][None, None] \
-                - 2 * cross.view(t, length, v, frames)
-            low = -safe_sqrt(d2)
+            # d2 = |s_t|^2 + |s_v|^2 + 2 - 2 (cos + <s_t, s_v>), the inner products summed inside the GEMM
+            dots = torch.addmm(cos.view(t * length, v * frames), te["spread"].reshape(t * length, d),
+                               ve["spread"].reshape(v * frames, d).t()).view(t, length, v, frames)
+            sq_t, sq_v = te["spread_sq"][:, :, None, None] + 2, ve["spread_sq"][None, None]
+            if torch.is_grad_enabled():
+                low = -safe_sqrt(sq_t + sq_v - 2 * dots)
+            else:
+                low = dots.mul_(-2).add_(sq_t).add_(sq_v).clamp_(min=0).sqrt_().neg_()
         else:
             low = cos
         return dpa_scores(low, gram, te["mask"], ve["mask"], te["weight"], ve["weight"], cfg.lam, cfg.xi)
