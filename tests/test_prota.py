@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from test_heads import D, batches, np64, perturbed, sim, torch_encoder_layers, unit
 
 from tvrpipe.errors import ConfigError
@@ -98,7 +99,9 @@ def prota_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
                 h_vv = softmax_np(mlp_np(head.video_weight, g[n:, n:] @ v / div_v)[:, 0])
             else:
                 h_tt, h_vv = np.full(n, 1 / n), np.full(m, 1 / m)
-            out[i, j] = ((l_t2v * h_t2v * h_tt).sum() + (l_v2t * h_v2t * h_vv).sum()) / 2  # Eq. 7-8
+            hat_t = h_t2v * h_tt / (np.abs(h_t2v) * h_tt).sum()  # Eq. 7, normalised over the tokens
+            hat_v = h_v2t * h_vv / (np.abs(h_v2t) * h_vv).sum()
+            out[i, j] = ((l_t2v * hat_t).sum() + (l_v2t * hat_v).sum()) / 2  # Eq. 8
     return out
 
 
@@ -365,3 +368,40 @@ def test_learns_far_above_chance_and_logs_readouts(tmp_path):
             "val_margin_nonmatch"} <= set(rows[0])
     assert m["val"]["readouts"]["var_text"] > 0
     assert (tmp_path / "run" / "plots" / "readouts.png").stat().st_size > 1000
+
+
+def test_shared_exp_aggregation_is_exact_down_to_the_kernel_floor():
+    """Eq. 6 in both directions with one exp (fixed shift xi * 1): equal to the per-direction
+    softmax in float32 even when every real entry sits at the smallest value the kernels take."""
+    from tvrpipe.heads.prota import soft_max_aggregate_both
+
+    head = create_head("prota", embed_dim=D)
+    floor = head._gram_floor
+    assert floor == pytest.approx(np.mean([math.exp(-4 / (2 * 2.0 ** (k - 2))) for k in range(5)]))
+    g = torch.Generator().manual_seed(0)
+    x = floor + 1e-3 * torch.rand(3, 4, 5, 6, generator=g)  # (n_t, L, n_v, F), all near the floor
+    x[0, 0, 0, 0] = 1.0
+    words = (torch.arange(4) < torch.tensor([4, 2, 1])[:, None])[:, :, None, None]
+    frames = (torch.arange(6) < torch.tensor([6, 3, 1, 2, 6])[:, None])[None, None]
+    with torch.no_grad():
+        t2v, v2t = soft_max_aggregate_both(x.clone(), words, frames, 100.0)
+    torch.testing.assert_close(t2v[words[..., 0, 0].expand(3, 4)], soft_max_aggregate(x, frames, 100.0, 3)[
+        words[..., 0, 0].expand(3, 4)], rtol=1e-5, atol=0)
+    real_v = frames[0, 0].expand(3, 5, 6)
+    torch.testing.assert_close(v2t[real_v], soft_max_aggregate(x, words, 100.0, 1)[real_v], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("probabilistic", [True, False])
+def test_untrained_head_ranks_each_captions_noisy_twin_first(probabilistic):
+    """Videos whose frames are their caption's tokens plus noise: the untrained head (identity
+    transformer, uniform weights, means at the tokens) ranks each caption's twin first, with
+    Eq. 10's negative distances as with cosines. Eq. 7's weights are normalised, so a better-
+    aligned pair's larger inter-modality weight cannot lower its score (unnormalised, with
+    negative s^p, 25 of these 30 twins came first)."""
+    overrides = {} if probabilistic else {"probabilistic": False, "kl_weight": 0.0, "margin_weight": 0.0}
+    head = create_head("prota", embed_dim=D, **overrides).eval()
+    texts, _ = batches(30, 1)
+    g = torch.Generator().manual_seed(5)
+    frames = F.normalize(texts.tokens, dim=-1) + torch.randn(texts.tokens.shape, generator=g) / 4
+    s = sim(head, texts, VideoBatch(frames, texts.token_mask.clone()))
+    assert torch.equal(s.argmax(1), torch.arange(30))
