@@ -140,3 +140,36 @@ def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path
     assert "meanpool" in r.output and (tmp_path / "summary.csv").is_file()
     r = cli("bench", "convergence", "--out", tmp_path, "--size", "huge", "--only-default")
     assert r.exit_code == 1 and "--size 'huge' is not one of: small, medium, msrvtt9k" in r.output
+
+
+def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_tables(tmp_path):
+    """A bench of one head in a directory keeps the other heads' rows; completed run directories
+    missing from the tables (lost by an older bench) are reused, not retrained."""
+    import csv
+
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.convergence import bench_convergence
+
+    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=2)
+    from tvrpipe.training.fit import TrainConfig
+
+    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    both = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], lrs=(1e-3,), epochs=(2,),
+                             progress=False, train=base)
+    assert bench_convergence(tmp_path, {"tiny": spec}, ["meanpool"], lrs=(1e-3,), epochs=(2,), progress=False,
+                             train=base) == both[:1]
+    with open(tmp_path / "results.csv") as f:
+        assert {r["method"] for r in csv.DictReader(f)} == {"meanpool", "xpool"}
+    with open(tmp_path / "summary.csv") as f:
+        assert [r["method"] for r in csv.DictReader(f)] == ["meanpool", "xpool"]
+    # the tables lost, the run directories kept: every grid and open run is rebuilt from them
+    stamp = {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")}
+    (tmp_path / "results.csv").unlink()
+    (tmp_path / "curves.csv").unlink()
+    again = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], lrs=(1e-3,), epochs=(2,),
+                              progress=False, train=base)
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp  # nothing retrained
+    for a, b in zip(again, both):
+        assert {k: v for k, v in a.items() if k != "default_seconds"} == \
+            {k: v for k, v in b.items() if k != "default_seconds"}

@@ -14,8 +14,9 @@ validation R@1/R@5, selected epoch, epochs run, seconds), ``curves.csv`` (valida
 epoch of every run), ``curves.png`` (per store and head: the open-ended curves per learning rate,
 the default's, and the grid's best as a line) and ``summary.csv`` (per store and head: the grid's
 best and the default, the gap in R@1 points, the default's epochs and wall time). The test split
-is never read. Rerunning in the same directory reuses the runs already recorded there (a long
-bench resumes; delete the directory after changing the trainer).
+is never read. Rerunning in the same directory reuses the runs already recorded there, in the
+tables or as completed run directories (a long bench resumes; delete the directory after changing
+the trainer or a head), and the tables keep the runs of other heads and sizes benched there earlier.
 """
 
 from __future__ import annotations
@@ -145,15 +146,49 @@ def bench_convergence(
                 runs.append(run)
                 log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
                             run.lr, run.val_r1, run.selected_epoch, run.epochs_run, run.seconds)
-                _write(out, runs)
-    summary = _summary(runs)
-    _write(out, runs, summary)
-    _plot(out / "curves.png", runs)
-    return summary
+                _write(out, _with_earlier(runs, done))
+    every = _with_earlier(runs, done)  # the directory keeps the runs of earlier benches (other heads, sizes)
+    _write(out, every, _summary(every))
+    _plot(out / "curves.png", every)
+    return _summary(runs)
+
+
+def _with_earlier(runs: list[Run], done: dict[tuple[str, str, str, float], Run]) -> list[Run]:
+    mine = {(r.store, r.method, r.schedule, r.lr) for r in runs}
+    return runs + [r for key, r in done.items() if key not in mine]
 
 
 def _load(out: Path) -> dict[tuple[str, str, str, float], Run]:
-    """Runs recorded in ``results.csv`` / ``curves.csv`` by an earlier bench in ``out``."""
+    """Runs recorded in ``results.csv`` / ``curves.csv`` by an earlier bench in ``out``, and runs
+    whose directory is complete but which the tables lack (see :func:`_recover`)."""
+    runs = _load_tables(out)
+    _recover(out, runs)
+    return runs
+
+
+def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
+    """Add the completed run directories (``runs/<store>/<method>/<schedule>-<lr>/metrics.json``)
+    missing from ``runs``: rebuilt from their metrics.json and epochs.csv (a bench that ran a subset
+    of the heads used to rewrite the tables with its own runs only). Their seconds are the span
+    between the run's config.yaml and metrics.json writes."""
+    for metrics in sorted(out.glob("runs/*/*/*/metrics.json")):
+        run_dir = metrics.parent
+        schedule = run_dir.name.split("-", 1)[0]  # "epochs=5", "open" or "default"; the rest is the lr
+        try:
+            m = json.loads(metrics.read_text())
+            key = (run_dir.parent.parent.name, run_dir.parent.name, schedule, float(m["schedule"]["lr"]))
+            if key in runs:
+                continue
+            with open(run_dir / "epochs.csv") as f:
+                curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
+            seconds = metrics.stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime
+            runs[key] = Run(*key, m["val"]["t2v"]["R@1"], m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve),
+                            seconds, curve)
+        except (OSError, KeyError, ValueError) as e:  # an unreadable leftover is retrained, not fatal
+            log.warning("%s: not reused (%s)", run_dir, e)
+
+
+def _load_tables(out: Path) -> dict[tuple[str, str, str, float], Run]:
     if not (out / "results.csv").is_file() or not (out / "curves.csv").is_file():
         return {}
     curves: dict[tuple, list[float]] = {}
