@@ -108,14 +108,6 @@ from torch import Tensor, nn
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean
-from tvrpipe.heads.seqtransf import (
-    ResidualAttentionBlock,
-    attention_heads,
-    init_sequence_transformer,
-    length_groups,
-    sequence_transformer,
-)
-from tvrpipe.heads.tokenwise import masked_normalize, without_first
 from tvrpipe.heads.prota.equations import (  # noqa: F401  (re-exported: the equations of the head)
     dpa_scores,
     gaussian_kl,
@@ -128,8 +120,18 @@ from tvrpipe.heads.prota.equations import (  # noqa: F401  (re-exported: the equ
     soft_max_aggregate_both,
     w2_similarity,
 )
+from tvrpipe.heads.seqtransf import (
+    ResidualAttentionBlock,
+    attention_heads,
+    init_sequence_transformer,
+    length_groups,
+    sequence_transformer,
+)
+from tvrpipe.heads.tokenwise import masked_normalize, without_first
 
-_TILE_TEXTS = 32  # texts per evaluation tile, grouped by length (1k-A similarity: 16 -> 9.7 s, 32 -> 6.6 s, 64 -> 7.2 s)
+# texts per evaluation tile, grouped by length (1k-A similarity, texts x elements: 16 x 1<<17 9.7 s,
+# 32 x 1<<18 6.9 s, 64 x 1<<19 7.2 s)
+_TILE_TEXTS = 32
 _PAIR_KEYS = ("x", "mask", "weight", "spread", "spread_sq")  # per-token embedding entries the pair scores read
 # (texts, tokens, videos, frames) elements of a tile, 4 MB in float32 (1k-A: 1<<16 9.3 s, 1<<18 6.9 s, 1<<20 6.6 s)
 _TILE_ELEMENTS = 1 << 20
@@ -251,7 +253,7 @@ class ProTA(Head):
 
     def _encode(self, f: Tensor, mask: Tensor, weight: nn.Module | None, mean: nn.Module | None,
                 var: nn.Module | None) -> Emb:
-        """Normalised tokens (B, L, D) -> the head's per-item embedding."""
+        """Tokens (B, L, D) with their mask -> the head's per-item embedding (tokens l2-normalised first)."""
         f = masked_normalize(f, mask)  # (B, L, D), zero at padding
         emb: Emb = {"mask": mask}
         if self.config.probabilistic:
