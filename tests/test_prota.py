@@ -208,9 +208,9 @@ def test_constant_variance_is_the_deterministic_head_on_distances():
         pe, pv = prob.encode_texts(texts), prob.encode_videos(videos)
         torch.testing.assert_close(pe["x"], te["x"])
         torch.testing.assert_close(pe["weight"], te["weight"])
-        from tvrpipe.heads.prota import dpa_scores
+        from tvrpipe.heads.prota import dpa_scores, gram_of_cosines
         cos = torch.einsum("tld,vfd->tlvf", te["x"], ve["x"])
-        expected = dpa_scores(-(2 - 2 * cos).clamp(min=0).sqrt(), det._kernel(cos), te["mask"], ve["mask"],
+        expected = dpa_scores(-(2 - 2 * cos).clamp(min=0).sqrt(), gram_of_cosines(cos, det.config), te["mask"], ve["mask"],
                               te["weight"], ve["weight"], 100.0, 100.0)
         torch.testing.assert_close(prob.similarity(pe, pv), expected, atol=2e-3, rtol=0)
 

@@ -113,6 +113,7 @@ from tvrpipe.heads.prota.equations import (  # noqa: F401  (re-exported: the equ
     gaussian_kl,
     gaussian_kl_matrix,
     gram_matrix,
+    gram_of_cosines,
     pooled_gaussian,
     rbf_kernels,
     safe_sqrt,
@@ -208,10 +209,9 @@ class ProTA(Head):
             raise ConfigError("prota: kl_weight and margin_weight need the token distributions of "
                               "probabilistic=True; for the deterministic rows of Tab. 1 add "
                               "--set kl_weight=0 --set margin_weight=0")
-        # the smallest value G_tv can take (dpa_scores' shared-exp check): -1 for the dot product;
-        # for the kernels, their mean at the largest squared distance of unit vectors (4)
-        self._gram_floor = -1.0 if cfg.gram == "dot" else float(
-            rbf_kernels(torch.tensor(-1.0, dtype=torch.float64), cfg.num_kernels, cfg.kernel_sigma2, cfg.kernel_mul))
+        # the smallest value G_tv can take (dpa_scores' shared-exp check): its value at cosine -1
+        # (the dot product's -1; the kernels' mean at the largest squared distance of unit vectors, 4)
+        self._gram_floor = float(gram_of_cosines(torch.tensor(-1.0, dtype=torch.float64), cfg))
         self.frame_position_embeddings = nn.Embedding(cfg.max_frames, d)
         self.blocks = nn.ModuleList(ResidualAttentionBlock(d, heads, cfg.mlp_ratio, cfg.ln_eps)
                                     for _ in range(cfg.num_layers))
@@ -234,17 +234,14 @@ class ProTA(Head):
 
     # -- per-item work ------------------------------------------------------------------------------
 
-    def _kernel(self, cos: Tensor) -> Tensor:
-        cfg = self.config
-        return cos if cfg.gram == "dot" else rbf_kernels(cos, cfg.num_kernels, cfg.kernel_sigma2, cfg.kernel_mul)
-
     def _intra_weights(self, x: Tensor, mask: Tensor, mlp: nn.Module | None) -> Tensor:
         """Eq. 5: h_{t->t} = softmax over the real tokens of W_t(G_tt f_t): (B, L, D) -> (B, L)."""
         count = mask.sum(1, keepdim=True).clamp(min=1).to(x.dtype)  # (B, 1)
         if mlp is None:
             return mask.to(x.dtype) / count  # uniform: the LdA row's means
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
-        g = torch.where(mask[:, None, :], self._kernel(x @ x.transpose(1, 2)), zero)  # (B, L, L) G_tt, real columns
+        g = gram_of_cosines(x @ x.transpose(1, 2), self.config)  # (B, L, L) G_tt
+        g = torch.where(mask[:, None, :], g, zero)  # real columns only
         agg = g @ x  # (B, L, D)
         if self.config.gram_aggregation == "mean":
             agg = agg / count[:, :, None]
@@ -297,7 +294,7 @@ class ProTA(Head):
         xt, xv = te["x"], ve["x"]
         (t, length, d), (v, frames, _) = xt.shape, xv.shape
         cos = (xt.reshape(t * length, d) @ xv.reshape(v * frames, d).t()).view(t, length, v, frames)  # Eq. 1
-        gram = self._kernel(cos) if cfg.inter else None  # G_tv (Eq. 3) from the same cosines
+        gram = gram_of_cosines(cos, cfg) if cfg.inter else None  # G_tv (Eq. 3) from the same cosines
         if cfg.probabilistic:  # Eq. 10 for every token pair, unit means: |mu_t - mu_v|^2 = 2 - 2 cos
             # d2 = |s_t|^2 + |s_v|^2 + 2 - 2 (cos + <s_t, s_v>), the inner products summed inside the GEMM
             dots = torch.addmm(cos.view(t * length, v * frames), te["spread"].reshape(t * length, d),

@@ -60,11 +60,15 @@ def rbf_kernels(cos: Tensor, num_kernels: int, sigma2: float, mul: float) -> Ten
     return acc.div_(num_kernels)
 
 
-def gram_matrix(f: Tensor, cfg: Any) -> Tensor:
-    """Eq. 3-4: the (N + M, N + M) Gram matrix of the unit-norm joint tokens ``f`` (kernel or dot),
-    with the kernels of ``cfg`` (the head's Config: gram, num_kernels, kernel_sigma2, kernel_mul)."""
-    cos = f @ f.t()
+def gram_of_cosines(cos: Tensor, cfg: Any) -> Tensor:
+    """Gram entries of unit vectors from their cosines, with the head's Config ``cfg`` (gram,
+    num_kernels, kernel_sigma2, kernel_mul): the cosines themselves for "dot", Eq. 3 otherwise."""
     return cos if cfg.gram == "dot" else rbf_kernels(cos, cfg.num_kernels, cfg.kernel_sigma2, cfg.kernel_mul)
+
+
+def gram_matrix(f: Tensor, cfg: Any) -> Tensor:
+    """Eq. 3-4: the (N + M, N + M) Gram matrix of the unit-norm joint tokens ``f`` (kernel or dot)."""
+    return gram_of_cosines(f @ f.t(), cfg)
 
 
 def w2_similarity(mu_a: Tensor, spread_a: Tensor, mu_b: Tensor, spread_b: Tensor) -> Tensor:
