@@ -73,6 +73,8 @@ class ClipBundle:
         embed_dim: D, the width of the projected embeddings.
         context_length: The text tower's context length (the largest usable ``max_words``).
         device: Where the model lives.
+        quick_gelu_forced: The tag's weights need QuickGELU and the architecture name does not say
+            so: their checkpoint loads with the ``-quickgelu`` name (``tvrpipe finetune``'s export).
     """
 
     model: torch.nn.Module
@@ -85,6 +87,7 @@ class ClipBundle:
     embed_dim: int
     context_length: int
     device: torch.device
+    quick_gelu_forced: bool = False  # built with QuickGELU for its tag (the plain name builds GELU)
 
 
 def register_tiny_config() -> None:
@@ -207,6 +210,7 @@ def load_clip(
         embed_dim=int(cfg["embed_dim"]),
         context_length=int(model.context_length),
         device=torch_device,
+        quick_gelu_forced=quick_gelu,
     )
 
 
@@ -232,23 +236,44 @@ def encode_frames(
         >>> encode_frames(bundle, np.zeros((12, 64, 64, 3), np.uint8)).shape
         torch.Size([12, 64])
     """
-    frames = torch.as_tensor(frames)
+    frames = _check_frames(bundle, torch.as_tensor(frames))
+    if frames.shape[0] == 0:
+        return torch.zeros(0, bundle.embed_dim)
+    with torch.inference_mode(), _autocast(bundle.device, autocast):
+        emb = image_features(bundle, frames).float().cpu()  # (N, D)
+    return emb.clone()  # a normal tensor, not an inference tensor, for callers that need autograd
+
+
+def image_features(bundle: ClipBundle, frames: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
+    """The frame [CLS] projections of uint8 frames, differentiable: extraction's computation.
+
+    :func:`encode_frames` runs this under ``inference_mode``; ``tvrpipe finetune`` runs it with
+    gradients (``model`` is then the live, possibly wrapped, model), so a head sees the same inputs
+    from the live CLIP as from the store.
+
+    Args:
+        bundle: The loaded model (image size, mean/std and device).
+        frames: uint8 RGB frames (N, S, S, 3), S = ``bundle.image_size``, on any device.
+        model: The CLIP to run (default ``bundle.model``).
+
+    Returns:
+        (N, D) on ``bundle.device``, in the autocast dtype if one is active.
+    """
+    _check_frames(bundle, frames)
+    mean = torch.tensor(bundle.mean, device=bundle.device).view(1, 3, 1, 1)
+    std = torch.tensor(bundle.std, device=bundle.device).view(1, 3, 1, 1)
+    x = frames.to(bundle.device).permute(0, 3, 1, 2).float() / 255.0  # (N, 3, H, W)
+    return (model or bundle.model).encode_image((x - mean) / std)  # (N, D)
+
+
+def _check_frames(bundle: ClipBundle, frames: torch.Tensor) -> torch.Tensor:
     size = bundle.image_size
     if frames.dtype != torch.uint8 or frames.ndim != 4 or tuple(frames.shape[1:]) != (size, size, 3):
         raise ValueError(
             f"encode_frames expects uint8 frames (N, {size}, {size}, 3), got "
             f"{frames.dtype} {tuple(frames.shape)}"
         )
-    if frames.shape[0] == 0:
-        return torch.zeros(0, bundle.embed_dim)
-    mean = torch.tensor(bundle.mean, device=bundle.device).view(1, 3, 1, 1)
-    std = torch.tensor(bundle.std, device=bundle.device).view(1, 3, 1, 1)
-    with torch.inference_mode(), _autocast(bundle.device, autocast):
-        x = frames.to(bundle.device).permute(0, 3, 1, 2).float() / 255.0  # (N, 3, H, W)
-        x = (x - mean) / std
-        emb = bundle.model.encode_image(x)  # (N, D)
-        emb = emb.float().cpu()
-    return emb.clone()  # a normal tensor, not an inference tensor, for callers that need autograd
+    return frames
 
 
 def tokenize(bundle: ClipBundle, texts: Sequence[str], max_words: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,7 +309,7 @@ def tokenize(bundle: ClipBundle, texts: Sequence[str], max_words: int) -> tuple[
     if len(texts) == 0:
         return torch.zeros(0, max_words, dtype=torch.long), torch.zeros(0, max_words, dtype=torch.bool)
     ids = _tokenizer(bundle.model_name)(list(texts), context_length=max_words).long()  # (M, L)
-    return ids, _token_mask(bundle, ids)
+    return ids, token_mask(bundle.model, ids)
 
 
 def encode_text_tokens(
@@ -320,23 +345,44 @@ def encode_text_tokens(
     n, length = token_ids.shape
     if n == 0:
         return torch.zeros(0, length, bundle.embed_dim), torch.zeros(0, bundle.embed_dim)
-    model = bundle.model
-    ids = token_ids.long().to(bundle.device)  # (M, L)
     with torch.inference_mode(), _autocast(bundle.device, autocast):
-        cast_dtype = model.transformer.get_cast_dtype()
-        x = model.token_embedding(ids).to(cast_dtype)  # (M, L, W)
-        x = x + model.positional_embedding[:length].to(cast_dtype)
-        x = model.transformer(x, attn_mask=model.attn_mask[:length, :length])  # causal
-        x = model.ln_final(x)  # (M, L, W)
-        # Pool before projecting, exactly as encode_text does, so the sentence is bit-for-bit
-        # its computation; the projected token at the EOS position equals it up to rounding.
-        pooled = text_global_pool(x, ids, model.text_pool_type, eos_token_id=model.text_eos_id)  # (M, W)
-        tokens = _project_text(model, x).float()  # (M, L, D)
-        sentence = _project_text(model, pooled).float()  # (M, D)
-        mask = _token_mask(bundle, ids)  # (M, L)
-        tokens = tokens * mask.unsqueeze(-1)
-        tokens, sentence = tokens.cpu(), sentence.cpu()
+        tokens, sentence = text_features(bundle, token_ids)
+        tokens, sentence = tokens.float().cpu(), sentence.float().cpu()
     return tokens.clone(), sentence.clone()  # normal tensors, not inference tensors
+
+
+def text_features(
+    bundle: ClipBundle, token_ids: torch.Tensor, model: torch.nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Word tokens and sentence embedding of token ids, differentiable: extraction's computation.
+
+    :func:`encode_text_tokens` runs this under ``inference_mode``; ``tvrpipe finetune`` runs it
+    with gradients on the live ``model``.
+
+    Args:
+        bundle: The loaded model (device; ``model`` defaults to ``bundle.model``).
+        token_ids: long (M, L) ids from :func:`tokenize`.
+        model: The CLIP to run.
+
+    Returns:
+        ``(tokens, sentence)``: (M, L, D) with padding positions zeroed, and (M, D), on
+        ``bundle.device``, in the autocast dtype if one is active.
+    """
+    model = model or bundle.model
+    length = token_ids.shape[1]
+    ids = token_ids.long().to(bundle.device)  # (M, L)
+    cast_dtype = model.transformer.get_cast_dtype()
+    x = model.token_embedding(ids).to(cast_dtype)  # (M, L, W)
+    x = x + model.positional_embedding[:length].to(cast_dtype)
+    x = model.transformer(x, attn_mask=model.attn_mask[:length, :length])  # causal
+    x = model.ln_final(x)  # (M, L, W)
+    # Pool before projecting, exactly as encode_text does, so the sentence is bit-for-bit
+    # its computation; the projected token at the EOS position equals it up to rounding.
+    pooled = text_global_pool(x, ids, model.text_pool_type, eos_token_id=model.text_eos_id)  # (M, W)
+    tokens = _project_text(model, x)  # (M, L, D)
+    sentence = _project_text(model, pooled)  # (M, D)
+    mask = token_mask(model, ids)  # (M, L)
+    return tokens * mask.unsqueeze(-1).to(tokens.dtype), sentence
 
 
 def preprocess_description(bundle: ClipBundle) -> str:
@@ -425,9 +471,8 @@ def _tokenizer(model_name: str):
     return open_clip.get_tokenizer(model_name)
 
 
-def _token_mask(bundle: ClipBundle, ids: torch.Tensor) -> torch.Tensor:
-    """True from SOT to the pooled EOT position inclusive, on ids (M, L)."""
-    model = bundle.model
+def token_mask(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """True from SOT to the pooled EOT position inclusive, on ids (M, L) of ``model``'s tokenizer."""
     if model.text_pool_type == "eos":
         end = (ids == model.text_eos_id).int().argmax(dim=-1)  # (M,)
     else:  # argmax: EOT has the largest id in CLIP's vocabulary

@@ -14,7 +14,8 @@ Sampling (``FRAME_SAMPLING``): split the video's ``n`` frames (or the frames ins
 Frozen-in-Time), whose integer arithmetic picks the same frame or the one before; CLIP4Clip's
 ``linspace(0, n - 1, F)`` instead includes the first and last frames. A video with fewer than
 ``F`` frames gives all its frames, padded with zero frames and ``mask = False``; frames are never
-repeated to fill ``F``.
+repeated to fill ``F``. Training (``tvrpipe finetune``) passes ``offsets`` to take a random frame of
+each segment instead (the "rand" mode of X-Pool and T-MASS), drawn by the caller from its seed.
 
 Choices where the papers and codebases are silent or differ:
 
@@ -133,22 +134,28 @@ class DecodedVideo:
     reader: str
 
 
-def sample_indices(n_frames: int, num: int) -> np.ndarray:
-    """Pick ``num`` frames of ``n_frames``: the centre frame of each of ``num`` equal segments.
+def sample_indices(n_frames: int, num: int, offsets: np.ndarray | None = None) -> np.ndarray:
+    """Pick ``num`` frames of ``n_frames``: one frame in each of ``num`` equal segments.
 
-    ``idx_i = floor((i + 0.5) * n_frames / num)`` for ``i < num``; when the video is shorter than
-    ``num`` frames every frame is returned once (the caller pads; frames are never repeated).
+    Without ``offsets`` (extraction and evaluation) it is each segment's centre frame,
+    ``idx_i = floor((i + 0.5) * n_frames / num)``. With ``offsets`` u_i in [0, 1) (training-time
+    sampling, the papers' "rand" mode) it is frame ``floor(u_i * size_i)`` of segment i, whose
+    ``size_i`` frames are those k with ``floor(k * num / n_frames) = i``. When the video is shorter than ``num`` frames every frame is returned once
+    (the caller pads; frames are never repeated).
 
     Args:
         n_frames: Number of frames to choose from (>= 0).
         num: Number of frames wanted (>= 1).
+        offsets: Optional float ``[num]`` positions inside the segments, each in [0, 1).
 
     Returns:
-        int64 ``[min(num, n_frames)]``, sorted, unique, deterministic.
+        int64 ``[min(num, n_frames)]``, sorted, unique; a pure function of the arguments.
 
     Example:
         >>> sample_indices(100, 4).tolist()
         [12, 37, 62, 87]
+        >>> sample_indices(100, 4, np.array([0.0, 0.0, 0.99, 0.5])).tolist()
+        [0, 25, 74, 87]
         >>> sample_indices(3, 4).tolist()
         [0, 1, 2]
     """
@@ -157,8 +164,17 @@ def sample_indices(n_frames: int, num: int) -> np.ndarray:
     if n_frames <= num:
         return np.arange(n_frames, dtype=np.int64)
     i = np.arange(num, dtype=np.int64)
-    # Integer form of floor((i + 0.5) * n / num): exact, no float rounding at segment centres.
-    return (2 * i + 1) * n_frames // (2 * num)
+    if offsets is None:
+        # Integer form of floor((i + 0.5) * n / num): exact, no float rounding at segment centres.
+        return (2 * i + 1) * n_frames // (2 * num)
+    u = np.asarray(offsets, dtype=np.float64)
+    if u.shape != (num,) or not ((u >= 0) & (u < 1)).all():
+        raise ValueError(f"offsets must be {num} numbers in [0, 1), got {np.asarray(offsets).tolist()}")
+    # Segment i holds the frames k with floor(k num / n) = i, i.e. [ceil(i n / num), ceil((i + 1) n / num)),
+    # at least one since n > num; u picks one of them uniformly (sorted and unique by construction).
+    lo = -(-i * n_frames // num)
+    size = -(-(i + 1) * n_frames // num) - lo
+    return lo + np.minimum(np.floor(u * size).astype(np.int64), size - 1)
 
 
 def resize_dims(width: int, height: int, image_size: int) -> tuple[int, int]:
@@ -192,6 +208,7 @@ def decode_video(
     image_size: int,
     start_s: float | None = None,
     end_s: float | None = None,
+    offsets: np.ndarray | None = None,
 ) -> DecodedVideo:
     """Decode ``num_frames`` uniformly sampled frames of a video, in this process.
 
@@ -205,6 +222,8 @@ def decode_video(
         start_s: If given, only frames presented at or after this time (seconds) are sampled.
         end_s: If given, only frames presented before this time are sampled. None or NaN means
             the bound is open.
+        offsets: None for the segment centres (extraction, evaluation), or F numbers in [0, 1)
+            placing each frame inside its segment (training; see :func:`sample_indices`).
 
     Returns:
         The frames, their mask and timestamps, and the reader that produced them.
@@ -217,7 +236,7 @@ def decode_video(
         >>> video.frames.shape, int(video.mask.sum())  # doctest: +SKIP
         ((12, 224, 224, 3), 12)
     """
-    return _decode(path, num_frames, image_size, start_s, end_s, _READERS)
+    return _decode(path, num_frames, image_size, start_s, end_s, _READERS, offsets)
 
 
 class DecodeWorker:
@@ -263,6 +282,7 @@ class DecodeWorker:
         image_size: int,
         start_s: float | None = None,
         end_s: float | None = None,
+        offsets: np.ndarray | None = None,
     ) -> DecodedVideo:
         """Decode one video in the child process; same arguments and result as :func:`decode_video`.
 
@@ -273,11 +293,12 @@ class DecodeWorker:
         """
         _check_sizes(num_frames, image_size)
         request = (str(path), int(num_frames), int(image_size), start_s, end_s)
-        video, lost = self._attempt(request, _READERS)
+        offsets = None if offsets is None else np.asarray(offsets, dtype=np.float64)
+        video, lost = self._attempt(request, _READERS, offsets)
         if video is not None:
             return video
         log.debug("retrying with PyAV alone after: %s", lost)
-        video, lost_again = self._attempt(request, ("pyav",))
+        video, lost_again = self._attempt(request, ("pyav",), offsets)
         if video is not None:
             return video
         detail = f"{lost.detail}; then with PyAV alone: {lost_again.detail}"
@@ -296,18 +317,18 @@ class DecodeWorker:
         self.close()
 
     def _attempt(
-        self, request: tuple, readers: tuple[str, ...]
+        self, request: tuple, readers: tuple[str, ...], offsets: np.ndarray | None
     ) -> tuple[DecodedVideo, None] | tuple[None, DecodeFailure]:
         """One request in the child. Failures the child reports are raised; losing the child
         (timeout, crash) is returned, so that the caller can retry."""
         path, how = request[0], "+".join(readers)
         conn = self._ensure_started()
         try:
-            conn.send((*request, readers))
+            conn.send((*request, readers, offsets))
         except OSError:  # the child died between requests: start another and resend once
             self._kill()
             conn = self._ensure_started()
-            conn.send((*request, readers))
+            conn.send((*request, readers, offsets))
         if not conn.poll(self.timeout_s):
             self._kill()
             detail = f"no result within {self.timeout_s:g} s ({how}); decoder process killed"
@@ -369,9 +390,12 @@ def _decode(
     start_s: float | None,
     end_s: float | None,
     readers: Sequence[str],
+    offsets: np.ndarray | None = None,
 ) -> DecodedVideo:
     """decode_video with a choice of readers, tried in order (the worker retries with PyAV)."""
     _check_sizes(num_frames, image_size)
+    if offsets is not None:
+        sample_indices(num_frames + 1, num_frames, offsets)  # checks the offsets before any reader runs
     start_s, end_s = _bound(start_s), _bound(end_s)
     path = Path(path)
     _check_file(path)
@@ -380,7 +404,7 @@ def _decode(
     errors, kind = [], "unreadable"
     for reader in readers:
         try:
-            video = _READ[reader](path, num_frames, image_size, start_s, end_s)
+            video = _READ[reader](path, num_frames, image_size, start_s, end_s, offsets)
         except DecodeFailure as failure:
             # A reader that opened the file and found no frame (in range) makes it "no_frames".
             kind = "no_frames" if failure.kind == "no_frames" else kind
@@ -395,7 +419,8 @@ def _decode(
 
 
 def _read_decord(
-    path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None
+    path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None,
+    offsets: np.ndarray | None = None,
 ) -> DecodedVideo:
     import decord
 
@@ -405,7 +430,7 @@ def _read_decord(
         raise RuntimeError(f"decord 0.6 cannot return frames {new_w} px wide (its row-padding bug)")
     vr = _open_decord(decord, path, new_w, new_h)
     times = _decord_times(vr)  # float64 (n,)
-    idx = _pick(times, num_frames, start_s, end_s, path)
+    idx = _pick(times, num_frames, start_s, end_s, path, offsets)
     errors = (decord.DECORDError, decord.DECORDLimitReachedError, RuntimeError)
     try:
         batch = vr.get_batch(idx).asnumpy()  # uint8 (k, new_h, new_w, 3)
@@ -417,7 +442,7 @@ def _read_decord(
             raise first
         log.debug("%s: decord decodes %d of %d frames; resampling", path, n_ok, len(times))
         times = times[:n_ok]
-        idx = _pick(times, num_frames, start_s, end_s, path)
+        idx = _pick(times, num_frames, start_s, end_s, path, offsets)
         batch = _open_decord(decord, path, new_w, new_h).get_batch(idx).asnumpy()
     return _assemble(_centre_crop(batch, image_size), times[idx], num_frames, "decord")
 
@@ -482,13 +507,14 @@ def _decodable_count(decord: Any, path: Path, width: int, height: int) -> int:
 
 
 def _read_pyav(
-    path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None
+    path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None,
+    offsets: np.ndarray | None = None,
 ) -> DecodedVideo:
     """Sequential PyAV decode: index the packets (no decoding), then decode once, keeping only
     the sampled frames. If fewer frames decode than there are packets (a corrupt or truncated
     file), the sample is redrawn from the frames that did decode and the file decoded again."""
     times = _pyav_packet_times(path)  # float64 (n,), presentation order
-    idx = _pick(times, num_frames, start_s, end_s, path)
+    idx = _pick(times, num_frames, start_s, end_s, path, offsets)
     crops, decoded_times = _pyav_decode(path, idx, times, image_size)
     if crops is None:
         if not decoded_times:
@@ -496,7 +522,7 @@ def _read_pyav(
         log.warning("%s: %d of its %d frames decode; sampling among those",
                     path, len(decoded_times), len(times))
         times = np.asarray(decoded_times)
-        idx = _pick(times, num_frames, start_s, end_s, path)
+        idx = _pick(times, num_frames, start_s, end_s, path, offsets)
         crops, _ = _pyav_decode(path, idx, times, image_size)
         if crops is None:
             raise RuntimeError("PyAV decoded different frames in two passes over the file")
@@ -635,7 +661,8 @@ def _rotation(frame: Any) -> int:
 
 
 def _pick(
-    times: np.ndarray, num_frames: int, start_s: float | None, end_s: float | None, path: Path
+    times: np.ndarray, num_frames: int, start_s: float | None, end_s: float | None, path: Path,
+    offsets: np.ndarray | None = None,
 ) -> np.ndarray:
     """Sampled frame indices (int64 [<= F]) among the frames whose time is in [start_s, end_s)."""
     candidates = np.arange(len(times))
@@ -648,7 +675,7 @@ def _pick(
         where = "" if start_s is None and end_s is None else f" in [{lo:g}, {hi:g}) s"
         span = f"; its {len(times)} frames span {times.min():.3f}-{times.max():.3f} s" if len(times) else ""
         raise DecodeFailure("no_frames", path, f"no frame{where}{span}")
-    return candidates[sample_indices(candidates.size, num_frames)]
+    return candidates[sample_indices(candidates.size, num_frames, offsets)]
 
 
 def _centre_crop(frames: np.ndarray, size: int) -> np.ndarray:
@@ -721,7 +748,7 @@ _CHILD_MAIN = "import sys; from tvrpipe.pipeline.decode import _worker_main; _wo
 
 
 def _worker_main(fd: str, parent_pid: str) -> None:
-    """Body of the decoder process: serve (path, F, S, start_s, end_s, readers) requests
+    """Body of the decoder process: serve (path, F, S, start_s, end_s, readers, offsets) requests
     arriving on the socket ``fd``; exit when the parent closes it or dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     conn = Connection(int(fd))

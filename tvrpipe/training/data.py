@@ -154,27 +154,48 @@ class Splits:
     val_source: str  # "val split" or "carved from train: N videos, first caption each"
 
 
-def load_splits(
-    store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True
-) -> Splits:
-    """Load train, validation (the store's or carved from train) and test splits.
+@dataclass(frozen=True)
+class SplitRows:
+    """Row indices (into a store's or a manifest's video and caption tables) of each split."""
+
+    train_videos: np.ndarray
+    train_texts: np.ndarray
+    val_videos: np.ndarray
+    val_texts: np.ndarray
+    test_videos: np.ndarray
+    test_texts: np.ndarray
+    val_source: str  # "val split" or "carved from train: N videos, first caption each"
+
+
+def split_rows(
+    video_split: np.ndarray, text_split: np.ndarray, text_video_row: np.ndarray, where: str,
+    carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True,
+) -> SplitRows:
+    """The train / validation / test rows of a video table and its captions.
+
+    The ``val`` split when there is one, else ``carve_fraction`` of the train videos (at most
+    ``carve_max``) chosen with :data:`CARVE_SEED`, keeping their first caption each. Shared by
+    ``train-head`` (store rows) and ``finetune`` (manifest rows), so both select on the same videos.
+
+    Args:
+        video_split, text_split: ``train`` / ``val`` / ``test`` of each video and caption.
+        text_video_row: the row of each caption's video.
+        where: the store or manifest, for error messages.
 
     Raises:
         ConfigError: a split the trainer needs is empty.
     """
-    v_split = store.videos["split"].to_numpy()
-    t_split = store.texts["split"].to_numpy()
-    t_vrow = store.texts["video_row"].to_numpy()
+    v_split, t_split, t_vrow = np.asarray(video_split), np.asarray(text_split), np.asarray(text_video_row)
     train_v = np.flatnonzero(v_split == "train")
     if len(train_v) < 2:
-        raise ConfigError(f"{store.dir}: the train split has {len(train_v)} videos; need at least 2")
+        raise ConfigError(f"{where}: the train split has {len(train_v)} videos; need at least 2")
     if (v_split == "val").any():
         val_v, val_t = np.flatnonzero(v_split == "val"), np.flatnonzero(t_split == "val")
         source = "val split"
     else:
         n = max(1, min(carve_max, int(round(carve_fraction * len(train_v)))))
         if n >= len(train_v):
-            raise ConfigError(f"{store.dir}: too few train videos ({len(train_v)}) to carve a validation set")
+            raise ConfigError(f"{where}: too few train videos ({len(train_v)}) to carve a validation set")
         val_v = np.sort(np.random.default_rng(CARVE_SEED).permutation(train_v)[:n])
         in_val = np.isin(t_vrow, val_v) & (t_split == "train")
         first = np.unique(t_vrow[in_val], return_index=True)[1]
@@ -184,10 +205,23 @@ def load_splits(
     train_t = np.flatnonzero((t_split == "train") & np.isin(t_vrow, train_v))
     test_v, test_t = np.flatnonzero(v_split == "test"), np.flatnonzero(t_split == "test")
     if need_test and len(test_v) == 0:
-        raise ConfigError(f"{store.dir}: the store has no test split")
+        raise ConfigError(f"{where}: there is no test split")
+    return SplitRows(train_v, train_t, val_v, val_t, test_v, test_t, source)
+
+
+def load_splits(
+    store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True
+) -> Splits:
+    """Load train, validation (the store's or carved from train) and test splits.
+
+    Raises:
+        ConfigError: a split the trainer needs is empty.
+    """
+    rows = split_rows(store.videos["split"].to_numpy(), store.texts["split"].to_numpy(),
+                      store.texts["video_row"].to_numpy(), str(store.dir), carve_fraction, carve_max, need_test)
     return Splits(
-        train=_load(store, "train", train_v, train_t),
-        val=_load(store, "val", val_v, val_t),
-        test=_load(store, "test", test_v, test_t),
-        val_source=source,
+        train=_load(store, "train", rows.train_videos, rows.train_texts),
+        val=_load(store, "val", rows.val_videos, rows.val_texts),
+        test=_load(store, "test", rows.test_videos, rows.test_texts),
+        val_source=rows.val_source,
     )

@@ -229,8 +229,10 @@ def _read_config(run: Path) -> dict:
         line = f" at line {where.line + 1}" if where is not None else ""
         raise RunError(f"{path} is not valid YAML{line}; restore it or train the run again "
                        "into a new --out") from None
-    need = ("method", "head", "train", "features", "provenance")
+    need = ("method", "head", "features", "provenance")
     missing = [k for k in need if not isinstance(config, dict) or k not in config]
+    if isinstance(config, dict) and "train" not in config and "finetune" not in config:
+        missing.append("train (or finetune)")
     if missing:
         raise RunError(f"{path} lacks {', '.join(missing)}; restore it or train the run again into a new --out")
     return config
@@ -249,6 +251,15 @@ def _nonfinite_loss(out_loss, epoch: int, step: int, vids: np.ndarray, caps: np.
         f"are finite, so training diverged: lower --lr and train into a new --out (the run keeps {kept} "
         "as its last finite checkpoint)"
     )
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    """The per-epoch log as CSV (columns of the last row), written atomically."""
+    text = io.StringIO()
+    w = csv.DictWriter(text, fieldnames=list(rows[-1]))
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(path, text.getvalue())
 
 
 def _flat_readouts(metrics: dict) -> dict[str, float]:
@@ -479,11 +490,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                         "halvings": halvings, "stopped": stopped,
                         "optimizer": opt.state_dict() if opt else None}, tmp)
             os.replace(tmp, state_path)
-            csv_text = io.StringIO()
-            w = csv.DictWriter(csv_text, fieldnames=list(rows[-1]))
-            w.writeheader()
-            w.writerows(rows)
-            atomic_write_text(out / "epochs.csv", csv_text.getvalue())
+            write_rows(rows, out / "epochs.csv")
 
     # ---- evaluation of the selected epoch on test
     if best is None:  # zero epochs: evaluate the untrained head (zero-shot)
@@ -526,8 +533,8 @@ def evaluate_run(
     if split not in ("train", "val", "test"):
         raise ConfigError(f"--split must be train, val or test, got {split!r}")
     config = _read_config(run)
-    try:
-        tc = train or TrainConfig(**config["train"])
+    try:  # a finetune run has no trainer section: the defaults give evaluation's block sizes
+        tc = train or TrainConfig(**config.get("train", {}))
     except TypeError as e:
         raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
                        "restore it or train the run again into a new --out") from None
@@ -539,7 +546,14 @@ def evaluate_run(
             raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
                            "checkpoint is damaged or was replaced; delete the run directory and train it again")
         head = load_head(best_path, tc.device)
-        store = open_store(features or config["features"], expect=config["provenance"])
+        if features is None and config["features"] is None:
+            export = _recorded(run, "export")
+            how = f" (`{export['extract']}`)" if isinstance(export, dict) and export.get("extract") else ""
+            raise ConfigError(f"{run} was trained on live CLIP features (tvrpipe finetune): pass --features, a store "
+                              f"extracted with the run's CLIP{how}")
+        # a finetune run pins what it learnt with (its CLIP's weights hash) in metrics.json
+        expect = {**config["provenance"], **(_recorded(run, "provenance") or {})}
+        store = open_store(features or config["features"], expect=expect)
         splits = load_splits(store)
         data = getattr(splits, split)
         if data.n_videos == 0:
@@ -551,10 +565,17 @@ def evaluate_run(
 
 
 def _recorded_sha256(run: Path) -> str | None:
+    checkpoint = _recorded(run, "checkpoint")
+    return checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
+
+
+def _recorded(run: Path, key: str) -> Any:
+    """``metrics.json[key]`` of a run (None before training finished)."""
     path = run / "metrics.json"
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text()).get("checkpoint", {}).get("sha256")
-    except (ValueError, AttributeError):
+        metrics = json.loads(path.read_text())
+        return metrics.get(key) if isinstance(metrics, dict) else None
+    except ValueError:
         raise RunError(f"{path} is damaged (not JSON); delete the run directory and train it again") from None

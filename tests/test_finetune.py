@@ -1,0 +1,241 @@
+"""tvrpipe finetune: live CLIP features, learning from random weights, resume, export, Ray Train."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.training.finetune import FinetuneConfig, finetune
+from tvrpipe.training.videodata import TrainPairs, epoch_plan, frame_offsets
+
+TINY = dict(model="tvrpipe-tiny", pretrained="none", loader_workers=0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from tvrpipe.pipeline.synth import synthesize
+
+    root = tmp_path_factory.mktemp("ftdata")
+    synthesize(root, 200, seed=0, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def e2e(data, tmp_path_factory):
+    """meanpool finetuned end-to-end from random tiny-CLIP weights, then extracted with the export."""
+    from tvrpipe.pipeline.extract import ExtractConfig, extract
+
+    out = tmp_path_factory.mktemp("ftrun") / "run"
+    cfg = FinetuneConfig(end_to_end=True, epochs=10, batch_size=16, clip_lr=1e-3, head_lr=1e-3, **{**TINY, "loader_workers": 2})
+    metrics = finetune(data / "manifest", data / "videos", "meanpool", out, cfg, progress=False)
+    store = out.parent / "features"
+    extract(data / "manifest", data / "videos", store,
+            ExtractConfig(model=metrics["export"]["model"], pretrained=str(out / "clip.safetensors"), progress=False))
+    return out, metrics, store
+
+
+def test_learns_from_random_weights(e2e):
+    out, metrics, _ = e2e
+    rows = pd.read_csv(out / "epochs.csv")
+    assert len(rows) == 10 and metrics["selected_epoch"] == int(rows["val_t2v_R@1"].idxmax()) + 1 or \
+        rows.loc[metrics["selected_epoch"] - 1, "val_t2v_R@1"] == rows["val_t2v_R@1"].max()
+    assert rows["loss"].iloc[-3:].mean() < rows["loss"].iloc[0] - 0.4  # the loss falls
+    test = metrics["test"]["t2v"]
+    n_videos = metrics["test"]["n_videos"]  # chance: R@k = k / n_videos, MdR about n_videos / 2
+    assert test["R@1"] > 2.5 * 100 / n_videos and test["R@5"] > 3 * 500 / n_videos
+    assert test["MdR"] <= n_videos / 4
+    assert metrics["export"]["file"] == "clip.safetensors" and (out / "clip.safetensors").is_file()
+
+
+def test_live_features_equal_the_extracted_store(e2e, data):
+    """The live CLIP (eval mode) yields exactly what extract stores for the same weights and frames."""
+    from tvrpipe.pipeline.clip import load_clip
+    from tvrpipe.pipeline.manifest import read_manifest
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.heads.base import create_head
+    from tvrpipe.training.finetune import LiveModel
+    from tvrpipe.training.videodata import Collate, DecodedClips, VideoTable
+
+    out, metrics, store_dir = e2e
+    store = open_store(store_dir)
+    assert store.provenance["weights_sha256"] == metrics["provenance"]["weights_sha256"]
+    m = read_manifest(data / "manifest")
+    bundle = load_clip(metrics["export"]["model"], str(out / "clip.safetensors"))
+    live = LiveModel(bundle, create_head("meanpool", embed_dim=bundle.embed_dim), True, "fp32").eval()
+    table = VideoTable(np.array([str(data / "videos" / p) for p in m.videos["path"]], dtype=object),
+                       np.full(len(m.videos), np.nan), np.full(len(m.videos), np.nan), m.captions["text"].to_numpy())
+    F = store.provenance["frames"]
+    ds = DecodedClips(table, F, bundle.image_size, seed=0, timeout_s=60)
+    rows = [0, 5, 17, 150]
+    batch = Collate(F, bundle.image_size, keep_failed=True)([ds[(r, r, -1)] for r in rows])
+    with torch.no_grad():
+        texts, videos = live.features(batch.frames, batch.frame_mask, batch.texts, store.provenance["max_words"])
+    want_frames = store.array("videos/frames")[:][rows].astype(np.float32)
+    assert np.array_equal(store.array("videos/frame_mask")[:][rows], videos.frame_mask.numpy())
+    np.testing.assert_allclose(videos.frames.numpy(), want_frames, rtol=2e-3, atol=2e-3)
+    assert m.captions["caption_id"].tolist() == store.texts["caption_id"].tolist()
+    np.testing.assert_allclose(texts.sentence.numpy(), store.array("texts/sentence")[:][rows].astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(texts.tokens.numpy(), store.array("texts/tokens")[:][rows].astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
+    assert np.array_equal(texts.token_mask.numpy(), store.array("texts/token_mask")[:][rows])
+
+
+def test_evaluate_reads_the_finetuned_head_on_the_exported_store(e2e, cli):
+    out, metrics, store = e2e
+    res = cli("evaluate", "--run", out, "--features", store)
+    assert res.exit_code == 0, res.output
+    got = json.loads((out / "eval_test.json").read_text())
+    for key in ("R@1", "R@5", "R@10", "MnR"):  # the store holds float16: ranks may move on near-ties only
+        assert got["t2v"][key] == pytest.approx(metrics["test"]["t2v"][key], abs=2.0)
+    res = cli("evaluate", "--run", out)
+    assert res.exit_code == 1 and "pass --features" in res.output and "clip.safetensors" in res.output
+
+
+def test_evaluate_refuses_a_store_of_other_weights(e2e, tmp_path, cli):
+    out, metrics, store = e2e
+    other = tmp_path / "run"
+    shutil.copytree(out, other, ignore=shutil.ignore_patterns("clip*.safetensors", "state.pt", "features"))
+    m = json.loads((other / "metrics.json").read_text())
+    m["provenance"]["weights_sha256"] = "0" * 64
+    (other / "metrics.json").write_text(json.dumps(m))
+    res = cli("evaluate", "--run", other, "--features", store)
+    assert res.exit_code == 1 and "weights_sha256" in res.output
+
+
+def test_epoch_plan_is_the_same_pairs_for_any_number_of_workers():
+    pairs = TrainPairs.build(np.arange(10, 30), np.arange(60), np.repeat(np.arange(10, 30), 3))
+    one = epoch_plan(pairs, seed=3, epoch=2, global_batch=8, rank=0, world=1)
+    two = [epoch_plan(pairs, seed=3, epoch=2, global_batch=8, rank=r, world=2) for r in range(2)]
+    assert len(one) == 2 and all(len(b) == 8 for b in one)  # 20 videos // 8: the partial batch is dropped
+    assert [a + b for a, b in zip(*two)] == one
+    videos = [v for b in one for v, _, _ in b]
+    assert len(set(videos)) == 16 and all(c // 3 + 10 == v for b in one for v, c, _ in b)  # own captions
+    assert epoch_plan(pairs, 3, 3, 8, 0, 1) != one  # another epoch, another order
+    skipped = epoch_plan(pairs, 3, 2, 8, 0, 1, skip=frozenset({videos[0]}))
+    assert videos[0] not in {v for b in skipped for v, _, _ in b}
+    np.testing.assert_array_equal(frame_offsets(0, 1, 5, 12), frame_offsets(0, 1, 5, 12))
+    assert not np.array_equal(frame_offsets(0, 1, 5, 12), frame_offsets(0, 2, 5, 12))
+
+
+def test_options_are_checked_before_anything_runs(data, tmp_path):
+    bad = [(dict(batch_size=6, num_workers=4), "divisible by --num-workers"),
+           (dict(precision="fp16"), "--precision fp16 needs --use-gpu"),
+           (dict(precision="fp64"), "--precision must be one of"),
+           (dict(clip_lr=-1.0), "--clip-lr"), (dict(epochs=-1), "--epochs")]
+    for kw, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            finetune(data / "manifest", data / "videos", "meanpool", tmp_path / "r", FinetuneConfig(**{**TINY, **kw}))
+    with pytest.raises(ConfigError, match="--video-root"):
+        finetune(data / "manifest", tmp_path / "nope", "meanpool", tmp_path / "r", FinetuneConfig(**TINY))
+    with pytest.raises(ConfigError, match="exceeds the 140 training videos"):
+        finetune(data / "manifest", data / "videos", "meanpool", tmp_path / "r2",
+                 FinetuneConfig(**TINY, batch_size=256), progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+def _small(tmp_path, n=30):
+    from tvrpipe.pipeline.synth import synthesize
+
+    synthesize(tmp_path / "d", n, seed=1, progress=False)
+    return tmp_path / "d"
+
+
+def test_resume_continues_from_the_last_epoch(tmp_path, monkeypatch):
+    import tvrpipe.training.finetune as ft
+
+    d = _small(tmp_path)
+    cfg = FinetuneConfig(end_to_end=True, epochs=2, batch_size=4, max_steps=2, clip_lr=1e-3, head_lr=1e-3, **TINY)
+    finetune(d / "manifest", d / "videos", "xpool", tmp_path / "full", cfg, progress=False)
+
+    real, calls = ft._evaluate, []
+
+    def stop_in_epoch_two(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ft, "_evaluate", stop_in_epoch_two)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", cfg, progress=False)
+    monkeypatch.setattr(ft, "_evaluate", real)
+    assert len(pd.read_csv(tmp_path / "cut" / "epochs.csv")) == 1
+    first = load_file(str(tmp_path / "cut" / "checkpoints" / "clip_last.safetensors"))
+    finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", cfg, progress=False)
+    rows = pd.read_csv(tmp_path / "cut" / "epochs.csv")
+    assert rows["epoch"].tolist() == [1, 2]
+    for name in ("clip_last.safetensors", "last.safetensors"):
+        a = load_file(str(tmp_path / "cut" / "checkpoints" / name))
+        b = load_file(str(tmp_path / "full" / "checkpoints" / name))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    moved = load_file(str(tmp_path / "cut" / "checkpoints" / "clip_last.safetensors"))
+    assert any(not torch.equal(first[k], moved[k]) for k in first)  # epoch 2 really trained
+    with pytest.raises(ConfigError, match="another configuration"):
+        finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut",
+                 FinetuneConfig(**{**cfg.__dict__, "clip_lr": 1e-4}), progress=False)
+
+
+def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):
+    from tvrpipe.pipeline.clip import load_clip
+    from tvrpipe.pipeline.manifest import read_manifest
+
+    d = _small(tmp_path, 40)
+    m = read_manifest(d / "manifest")
+    bad = {split: m.videos[m.videos["split"] == split].iloc[0] for split in ("train", "test")}
+    for row in bad.values():
+        (d / "videos" / row["path"]).write_bytes(b"not a video at all" * 50)
+    out = tmp_path / "run"
+    res = cli("finetune", "--method", "xpool", "--manifest", d / "manifest", "--video-root", d / "videos",
+              "--out", out, "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "2", "--batch-size", "8",
+              "--head-lr", "1e-3", "--loader-workers", "1")
+    assert res.exit_code == 0, res.output
+    assert "2 videos failed to decode" in res.output and "t2v" in res.output
+    failed = pd.read_csv(out / "failures.csv")
+    assert sorted(failed["video_id"]) == sorted(r["video_id"] for r in bad.values())
+    assert failed["error"].str.contains("unreadable").all()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["export"] is None and not (out / "clip.safetensors").exists()  # frozen: nothing to export
+    frozen = load_file(str(out / "checkpoints" / "clip_best.safetensors"))
+    start = load_clip("tvrpipe-tiny", "none").model.state_dict()
+    assert all(torch.equal(frozen[k], start[k].cpu()) for k in frozen)  # CLIP did not move
+    assert metrics["provenance"]["weights_sha256"] == load_clip("tvrpipe-tiny", "none").weights_sha256
+    assert pd.read_csv(out / "epochs.csv")["failed_videos"].tolist() == [1, 1]  # the train video; test comes last
+
+
+def test_ray_train_two_workers_step_equals_one_process_step(tmp_path):
+    """One step of 2 Ray Train workers x 4 pairs = one step of one process with 8 pairs."""
+    d = _small(tmp_path, 16)
+    cfg = FinetuneConfig(end_to_end=True, epochs=1, batch_size=8, max_steps=1, clip_lr=1e-3, head_lr=1e-3,
+                         **{**TINY, "cpus_per_worker": 1})
+    one = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "one", cfg, progress=False)
+    two = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "two",
+                   FinetuneConfig(**{**cfg.__dict__, "num_workers": 2}), progress=False)
+    start = load_file(str(tmp_path / "one" / "checkpoints" / "clip_last.safetensors"))
+    from tvrpipe.pipeline.clip import load_clip
+
+    init = load_clip("tvrpipe-tiny", "none").model.state_dict()
+    moved = 0
+    for name in ("clip_last.safetensors", "last.safetensors"):
+        a = load_file(str(tmp_path / "one" / "checkpoints" / name))
+        b = load_file(str(tmp_path / "two" / "checkpoints" / name))
+        for k in a:
+            # Adam's first step is about lr * sign(g), so a different batch moves many weights by 2 lr; a
+            # gradient that is exactly 0 in theory (attention's key bias) is float noise in both runs and
+            # moves by up to lr: hence 0.1 lr
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4)
+    for k in start:
+        moved += int((start[k] - init[k]).abs().max() > 5e-4)
+    assert moved > 10  # the step moved the weights by about lr
+    assert pd.read_csv(tmp_path / "two" / "epochs.csv")["loss"].iloc[0] == pytest.approx(
+        pd.read_csv(tmp_path / "one" / "epochs.csv")["loss"].iloc[0], rel=1e-5)
+    assert two["test"]["t2v"]["R@1"] == pytest.approx(one["test"]["t2v"]["R@1"])

@@ -1,0 +1,89 @@
+"""``tvrpipe finetune``: a head on live CLIP features, CLIP frozen or (``--end-to-end``) unfrozen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from tvrpipe.cli.app import app
+from tvrpipe.cli.train import _post, _print_metrics, parse_overrides
+
+console = Console()
+
+
+@app.command("finetune")
+def finetune_cmd(
+    method: Annotated[str, typer.Option(help="Head to train (see `tvrpipe heads`).")],
+    manifest: Annotated[Path, typer.Option(help="Manifest directory (tvrpipe manifest build / synth).")],
+    video_root: Annotated[Path, typer.Option(help="Folder the manifest's video paths are relative to.")],
+    out: Annotated[Path, typer.Option(help="Run directory; rerun the same command to resume.")],
+    end_to_end: Annotated[
+        bool, typer.Option("--end-to-end", help="Unfreeze both CLIP towers (the papers' setting). Without it CLIP "
+                                                "stays frozen and only the head trains, on live features.")
+    ] = False,
+    model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = "ViT-B-32",
+    pretrained: Annotated[
+        str, typer.Option(help="open_clip pretrained tag (e.g. openai), a local checkpoint file, or 'none' (seeded random).")
+    ] = "openai",
+    epochs: Annotated[int, typer.Option(help="Epochs (warmup 10 %, then cosine); the epoch is selected on validation.")] = 5,
+    batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers (one caption per video).")] = 32,
+    frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = None,
+    max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = None,
+    clip_lr: Annotated[float, typer.Option(help="AdamW learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
+    head_lr: Annotated[float, typer.Option(help="AdamW learning rate of the head.")] = 1e-5,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (weight matrices only).")] = 0.2,
+    grad_clip: Annotated[float, typer.Option(help="Gradient norm clip (0: none).")] = 1.0,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
+    ] = None,
+    num_workers: Annotated[
+        int, typer.Option(help="0: train in this process; N: N Ray Train workers (DDP, negatives gathered across "
+                               "them; --batch-size is split between them).")
+    ] = 0,
+    use_gpu: Annotated[bool, typer.Option("--use-gpu", help="One GPU per worker (or for this process).")] = False,
+    address: Annotated[
+        Optional[str], typer.Option(help="Ray cluster to join ('auto' or host:port); --out must be on storage every "
+                                         "node reaches.")
+    ] = None,
+    precision: Annotated[str, typer.Option(help="fp32, fp16 (GPU, with a gradient scaler) or bf16 autocast of CLIP.")] = "fp32",
+    grad_checkpointing: Annotated[
+        bool, typer.Option("--grad-checkpointing", help="Recompute CLIP activations in backward (less memory).")
+    ] = False,
+    loader_workers: Annotated[
+        Optional[int], typer.Option(help="Decoding processes per worker (default: its CPUs, at most 8).")
+    ] = None,
+    cpus_per_worker: Annotated[
+        Optional[int], typer.Option(help="CPUs per Ray Train worker (default: the cluster's CPUs split evenly).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed (init, sampling, --pretrained none).")] = 0,
+    timeout: Annotated[float, typer.Option(help="Per-video decode timeout in seconds.")] = 60.0,
+    post: Annotated[
+        Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
+    ] = None,
+) -> None:
+    """Train a head on live CLIP features of decoded videos; select on validation; evaluate on test.
+
+    With --end-to-end both CLIP towers train too and the selected CLIP is exported as OUT/clip.safetensors,
+    which `tvrpipe extract --pretrained` loads. Rerun the same command to resume after the last complete epoch.
+    """
+    from tvrpipe.training.finetune import FinetuneConfig, finetune
+
+    overrides = parse_overrides(method, set_ or [])
+    cfg = FinetuneConfig(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs,
+                         batch_size=batch_size, frames=frames, max_words=max_words, clip_lr=clip_lr, head_lr=head_lr,
+                         weight_decay=weight_decay, grad_clip=grad_clip, precision=precision,
+                         grad_checkpointing=grad_checkpointing, num_workers=num_workers, use_gpu=use_gpu,
+                         address=address, cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed,
+                         timeout_s=timeout)
+    metrics = finetune(manifest, video_root, method, out, cfg, overrides, _post(post or []))
+    tr = metrics["train"]
+    console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']}"
+                  + (f"; {metrics['failed_videos']} videos failed to decode (see {out / 'failures.csv'})"
+                     if metrics["failed_videos"] else ""), highlight=False)
+    _print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
+    if metrics.get("export"):
+        console.print(f"finetuned CLIP: {out / metrics['export']['file']}; extract with it: "
+                      f"{metrics['export']['extract']}", highlight=False, soft_wrap=True)

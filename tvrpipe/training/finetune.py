@@ -1,0 +1,730 @@
+"""``tvrpipe finetune``: train a registered head on live CLIP features of decoded frames.
+
+DESIGN.md's full-paper path. ``--end-to-end`` unfreezes both CLIP towers, as the papers finetune
+them (CLIP4Clip Sec. 4.1, X-Pool Sec. 4, UATVR Sec. 4.1, DUQ Sec. 4.1, T-MASS Sec. 4.1); without it
+CLIP stays frozen and the head trains on live features with training-time frame sampling.
+
+The loop reads top to bottom: data, model, optimiser, schedule, loop, validation, checkpoint.
+
+- **Same head inputs**: the live CLIP yields ``TextBatch`` / ``VideoBatch`` through extraction's
+  own functions (:func:`~tvrpipe.pipeline.clip.image_features`, :func:`~tvrpipe.pipeline.clip.text_features`),
+  so every registered head trains unchanged and a head never knows whether it reads a store.
+- **Data** (:mod:`tvrpipe.training.videodata`): DataLoader workers decode with extraction's
+  decoder; random frame offsets within uniform segments in training, segment centres at
+  evaluation; one random caption per video per epoch; a bad video is skipped and counted.
+- **Optimisation** (the papers'): AdamW with one learning rate for CLIP and one for the head
+  (X-Pool / T-MASS / DUQ: 1e-6 and 1e-5), weight decay 0.2 on weight matrices only (CLIP4Clip and
+  open_clip exempt gains, biases, embeddings and the logit scale), warmup over the first 10 % of the
+  steps then cosine decay, gradient norm clipped to 1 (X-Pool), optional AMP (fp16 with a gradient
+  scaler, or bf16) and gradient checkpointing.
+- **Protocol**: the epoch is selected on validation (the manifest's ``val`` split or carved from
+  train exactly as ``train-head`` carves it), test is evaluated once with the selected weights,
+  through the same evaluation engine and run-directory layout as ``train-head``.
+- **Distributed** (``num_workers`` >= 1): the same loop under Ray Train's ``TorchTrainer`` (DDP).
+  The text and video features of every worker are gathered (with gradients) before the head's
+  loss, as open_clip's ``gather_with_grad`` does, so every worker computes the loss of the whole
+  global batch and one step of N workers x b pairs equals one step of one process with N x b pairs
+  (tested). Rank 0 evaluates and writes; the run directory must be on storage every worker reaches.
+- **Resume**: a checkpoint (CLIP, head, optimiser, scaler) after every epoch; rerunning the same
+  command continues after the last complete epoch.
+- **Export** (end-to-end): the selected CLIP is written as ``clip.safetensors``, an open_clip
+  state dict that ``tvrpipe extract --pretrained`` loads; the run's head then evaluates on that
+  store with ``tvrpipe evaluate`` (the store's weights hash must match the export's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn as nn
+import yaml
+
+from tvrpipe.errors import ConfigError, NonFiniteError, RunError
+from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class, make_config
+from tvrpipe.lock import check_writable, locked
+from tvrpipe.pipeline.store import atomic_write_text
+from tvrpipe.training.fit import (
+    _flat_readouts,
+    _key,
+    _plots,
+    _read_config,
+    _save_checkpoint,
+    _schedule,
+    _sha256,
+    load_head,
+    write_rows,
+)
+from tvrpipe.training.videodata import (
+    ClipBatch,
+    Collate,
+    DecodedClips,
+    PlannedBatches,
+    TrainPairs,
+    VideoTable,
+    epoch_plan,
+)
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+CLIP_FILE = "clip.safetensors"
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """``tvrpipe finetune`` settings; defaults are the papers' end-to-end settings."""
+
+    end_to_end: bool = False  # False: CLIP frozen, the head trains on live features
+    model: str = "ViT-B-32"  # the papers' backbone (CLIP ViT-B/32)
+    pretrained: str = "openai"  # open_clip tag, a local checkpoint, or "none" (seeded random)
+    epochs: int = 5  # X-Pool / T-MASS / DUQ: 5 epochs on MSR-VTT
+    batch_size: int = 32  # X-Pool / T-MASS Sec. 4: batch 32 (the global batch, over all workers)
+    frames: int | None = None  # None: the manifest's (12 for MSR-VTT, X-Pool Sec. 4)
+    max_words: int | None = None  # None: the manifest's (32 for MSR-VTT)
+    clip_lr: float = 1e-6  # X-Pool / T-MASS / DUQ: CLIP lr 1e-6
+    head_lr: float = 1e-5  # X-Pool / T-MASS / DUQ: lr 1e-5 for the non-CLIP parameters
+    weight_decay: float = 0.2  # X-Pool Sec. 4 / CLIP4Clip: AdamW weight decay 0.2
+    warmup_fraction: float = 0.1  # CLIP4Clip / X-Pool: warmup proportion 0.1, then cosine
+    grad_clip: float = 1.0  # X-Pool / T-MASS: clip_grad_norm_ 1.0; 0 disables
+    precision: str = "fp32"  # fp16 (GPU) / bf16: autocast of the CLIP towers; heads run in fp32
+    grad_checkpointing: bool = False  # open_clip's activation checkpointing of the towers
+    num_workers: int = 0  # 0: this process; N >= 1: Ray Train workers (DDP)
+    use_gpu: bool = False  # one GPU per worker (or this process)
+    address: str | None = None  # Ray cluster to join; None: RAY_ADDRESS or a local instance
+    cpus_per_worker: int | None = None  # Ray Train workers' CPUs; None: all local CPUs split evenly
+    loader_workers: int | None = None  # DataLoader decode processes per worker; None: its CPUs
+    seed: int = 0
+    eval_batch: int = 32  # videos per encoder call at evaluation
+    block_texts: int = 256  # texts per similarity block at evaluation
+    timeout_s: float = 60.0  # per-video decode wall clock
+    max_steps: int | None = None  # cap on steps per epoch (benchmarks, tests)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid option; reads and creates nothing."""
+        for opt, value, low in (("--epochs", self.epochs, 0), ("--batch-size", self.batch_size, 2),
+                                ("--frames", self.frames, 1), ("--max-words", self.max_words, 2),
+                                ("--num-workers", self.num_workers, 0), ("--loader-workers", self.loader_workers, 0),
+                                ("--cpus-per-worker", self.cpus_per_worker, 1), ("--eval-batch", self.eval_batch, 1),
+                                ("block_texts", self.block_texts, 1), ("--max-steps", self.max_steps, 1)):
+            if value is not None and value < low:
+                raise ConfigError(f"{opt} must be >= {low}, got {value}")
+        for opt, value in (("--clip-lr", self.clip_lr), ("--head-lr", self.head_lr)):
+            if not value >= 0 or not math.isfinite(value):
+                raise ConfigError(f"{opt} must be a finite number >= 0, got {value}")
+        if not self.weight_decay >= 0 or not math.isfinite(self.weight_decay):
+            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0.0 <= self.warmup_fraction <= 1.0:
+            raise ConfigError(f"warmup_fraction must be between 0 and 1, got {self.warmup_fraction}")
+        if not self.grad_clip >= 0:
+            raise ConfigError(f"--grad-clip must be >= 0 (0: no clipping), got {self.grad_clip}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision == "fp16" and not self.use_gpu:
+            raise ConfigError("--precision fp16 needs --use-gpu (CPU autocast supports bf16: use --precision bf16)")
+        if self.use_gpu and self.num_workers == 0 and not torch.cuda.is_available():
+            raise ConfigError("--use-gpu: no CUDA device is available here; leave it out to train on the CPU")
+        world = max(1, self.num_workers)
+        if self.batch_size % world:
+            raise ConfigError(f"--batch-size {self.batch_size} is the global batch: it must be divisible by "
+                              f"--num-workers {self.num_workers}")
+        if self.batch_size // world < 1:
+            raise ConfigError(f"--batch-size {self.batch_size} leaves no pair per worker")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything a training process needs, picklable (Ray Train ships it to every worker)."""
+
+    out: str
+    method: str
+    head_cfg: Any
+    cfg: FinetuneConfig
+    table: VideoTable
+    frames: int
+    max_words: int
+    train_videos: np.ndarray
+    train_texts: np.ndarray
+    text_video: np.ndarray  # (n_captions,) video row of every caption
+    val: tuple[np.ndarray, np.ndarray]  # (video rows, caption rows)
+    test: tuple[np.ndarray, np.ndarray]
+    video_ids: np.ndarray
+    caption_ids: np.ndarray
+    val_source: str
+    post: tuple[str, ...]
+    progress: bool
+
+
+# ----------------------------------------------------------------------------- live model
+
+
+class _AllGather(torch.autograd.Function):
+    """all_gather whose backward sums every worker's gradient of the gathered tensor and returns
+    this worker's slice (what open_clip's ``gather_with_grad`` does)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)  # every worker's loss depends on every worker's rows
+        return grad[ctx.rank * ctx.rows: (ctx.rank + 1) * ctx.rows]
+
+
+def gather_pairs(texts: TextBatch, videos: VideoBatch) -> tuple[TextBatch, VideoBatch]:
+    """Every worker's pairs, in rank order, with gradients flowing back to their worker.
+
+    Workers may hold different numbers of pairs (skipped videos): rows are padded to the largest
+    count for the collective and the padding is dropped after it.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return texts, videos
+    n = torch.tensor([len(videos)], device=videos.frames.device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    sizes = [int(s) for s in sizes]
+    most = max(sizes)
+    keep = torch.cat([torch.arange(s, device=n.device) + r * most for r, s in enumerate(sizes)])
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        pad = torch.zeros((most - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        full = torch.cat([x, pad])
+        if x.dtype == torch.bool:  # masks carry no gradient
+            parts = [torch.empty_like(full, dtype=torch.uint8) for _ in sizes]
+            dist.all_gather(parts, full.to(torch.uint8))
+            return torch.cat(parts).bool()[keep]
+        return _AllGather.apply(full)[keep]
+
+    return (TextBatch(gather(texts.tokens), gather(texts.token_mask), gather(texts.sentence)),
+            VideoBatch(gather(videos.frames), gather(videos.frame_mask)))
+
+
+class LiveModel(nn.Module):
+    """CLIP and a head: ``forward`` encodes a batch with the live CLIP through extraction's functions,
+    gathers the pairs of every worker and returns the head's loss."""
+
+    def __init__(self, bundle, head: Head, end_to_end: bool, precision: str) -> None:
+        super().__init__()
+        self.clip, self.head = bundle.model, head
+        self._bundle, self.end_to_end, self.precision = bundle, end_to_end, precision
+
+    def autocast(self):
+        from contextlib import nullcontext
+
+        if self.precision == "fp32":
+            return nullcontext()
+        dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
+        return torch.autocast(self._bundle.device.type, dtype=dtype)
+
+    def features(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str],
+                 max_words: int) -> tuple[TextBatch, VideoBatch]:
+        """``TextBatch`` / ``VideoBatch`` as the store holds them (fp32, padding zeroed)."""
+        from tvrpipe.pipeline.clip import image_features, text_features, tokenize
+
+        dev = self._bundle.device
+        frame_mask = frame_mask.to(dev)
+        B, F = frame_mask.shape
+        with torch.set_grad_enabled(self.end_to_end and torch.is_grad_enabled()), self.autocast():
+            emb = image_features(self._bundle, frames[frame_mask.cpu()], self.clip).float()  # (n_real, D)
+            video = emb.new_zeros(B * F, emb.shape[-1]).index_copy(
+                0, torch.nonzero(frame_mask.reshape(-1)).squeeze(1), emb).view(B, F, -1)  # (B, F, D)
+            ids, mask = tokenize(self._bundle, texts, max_words)
+            tokens, sentence = text_features(self._bundle, ids, self.clip)
+        return (TextBatch(tokens.float(), mask.to(dev), sentence.float()), VideoBatch(video, frame_mask))
+
+    def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str], max_words: int):
+        t, v = gather_pairs(*self.features(frames, frame_mask, texts, max_words))
+        out = self.head.loss(t, v)  # heads run in fp32, outside autocast
+        return out.total, out.terms
+
+
+def _param_groups(model: LiveModel, cfg: FinetuneConfig) -> list[dict]:
+    """AdamW groups: CLIP and head learning rates; decay on weight matrices only (CLIP4Clip, open_clip)."""
+    groups = []
+    for part, lr, trainable in ((model.clip, cfg.clip_lr, cfg.end_to_end), (model.head, cfg.head_lr, True)):
+        if not trainable:
+            continue
+        named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
+        exempt = lambda n, p: p.ndim < 2 or any(k in n for k in ("bn", "ln", "bias", "logit_scale", "embedding"))  # noqa: E731
+        decay = [p for n, p in named if not exempt(n, p)]
+        no_decay = [p for n, p in named if exempt(n, p)]
+        groups += [{"params": decay, "lr": lr, "base_lr": lr, "weight_decay": cfg.weight_decay},
+                   {"params": no_decay, "lr": lr, "base_lr": lr, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _encode_split(model: LiveModel, loader_for, videos: np.ndarray, captions: np.ndarray, job: _Job,
+                  failures: dict[str, str]) -> tuple[list[TextBatch], list[VideoBatch]]:
+    """The split's TextBatches and VideoBatches from the live CLIP in eval mode, on the CPU."""
+    from tvrpipe.pipeline.clip import text_features, tokenize
+
+    bundle = model._bundle
+    model.eval()
+    vb: list[VideoBatch] = []
+    with torch.no_grad():
+        for batch in loader_for([[(int(v), -1, -1) for v in videos[i: i + job.cfg.eval_batch]]
+                                 for i in range(0, len(videos), job.cfg.eval_batch)]):
+            failures.update({str(job.video_ids[v]): e for v, e in batch.failed})
+            with model.autocast():
+                _, v = model.features(batch.frames, batch.frame_mask, [""] * len(batch.videos), 2)
+            vb.append(VideoBatch(v.frames.cpu(), v.frame_mask.cpu()))
+        tb: list[TextBatch] = []
+        for i in range(0, len(captions), 256):
+            texts = [str(t) for t in job.table.texts[captions[i: i + 256]]]
+            ids, mask = tokenize(bundle, texts, job.max_words)
+            with model.autocast():
+                tokens, sentence = text_features(bundle, ids, model.clip)
+            tb.append(TextBatch(tokens.float().cpu(), mask, sentence.float().cpu()))
+    return tb, vb
+
+
+def _evaluate(model: LiveModel, loader_for, split: tuple[np.ndarray, np.ndarray], job: _Job,
+              failures: dict[str, str], post: tuple[str, ...] = (), readouts: bool = True) -> dict:
+    from tvrpipe.evaluation.engine import evaluate_head
+
+    videos, captions = split
+    tb, vb = _encode_split(model, loader_for, videos, captions, job, failures)
+    column = {int(v): i for i, v in enumerate(videos)}
+    text_video = np.array([column[int(v)] for v in job.text_video[captions]], np.int64)
+    querybank = None
+    if "qbnorm" in post:  # training captions, encoded by the same CLIP
+        querybank, _ = _encode_split(model, loader_for, videos[:0], job.train_texts, job, failures)
+    dev = model._bundle.device
+    return evaluate_head(model.head, (b.to(dev) for b in tb), (b.to(dev) for b in vb), text_video,
+                         block_texts=job.cfg.block_texts, device=dev, post=post,
+                         querybank=None if querybank is None else (b.to(dev) for b in querybank),
+                         text_ids=job.caption_ids[captions], video_ids=job.video_ids[videos], readouts=readouts)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _loader(dataset: DecodedClips, sampler: PlannedBatches, collate: Collate, workers: int):
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                      persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+
+
+def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> str:
+    """An open_clip state dict in safetensors (what ``extract --pretrained`` loads); returns its weights
+    hash as ``load_clip`` computes it."""
+    from safetensors.torch import save_file
+
+    from tvrpipe.pipeline.clip import _state_dict_sha256
+
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise NonFiniteError(f"CLIP weights {', '.join(bad[:5])} are NaN or infinite; not saved to {path}")
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(state, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return _state_dict_sha256(model)
+
+
+def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device = "cpu") -> dict | None:
+    """The training loop of one process (rank ``rank`` of ``world``); rank 0 returns the metrics."""
+    from tvrpipe.pipeline.clip import load_clip
+
+    cfg, out = job.cfg, Path(job.out)
+    ckpt = out / "checkpoints"
+    # ---- model: the same seed on every rank gives the same CLIP and head (DDP broadcasts rank 0's anyway)
+    torch.manual_seed(cfg.seed)
+    bundle = load_clip(cfg.model, cfg.pretrained, device=device, seed=cfg.seed)
+    head = head_class(job.method)(job.head_cfg).to(bundle.device)
+    model = LiveModel(bundle, head, cfg.end_to_end, cfg.precision)
+    model.clip.requires_grad_(cfg.end_to_end)
+    if cfg.grad_checkpointing:
+        model.clip.set_grad_checkpointing(True)
+    state_path = ckpt / "state.pt"
+    state = None
+    if state_path.is_file():
+        try:
+            from safetensors.torch import load_file
+
+            state = torch.load(state_path, weights_only=False, map_location="cpu")
+            model.clip.load_state_dict(load_file(str(ckpt / "clip_last.safetensors")))
+            head.load_state_dict(load_head(ckpt / "last.safetensors").state_dict())
+        except Exception as e:
+            raise RunError(f"{out}: cannot resume, its checkpoints are damaged ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:160]}); delete {ckpt} to train from scratch") from None
+    wrapped: nn.Module = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [bundle.device.index] if bundle.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+    groups = _param_groups(model, cfg)
+    opt = torch.optim.AdamW(groups) if groups else None
+    scaler = torch.amp.GradScaler(bundle.device.type, enabled=cfg.precision == "fp16")
+
+    # ---- data
+    F, S = job.frames, bundle.image_size
+    dataset = DecodedClips(job.table, F, S, cfg.seed, cfg.timeout_s)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = cfg.loader_workers if cfg.loader_workers is not None else min(8, cpus)
+    train_sampler, eval_sampler = PlannedBatches(), PlannedBatches()
+    train_loader = _loader(dataset, train_sampler, Collate(F, S, keep_failed=False), workers)
+    eval_loader = _loader(dataset, eval_sampler, Collate(F, S, keep_failed=True), workers)
+
+    def loader_for(plan):
+        eval_sampler.plan = plan
+        return iter(eval_loader)
+
+    pairs = TrainPairs.build(job.train_videos, job.train_texts, job.text_video[job.train_texts])
+    G = cfg.batch_size
+    steps_per_epoch = len(pairs.videos) // G
+    if cfg.max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, cfg.max_steps)
+    if steps_per_epoch == 0 and cfg.epochs > 0:
+        raise ConfigError(f"--batch-size {G} exceeds the {len(pairs.videos)} training videos; lower it")
+    total = steps_per_epoch * cfg.epochs
+    warmup = max(1, int(cfg.warmup_fraction * total))
+
+    rows: list[dict] = []
+    best, start_epoch = None, 0
+    failures: dict[str, str] = {}  # video id -> error, every video that failed to decode
+    if state is not None:
+        if opt and state["optimizer"]:
+            opt.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        start_epoch, best, rows, failures = state["epoch"] + 1, state["best"], state["rows"], state["failures"]
+        if rank == 0:
+            log.info("resuming %s from epoch %d", out, start_epoch)
+    id_row = {str(v): i for i, v in enumerate(job.video_ids)}
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not (job.progress and rank == 0))
+    with bar:
+        task = bar.add_task(f"finetune {job.method}", total=steps_per_epoch * max(0, cfg.epochs - start_epoch), info="")
+        for epoch in range(start_epoch, cfg.epochs):
+            model.train()
+            if not cfg.end_to_end:
+                model.clip.eval()  # frozen: CLIP stays in inference mode
+            skip = frozenset(id_row[v] for v in failures if v in id_row)
+            train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, G, rank, world, skip, cfg.max_steps)
+            losses, terms, new_failed = [], {}, []
+            t_data = t_step = 0.0
+            clips = 0
+            t0 = time.perf_counter()
+            for step, batch in enumerate(train_loader):
+                batch: ClipBatch
+                t1 = time.perf_counter()
+                new_failed += batch.failed
+                # the head's own noise (sampling heads) is the same on every rank and after a resume
+                torch.manual_seed(int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0]))
+                total_loss, loss_terms = wrapped(batch.frames, batch.frame_mask, batch.texts, job.max_words)
+                if not torch.isfinite(total_loss.detach()):
+                    vids = ", ".join(str(job.video_ids[v]) for v in batch.videos[:5])
+                    raise NonFiniteError(f"epoch {epoch + 1} step {step + 1}: the loss is {float(total_loss)} on the "
+                                         f"batch of videos {vids}; lower --clip-lr / --head-lr and train into a new --out")
+                if opt:
+                    for g in opt.param_groups:
+                        g["lr"] = g["base_lr"] * _schedule(epoch * steps_per_epoch + step, total, warmup)
+                    opt.zero_grad(set_to_none=True)
+                    scaler.scale(total_loss).backward()
+                    if cfg.grad_clip > 0:
+                        scaler.unscale_(opt)
+                        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], cfg.grad_clip)
+                    scaler.step(opt)
+                    scaler.update()
+                if bundle.device.type == "cuda":
+                    torch.cuda.synchronize(bundle.device)
+                t2 = time.perf_counter()
+                t_data, t_step, clips = t_data + (t1 - t0), t_step + (t2 - t1), clips + len(batch.videos)
+                losses.append(float(total_loss.detach()))
+                for k, v in loss_terms.items():
+                    terms.setdefault(k, []).append(float(v))
+                bar.update(task, advance=1, info=f"epoch {epoch + 1}/{cfg.epochs} loss {losses[-1]:.3f} "
+                           f"{len(batch.videos) * world / (t2 - t0):.1f} clips/s")
+                t0 = time.perf_counter()
+            failures.update(_all_failures(new_failed, job, world))
+            if rank == 0:
+                val = _evaluate(model, loader_for, job.val, job, failures)
+                row = {"epoch": epoch + 1, "loss": float(np.mean(losses)) if losses else float("nan"),
+                       **{f"loss_{k}": float(np.mean(v)) for k, v in terms.items()},
+                       **{f"val_t2v_{k}": v for k, v in val["t2v"].items() if k != "n"},
+                       **{f"val_v2t_{k}": v for k, v in val["v2t"].items() if k != "n"},
+                       **_flat_readouts(val),
+                       "lr_clip": cfg.clip_lr * _schedule(max(0, (epoch + 1) * steps_per_epoch - 1), total, warmup)
+                       if cfg.end_to_end else 0.0,
+                       "lr_head": cfg.head_lr * _schedule(max(0, (epoch + 1) * steps_per_epoch - 1), total, warmup),
+                       "clips_per_s": clips * world / max(t_data + t_step, 1e-9),
+                       "data_share": t_data / max(t_data + t_step, 1e-9), "failed_videos": len(failures)}
+                rows.append(row)
+                _save_clip(model.clip, ckpt / "clip_last.safetensors", {"model": cfg.model})
+                _save_checkpoint(head, ckpt / "last.safetensors")
+                if best is None or _key(val) > tuple(best["key"]):
+                    shutil.copyfile(ckpt / "clip_last.safetensors", ckpt / ".clip_best.tmp")
+                    os.replace(ckpt / ".clip_best.tmp", ckpt / "clip_best.safetensors")
+                    sha = _save_checkpoint(head, ckpt / "best.safetensors")
+                    best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val, "sha256": sha}
+                tmp = ckpt / ".state.pt.tmp"
+                torch.save({"epoch": epoch, "best": best, "rows": rows, "failures": failures,
+                            "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()}, tmp)
+                os.replace(tmp, state_path)
+                write_rows(rows, out / "epochs.csv")
+                if failures:
+                    _write_failures(failures, out)
+            _barrier(world)
+    if rank != 0:
+        return None
+    return _finish(model, loader_for, job, best, rows, failures)
+
+
+def _all_failures(new: list[tuple[int, str]], job: _Job, world: int) -> dict[str, str]:
+    """The videos that failed to decode in this epoch on any rank: {video id: error}."""
+    mine = {str(job.video_ids[v]): e for v, e in new}
+    if world == 1:
+        return mine
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _write_failures(failures: dict[str, str], out: Path) -> None:
+    lines = ["video_id,error"] + [f"{v},{json.dumps(e)}" for v, e in sorted(failures.items())]
+    atomic_write_text(out / "failures.csv", "\n".join(lines) + "\n")
+
+
+def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: list[dict],
+            failures: dict[str, str]) -> dict:
+    """Rank 0: test evaluation of the selected epoch, export, metrics.json and plots."""
+    from safetensors.torch import load_file
+
+    from tvrpipe.pipeline.clip import _state_dict_sha256
+
+    cfg, out = job.cfg, Path(job.out)
+    ckpt = out / "checkpoints"
+    if best is None:  # zero epochs: evaluate the untrained head on the pretrained CLIP
+        val = _evaluate(model, loader_for, job.val, job, failures)
+        shutil.copyfile(ckpt / "clip_last.safetensors", ckpt / "clip_best.safetensors") \
+            if (ckpt / "clip_last.safetensors").is_file() else _save_clip(model.clip, ckpt / "clip_best.safetensors",
+                                                                          {"model": cfg.model})
+        best = {"epoch": 0, "key": None, "val": val, "sha256": _save_checkpoint(model.head, ckpt / "best.safetensors")}
+    if best.get("sha256") and _sha256(ckpt / "best.safetensors") != best["sha256"]:
+        raise RunError(f"{ckpt / 'best.safetensors'} changed after it was written (sha256 mismatch); "
+                       f"delete {out} and train again")
+    model.clip.load_state_dict(load_file(str(ckpt / "clip_best.safetensors")))
+    model.head.load_state_dict(load_head(ckpt / "best.safetensors").state_dict())
+    test = _evaluate(model, loader_for, job.test, job, failures, post=job.post)
+    provenance = {"weights_sha256": _state_dict_sha256(model.clip), "model": _extract_model_name(model._bundle)}
+    export = None
+    if cfg.end_to_end:
+        name = provenance["model"]
+        _save_clip(model.clip, out / CLIP_FILE, {"model": name, "source": f"tvrpipe finetune --method {job.method}"})
+        export = {"file": CLIP_FILE, "model": name, "weights_sha256": provenance["weights_sha256"],
+                  "extract": f"tvrpipe extract --model {name} --pretrained {out / CLIP_FILE}"}
+    metrics = {"method": job.method, "selected_epoch": best["epoch"], "selection": "validation t2v (R@1, R@5, R@10)",
+               "validation": job.val_source,
+               "val": best["val"], "test": test,
+               "checkpoint": {"file": "checkpoints/best.safetensors", "sha256": best.get("sha256")},
+               "provenance": provenance, "export": export,
+               "failed_videos": len(failures),
+               "train": {"clips_per_s": float(np.mean([r["clips_per_s"] for r in rows])) if rows else None,
+                         "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
+                         "epochs_run": len(rows)}}
+    if failures:
+        _write_failures(failures, out)
+    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
+    if rows:
+        groups = {name: list(r) if isinstance(r, dict) else [""] for name, r in best["val"].get("readouts", {}).items()}
+        _plots(rows, out / "plots", groups)
+    return metrics
+
+
+def _extract_model_name(bundle) -> str:
+    """The architecture name that rebuilds these weights in ``extract``: a QuickGELU model loaded from a
+    tag (ViT-B-32 ``openai``) needs its ``-quickgelu`` name once the weights are a plain checkpoint."""
+    return f"{bundle.model_name}-quickgelu" if bundle.quick_gelu_forced else bundle.model_name
+
+
+# ----------------------------------------------------------------------------- driver
+
+# Settings that decide how a run executes, not what it computes: a rerun may change them and resume.
+_EXECUTION = ("num_workers", "use_gpu", "address", "cpus_per_worker", "loader_workers", "eval_batch", "timeout_s")
+
+
+def finetune(
+    manifest_dir: str | os.PathLike[str],
+    video_root: str | os.PathLike[str],
+    method: str,
+    out_dir: str | os.PathLike[str],
+    cfg: FinetuneConfig = FinetuneConfig(),
+    overrides: dict[str, Any] | None = None,
+    post: tuple[str, ...] = (),
+    progress: bool = True,
+) -> dict:
+    """Train ``method`` on live CLIP features of decoded videos; select on validation, test once.
+
+    Args:
+        manifest_dir: a manifest (``tvrpipe manifest build`` or ``tvrpipe synth``).
+        video_root: the folder the manifest's video paths are relative to.
+        method: a registered head (``tvrpipe heads``).
+        out_dir: the run directory (``train-head``'s layout, plus ``clip.safetensors`` end-to-end);
+            rerunning the same command resumes after the last complete epoch.
+        cfg: finetuning settings (``end_to_end`` unfreezes CLIP).
+        overrides: head config overrides (``--set key=value``); unknown keys fail.
+        post: post-processing to report beside raw test metrics (``dsl``, ``qbnorm``).
+        progress: show a progress bar.
+
+    Returns:
+        The run's metrics (also in ``out_dir/metrics.json``).
+
+    Example:
+        >>> finetune("data/msrvtt/manifest", "data/msrvtt/videos", "xpool", "runs/xpool-e2e",
+        ...          FinetuneConfig(end_to_end=True, use_gpu=True, precision="fp16"))  # doctest: +SKIP
+    """
+    from tvrpipe.evaluation.engine import _check_post
+    from tvrpipe.pipeline.clip import load_clip, preprocess_description
+    from tvrpipe.pipeline.decode import FRAME_SAMPLING
+    from tvrpipe.pipeline.manifest import read_manifest
+    from tvrpipe.pipeline.store import manifest_sha256
+    from tvrpipe.training.data import split_rows
+
+    # ---- options, manifest and weights are checked before anything is written or Ray starts
+    cfg.validate()
+    post = tuple(_check_post(post))
+    manifest = read_manifest(manifest_dir)
+    root = Path(video_root)
+    if not root.is_dir():
+        raise ConfigError(f"--video-root {root}: not a directory")
+    check_writable(out_dir, "--out")
+    F = cfg.frames if cfg.frames is not None else int(manifest.meta.get("frames", 12))
+    L = cfg.max_words if cfg.max_words is not None else int(manifest.meta.get("max_words", 32))
+    bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
+    if L > bundle.context_length:
+        raise ConfigError(f"--max-words {L} exceeds the context length {bundle.context_length} of {cfg.model}")
+    head_cfg = make_config(method, **{"embed_dim": bundle.embed_dim, **(overrides or {})})
+    videos, captions = manifest.videos, manifest.captions
+    vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
+    text_video = vrow.loc[captions["video_id"]].to_numpy()
+    rows = split_rows(videos["split"].to_numpy(), captions["split"].to_numpy(), text_video, str(manifest_dir))
+    starts = videos["start_s"] if "start_s" in videos else pd.Series(np.nan, index=videos.index)
+    ends = videos["end_s"] if "end_s" in videos else pd.Series(np.nan, index=videos.index)
+    table = VideoTable(np.array([str(root / p) for p in videos["path"]], dtype=object),
+                       starts.astype(float).to_numpy(), ends.astype(float).to_numpy(),
+                       captions["text"].astype(str).to_numpy(dtype=object))
+    out = Path(out_dir)
+    job = _Job(out=str(out.resolve()), method=method, head_cfg=head_cfg, cfg=cfg, table=table, frames=F, max_words=L,
+               train_videos=rows.train_videos, train_texts=rows.train_texts, text_video=text_video,
+               val=(rows.val_videos, rows.val_texts), test=(rows.test_videos, rows.test_texts),
+               video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
+               val_source=rows.val_source, post=post, progress=progress)
+    settings = dataclasses.asdict(cfg)
+    config = {
+        "method": method,
+        "head": dataclasses.asdict(head_cfg),
+        "finetune": {k: v for k, v in settings.items() if k not in _EXECUTION},
+        "execution": {k: settings[k] for k in _EXECUTION},
+        "post": list(post),
+        "manifest": str(Path(manifest_dir).resolve()),
+        "video_root": str(root.resolve()),
+        "features": None,  # live features: evaluate needs a store extracted with the run's CLIP
+        # what a store must match for `tvrpipe evaluate` (metrics.json adds the finetuned weights' hash)
+        "provenance": {"frames": F, "max_words": L, "embed_dim": bundle.embed_dim, "frame_sampling": FRAME_SAMPLING,
+                       "image_size": bundle.image_size, "preprocessing": preprocess_description(bundle),
+                       "manifest_sha256": manifest_sha256(videos, captions)},
+        "validation": rows.val_source,
+    }
+    del bundle
+    with locked(out, "--out"):
+        cfg_path = out / "config.yaml"
+        if cfg_path.is_file():
+            have = _read_config(out)
+            if {k: v for k, v in have.items() if k != "execution"} != json.loads(json.dumps(
+                    {k: v for k, v in config.items() if k != "execution"})):
+                raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
+        atomic_write_text(cfg_path, yaml.safe_dump(config, sort_keys=False))
+        (out / "checkpoints").mkdir(exist_ok=True)
+        if cfg.num_workers == 0:
+            return run_job(job, 0, 1, "cuda" if cfg.use_gpu else "cpu")
+        return _ray_train(job)
+
+
+def _ray_train(job: _Job) -> dict:
+    """Run :func:`run_job` on ``num_workers`` Ray Train workers (DDP); rank 0 writes the run."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tvrpipe.errors import TvrpipeError
+    from tvrpipe.pipeline.extract import _ray_init
+
+    cfg = job.cfg
+    _ray_init(cfg.address)
+    cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
+    cpus = cfg.cpus_per_worker or max(1, cluster_cpus // cfg.num_workers)
+    resources = {"CPU": cpus, **({"GPU": 1} if cfg.use_gpu else {})}
+    trainer = TorchTrainer(
+        _ray_worker, train_loop_config={"job": job, "threads": cpus},
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(storage_path=str(Path(job.out) / "ray"), name="finetune",
+                             failure_config=FailureConfig(max_failures=0)),
+    )
+    try:
+        trainer.fit()
+    except Exception as e:  # a worker's TvrpipeError keeps its message; anything else is summarised
+        cause: BaseException | None = e
+        seen = set()
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            if isinstance(cause, TvrpipeError):
+                raise type(cause)(str(cause)) from None
+            inner = [getattr(cause, "__cause__", None), getattr(cause, "cause", None)]
+            inner += list(getattr(cause, "worker_failures", {}).values()) if isinstance(
+                getattr(cause, "worker_failures", None), dict) else []
+            cause = next((c for c in inner if isinstance(c, BaseException)), None)
+        raise RunError(f"Ray Train failed: {' '.join(str(e).split())[:400]}; rerun the same command to resume "
+                       f"from the last complete epoch") from e
+    path = Path(job.out) / "metrics.json"
+    return json.loads(path.read_text())
+
+
+def _ray_worker(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    torch.set_num_threads(max(1, int(config["threads"])))
+    run_job(config["job"], ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
