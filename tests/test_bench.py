@@ -173,3 +173,20 @@ def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_
     for a, b in zip(again, both):
         assert {k: v for k, v in a.items() if k != "default_seconds"} == \
             {k: v for k, v in b.items() if k != "default_seconds"}
+
+
+def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
+    r = cli("bench", "finetune", "--out", tmp_path / "b", "--model", "tvrpipe-tiny", "--method", "meanpool",
+            "--steps", "3", "--batch-size", "2", "--frames", "4", "--width", "96", "--height", "64",
+            "--seconds", "1", "--loader-workers", "1", "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["clips_per_s"] > 0 and res["clips_per_s_epoch"] > 0
+    assert 0 <= res["data_share"] <= 1 and 0 <= res["data_share_epoch"] <= 1
+    assert 0.1 < res["peak_rss_gb"] < 24 and res["peak_gpu_gb"] is None
+    assert res["videos"]["count"] == 2 * 3 + 4 and res["steps"] == 3
+    assert "clips/s" in r.output and "data share" in r.output and "peak resident memory" in r.output
+    import pandas as pd
+
+    row = pd.read_csv(tmp_path / "b" / "run" / "epochs.csv").iloc[-1]
+    assert res["clips_per_s"] == row["clips_per_s_steady"]  # the bench reports the run's own measurement

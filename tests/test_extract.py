@@ -138,6 +138,7 @@ def test_rerun_skips_everything_but_retries_failures(store_dir, data):
         np.testing.assert_array_equal(open_store(store_dir).array(name)[:], values)
 
 
+@pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
 def test_same_rows_with_other_worker_counts(store_dir, data, tmp_path):
     extract(data / "manifest", data / "videos", tmp_path / "b", _cfg(decoders=1, batch_size=5, video_shard=6))
     a, b = open_store(store_dir), open_store(tmp_path / "b")
@@ -213,6 +214,7 @@ def _reference_frames(data: Path) -> np.ndarray:
 # ------------------------------------------------------------------ failures, retries, repair
 
 
+@pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
 def test_wrong_video_root_fails_the_run_then_the_right_one_retries(store_dir, data, tmp_path, cli):
     """All videos missing: exit 1 with counts and a hint, store kept incomplete; the rerun with the
     right root retries them (no --overwrite) and gives the same store as a clean run."""

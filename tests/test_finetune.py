@@ -239,3 +239,18 @@ def test_ray_train_two_workers_step_equals_one_process_step(tmp_path):
     assert pd.read_csv(tmp_path / "two" / "epochs.csv")["loss"].iloc[0] == pytest.approx(
         pd.read_csv(tmp_path / "one" / "epochs.csv")["loss"].iloc[0], rel=1e-5)
     assert two["test"]["t2v"]["R@1"] == pytest.approx(one["test"]["t2v"]["R@1"])
+
+
+def test_bf16_autocast_and_gradient_checkpointing_train(tmp_path):
+    d = _small(tmp_path, 16)
+    cfg = FinetuneConfig(end_to_end=True, epochs=1, batch_size=4, max_steps=2, clip_lr=1e-3, head_lr=1e-3,
+                         precision="bf16", grad_checkpointing=True, **TINY)
+    m = finetune(d / "manifest", d / "videos", "tokenwise", tmp_path / "run", cfg, progress=False)
+    row = pd.read_csv(tmp_path / "run" / "epochs.csv").iloc[0]
+    assert np.isfinite(row["loss"]) and m["export"]["file"] == "clip.safetensors"
+    from tvrpipe.pipeline.clip import load_clip
+
+    moved = load_file(str(tmp_path / "run" / "clip.safetensors"))
+    init = load_clip("tvrpipe-tiny", "none").model.state_dict()
+    assert all(v.dtype == torch.float32 for v in moved.values())  # autocast keeps fp32 master weights
+    assert any(not torch.equal(moved[k], init[k]) for k in moved)

@@ -317,6 +317,7 @@ def test_lock_leaves_nothing_behind_in_a_directory_it_created(tmp_path):
     assert (tmp_path / "c" / "kept").is_file()
 
 
+@pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
 def test_two_extract_processes_one_refused(tmp_path):
     """Two real `tvrpipe extract` processes on one --out: the second exits 1 naming the first."""
     from tvrpipe.pipeline.clip import TINY_MODEL

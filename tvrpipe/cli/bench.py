@@ -76,6 +76,38 @@ def bench_train_head_cmd(
         json_out.write_text(json.dumps(rows, indent=2))
 
 
+@bench_app.command("finetune")
+def bench_finetune_cmd(
+    out: Annotated[Path, typer.Option(help="Working directory (videos are rendered once and reused).")] = Path(
+        "bench/finetune"
+    ),
+    model: Annotated[str, typer.Option(help="open_clip architecture (random weights), e.g. ViT-B-32 or tvrpipe-tiny.")] = "ViT-B-32",
+    method: Annotated[str, typer.Option(help="Head trained with CLIP.")] = "xpool",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    precision: Annotated[str, typer.Option(help="fp32, fp16 (GPU) or bf16.")] = "fp32",
+    batch_size: Annotated[int, typer.Option(help="Pairs per step.")] = 8,
+    frames: Annotated[int, typer.Option(help="Frames per video.")] = 12,
+    steps: Annotated[int, typer.Option(help="Training steps measured (the first is left out of steady state).")] = 4,
+    grad_checkpointing: Annotated[bool, typer.Option("--grad-checkpointing", help="Activation checkpointing.")] = False,
+    loader_workers: Annotated[Optional[int], typer.Option(help="Decoding processes (default: the CPUs, at most 8).")] = None,
+    width: Annotated[int, typer.Option(help="Video width in pixels.")] = 320,
+    height: Annotated[int, typer.Option(help="Video height in pixels.")] = 240,
+    seconds: Annotated[float, typer.Option(help="Video length in seconds.")] = 15.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+) -> None:
+    """End-to-end finetuning: clips/s, data-loading share of step time and peak memory."""
+    from tvrpipe.pipeline.bench import BenchVideos
+    from tvrpipe.training.bench_finetune import MSRVTT_LIKE, bench_finetune
+
+    videos = BenchVideos(**{**asdict(MSRVTT_LIKE), "width": width, "height": height, "seconds": seconds})
+    r = bench_finetune(out, model, method, device, precision, batch_size, frames, steps, videos,
+                       grad_checkpointing, loader_workers)
+    for line in r.lines():
+        console.print(line, highlight=False)
+    if json_out:
+        json_out.write_text(json.dumps(asdict(r), indent=2))
+
+
 @bench_app.command("convergence")
 def bench_convergence_cmd(
     out: Annotated[Path, typer.Option(help="Working directory (stores are generated once and reused).")] = Path(

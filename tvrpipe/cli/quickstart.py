@@ -15,7 +15,8 @@ console = Console()
 
 # Stages of DESIGN.md's quickstart that this version does not have yet; each is removed from
 # this list in the commit that adds the stage.
-_NOT_YET = ["finetune --end-to-end (extraction uses random tiny weights until then)",
+_NOT_YET = ["finetune --end-to-end of the tiny CLIP (available as `tvrpipe finetune`; extraction uses random tiny "
+            "weights until then)",
             "train-head for every method and evaluate (available as commands: `tvrpipe train-head`, "
             "`tvrpipe evaluate`)", "results table and plots"]
 

@@ -23,7 +23,12 @@ def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
     """``["key=value", ...]`` -> typed overrides for ``method``'s config (unknown keys fail)."""
     from tvrpipe.heads.base import head_class
 
-    cls = head_class(method).Config
+    return parse_fields(head_class(method).Config, items, method)
+
+
+def parse_fields(cls: type, items: list[str], owner: str) -> dict[str, Any]:
+    """``["key=value", ...]`` -> values typed by the dataclass ``cls``'s fields (unknown keys fail,
+    naming ``owner``); JSON for anything but bool, int, float and str (e.g. ``null``)."""
     hints = typing.get_type_hints(cls)
     out: dict[str, Any] = {}
     for item in items:
@@ -32,7 +37,7 @@ def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         if key not in hints:
-            raise ConfigError(f"{method}: unknown config key {key!r}; valid: {', '.join(sorted(hints))}")
+            raise ConfigError(f"{owner}: unknown config key {key!r}; valid: {', '.join(sorted(hints))}")
         kind = hints[key]
         try:
             if kind is bool:

@@ -231,6 +231,7 @@ class LiveModel(nn.Module):
         super().__init__()
         self.clip, self.head = bundle.model, head
         self._bundle, self.end_to_end, self.precision = bundle, end_to_end, precision
+        self.frozen_features: dict = {}  # evaluation features of a frozen CLIP, per split
 
     def autocast(self):
         from contextlib import nullcontext
@@ -310,7 +311,13 @@ def _evaluate(model: LiveModel, loader_for, split: tuple[np.ndarray, np.ndarray]
     from tvrpipe.evaluation.engine import evaluate_head
 
     videos, captions = split
-    tb, vb = _encode_split(model, loader_for, videos, captions, job, failures)
+    key = (videos.tobytes(), captions.tobytes())
+    encoded = None if model.end_to_end else model.frozen_features.get(key)
+    if encoded is None:
+        encoded = _encode_split(model, loader_for, videos, captions, job, failures)
+        if not model.end_to_end:  # a frozen CLIP encodes a split the same way every epoch: decode it once
+            model.frozen_features[key] = encoded
+    tb, vb = encoded
     column = {int(v): i for i, v in enumerate(videos)}
     text_video = np.array([column[int(v)] for v in job.text_video[captions]], np.int64)
     querybank = None
@@ -425,7 +432,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not (job.progress and rank == 0))
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not (job.progress and world == 1))
     with bar:
         task = bar.add_task(f"finetune {job.method}", total=steps_per_epoch * max(0, cfg.epochs - start_epoch), info="")
         for epoch in range(start_epoch, cfg.epochs):
@@ -435,8 +442,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
             skip = frozenset(id_row[v] for v in failures if v in id_row)
             train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, G, rank, world, skip, cfg.max_steps)
             losses, terms, new_failed = [], {}, []
-            t_data = t_step = 0.0
-            clips = 0
+            timing = []  # (seconds waiting for the batch, seconds of the step, clips) per step
             t0 = time.perf_counter()
             for step, batch in enumerate(train_loader):
                 batch: ClipBatch
@@ -462,12 +468,15 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 if bundle.device.type == "cuda":
                     torch.cuda.synchronize(bundle.device)
                 t2 = time.perf_counter()
-                t_data, t_step, clips = t_data + (t1 - t0), t_step + (t2 - t1), clips + len(batch.videos)
+                timing.append((t1 - t0, t2 - t1, len(batch.videos) * world))
                 losses.append(float(total_loss.detach()))
                 for k, v in loss_terms.items():
                     terms.setdefault(k, []).append(float(v))
-                bar.update(task, advance=1, info=f"epoch {epoch + 1}/{cfg.epochs} loss {losses[-1]:.3f} "
-                           f"{len(batch.videos) * world / (t2 - t0):.1f} clips/s")
+                info = f"epoch {epoch + 1}/{cfg.epochs} loss {losses[-1]:.3f} {len(batch.videos) * world / (t2 - t0):.1f} clips/s"
+                bar.update(task, advance=1, info=info)
+                if world > 1 and rank == 0:  # the driver shows Ray workers' progress from this file
+                    _report_progress(out, epoch * steps_per_epoch + step + 1 - start_epoch * steps_per_epoch,
+                                     steps_per_epoch * (cfg.epochs - start_epoch), info)
                 t0 = time.perf_counter()
             failures.update(_all_failures(new_failed, job, world))
             if rank == 0:
@@ -480,8 +489,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                        "lr_clip": cfg.clip_lr * _schedule(max(0, (epoch + 1) * steps_per_epoch - 1), total, warmup)
                        if cfg.end_to_end else 0.0,
                        "lr_head": cfg.head_lr * _schedule(max(0, (epoch + 1) * steps_per_epoch - 1), total, warmup),
-                       "clips_per_s": clips * world / max(t_data + t_step, 1e-9),
-                       "data_share": t_data / max(t_data + t_step, 1e-9), "failed_videos": len(failures)}
+                       **_throughput(timing), "failed_videos": len(failures)}
                 rows.append(row)
                 _save_clip(model.clip, ckpt / "clip_last.safetensors", {"model": cfg.model})
                 _save_checkpoint(head, ckpt / "last.safetensors")
@@ -501,6 +509,29 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     if rank != 0:
         return None
     return _finish(model, loader_for, job, best, rows, failures)
+
+
+PROGRESS_FILE = ".progress.json"
+
+
+def _report_progress(out: Path, done: int, total: int, info: str, every_s: float = 1.0) -> None:
+    """Rank 0 of a Ray Train run writes its progress for the driver's bar (at most every ``every_s``)."""
+    now = time.monotonic()
+    if done < total and now - getattr(_report_progress, "last", 0.0) < every_s:
+        return
+    _report_progress.last = now
+    atomic_write_text(out / PROGRESS_FILE, json.dumps({"done": done, "total": total, "info": info}))
+
+
+def _throughput(timing: list[tuple[float, float, int]]) -> dict[str, float]:
+    """clips/s and the share of step time spent waiting for data, over the epoch and in steady state
+    (without the first step, which waits for the DataLoader workers to start)."""
+    out = {}
+    for suffix, part in (("", timing), ("_steady", timing[1:])):
+        wait, step, clips = (sum(t[i] for t in part) for i in range(3))
+        out[f"clips_per_s{suffix}"] = clips / max(wait + step, 1e-9)
+        out[f"data_share{suffix}"] = wait / max(wait + step, 1e-9)
+    return out
 
 
 def _all_failures(new: list[tuple[int, str]], job: _Job, world: int) -> dict[str, str]:
@@ -703,7 +734,7 @@ def _ray_train(job: _Job) -> dict:
                              failure_config=FailureConfig(max_failures=0)),
     )
     try:
-        trainer.fit()
+        _fit_with_progress(trainer, Path(job.out), job)
     except Exception as e:  # a worker's TvrpipeError keeps its message; anything else is summarised
         cause: BaseException | None = e
         seen = set()
@@ -719,6 +750,40 @@ def _ray_train(job: _Job) -> dict:
                        f"from the last complete epoch") from e
     path = Path(job.out) / "metrics.json"
     return json.loads(path.read_text())
+
+
+def _fit_with_progress(trainer, out: Path, job: _Job) -> None:
+    """``trainer.fit()``, with a progress bar fed by rank 0's progress file (Ray Train workers' own
+    output does not reach this terminal)."""
+    import threading
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    (out / PROGRESS_FILE).unlink(missing_ok=True)
+    box: dict[str, BaseException] = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not job.progress)
+    with bar:
+        task = bar.add_task(f"finetune {job.method} ({job.cfg.num_workers} Ray Train workers)", total=None,
+                            info="starting the workers")
+        while thread.is_alive():
+            thread.join(0.5)
+            try:
+                p = json.loads((out / PROGRESS_FILE).read_text())
+                bar.update(task, total=p["total"], completed=p["done"], info=p["info"])
+            except (OSError, ValueError, KeyError):
+                pass
+    if "error" in box:
+        raise box["error"]
 
 
 def _ray_worker(config: dict) -> None:

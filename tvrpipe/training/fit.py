@@ -229,10 +229,9 @@ def _read_config(run: Path) -> dict:
         line = f" at line {where.line + 1}" if where is not None else ""
         raise RunError(f"{path} is not valid YAML{line}; restore it or train the run again "
                        "into a new --out") from None
-    need = ("method", "head", "features", "provenance")
-    missing = [k for k in need if not isinstance(config, dict) or k not in config]
-    if isinstance(config, dict) and "train" not in config and "finetune" not in config:
-        missing.append("train (or finetune)")
+    need = ("method", "head", "train", "features", "provenance")  # a finetune run has "finetune" for "train"
+    missing = [k for k in need if not isinstance(config, dict) or (
+        k not in config and not (k == "train" and "finetune" in config))]
     if missing:
         raise RunError(f"{path} lacks {', '.join(missing)}; restore it or train the run again into a new --out")
     return config
