@@ -184,3 +184,37 @@ def test_resume_and_spec_validation(tmp_path, small):
         generate_store(tmp_path, GenSpec(scenes=4, min_frames=2))
     with pytest.raises(ConfigError, match="near_duplicates"):
         generate_store(tmp_path, GenSpec(near_duplicates=1.0))
+
+
+def test_synth_features_only_cli_writes_a_generated_store(cli, tmp_path):
+    from tvrpipe.pipeline.store import open_store
+
+    out = tmp_path / "gen"
+    r = cli("synth", "--features-only", "--out", out, "--seed", "3", "--set", "train_videos=40", "--set",
+            "val_videos=10", "--set", "test_videos=12", "--set", "embed_dim=16", "--set", "near_duplicates=0.2",
+            "--set", "min_frames=6")
+    assert r.exit_code == 0, r.output
+    store = open_store(out)
+    assert store.videos["split"].value_counts().to_dict() == {"train": 40, "test": 12, "val": 10}
+    assert store.provenance["embed_dim"] == 16 and store.array("videos/frames").shape[1:] == (12, 16)
+    spec = store.provenance["generator"]
+    assert spec["seed"] == 3 and spec["near_duplicates"] == 0.2 and spec["min_frames"] == 6
+    assert "train 40 videos / 160 captions" in " ".join(r.output.split())  # small preset: 4 captions each
+    assert "tvrpipe train-head --features" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--videos", "100"], "--videos sets rendered videos; with --features-only use --preset and --set"),
+    (["--preset", "huge"], "--preset 'huge' is not one of: small, medium, msrvtt9k"),
+    (["--set", "noize=1"], "unknown config key 'noize'"),
+    (["--set", "noise=-1"], "GenSpec.noise must be >= 0"),
+])
+def test_synth_features_only_rejects_bad_options(cli, tmp_path, args, message):
+    r = cli("synth", "--features-only", "--out", tmp_path / "g", *args)
+    assert r.exit_code == 1 and message in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "g").exists()
+
+
+def test_synth_generator_options_need_features_only(cli, tmp_path):
+    r = cli("synth", "--out", tmp_path / "s", "--set", "noise=1")
+    assert r.exit_code == 1 and "apply with --features-only" in r.output

@@ -1,19 +1,28 @@
-"""``tvrpipe synth``: render a synthetic text-video dataset (real H.264 mp4 + manifest)."""
+"""``tvrpipe synth``: render a synthetic text-video dataset (real H.264 mp4 + manifest), or with
+``--features-only`` write a generated feature store (no videos; MSR-VTT scale in seconds)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
 
 from tvrpipe.cli.app import app
 from tvrpipe.cli.manifest import print_counts
+from tvrpipe.errors import ConfigError
+
+console = Console()
+# The rendering options and their defaults: with --features-only they do not apply.
+_VIDEO_DEFAULTS = {"--videos": 200, "--size": 64, "--fps": 8, "--scene-seconds": 2.0, "--captions-per-video": 3,
+                   "--multi-scene-fraction": 0.3, "--distractor-fraction": 0.3}
 
 
 @app.command("synth")
 def synth(
-    out: Annotated[Path, typer.Option(help="Output directory: videos/, manifest/, attributes.parquet.")],
+    out: Annotated[Path, typer.Option(help="Output directory: videos/, manifest/, attributes.parquet (or, with "
+                                           "--features-only, a feature store).")],
     videos: Annotated[int, typer.Option(help="Number of videos to render.")] = 200,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same manifest bytes and frames.")] = 0,
     size: Annotated[int, typer.Option(help="Frame width and height in pixels (even).")] = 64,
@@ -26,8 +35,36 @@ def synth(
     distractor_fraction: Annotated[
         float, typer.Option(help="Fraction of near-duplicate videos differing in one attribute from another.")
     ] = 0.3,
+    features_only: Annotated[
+        bool, typer.Option("--features-only", help="Write a generated feature store instead of videos: CLIP-like "
+                                                   "features with known ground truth, for train-head at any scale.")
+    ] = False,
+    preset: Annotated[
+        Optional[str], typer.Option(help="With --features-only: the store's sizes and difficulty, one of small, medium, "
+                                         "msrvtt9k (default small; docs/synthetic.md).")
+    ] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="With --features-only: a generator field key=value "
+                                                        "(repeatable), e.g. noise=0.8, near_duplicates=0.2, scenes=3.")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="With --features-only: replace a store already in --out.")] = False,
 ) -> None:
-    """Render coloured moving shapes as mp4 files with captions from a grammar (offline test data)."""
+    """Render coloured moving shapes as mp4 files with captions from a grammar (offline test data).
+
+    With --features-only, write a generated feature store instead (`tvrpipe train-head --features OUT`).
+    """
+    if features_only:
+        given = {"--videos": videos, "--size": size, "--fps": fps, "--scene-seconds": scene_seconds,
+                 "--captions-per-video": captions_per_video, "--multi-scene-fraction": multi_scene_fraction,
+                 "--distractor-fraction": distractor_fraction}
+        changed = [k for k, v in given.items() if v != _VIDEO_DEFAULTS[k]]
+        if changed:
+            raise ConfigError(f"{changed[0]} sets rendered videos; with --features-only use --preset and --set "
+                              f"(e.g. --set train_videos=9000 --set near_duplicates=0.2)")
+        _features_only(out, preset or "small", set_ or [], seed, overwrite)
+        return
+    if preset is not None or set_ or overwrite:
+        raise ConfigError("--preset, --set and --overwrite apply with --features-only")
     from tvrpipe.pipeline.synth import synthesize
 
     m = synthesize(
@@ -36,3 +73,28 @@ def synth(
         distractor_fraction=distractor_fraction,
     )
     print_counts(m, f"synthetic videos in {out / 'videos'}, manifest in {out / 'manifest'}")
+
+
+def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrite: bool) -> None:
+    import dataclasses
+
+    from tvrpipe.cli.train import parse_fields
+    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.training.convergence import SIZES
+
+    if preset not in SIZES:
+        raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(SIZES)}")
+    spec = dataclasses.replace(SIZES[preset], seed=seed, **parse_fields(GenSpec, items, "--set (generator)"))
+    spec.validate()
+    generate_store(out, spec, progress=True, overwrite=overwrite)
+    store = open_store(out)
+    splits = store.videos["split"].value_counts()
+    texts = store.texts["split"].value_counts()
+    parts = ", ".join(f"{s} {splits.get(s, 0)} videos / {texts.get(s, 0)} captions" for s in ("train", "val", "test")
+                      if splits.get(s, 0))
+    console.print(f"generated feature store in {out}: {parts}; D = {spec.embed_dim}, F = {spec.frames}, "
+                  f"L = {spec.max_words}, noise {spec.noise:g}, near-duplicates {spec.near_duplicates:g}, "
+                  f"scenes {spec.scenes} ({spec.caption_describes} captions)", highlight=False)
+    console.print(f"train a head on it: tvrpipe train-head --features {out} --method xpool --out runs/xpool",
+                  highlight=False)

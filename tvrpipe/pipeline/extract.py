@@ -337,6 +337,30 @@ class _ShardBuffer:
 # ---------------------------------------------------------------------------------- run
 
 
+def open_inputs(manifest_dir, video_root, out_dir, frames: int | None, max_words: int | None, model: str,
+                pretrained: str, seed: int):
+    """What ``extract`` and ``finetune`` start from, checked before anything is written or Ray starts:
+    the manifest, the video root, a writable ``out_dir``, F and L (the manifest's defaults unless
+    given) and the model loaded on the CPU (its weights found, L within its context).
+
+    Returns:
+        ``(manifest, video_root, F, L, bundle)``.
+    """
+    from tvrpipe.pipeline.clip import load_clip
+
+    manifest = read_manifest(manifest_dir)
+    root = Path(video_root)
+    if not root.is_dir():
+        raise ConfigError(f"--video-root {root}: not a directory")
+    check_writable(out_dir, "--out")
+    F = frames if frames is not None else int(manifest.meta.get("frames", 12))
+    L = max_words if max_words is not None else int(manifest.meta.get("max_words", 32))
+    bundle = load_clip(model, pretrained, device="cpu", seed=seed)
+    if L > bundle.context_length:
+        raise ConfigError(f"--max-words {L} exceeds the model's context length {bundle.context_length}")
+    return manifest, root, F, L, bundle
+
+
 def extract(
     manifest_dir: str | os.PathLike[str],
     video_root: str | os.PathLike[str],
@@ -370,21 +394,14 @@ def extract(
     t0 = time.perf_counter()
     # Everything that can be checked cheaply is checked before Ray starts or a model loads.
     cfg.validate()
-    manifest = read_manifest(manifest_dir)
-    root, out = Path(video_root), Path(out_dir)
-    if not root.is_dir():
-        raise ConfigError(f"--video-root {root}: not a directory")
-    check_writable(out, "--out")
-    F = cfg.frames if cfg.frames is not None else int(manifest.meta.get("frames", 12))
-    L = cfg.max_words if cfg.max_words is not None else int(manifest.meta.get("max_words", 32))
+    # The driver loads the model once (on CPU) for provenance: weights hash, D, preprocessing.
+    manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
+                                               cfg.model, cfg.pretrained, cfg.seed)
+    out = Path(out_dir)
 
-    from tvrpipe.pipeline.clip import load_clip, preprocess_description
+    from tvrpipe.pipeline.clip import preprocess_description
     from tvrpipe.pipeline.decode import FRAME_SAMPLING
 
-    # The driver loads the model once (on CPU) for provenance: weights hash, D, preprocessing.
-    bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
-    if L > bundle.context_length:
-        raise ConfigError(f"--max-words {L} exceeds the model's context length {bundle.context_length}")
     provenance = make_provenance(
         dataset=manifest.meta.get("dataset", "unknown"), split_set=manifest.meta.get("split_set"),
         model=cfg.model, pretrained=cfg.pretrained, weights_sha256=bundle.weights_sha256,

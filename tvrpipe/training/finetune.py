@@ -53,7 +53,7 @@ import yaml
 
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class, make_config
-from tvrpipe.lock import check_writable, locked
+from tvrpipe.lock import locked
 from tvrpipe.pipeline.store import atomic_write_text
 from tvrpipe.training.fit import (
     _flat_readouts,
@@ -647,25 +647,17 @@ def finetune(
         ...          FinetuneConfig(end_to_end=True, use_gpu=True, precision="fp16"))  # doctest: +SKIP
     """
     from tvrpipe.evaluation.engine import _check_post
-    from tvrpipe.pipeline.clip import load_clip, preprocess_description
+    from tvrpipe.pipeline.clip import preprocess_description
     from tvrpipe.pipeline.decode import FRAME_SAMPLING
-    from tvrpipe.pipeline.manifest import read_manifest
+    from tvrpipe.pipeline.extract import open_inputs
     from tvrpipe.pipeline.store import manifest_sha256
     from tvrpipe.training.data import split_rows
 
     # ---- options, manifest and weights are checked before anything is written or Ray starts
     cfg.validate()
     post = tuple(_check_post(post))
-    manifest = read_manifest(manifest_dir)
-    root = Path(video_root)
-    if not root.is_dir():
-        raise ConfigError(f"--video-root {root}: not a directory")
-    check_writable(out_dir, "--out")
-    F = cfg.frames if cfg.frames is not None else int(manifest.meta.get("frames", 12))
-    L = cfg.max_words if cfg.max_words is not None else int(manifest.meta.get("max_words", 32))
-    bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
-    if L > bundle.context_length:
-        raise ConfigError(f"--max-words {L} exceeds the context length {bundle.context_length} of {cfg.model}")
+    manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
+                                               cfg.model, cfg.pretrained, cfg.seed)
     head_cfg = make_config(method, **{"embed_dim": bundle.embed_dim, **(overrides or {})})
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
