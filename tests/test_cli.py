@@ -107,6 +107,11 @@ def test_quickstart_end_to_end(tmp_path):
     assert store.array("videos/frames").shape[0] == 12 and store.array("videos/frame_mask")[:].all()
     assert "12 extracted, 0 already done, 0 failed" in r.stdout
     assert "not yet available" in r.stdout
+    # quiet by default: our progress bars and summaries only, no Ray or open_clip lines
+    noise = [line for line in (r.stdout + r.stderr).replace("\r", "\n").splitlines()
+             if any(k in line for k in ("INFO", "core_worker", "Token authentication", "WARNING",
+                                        "No pretrained weights", "streaming_executor", "Progress bars disabled"))]
+    assert not noise, noise
 
 
 def test_extract_bad_input_is_one_line(cli, tmp_path):

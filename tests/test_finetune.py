@@ -100,6 +100,16 @@ def test_evaluate_reads_the_finetuned_head_on_the_exported_store(e2e, cli):
     assert res.exit_code == 1 and "pass --features" in res.output and "clip.safetensors" in res.output
 
 
+def test_export_names_its_architecture(e2e):
+    from tvrpipe.pipeline.clip import load_clip
+
+    out, metrics, _ = e2e
+    with pytest.raises(ConfigError, match="exported by tvrpipe finetune for --model tvrpipe-tiny, not 'ViT-B-32'"):
+        load_clip("ViT-B-32", str(out / "clip.safetensors"))
+    assert load_clip("tvrpipe-tiny", str(out / "clip.safetensors")).weights_sha256 == \
+        metrics["export"]["weights_sha256"]
+
+
 def test_evaluate_refuses_a_store_of_other_weights(e2e, tmp_path, cli):
     out, metrics, store = e2e
     other = tmp_path / "run"

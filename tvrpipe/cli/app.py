@@ -77,5 +77,7 @@ def _root(
     ] = False,
 ) -> None:
     level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(message)s", handlers=[RichHandler(console=err_console, show_path=False)],
-                        force=True)
+    handler = RichHandler(console=err_console, show_path=False)
+    if not verbose:  # open_clip logs to the root logger (e.g. "No pretrained weights loaded" for 'none')
+        handler.addFilter(lambda record: "open_clip" not in record.pathname or record.levelno >= logging.ERROR)
+    logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)

@@ -142,6 +142,12 @@ def load_clip(
         pass
     elif os.path.isfile(pretrained):
         checkpoint = pretrained
+        exported_for = _exported_model(checkpoint)
+        if exported_for is not None and exported_for != model_name:
+            raise ConfigError(
+                f"--pretrained {checkpoint} was exported by tvrpipe finetune for --model {exported_for}, not "
+                f"{model_name!r}; pass --model {exported_for}"
+            )
     elif _looks_like_path(pretrained):
         raise ConfigError(
             f"--pretrained: checkpoint not found: {pretrained}; give an existing checkpoint file, "
@@ -443,6 +449,21 @@ def _model_config(model_name: str) -> dict:
             f"tokens do not support; use a standard CLIP such as ViT-B-32, ViT-B-16 or ViT-L-14"
         )
     return cfg
+
+
+def _exported_model(checkpoint: str) -> str | None:
+    """The architecture name ``tvrpipe finetune`` wrote into an exported safetensors checkpoint
+    (its QuickGELU variant for QuickGELU weights), or None for any other checkpoint."""
+    if not checkpoint.lower().endswith(".safetensors"):
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(checkpoint, framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # not readable as safetensors: load_checkpoint reports it
+        return None
+    return meta.get("model") if str(meta.get("source", "")).startswith("tvrpipe finetune") else None
 
 
 def _looks_like_path(value: str) -> bool:

@@ -353,6 +353,9 @@ class DecodeWorker:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                # decord and FFmpeg print their own lines for a bad file; its failure is recorded
+                # and reported by tvrpipe, so their lines show only with -v (INFO logging)
+                stderr=None if logging.getLogger().getEffectiveLevel() <= logging.INFO else subprocess.DEVNULL,
             )
         conn = Connection(ours.detach())
         finalizer = weakref.finalize(self, _shutdown, proc, conn, True)

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,19 +250,60 @@ class TextStage:
 
 
 def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
+    """Start (or join, with ``address`` / ``RAY_ADDRESS``) Ray for this process, once.
+
+    Quiet unless logging is at INFO or below (the CLI's ``-v``): Ray's own INFO lines, its
+    start-up notices and its C++ log lines (e.g. core_worker's note on actor constructor
+    arguments, which looks like an error and is not one) are hidden, so a user sees tvrpipe's
+    progress bars and summaries; a failed start still shows what Ray printed.
+    """
     import ray
 
     if ray.is_initialized():
         return
+    quiet = logging.getLogger().getEffectiveLevel() > logging.INFO
+    if quiet:
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # the driver's C++ lines on stderr
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+    with _stderr_held(quiet):  # the token-authentication notice is printed by Ray's C++ start-up
+        if address:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING if quiet else logging.INFO)
+        else:
+            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+    import ray.data  # configures its loggers on import: set their level after
+
+    for name in ("ray", "ray.data", "ray.train", "ray.tune"):
+        logging.getLogger(name).setLevel(logging.ERROR if quiet else logging.INFO)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.verbose_progress = False
+
+
+@contextmanager
+def _stderr_held(hold: bool):
+    """Hold what is written to file descriptor 2 (C++ included) while active; replay it if the block
+    fails, drop it if it succeeds. A no-op unless ``hold``."""
+    if not hold:
+        yield
+        return
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            tmp.seek(0)
+            sys.stderr.write(tmp.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _cluster_cpus() -> int:
