@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -96,17 +97,24 @@ def test_synth_bad_option_names_it(cli, tmp_path):
 
 
 def test_quickstart_end_to_end(tmp_path):
-    """The README's main command, as a user runs it (a process of its own, Ray included)."""
+    """The README's main command, as a user runs it (a process of its own, Ray included), --fast."""
+    from tvrpipe.heads.base import list_heads
     from tvrpipe.pipeline.store import open_store
 
-    r = subprocess.run([sys.executable, "-m", "tvrpipe", "quickstart", "--out", str(tmp_path / "q"),
-                        "--videos", "12"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "tvrpipe", "quickstart", "--out", str(tmp_path / "q"), "--fast",
+                        "--videos", "40"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "q" / "data" / "manifest" / "videos.parquet").is_file()
     store = open_store(tmp_path / "q" / "features")
-    assert store.array("videos/frames").shape[0] == 12 and store.array("videos/frame_mask")[:].all()
-    assert "12 extracted, 0 already done, 0 failed" in r.stdout
-    assert "not yet available" in r.stdout
+    assert store.array("videos/frames").shape[0] == 40 and store.array("videos/frame_mask")[:].all()
+    # the store was extracted with the finetuned CLIP, and every head was trained on it
+    export = json.loads((tmp_path / "q" / "finetune" / "metrics.json").read_text())["export"]
+    assert store.provenance["weights_sha256"] == export["weights_sha256"]
+    results = pd.read_csv(tmp_path / "q" / "results.csv")
+    assert sorted(results[results["post"] == "raw"]["method"]) == sorted(["zero-shot", *list_heads()])
+    assert set(results["post"]) == {"raw", "dsl"} and results["t2v R@1"].between(0, 100).all()
+    for title in ("text-to-video, raw scores", "video-to-text, raw scores", "text-to-video, after DSL"):
+        assert title in " ".join(r.stdout.split())
+    assert "results.csv" in r.stdout
     # quiet by default: our progress bars and summaries only, no Ray or open_clip lines
     noise = [line for line in (r.stdout + r.stderr).replace("\r", "\n").splitlines()
              if any(k in line for k in ("INFO", "core_worker", "Token authentication", "WARNING",

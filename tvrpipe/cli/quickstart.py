@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from tvrpipe.cli.app import app
-from tvrpipe.cli.manifest import print_counts
 
 console = Console()
-
-# Stages of DESIGN.md's quickstart that this version does not have yet; each is removed from
-# this list in the commit that adds the stage.
-_NOT_YET = ["finetune --end-to-end of the tiny CLIP (available as `tvrpipe finetune`; extraction uses random tiny "
-            "weights until then)",
-            "train-head for every method and evaluate (available as commands: `tvrpipe train-head`, "
-            "`tvrpipe evaluate`)", "results table and plots"]
 
 
 @app.command("quickstart")
@@ -26,24 +20,30 @@ def quickstart(
     out: Annotated[Path, typer.Option(help="Working directory for the generated data, features and runs.")] = Path(
         "quickstart"
     ),
-    videos: Annotated[int, typer.Option(help="Number of synthetic videos.")] = 200,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    fast: Annotated[bool, typer.Option("--fast", help="A smaller run (fewer videos and epochs): a few minutes.")] = False,
+    videos: Annotated[Optional[int], typer.Option(help="Number of synthetic videos (default 200; 120 with --fast).")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed of every stage.")] = 0,
 ) -> None:
-    """Run the pipeline offline on generated videos: synth -> extract -> ... (CPU, minutes)."""
-    from tvrpipe.pipeline.clip import TINY_MODEL
-    from tvrpipe.pipeline.extract import ExtractConfig, extract
-    from tvrpipe.pipeline.synth import synthesize
+    """Run the pipeline offline on generated videos: synth -> finetune -> extract -> train-head (CPU, minutes).
 
-    console.rule("1. synthetic dataset (tvrpipe synth)")
-    m = synthesize(out / "data", videos, seed)
-    print_counts(m, f"{videos} synthetic videos in {out / 'data'}")
+    Rerun the same command to resume: each stage skips or resumes what is done.
+    """
+    from tvrpipe.quickstart import METRICS, QuickstartPlan, run_quickstart
 
-    console.rule(f"2. CLIP features (tvrpipe extract, {TINY_MODEL})")
-    summary = extract(out / "data" / "manifest", out / "data" / "videos", out / "features",
-                      ExtractConfig(model=TINY_MODEL, pretrained="none", seed=seed))
-    for line in summary.lines():
-        console.print(line)
-    console.print(f"feature store: {out / 'features'} (inspect with `tvrpipe features show {out / 'features'}`)")
-
-    console.rule("next stages")
-    console.print("[yellow]not yet available in the quickstart:[/] " + "; ".join(_NOT_YET) + ".")
+    plan = QuickstartPlan.fast() if fast else QuickstartPlan()
+    if videos is not None:
+        plan = dataclasses.replace(plan, videos=videos)
+    result = run_quickstart(out, plan, seed, stage=lambda title: console.rule(title))
+    console.rule("results: test split")
+    for post, what in (("", "raw scores"), ("dsl", "after DSL (dual softmax: post-processing, reported apart)")):
+        rows = result.table_rows(post)
+        for direction, name in (("t2v", "text-to-video"), ("v2t", "video-to-text")):
+            table = Table(title=f"{name}, {what}")
+            table.add_column("head", no_wrap=True)
+            for m in METRICS:
+                table.add_column(m, justify="right")
+            for r in rows:
+                table.add_row(r["method"], *(f"{r[f'{direction} {m}']:.1f}" for m in METRICS))
+            console.print(table)
+    console.print(f"results: {out / 'results.csv'}; runs (metrics.json, epochs.csv, plots/): {out / 'runs'}; "
+                  f"finetuned CLIP: {out / 'finetune' / 'clip.safetensors'}", highlight=False, soft_wrap=True)

@@ -357,8 +357,10 @@ def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> str:
     return _state_dict_sha256(model)
 
 
-def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device = "cpu") -> dict | None:
-    """The training loop of one process (rank ``rank`` of ``world``); rank 0 returns the metrics."""
+def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device = "cpu",
+            cpus: int | None = None) -> dict | None:
+    """The training loop of one process (rank ``rank`` of ``world``, ``cpus`` CPUs: default all this
+    process may use); rank 0 returns the metrics."""
     from tvrpipe.pipeline.clip import load_clip
 
     cfg, out = job.cfg, Path(job.out)
@@ -396,7 +398,8 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     # ---- data
     F, S = job.frames, bundle.image_size
     dataset = DecodedClips(job.table, F, S, cfg.seed, cfg.timeout_s)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = cfg.loader_workers if cfg.loader_workers is not None else min(8, cpus)
     train_sampler, eval_sampler = PlannedBatches(), PlannedBatches()
     train_loader = _loader(dataset, train_sampler, Collate(F, S, keep_failed=False), workers)
@@ -569,9 +572,7 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
     ckpt = out / "checkpoints"
     if best is None:  # zero epochs: evaluate the untrained head on the pretrained CLIP
         val = _evaluate(model, loader_for, job.val, job, failures)
-        shutil.copyfile(ckpt / "clip_last.safetensors", ckpt / "clip_best.safetensors") \
-            if (ckpt / "clip_last.safetensors").is_file() else _save_clip(model.clip, ckpt / "clip_best.safetensors",
-                                                                          {"model": cfg.model})
+        _save_clip(model.clip, ckpt / "clip_best.safetensors", {"model": cfg.model})
         best = {"epoch": 0, "key": None, "val": val, "sha256": _save_checkpoint(model.head, ckpt / "best.safetensors")}
     if best.get("sha256") and _sha256(ckpt / "best.safetensors") != best["sha256"]:
         raise RunError(f"{ckpt / 'best.safetensors'} changed after it was written (sha256 mismatch); "
@@ -784,4 +785,5 @@ def _ray_worker(config: dict) -> None:
 
     ctx = ray.train.get_context()
     torch.set_num_threads(max(1, int(config["threads"])))
-    run_job(config["job"], ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+    run_job(config["job"], ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(),
+            cpus=int(config["threads"]))
