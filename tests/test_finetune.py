@@ -45,8 +45,9 @@ def e2e(data, tmp_path_factory):
 def test_learns_from_random_weights(e2e):
     out, metrics, _ = e2e
     rows = pd.read_csv(out / "epochs.csv")
-    assert len(rows) == 10 and metrics["selected_epoch"] == int(rows["val_t2v_R@1"].idxmax()) + 1 or \
-        rows.loc[metrics["selected_epoch"] - 1, "val_t2v_R@1"] == rows["val_t2v_R@1"].max()
+    assert len(rows) == 10
+    # selected on validation (R@1, R@5, R@10): the selected epoch has the best validation R@1
+    assert rows.loc[metrics["selected_epoch"] - 1, "val_t2v_R@1"] == rows["val_t2v_R@1"].max()
     assert rows["loss"].iloc[-3:].mean() < rows["loss"].iloc[0] - 0.4  # the loss falls
     test = metrics["test"]["t2v"]
     n_videos = metrics["test"]["n_videos"]  # chance: R@k = k / n_videos, MdR about n_videos / 2

@@ -14,13 +14,14 @@ from tvrpipe.cli.manifest import print_counts
 from tvrpipe.errors import ConfigError
 
 console = Console()
-# The rendering options and their defaults: with --features-only they do not apply.
-_VIDEO_DEFAULTS = {"--videos": 200, "--size": 64, "--fps": 8, "--scene-seconds": 2.0, "--captions-per-video": 3,
-                   "--multi-scene-fraction": 0.3, "--distractor-fraction": 0.3}
+# The rendering options: with --features-only they do not apply.
+_VIDEO_OPTIONS = ("videos", "size", "fps", "scene_seconds", "captions_per_video", "multi_scene_fraction",
+                  "distractor_fraction")
 
 
 @app.command("synth")
 def synth(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option(help="Output directory: videos/, manifest/, attributes.parquet (or, with "
                                            "--features-only, a feature store).")],
     videos: Annotated[int, typer.Option(help="Number of videos to render.")] = 200,
@@ -54,12 +55,11 @@ def synth(
     With --features-only, write a generated feature store instead (`tvrpipe train-head --features OUT`).
     """
     if features_only:
-        given = {"--videos": videos, "--size": size, "--fps": fps, "--scene-seconds": scene_seconds,
-                 "--captions-per-video": captions_per_video, "--multi-scene-fraction": multi_scene_fraction,
-                 "--distractor-fraction": distractor_fraction}
-        changed = [k for k, v in given.items() if v != _VIDEO_DEFAULTS[k]]
-        if changed:
-            raise ConfigError(f"{changed[0]} sets rendered videos; with --features-only use --preset and --set "
+        # typer may bring its own click: compare the source by name, not by enum identity
+        given = [n for n in _VIDEO_OPTIONS if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE"]
+        if given:
+            option = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{option} sets rendered videos; with --features-only use --preset and --set "
                               f"(e.g. --set train_videos=9000 --set near_duplicates=0.2)")
         _features_only(out, preset or "small", set_ or [], seed, overwrite)
         return

@@ -244,18 +244,31 @@ class LiveModel(nn.Module):
     def features(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str],
                  max_words: int) -> tuple[TextBatch, VideoBatch]:
         """``TextBatch`` / ``VideoBatch`` as the store holds them (fp32, padding zeroed)."""
-        from tvrpipe.pipeline.clip import image_features, text_features, tokenize
+        return self.encode_texts(texts, max_words), self.encode_videos(frames, frame_mask)
 
-        dev = self._bundle.device
-        frame_mask = frame_mask.to(dev)
+    def _grad(self):
+        return torch.set_grad_enabled(self.end_to_end and torch.is_grad_enabled())
+
+    def encode_videos(self, frames: torch.Tensor, frame_mask: torch.Tensor) -> VideoBatch:
+        """Frame [CLS] projections of uint8 frames (B, F, S, S, 3), zero where the mask is False."""
+        from tvrpipe.pipeline.clip import image_features
+
+        frame_mask = frame_mask.to(self._bundle.device)
         B, F = frame_mask.shape
-        with torch.set_grad_enabled(self.end_to_end and torch.is_grad_enabled()), self.autocast():
+        with self._grad(), self.autocast():
             emb = image_features(self._bundle, frames[frame_mask.cpu()], self.clip).float()  # (n_real, D)
-            video = emb.new_zeros(B * F, emb.shape[-1]).index_copy(
-                0, torch.nonzero(frame_mask.reshape(-1)).squeeze(1), emb).view(B, F, -1)  # (B, F, D)
-            ids, mask = tokenize(self._bundle, texts, max_words)
+        video = emb.new_zeros(B * F, emb.shape[-1]).index_copy(
+            0, torch.nonzero(frame_mask.reshape(-1)).squeeze(1), emb).view(B, F, -1)  # (B, F, D)
+        return VideoBatch(video, frame_mask)
+
+    def encode_texts(self, texts: list[str], max_words: int) -> TextBatch:
+        """Word tokens (zero after EOS), their mask and the EOS sentence of captions."""
+        from tvrpipe.pipeline.clip import text_features, tokenize
+
+        ids, mask = tokenize(self._bundle, texts, max_words)
+        with self._grad(), self.autocast():
             tokens, sentence = text_features(self._bundle, ids, self.clip)
-        return (TextBatch(tokens.float(), mask.to(dev), sentence.float()), VideoBatch(video, frame_mask))
+        return TextBatch(tokens.float(), mask.to(self._bundle.device), sentence.float())
 
     def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str], max_words: int):
         t, v = gather_pairs(*self.features(frames, frame_mask, texts, max_words))
@@ -284,25 +297,18 @@ def _param_groups(model: LiveModel, cfg: FinetuneConfig) -> list[dict]:
 def _encode_split(model: LiveModel, loader_for, videos: np.ndarray, captions: np.ndarray, job: _Job,
                   failures: dict[str, str]) -> tuple[list[TextBatch], list[VideoBatch]]:
     """The split's TextBatches and VideoBatches from the live CLIP in eval mode, on the CPU."""
-    from tvrpipe.pipeline.clip import text_features, tokenize
-
-    bundle = model._bundle
     model.eval()
     vb: list[VideoBatch] = []
     with torch.no_grad():
         for batch in loader_for([[(int(v), -1, -1) for v in videos[i: i + job.cfg.eval_batch]]
                                  for i in range(0, len(videos), job.cfg.eval_batch)]):
             failures.update({str(job.video_ids[v]): e for v, e in batch.failed})
-            with model.autocast():
-                _, v = model.features(batch.frames, batch.frame_mask, [""] * len(batch.videos), 2)
+            v = model.encode_videos(batch.frames, batch.frame_mask)
             vb.append(VideoBatch(v.frames.cpu(), v.frame_mask.cpu()))
         tb: list[TextBatch] = []
         for i in range(0, len(captions), 256):
-            texts = [str(t) for t in job.table.texts[captions[i: i + 256]]]
-            ids, mask = tokenize(bundle, texts, job.max_words)
-            with model.autocast():
-                tokens, sentence = text_features(bundle, ids, model.clip)
-            tb.append(TextBatch(tokens.float().cpu(), mask, sentence.float().cpu()))
+            t = model.encode_texts([str(x) for x in job.table.texts[captions[i: i + 256]]], job.max_words)
+            tb.append(TextBatch(t.tokens.cpu(), t.token_mask.cpu(), t.sentence.cpu()))
     return tb, vb
 
 
@@ -340,12 +346,9 @@ def _loader(dataset: DecodedClips, sampler: PlannedBatches, collate: Collate, wo
                       persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
 
 
-def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> str:
-    """An open_clip state dict in safetensors (what ``extract --pretrained`` loads); returns its weights
-    hash as ``load_clip`` computes it."""
+def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> None:
+    """An open_clip state dict in safetensors (what ``extract --pretrained`` loads)."""
     from safetensors.torch import save_file
-
-    from tvrpipe.pipeline.clip import _state_dict_sha256
 
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
@@ -354,7 +357,6 @@ def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> str:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(state, str(tmp), metadata=meta)
     os.replace(tmp, path)
-    return _state_dict_sha256(model)
 
 
 def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device = "cpu",
