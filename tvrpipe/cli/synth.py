@@ -78,7 +78,7 @@ def synth(
 def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrite: bool) -> None:
     import dataclasses
 
-    from tvrpipe.cli.train import parse_fields
+    from tvrpipe.config import parse_fields
     from tvrpipe.pipeline.genstore import GenSpec, generate_store
     from tvrpipe.pipeline.store import open_store
     from tvrpipe.training.convergence import SIZES

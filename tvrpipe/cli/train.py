@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -13,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import app
+from tvrpipe.config import parse_fields
 from tvrpipe.errors import ConfigError
 
 console = Console()
@@ -24,33 +23,6 @@ def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
     from tvrpipe.heads.base import head_class
 
     return parse_fields(head_class(method).Config, items, method)
-
-
-def parse_fields(cls: type, items: list[str], owner: str) -> dict[str, Any]:
-    """``["key=value", ...]`` -> values typed by the dataclass ``cls``'s fields (unknown keys fail,
-    naming ``owner``); JSON for anything but bool, int, float and str (e.g. ``null``)."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        if key not in hints:
-            raise ConfigError(f"{owner}: unknown config key {key!r}; valid: {', '.join(sorted(hints))}")
-        kind = hints[key]
-        try:
-            if kind is bool:
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(raw)
-                out[key] = raw.lower() in ("true", "1")
-            elif kind in (int, float, str):
-                out[key] = kind(raw)
-            else:
-                out[key] = json.loads(raw)
-        except ValueError as e:
-            raise ConfigError(f"--set {key}={raw}: not a valid {getattr(kind, '__name__', kind)}") from e
-    return out
 
 
 def _post(post: list[str]) -> tuple[str, ...]:

@@ -267,7 +267,17 @@ def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     with _stderr_held(quiet):  # the token-authentication notice is printed by Ray's C++ start-up
         if address:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING if quiet else logging.INFO)
+            _check_reachable(address)
+            try:
+                ray.init(address=address, log_to_driver=False,
+                         logging_level=logging.WARNING if quiet else logging.INFO)
+            except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+                raise ConfigError(
+                    f"--address {address}: cannot connect to the Ray cluster ({' '.join(str(e).split())[:200]}). "
+                    "Check the address (`ray status` on the head node); a cluster started with token "
+                    "authentication needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN or "
+                    "~/.ray/auth_token (`ray get-auth-token` on the head prints it); see docs/cluster.md"
+                ) from None
         else:
             ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
@@ -278,6 +288,23 @@ def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.verbose_progress = False
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Fail fast, naming ``--address``, when nothing listens at a ``HOST:PORT`` address: Ray itself
+    retries such a connection for minutes. Other forms (``auto``, ``ray://...``) are Ray's to resolve."""
+    import re
+    import socket
+
+    m = re.fullmatch(r"\[?([^\[\]/]+?)\]?:(\d+)", address)
+    if not m:
+        return
+    try:
+        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout).close()
+    except OSError as e:
+        raise ConfigError(f"--address {address}: cannot connect to the Ray cluster (nothing answers there: "
+                          f"{e.strerror or e}); start it with `ray start --head --port {m.group(2)}` or check the "
+                          "address (`ray status` on the head node prints it); see docs/cluster.md") from None
 
 
 @contextmanager

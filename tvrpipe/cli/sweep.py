@@ -1,0 +1,104 @@
+"""``tvrpipe sweep``: methods x config values x seeds as Ray tasks, one run directory each."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tvrpipe.cli.app import app
+from tvrpipe.cli.train import _post
+from tvrpipe.errors import ConfigError
+
+console = Console()
+
+
+def _ints(option: str, text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} expects comma-separated integers, e.g. 0,1,2; got {text!r}") from None
+
+
+@app.command("sweep")
+def sweep(
+    features: Annotated[Path, typer.Option(help="A complete feature store, at this path on every node.")],
+    methods: Annotated[
+        Optional[str], typer.Option(help="Comma-separated heads, e.g. xpool,tmass (default: every registered head).")
+    ] = None,
+    seeds: Annotated[str, typer.Option(help="Comma-separated seeds: one run of each combination per seed.")] = "0,1,2",
+    set_: Annotated[
+        Optional[list[str]], typer.Option(
+            "--set", help="Sweep a field: key=v1,v2 (repeatable). train.KEY: a trainer field (lr, epochs, "
+                          "batch_size, ...); METHOD.KEY: one head's field; KEY: the trainer's field, else every "
+                          "listed head's that has it.")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Sweep directory: a run directory per run, runs.* and results.* tables; "
+                                           "rerun to skip finished runs and resume interrupted ones.")] = Path(
+        "runs/sweep"),
+    address: Annotated[
+        Optional[str], typer.Option(help="Ray cluster address (auto, HOST:PORT); default: RAY_ADDRESS, else Ray "
+                                         "on this machine.")
+    ] = None,
+    cpus_per_run: Annotated[float, typer.Option(help="Ray CPUs per run.")] = 1.0,
+    gpus_per_run: Annotated[
+        float, typer.Option(help="Ray GPUs per run (a fraction such as 0.25 shares a GPU); > 0 trains on cuda.")
+    ] = 0.0,
+    epochs: Annotated[
+        Optional[int], typer.Option(help="Train exactly this many epochs (default: until validation stops improving).")
+    ] = None,
+    max_epochs: Annotated[int, typer.Option(help="Cap on epochs when --epochs is not given.")] = 60,
+    patience: Annotated[int, typer.Option(help="Without --epochs: epochs without a better validation score "
+                                               "before stopping.")] = 8,
+    batch_size: Annotated[int, typer.Option(help="Pairs per step.")] = 128,
+    lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default: each head's).")] = None,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.2,
+    post: Annotated[
+        Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
+    ] = None,
+) -> None:
+    """Train a grid of heads x config values x seeds as Ray tasks; tables with mean and std over seeds.
+
+    Every run is a normal train-head run directory under --out. One failing run does not stop
+    the others: it is listed at the end (and the command exits 1 after writing the tables).
+    """
+    from tvrpipe.heads.base import list_heads
+    from tvrpipe.sweep import plan_sweep, run_sweep
+    from tvrpipe.training.fit import TrainConfig
+
+    names = [m.strip() for m in methods.split(",") if m.strip()] if methods is not None else list_heads()
+    runs = plan_sweep(names, _ints("--seeds", seeds), set_ or [])
+    cfg = TrainConfig(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
+                      weight_decay=weight_decay)
+    console.print(f"{len(runs)} runs ({len(names)} methods x {len(_ints('--seeds', seeds))} seeds"
+                  f"{' x swept values' if set_ else ''}) into {out}", highlight=False)
+    result = run_sweep(features, runs, out, cfg, _post(post or []), address, cpus_per_run, gpus_per_run)
+
+    table = Table(title=f"test t2v, mean ± std over seeds ({out / 'results.csv'})")
+    keys = [c for c in result.results.columns if c not in ("n_seeds", "failed") and not c.endswith((" mean", " std"))]
+    for c in [*keys, "seeds", "R@1", "R@5", "R@10", "MdR", "MnR"]:
+        table.add_column(c, justify="left" if c in keys else "right")
+    for _, r in result.results.iterrows():
+        def cell(m: str, r=r) -> str:
+            mean, std = r.get(f"t2v {m} mean"), r.get(f"t2v {m} std")
+            if mean is None or math.isnan(mean):
+                return "-"
+            return f"{mean:.1f}" + ("" if std is None or math.isnan(std) else f" ± {std:.1f}")
+        table.add_row(*(("" if _missing(r[k]) else str(r[k])) for k in keys), f"{r['n_seeds']}",
+                      *(cell(m) for m in ("R@1", "R@5", "R@10", "MdR", "MnR")))
+    console.print(table)
+    counts = {s: sum(row["status"] == s for row in result.rows) for s in ("done", "skipped", "failed")}
+    console.print(f"{counts['done']} trained, {counts['skipped']} already complete (skipped), {counts['failed']} "
+                  f"failed; per run: {out / 'runs.csv'}", highlight=False)
+    if result.failed:
+        for row in result.failed:
+            console.print(f"[red]failed[/] {row['run']}: {row['error']}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _missing(value: object) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))

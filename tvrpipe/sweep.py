@@ -1,0 +1,373 @@
+"""``tvrpipe sweep``: a grid of ``train-head`` runs (methods x config values x seeds) as Ray tasks.
+
+Every combination is one Ray task (``num_cpus`` / ``num_gpus`` per task, so GPU fractions share a
+device on a cluster) that calls :func:`tvrpipe.training.fit.fit` into its own, normal run
+directory. So:
+
+- a rerun skips the runs that finished with the same configuration and resumes the interrupted
+  ones from their last epoch (``fit`` resumes a run directory whose config matches);
+- one failing run (a bad config value, a diverged loss, a crashed worker) does not stop the
+  others; it is listed at the end with its error, and in the tables with ``status = failed``;
+- the results are collected into ``runs.parquet`` / ``runs.csv`` (one row per run) and
+  ``results.parquet`` / ``results.csv`` (one row per method and config, mean and standard
+  deviation over seeds: sample standard deviation, ``ddof = 1``, empty with one seed).
+
+``--set key=v1,v2`` sweeps a field: ``train.KEY`` is a trainer field (``lr``, ``epochs``,
+``batch_size``, ...), ``METHOD.KEY`` a field of one head, and a bare ``KEY`` the trainer's field if
+it has one, else the field of every listed head that has it (a head without it runs once). Seeds
+come from ``--seeds`` only.
+
+The store and the run directories must be on storage every node of the cluster reads and writes
+(docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tvrpipe.config import field_types, parse_value, split_item
+from tvrpipe.errors import ConfigError, TvrpipeError
+
+log = logging.getLogger(__name__)
+
+METRIC_KEYS = ("R@1", "R@5", "R@10", "MdR", "MnR")
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One combination: a method, its head overrides, trainer overrides and a seed."""
+
+    method: str
+    seed: int
+    head: dict[str, Any] = field(default_factory=dict)  # head config overrides
+    train: dict[str, Any] = field(default_factory=dict)  # trainer overrides (on top of the sweep's base)
+
+    @property
+    def swept(self) -> dict[str, Any]:
+        """The swept values, as columns: ``KEY`` for head fields, ``train.KEY`` for trainer fields."""
+        return {**{k: v for k, v in sorted(self.head.items())},
+                **{f"train.{k}": v for k, v in sorted(self.train.items())}}
+
+    @property
+    def name(self) -> str:
+        """The run directory's name: ``method[__key=value...]__seed<N>`` (file-system safe)."""
+        parts = [self.method] + [f"{k}={_safe(v)}" for k, v in self.swept.items()] + [f"seed{self.seed}"]
+        return "__".join(parts)
+
+
+def _safe(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def _split_values(raw: str) -> list[str]:
+    """``"1,2,[3,4]"`` -> ``["1", "2", "[3,4]"]``: commas inside brackets or braces do not split."""
+    out, depth, cur = [], 0, ""
+    for ch in raw:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [v.strip() for v in out]
+
+
+def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str] = ()) -> list[SweepRun]:
+    """Every combination of ``methods`` x the ``--set`` values that apply to each x ``seeds``.
+
+    Args:
+        methods: registered heads.
+        seeds: one run per seed for every other combination.
+        sets: ``"key=v1,v2"`` items (see the module docstring for ``train.`` and ``METHOD.`` keys).
+
+    Raises:
+        ConfigError: an unknown method or key, a key no listed method has, a key that is both a
+            trainer and a head field without a prefix, ``seed`` in ``--set``, a badly typed value.
+
+    Example:
+        >>> [r.name for r in plan_sweep(["xpool"], [0, 1], ["train.lr=1e-3,1e-2"])]  # doctest: +SKIP
+        ['xpool__train.lr=0.001__seed0', 'xpool__train.lr=0.001__seed1', ...]
+    """
+    from tvrpipe.heads.base import head_class, list_heads
+    from tvrpipe.training.fit import TrainConfig
+
+    if not methods:
+        raise ConfigError("--methods is empty; give one or more of: " + ", ".join(list_heads()))
+    unknown = [m for m in methods if m not in list_heads()]
+    if unknown:
+        raise ConfigError(f"--methods: unknown head {unknown[0]!r}; registered: {', '.join(list_heads())}")
+    if len(set(methods)) != len(methods) or len(set(seeds)) != len(seeds) or not seeds:
+        raise ConfigError("--methods and --seeds must be non-empty and list each entry once")
+    train_fields = field_types(TrainConfig)
+    head_fields = {m: field_types(head_class(m).Config) for m in methods}
+    train_axes: dict[str, list[Any]] = {}
+    head_axes: dict[str, dict[str, list[Any]]] = {m: {} for m in methods}
+    for item in sets:
+        key, raw = split_item(item)
+        scope, _, name = key.rpartition(".")
+        if name == "seed" and scope in ("", "train"):
+            raise ConfigError("--set seed=...: seeds are swept with --seeds")
+        if scope == "train" or (not scope and name in train_fields):
+            if not scope and any(name in f for f in head_fields.values()):
+                raise ConfigError(f"--set {key}: both a trainer field and a head field; write train.{name} "
+                                  f"or METHOD.{name}")
+            train_axes[name] = [parse_value(TrainConfig, name, v, "train") for v in _split_values(raw)]
+        elif scope:
+            if scope not in head_axes:
+                raise ConfigError(f"--set {key}: {scope!r} is neither 'train' nor a method of --methods "
+                                  f"({', '.join(methods)})")
+            head_axes[scope][name] = [parse_value(head_class(scope).Config, name, v, scope)
+                                      for v in _split_values(raw)]
+        else:
+            having = [m for m in methods if name in head_fields[m]]
+            if not having:
+                raise ConfigError(f"--set {key}: no listed method has a config key {name!r}, nor the trainer "
+                                  "(`tvrpipe heads` lists each head's keys)")
+            for m in having:
+                head_axes[m][name] = [parse_value(head_class(m).Config, name, v, m) for v in _split_values(raw)]
+    for axes in (train_axes, *head_axes.values()):
+        for name, values in axes.items():
+            if len(set(map(json.dumps, values))) != len(values):
+                raise ConfigError(f"--set {name}: a value is listed twice")
+    runs = []
+    for m in methods:
+        axes = {**{("train", k): v for k, v in train_axes.items()}, **{("head", k): v for k, v in head_axes[m].items()}}
+        for combo in itertools.product(*axes.values()):
+            chosen = dict(zip(axes, combo))
+            for seed in seeds:
+                runs.append(SweepRun(m, int(seed), head={k: v for (w, k), v in chosen.items() if w == "head"},
+                                     train={k: v for (w, k), v in chosen.items() if w == "train"}))
+    return runs
+
+
+@dataclass
+class SweepResult:
+    """What a sweep did: one row per run (status ``done`` / ``skipped`` / ``failed``) and the tables."""
+
+    out: Path
+    rows: list[dict[str, Any]]
+    results: pd.DataFrame  # per method and config, mean and std over seeds
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["status"] == "failed"]
+
+
+def _run_one(features: str, method: str, run_dir: str, train: dict[str, Any], head: dict[str, Any],
+             post: tuple[str, ...]) -> dict[str, Any]:
+    """A Ray task: one ``fit`` (resuming if the run directory holds its interrupted run)."""
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    return fit(features, method, run_dir, TrainConfig(**train), head, post, progress=False)
+
+
+def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: dict[str, Any], features: Path,
+                 post: tuple[str, ...]) -> bool:
+    """The run finished with this configuration (its metrics.json is written last by ``fit``)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    same = json.loads(json.dumps({"method": method, "head": head_cfg, "train": train, "features": str(features),
+                                  "post": list(post)}))
+    return isinstance(config, dict) and all(config.get(k) == v for k, v in same.items())
+
+
+def _error_text(e: BaseException) -> str:
+    """One line for a failed task: a tvrpipe error's own message, else the exception's type and text."""
+    cause = getattr(e, "cause", None)  # RayTaskError wraps the task's exception
+    err = cause if isinstance(cause, BaseException) else e
+    if isinstance(err, TvrpipeError):
+        return " ".join(str(err).split())
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[-1].strip() if lines else ''}"[:500]
+
+
+def _metric_columns(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Flat test metrics (``t2v R@1``, ``t2v_dsl R@1``, ...) and validation t2v R@1 of a finished run."""
+    cols: dict[str, Any] = {"selected_epoch": metrics.get("selected_epoch"),
+                            "epochs_run": (metrics.get("schedule") or {}).get("epochs_run"),
+                            "val t2v R@1": metrics.get("val", {}).get("t2v", {}).get("R@1")}
+    for key, m in sorted(metrics.get("test", {}).items()):
+        if key.startswith(("t2v", "v2t")) and isinstance(m, dict):
+            cols.update({f"{key} {k}": m[k] for k in METRIC_KEYS if k in m})
+    return cols
+
+
+def run_sweep(
+    features: str | os.PathLike[str],
+    runs: Sequence[SweepRun],
+    out: str | os.PathLike[str],
+    train: Any = None,
+    post: tuple[str, ...] = (),
+    address: str | None = None,
+    cpus_per_run: float = 1.0,
+    gpus_per_run: float = 0.0,
+    progress: bool = True,
+) -> SweepResult:
+    """Run ``runs`` as Ray tasks into ``out/<run name>/`` and collect the tables.
+
+    Args:
+        features: a complete feature store, at the same path on every node.
+        runs: the combinations (:func:`plan_sweep`).
+        out: the sweep directory (run directories, ``runs.*``, ``results.*``); rerun to resume.
+        train: the base :class:`~tvrpipe.training.fit.TrainConfig` (``--set train.KEY`` and the
+            seed override it per run).
+        post: post-processing reported beside raw test metrics (``dsl``, ``qbnorm``).
+        address: a Ray cluster (``auto``, ``HOST:PORT``, ``ray://...``); None starts Ray on this
+            machine unless ``RAY_ADDRESS`` is set.
+        cpus_per_run, gpus_per_run: Ray resources of one run (a fraction of a GPU lets several
+            runs share one); with GPUs the runs train on ``cuda``.
+        progress: show a progress bar over runs.
+
+    Returns:
+        A :class:`SweepResult`; failed runs are in it, not raised.
+
+    Raises:
+        ConfigError: bad options, before anything starts.
+        StoreError: the store is missing or damaged.
+
+    Example:
+        >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
+    """
+    from tvrpipe.heads.base import make_config
+    from tvrpipe.lock import check_writable
+    from tvrpipe.pipeline.extract import _ray_init
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.training.fit import TrainConfig
+
+    base = train or TrainConfig()
+    if not cpus_per_run > 0 or not math.isfinite(cpus_per_run):
+        raise ConfigError(f"--cpus-per-run must be > 0, got {cpus_per_run}")
+    if not gpus_per_run >= 0 or not math.isfinite(gpus_per_run):
+        raise ConfigError(f"--gpus-per-run must be >= 0, got {gpus_per_run}")
+    if not runs:
+        raise ConfigError("the sweep has no runs")
+    if gpus_per_run > 0:
+        base = dataclasses.replace(base, device="cuda")
+    base.validate()
+    check_writable(out, "--out")
+    store = open_store(features)
+    features = Path(features).resolve()
+    D = int(store.provenance["embed_dim"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    rows: dict[str, dict[str, Any]] = {}
+    todo: list[tuple[SweepRun, dict[str, Any]]] = []
+    for run in runs:
+        swept = {k: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v)
+                 for k, v in run.swept.items()}  # a list or dict value as JSON text (a table cell, a group key)
+        row = {"run": run.name, "method": run.method, "seed": run.seed, **swept, "status": "", "error": ""}
+        rows[run.name] = row
+        try:
+            tc = dataclasses.replace(base, seed=run.seed, **run.train)
+            tc.validate()
+            head_cfg = dataclasses.asdict(make_config(run.method, **{"embed_dim": D, **run.head}))
+        except (TvrpipeError, TypeError, ValueError) as e:  # one bad combination fails alone
+            row.update(status="failed", error=_error_text(e))
+            continue
+        train_dict = dataclasses.asdict(tc)
+        if _is_complete(out / run.name, run.method, head_cfg, train_dict, features, post):
+            row["status"] = "skipped"  # finished earlier with this configuration
+        else:
+            todo.append((run, train_dict))
+    skipped = sum(r["status"] == "skipped" for r in rows.values())
+    log.info("%d runs: %d to run, %d already complete", len(runs), len(todo), skipped)
+
+    if todo:
+        import ray
+
+        _ray_init(address)
+        task = ray.remote(_run_one).options(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0)
+        pending = {task.remote(str(features), run.method, str(out / run.name), train_dict, run.head, tuple(post)): run
+                   for run, train_dict in todo}
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                       TimeElapsedColumn(), disable=not progress)
+        failed = 0
+        try:
+            with bar:
+                t = bar.add_task("sweep", total=len(pending), info="")
+                while pending:
+                    ready, _ = ray.wait(list(pending), num_returns=1)
+                    run = pending.pop(ready[0])
+                    try:
+                        ray.get(ready[0])
+                        rows[run.name]["status"] = "done"
+                    except Exception as e:  # the task's error (RayTaskError) or a lost worker
+                        failed += 1
+                        rows[run.name].update(status="failed", error=_error_text(e))
+                        log.info("%s failed: %s", run.name, rows[run.name]["error"])
+                    bar.update(t, advance=1, info=f"{failed} failed" if failed else "")
+        except KeyboardInterrupt:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise
+
+    for name, row in rows.items():
+        if row["status"] in ("done", "skipped"):
+            row.update(_metric_columns(json.loads((out / name / "metrics.json").read_text())))
+    table = pd.DataFrame(list(rows.values()))
+    for c in {k for run in runs for k in run.swept}:  # integer values stay integers beside a method without the key
+        values = [run.swept[c] for run in runs if c in run.swept]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            table[c] = table[c].astype("Int64")
+    results = summarize(table)
+    _write_tables(table, results, out)
+    return SweepResult(out, list(rows.values()), results)
+
+
+def summarize(table: pd.DataFrame) -> pd.DataFrame:
+    """Mean and standard deviation (``ddof = 1``) over seeds of every metric column, per method and
+    swept values, from finished runs; ``n_seeds`` counts them and ``failed`` counts the others."""
+    meta = {"run", "method", "seed", "status", "error"}
+    metric_cols = [c for c in table.columns if c.startswith(("t2v", "v2t", "val ")) or c in ("selected_epoch",
+                                                                                              "epochs_run")]
+    keys = ["method"] + [c for c in table.columns if c not in meta and c not in metric_cols]
+    ok = table["status"].isin(["done", "skipped"])
+    out_rows = []
+    for values, group in table.groupby(keys, dropna=False, sort=False):
+        good = group[ok.loc[group.index]]
+        row = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
+        row.update(n_seeds=len(good), failed=int(len(group) - len(good)))
+        for c in metric_cols:
+            x = pd.to_numeric(good[c], errors="coerce").dropna()
+            row[f"{c} mean"] = float(x.mean()) if len(x) else float("nan")
+            row[f"{c} std"] = float(x.std(ddof=1)) if len(x) > 1 else float("nan")
+        out_rows.append(row)
+    results = pd.DataFrame(out_rows)
+    return results.astype({k: table[k].dtype for k in keys}) if len(results) else results
+
+
+def _write_tables(table: pd.DataFrame, results: pd.DataFrame, out: Path) -> None:
+    from tvrpipe.pipeline.store import _atomic_write_parquet, atomic_write_text
+
+    for df, name in ((table, "runs"), (results, "results")):
+        df = df.copy()
+        for c in df.columns:  # a column mixing types (a head field of str and None values) as text in Parquet
+            if df[c].dtype == object and c not in ("run", "method", "status", "error"):
+                df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+        _atomic_write_parquet(df, out / f"{name}.parquet")
+        atomic_write_text(out / f"{name}.csv", df.to_csv(index=False))
