@@ -181,6 +181,13 @@ def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, monkeypatch):
     assert "0 trained, 4 already complete (skipped), 2 failed" in " ".join(r.stdout.split())
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.json")} == stamps
 
+    # without --address a command starts its own Ray, even with a `ray start` cluster on this machine
+    local_env = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    r = _sweep(["--features", store, "--methods", "meanpool", "--seeds", "5", "--epochs", "1", "--out",
+                tmp_path / "local"], local_env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "local" / "meanpool__seed5" / "metrics.json").is_file()
+
 
 def test_sweep_names_an_unreachable_cluster(tmp_path):
     store = generate_store(tmp_path / "store", STORE)

@@ -10,7 +10,7 @@ The flow (DESIGN.md, "Extraction")::
     texts: shards of captions -> encode actors (tokens, mask, EOS sentence) -> the driver writes
 
 Decode is the bottleneck (DESIGN.md measured ~160 frames/s per core for 720p H.264), so decoding
-gets the cores and encoding overlaps with it. Locally ``ray.init()`` starts a private instance;
+gets the cores and encoding overlaps with it. Locally ``ray.init(address="local")`` starts a private instance;
 ``--address``/``RAY_ADDRESS`` runs the same code on a cluster (paths must then be visible to
 every node). A bad video is recorded in ``failures.parquet`` with zero features and an all-False
 mask; it never stops the run, but a run where more than ``max_failed_fraction`` of the videos
@@ -279,8 +279,10 @@ def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
                     "~/.ray/auth_token (`ray get-auth-token` on the head prints it); see docs/cluster.md"
                 ) from None
         else:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            # "local": a private instance even when a cluster started with `ray start` runs on this
+            # machine (plain ray.init() would join that one instead)
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
     import ray.data  # configures its loggers on import: set their level after
 
     for name in ("ray", "ray.data", "ray.train", "ray.tune"):
