@@ -341,3 +341,7 @@ def test_video_root_resolves_extensions_and_reports_missing(ann_copy, tmp_path):
     assert list(m.videos.path) == ["sub/v1@N00_1_a.mp4"]
     assert list(m.captions.video_id) == ["v1@N00_1_a"]
     assert m.meta["missing_videos"] == ["v2@N00_2_b"]
+    # DiDeMo's AWS download script saves <JSON name>.mp4, i.e. a doubled extension
+    (root / "v2@N00_2_b.m4v.mp4").write_bytes(b"x")
+    m = build_manifest("didemo", ann, tmp_path / "m2", video_root=root)
+    assert list(m.videos.path) == ["sub/v1@N00_1_a.mp4", "v2@N00_2_b.m4v.mp4"]

@@ -287,17 +287,27 @@ def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:
     return Manifest(videos, captions, meta)
 
 
+VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".flv", ".mpg", ".mpeg", ".3gp",
+                              ".wmv"})
+
+
 def index_video_files(video_root: str | os.PathLike[str]) -> dict[str, str]:
     """Map each file stem under ``video_root`` (recursively) to its relative path.
 
-    Extensions are ignored, so ``x.mp4`` and ``x.mov`` both answer to ``x``; where a stem
-    has several files the lexicographically first relative path wins (deterministic).
+    Extensions are ignored, so ``x.mp4`` and ``x.mov`` both answer to ``x``; a doubled video
+    extension too (``x.m4v.mp4``, as DiDeMo's AWS download script saves ``x.m4v``), which also
+    answers to ``x.m4v``. Where a stem has several files the lexicographically first relative
+    path wins (deterministic).
     """
     root = Path(video_root)
     found: dict[str, str] = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and not p.name.startswith("."):
-            found.setdefault(p.stem if p.suffix else p.name, p.relative_to(root).as_posix())
+            stem, rel = (p.stem if p.suffix else p.name), p.relative_to(root).as_posix()
+            found.setdefault(stem, rel)
+            inner = Path(stem)
+            if inner.suffix.lower() in VIDEO_EXTENSIONS:
+                found.setdefault(inner.stem, rel)
     return found
 
 
