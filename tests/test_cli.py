@@ -115,6 +115,13 @@ def test_quickstart_end_to_end(tmp_path):
     for title in ("text-to-video, raw scores", "video-to-text, raw scores", "text-to-video, after DSL"):
         assert title in " ".join(r.stdout.split())
     assert "results.csv" in r.stdout
+    # the report over every run: its raw t2v table holds the results' numbers, and its plots exist
+    report = (tmp_path / "q" / "report" / "report.md").read_text()
+    assert f"report: {tmp_path / 'q' / 'report' / 'report.md'}" in " ".join(r.stdout.split())
+    zero = results[(results["post"] == "raw") & (results["method"] == "zero-shot")].iloc[0]
+    assert f"{zero['t2v R@1']:.1f}" in report and "Text-to-video" in report
+    for png in ("curves.png", "r1.png", "uncertainty.png", "gallery.png"):
+        assert (tmp_path / "q" / "report" / png).stat().st_size > 10_000, png
     # quiet by default: our progress bars and summaries only, no Ray or open_clip lines
     noise = [line for line in (r.stdout + r.stderr).replace("\r", "\n").splitlines()
              if any(k in line for k in ("INFO", "core_worker", "Token authentication", "WARNING",

@@ -2,7 +2,8 @@
 and the offline quickstart").
 
 synth -> finetune --end-to-end a tiny CLIP from random weights -> extract with it -> train-head for
-every registered head (plus the zero-shot row: meanpool untrained) -> one results table.
+every registered head (plus the zero-shot row: meanpool untrained) -> one results table -> ``tvrpipe
+report`` (Markdown tables, plots, a retrieval gallery) in ``report/``.
 
 Choices (docs/quickstart.md): the tiny CLIP (``tvrpipe-tiny``, D = 64) is finetuned with the
 parameter-free meanpool head, so that no head is favoured by the features; the learning rates are
@@ -44,6 +45,7 @@ class QuickstartPlan:
 class QuickstartResult:
     out: Path
     rows: list[dict] = field(default_factory=list)  # one per head: method, kind, t2v/v2t metrics
+    report: Path | None = None  # report.md (tvrpipe report over the runs)
 
     def table_rows(self, post: str = "") -> list[dict]:
         """Rows of raw (``post=""``) or post-processed (``"dsl"``) test metrics."""
@@ -58,7 +60,8 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     """Run every stage into ``out``; rerunning resumes (each stage resumes or skips finished work).
 
     Args:
-        out: working directory: ``data/``, ``finetune/``, ``features/``, ``runs/``, ``results.csv``.
+        out: working directory: ``data/``, ``finetune/``, ``features/``, ``runs/``, ``results.csv``,
+            ``report/``.
         plan: sizes of the stages.
         seed: seed of every stage.
         stage: called with a title as each stage starts (the CLI prints it).
@@ -68,6 +71,7 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     from tvrpipe.pipeline.clip import TINY_MODEL
     from tvrpipe.pipeline.extract import ExtractConfig, extract
     from tvrpipe.pipeline.synth import synthesize
+    from tvrpipe.report import write_report
     from tvrpipe.training.finetune import FinetuneConfig, finetune
     from tvrpipe.training.fit import TrainConfig, fit
 
@@ -97,6 +101,9 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
         result.rows.append({"method": label, "run": str(run), "selected_epoch": metrics["selected_epoch"],
                             "test": metrics["test"]})
     _write_csv(result, out / "results.csv")
+    stage("5. report: the papers' tables and plots, with a retrieval gallery (tvrpipe report)")
+    result.report = write_report([out / "runs", out / "finetune"], out / "report", video_root=data / "videos",
+                                 manifest=data / "manifest", seed=seed)
     return result
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tvrpipe.cli import bench, extract, finetune, manifest, quickstart, sweep, synth, train  # noqa: F401  (each adds its commands)
+from tvrpipe.cli import bench, extract, finetune, manifest, quickstart, report, sweep, synth, train  # noqa: F401  (each adds its commands)
 from tvrpipe.cli.app import app
 
 __all__ = ["app", "main"]

@@ -24,7 +24,7 @@ def quickstart(
     videos: Annotated[Optional[int], typer.Option(help="Number of synthetic videos (default 200; 120 with --fast).")] = None,
     seed: Annotated[int, typer.Option(help="Random seed of every stage.")] = 0,
 ) -> None:
-    """Run the pipeline offline on generated videos: synth -> finetune -> extract -> train-head (CPU, minutes).
+    """Run the pipeline offline on generated videos: synth -> finetune -> extract -> train-head -> report (CPU, minutes).
 
     Rerun the same command to resume: each stage skips or resumes what is done.
     """
@@ -47,3 +47,6 @@ def quickstart(
             console.print(table)
     console.print(f"results: {out / 'results.csv'}; runs (metrics.json, epochs.csv, plots/): {out / 'runs'}; "
                   f"finetuned CLIP: {out / 'finetune' / 'clip.safetensors'}", highlight=False, soft_wrap=True)
+    console.print(f"report: {result.report} (tables like the papers', curves, R@1, uncertainty and a retrieval "
+                  f"gallery: {', '.join(sorted(p.name for p in result.report.parent.glob('*.png')))})",
+                  highlight=False, soft_wrap=True)
