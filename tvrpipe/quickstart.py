@@ -1,7 +1,9 @@
 """``tvrpipe quickstart``: the whole pipeline, offline, on generated videos (DESIGN.md, "Synthetic data
 and the offline quickstart").
 
-synth -> finetune --end-to-end a tiny CLIP from random weights -> extract with it -> train-head for
+synth (the benchmark, and as many other videos of the same world: the tiny CLIP's training data, so
+the benchmark stays unseen and the zero-shot row is zero-shot) -> finetune --end-to-end a tiny CLIP
+from random weights on those -> extract the benchmark with it -> train-head for
 every registered head (plus the zero-shot row: meanpool untrained) -> one results table -> ``tvrpipe
 report`` (Markdown tables, plots, a retrieval gallery) in ``report/``.
 
@@ -30,6 +32,7 @@ class QuickstartPlan:
     """How big each stage is; ``fast`` is the plan of ``--fast``."""
 
     videos: int = 200
+    pretrain_videos: int = 200  # CLIP's own training set, disjoint from the benchmark (its "web data")
     finetune_epochs: int = 10
     head_batch: int = 32
     max_epochs: int = 60
@@ -38,7 +41,7 @@ class QuickstartPlan:
     @classmethod
     def fast(cls) -> QuickstartPlan:
         # a store of ~100 train videos has 3 steps per epoch: 100 steps is already ~30 epochs per head
-        return cls(videos=120, finetune_epochs=4, head_batch=32, max_epochs=20, min_steps=100)
+        return cls(videos=120, pretrain_videos=120, finetune_epochs=4, head_batch=32, max_epochs=20, min_steps=100)
 
 
 @dataclass
@@ -60,7 +63,7 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     """Run every stage into ``out``; rerunning resumes (each stage resumes or skips finished work).
 
     Args:
-        out: working directory: ``data/``, ``finetune/``, ``features/``, ``runs/``, ``results.csv``,
+        out: working directory: ``data/``, ``pretrain/``, ``finetune/``, ``features/``, ``runs/``, ``results.csv``,
             ``report/``.
         plan: sizes of the stages.
         seed: seed of every stage.
@@ -77,12 +80,15 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
 
     out = Path(out)
     data = out / "data"
-    stage(f"1. synthetic dataset: {plan.videos} videos (tvrpipe synth)")
+    stage(f"1. synthetic datasets: {plan.videos} benchmark videos, {plan.pretrain_videos} for CLIP (tvrpipe synth)")
     if not (data / "manifest" / "videos.parquet").is_file():
         synthesize(data, plan.videos, seed, progress=progress)
-    stage(f"2. finetune {TINY_MODEL} end to end from random weights, {plan.finetune_epochs} epochs "
-          "(tvrpipe finetune --end-to-end)")
-    ft = finetune(data / "manifest", data / "videos", "meanpool", out / "finetune",
+    pre = out / "pretrain"
+    if not (pre / "manifest" / "videos.parquet").is_file():  # other videos from the same world, another seed
+        synthesize(pre, plan.pretrain_videos, seed + 1_000_003, progress=progress)
+    stage(f"2. train {TINY_MODEL} end to end from random weights on {plan.pretrain_videos} other videos, "
+          f"{plan.finetune_epochs} epochs (tvrpipe finetune --end-to-end)")
+    ft = finetune(pre / "manifest", pre / "videos", "meanpool", out / "finetune",
                   FinetuneConfig(end_to_end=True, model=TINY_MODEL, pretrained="none", epochs=plan.finetune_epochs,
                                  batch_size=16, clip_lr=1e-3, head_lr=1e-3, seed=seed), progress=progress)
     stage("3. CLIP features with the finetuned weights (tvrpipe extract)")

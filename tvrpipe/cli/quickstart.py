@@ -21,7 +21,9 @@ def quickstart(
         "quickstart"
     ),
     fast: Annotated[bool, typer.Option("--fast", help="A smaller run (fewer videos and epochs): a few minutes.")] = False,
-    videos: Annotated[Optional[int], typer.Option(help="Number of synthetic videos (default 200; 120 with --fast).")] = None,
+    videos: Annotated[Optional[int], typer.Option(
+        help="Synthetic benchmark videos (default 200; 120 with --fast); the tiny CLIP trains on as many others.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Random seed of every stage.")] = 0,
 ) -> None:
     """Run the pipeline offline on generated videos: synth -> finetune -> extract -> train-head -> report (CPU, minutes).
@@ -32,7 +34,7 @@ def quickstart(
 
     plan = QuickstartPlan.fast() if fast else QuickstartPlan()
     if videos is not None:
-        plan = dataclasses.replace(plan, videos=videos)
+        plan = dataclasses.replace(plan, videos=videos, pretrain_videos=videos)
     result = run_quickstart(out, plan, seed, stage=lambda title: console.rule(title))
     console.rule("results: test split")
     for post, what in (("", "raw scores"), ("dsl", "after DSL (dual softmax: post-processing, reported apart)")):
