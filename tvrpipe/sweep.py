@@ -38,7 +38,7 @@ from typing import Any
 import pandas as pd
 
 from tvrpipe.config import field_types, parse_value, split_item
-from tvrpipe.errors import ConfigError, TvrpipeError
+from tvrpipe.errors import ConfigError, RunError, TvrpipeError
 
 log = logging.getLogger(__name__)
 
@@ -181,16 +181,17 @@ def _run_one(features: str, method: str, run_dir: str, train: dict[str, Any], he
 def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: dict[str, Any], features: Path,
                  post: tuple[str, ...]) -> bool:
     """The run finished with this configuration (its metrics.json is written last by ``fit``)."""
-    import yaml
+    from tvrpipe.training.fit import _read_config, _recorded
 
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
-        json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+        config = _read_config(run_dir)
+        if _recorded(run_dir, "test") is None:
+            return False
+    except RunError:  # no run yet, or damaged files: fit says what is wrong when it runs
         return False
     same = json.loads(json.dumps({"method": method, "head": head_cfg, "train": train, "features": str(features),
                                   "post": list(post)}))
-    return isinstance(config, dict) and all(config.get(k) == v for k, v in same.items())
+    return all(config.get(k) == v for k, v in same.items())
 
 
 def _error_text(e: BaseException) -> str:

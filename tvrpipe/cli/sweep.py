@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import app
-from tvrpipe.cli.train import _post
+from tvrpipe.cli.train import (BatchSizeOption, EpochsOption, LrOption, MaxEpochsOption, PatienceOption, PostOption,
+                               WeightDecayOption, _post)
 from tvrpipe.errors import ConfigError
 
 console = Console()
@@ -48,18 +49,13 @@ def sweep(
     gpus_per_run: Annotated[
         float, typer.Option(help="Ray GPUs per run (a fraction such as 0.25 shares a GPU); > 0 trains on cuda.")
     ] = 0.0,
-    epochs: Annotated[
-        Optional[int], typer.Option(help="Train exactly this many epochs (default: until validation stops improving).")
-    ] = None,
-    max_epochs: Annotated[int, typer.Option(help="Cap on epochs when --epochs is not given.")] = 60,
-    patience: Annotated[int, typer.Option(help="Without --epochs: epochs without a better validation score "
-                                               "before stopping.")] = 8,
-    batch_size: Annotated[int, typer.Option(help="Pairs per step.")] = 128,
-    lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default: each head's).")] = None,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.2,
-    post: Annotated[
-        Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
-    ] = None,
+    epochs: EpochsOption = None,
+    max_epochs: MaxEpochsOption = 60,
+    patience: PatienceOption = 8,
+    batch_size: BatchSizeOption = 128,
+    lr: LrOption = None,
+    weight_decay: WeightDecayOption = 0.2,
+    post: PostOption = None,
 ) -> None:
     """Train a grid of heads x config values x seeds as Ray tasks; tables with mean and std over seeds.
 

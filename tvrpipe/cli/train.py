@@ -17,6 +17,22 @@ from tvrpipe.errors import ConfigError
 console = Console()
 _POST = ("dsl", "qbnorm")
 
+# train-head's schedule and post-processing options, shared with `tvrpipe sweep` (one definition of
+# each option's type and help; the defaults, TrainConfig's, are given where they are used)
+EpochsOption = Annotated[Optional[int], typer.Option(
+    help="Train exactly this many epochs (warmup + cosine). Default: until validation stops improving "
+         "(--patience, at most --max-epochs).")]
+MaxEpochsOption = Annotated[int, typer.Option(help="Cap on epochs when --epochs is not given.")]
+PatienceOption = Annotated[int, typer.Option(
+    help="Without --epochs: stop after this many epochs without a better validation score (t2v R@1+R@5+R@10; "
+         "the lr halves every 3 such epochs).")]
+BatchSizeOption = Annotated[int, typer.Option(help="Pairs per step (one caption per video).")]
+LrOption = Annotated[Optional[float], typer.Option(
+    help="AdamW learning rate. Default: the head's (`tvrpipe heads` lists them).")]
+WeightDecayOption = Annotated[float, typer.Option(help="AdamW weight decay.")]
+PostOption = Annotated[Optional[list[str]], typer.Option(
+    help="Also report test metrics after dsl or qbnorm (repeatable).")]
+
 
 def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
     """``["key=value", ...]`` -> typed overrides for ``method``'s config (unknown keys fail)."""
@@ -53,28 +69,18 @@ def train_head(
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
     ] = None,
-    epochs: Annotated[
-        Optional[int], typer.Option(help="Train exactly this many epochs (warmup + cosine). Default: until "
-                                         "validation stops improving (--patience, at most --max-epochs).")
-    ] = None,
-    max_epochs: Annotated[int, typer.Option(help="Cap on epochs when --epochs is not given.")] = 60,
-    patience: Annotated[
-        int, typer.Option(help="Without --epochs: stop after this many epochs without a better validation score "
-                               "(t2v R@1+R@5+R@10; the lr halves every 3 such epochs).")
-    ] = 8,
-    batch_size: Annotated[int, typer.Option(help="Pairs per step (one caption per video).")] = 128,
-    lr: Annotated[
-        Optional[float], typer.Option(help="AdamW learning rate. Default: the head's (`tvrpipe heads` lists them).")
-    ] = None,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 0.2,
+    epochs: EpochsOption = None,
+    max_epochs: MaxEpochsOption = 60,
+    patience: PatienceOption = 8,
+    batch_size: BatchSizeOption = 128,
+    lr: LrOption = None,
+    weight_decay: WeightDecayOption = 0.2,
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = 0,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     prefetch: Annotated[
         bool, typer.Option(help="Build the next batch in a background thread (off may be faster on 2-core CPUs).")
     ] = True,
-    post: Annotated[
-        Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
-    ] = None,
+    post: PostOption = None,
 ) -> None:
     """Train a retrieval head on cached features; select on validation; evaluate on test."""
     from tvrpipe.training.fit import TrainConfig, fit
