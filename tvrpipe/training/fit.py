@@ -56,8 +56,10 @@ class TrainConfig:
     With ``epochs`` None (the default) a run trains until validation stops improving: linear
     warmup over the first epoch, then a constant learning rate, halved after ``plateau`` epochs
     without a better validation score (t2v R@1 + R@5 + R@10), stopping after ``patience`` such
-    epochs (at most ``max_epochs``); the checkpoint is still selected on t2v (R@1, R@5, R@10). With ``epochs`` set, the schedule is the papers' warmup + cosine over exactly
-    that many epochs. ``lr`` None takes the head's ``default_lr``. The evidence for these
+    epochs (at most ``max_epochs``); on a store with few steps an epoch these three scale up so that
+    patience covers ``min_steps`` optimizer steps (:func:`open_ended_epochs`). The checkpoint is
+    still selected on t2v (R@1, R@5, R@10). With ``epochs`` set, the schedule is the papers' warmup
+    + cosine over exactly that many epochs. ``lr`` None takes the head's ``default_lr``. The evidence for these
     defaults is in docs/training.md (``tvrpipe bench convergence``).
     """
 
@@ -65,8 +67,9 @@ class TrainConfig:
     max_epochs: int = 60  # choice: cap of a run without --epochs (stopping comes far earlier on the grid)
     patience: int = 8  # choice: epochs without a better validation score before stopping (docs/training.md)
     plateau: int = 3  # choice: epochs without a better validation score before the lr halves
-    # choice: no halving or stopping before this many optimizer steps: progress per epoch depends on
-    # the steps in an epoch, so a store of few videos would otherwise stop after a few dozen updates
+    # choice: no stop before this many optimizer steps without a better validation score: progress per
+    # epoch depends on the steps in an epoch, so on a store with fewer than min_steps / patience steps
+    # an epoch, patience, plateau and max_epochs all scale up by the same factor (open_ended_epochs)
     min_steps: int = 300
     batch_size: int = 128  # CLIP4Clip Sec. 4.1: batch 128
     lr: float | None = None  # None: the head's default_lr (chosen on validation curves, docs/training.md)
@@ -101,6 +104,26 @@ class TrainConfig:
                 raise ConfigError(f"{opt} must be >= 1, got {value}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"--device must be cpu or cuda (cuda:N), got {self.device!r}")
+
+
+def open_ended_epochs(train: TrainConfig, steps_per_epoch: int) -> tuple[int, int, int]:
+    """(patience, plateau, max_epochs) in epochs for a run without ``epochs``, on a store of
+    ``steps_per_epoch`` optimizer steps an epoch.
+
+    Progress per epoch depends on the steps in it, so all three count epochs of at least
+    ``min_steps / patience`` steps: on a store with fewer steps an epoch they are multiplied by
+    ``f = min_steps / (patience * steps_per_epoch)`` (rounded up), which makes patience cover
+    ``min_steps`` steps. ``f`` is at least 1 (bigger stores keep the configured epochs). E.g. the
+    defaults (8, 3, 60, 300 steps): 70 steps an epoch (MSR-VTT 9k) -> (8, 3, 60); 15 -> (20, 8, 150);
+    3 -> (100, 38, 750).
+
+    Example:
+        >>> open_ended_epochs(TrainConfig(), 15)
+        (20, 8, 150)
+    """
+    f = max(1.0, train.min_steps / (train.patience * steps_per_epoch))
+    patience, plateau, max_epochs = (math.ceil(round(n * f, 6)) for n in (train.patience, train.plateau, train.max_epochs))
+    return patience, plateau, max(max_epochs, patience + 1)
 
 
 def _schedule(step: int, total: int | None, warmup: int, halvings: int = 0) -> float:
@@ -355,9 +378,13 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     train_split = splits.train
     lr, lr_source = resolved_lr(method, train)
     open_ended = train.epochs is None
-    schedule = (f"until validation t2v R@1+R@5+R@10 stops improving: warmup 1 epoch, lr halved after "
-                f"{train.plateau} epochs without improvement, stop after {train.patience}, neither before "
-                f"{train.min_steps} steps, at most {train.max_epochs} epochs (more if {train.min_steps} steps need it)"
+    steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
+    if max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, max_steps)
+    patience, plateau, max_epochs = open_ended_epochs(train, steps_per_epoch)
+    schedule = (f"until validation t2v R@1+R@5+R@10 stops improving: warmup 1 epoch, lr halved after every "
+                f"{plateau} epochs without improvement, stop after {patience} ({steps_per_epoch} steps an "
+                f"epoch), at most {max_epochs} epochs"
                 if open_ended else f"{train.epochs} epochs: warmup {train.warmup_fraction:g}, then cosine")
     config = {
         "method": method,
@@ -382,12 +409,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     head = head_class(method)(head_cfg).to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=train.weight_decay) if params else None
-    steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
-    if max_steps is not None:
-        steps_per_epoch = min(steps_per_epoch, max_steps)
     batch = min(train.batch_size, train_split.n_videos)
-    n_epochs = (max(train.max_epochs, -(-train.min_steps // steps_per_epoch) + train.patience) if open_ended
-                else train.epochs)
+    n_epochs = max_epochs if open_ended else train.epochs
     if open_ended:  # warmup over the first epoch, then constant (halved on plateaus)
         total, warmup = None, steps_per_epoch
     else:
@@ -480,10 +503,10 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                 best_score, since_best = _progress_score(val), 0
             else:
                 since_best += 1
-                if open_ended and (epoch + 1) * steps_per_epoch >= train.min_steps:
-                    if since_best % train.plateau == 0:
+                if open_ended:
+                    if since_best % plateau == 0:
                         halvings += 1
-                    stopped = since_best >= train.patience
+                    stopped = since_best >= patience
             tmp = state_path.with_name(".state.pt.tmp")
             torch.save({"epoch": epoch, "best": best, "rows": rows, "best_score": best_score, "since_best": since_best,
                         "halvings": halvings, "stopped": stopped,
@@ -506,7 +529,9 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                "validation": splits.val_source, "val": best["val"], "test": test,
                "checkpoint": {"file": "checkpoints/best.safetensors", "sha256": best.get("sha256")},
                "schedule": {"lr": lr, "lr_source": lr_source, "description": schedule, "epochs_run": len(rows),
-                            "stopped_early": stopped, "lr_halvings": halvings},
+                            "stopped_early": stopped, "lr_halvings": halvings,
+                            **({"patience_epochs": patience, "plateau_epochs": plateau, "max_epochs": max_epochs}
+                               if open_ended else {})},
                "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
                          "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None}}
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
