@@ -450,3 +450,28 @@ def test_qb_norm_large_scores_do_not_overflow():
     bank = np.array([[95.0, 5.0]], dtype=np.float32)
     out = qb_norm(sim, bank, beta=20.0)
     assert np.isfinite(out).all() and out[0].argmax() == 1
+
+
+def test_dsl_is_not_applied_to_distance_scores():
+    """DSL's sim x prior inverts a ranking of negative distances (the reason ProTA opts out):
+    here the matched pairs (the diagonal, distance 0.1) end last after DSL."""
+    sim = -np.array([[0.1, 0.5, 0.6], [0.5, 0.1, 0.7], [0.6, 0.7, 0.1]])
+    tv = np.arange(3)
+    assert ref_metrics(ref_t2v_ranks(sim, tv))["R@1"] == 100.0
+    assert ref_metrics(ref_t2v_ranks(ref_dual_softmax(sim, 100.0, axis=0), tv))["R@1"] == 0.0
+
+    from tvrpipe.heads.prota import Config as ProTAConfig
+    from tvrpipe.heads.prota import ProTA
+
+    texts, videos = _split(_texts(6, seed=1), 3), _split(_videos(6, seed=2), 3)
+    head = ProTA(ProTAConfig(embed_dim=D, num_heads=1, num_layers=1))
+    res = evaluate_head(head, texts, videos, np.arange(6), post=("dsl",))
+    assert "t2v_dsl" not in res and "v2t_dsl" not in res
+    assert "negative W2 distances" in res["dsl_not_applicable"]
+    cosine = ProTA(ProTAConfig(embed_dim=D, num_heads=1, num_layers=1, probabilistic=False, kl_weight=0.0,
+                               margin_weight=0.0))
+    assert cosine.dsl_not_applicable is None
+    res = evaluate_head(cosine, texts, videos, np.arange(6), post=("dsl",), return_sim=True)
+    assert "dsl_not_applicable" not in res
+    assert res["t2v_dsl"] == pytest.approx(
+        ref_metrics(ref_t2v_ranks(ref_dual_softmax(res["sim"].numpy(), 100.0, axis=0), np.arange(6))))

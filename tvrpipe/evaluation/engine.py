@@ -353,7 +353,10 @@ def evaluate_head(
                 means.update(query_readout_means(reranked, sim, tv))
             if means:
                 result["readouts"] = means
-        if "dsl" in post:
+        if "dsl" in post and head.dsl_not_applicable:
+            result["dsl_not_applicable"] = head.dsl_not_applicable
+            log.warning("%s: no DSL: %s", head.name, head.dsl_not_applicable)
+        elif "dsl" in post:
             t2v_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=0), "DSL (t2v)", *names)
             v2t_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=1), "DSL (v2t)", *names)
             result["t2v_dsl"] = retrieval_metrics(t2v_ranks(t2v_dsl, tv))

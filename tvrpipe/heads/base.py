@@ -124,6 +124,17 @@ class Head(nn.Module):
     # Each head sets it from the validation curves of `tvrpipe bench convergence` (docs/training.md).
     default_lr: ClassVar[float] = 1e-3
 
+    @property
+    def dsl_not_applicable(self) -> str | None:
+        """Why DSL (``--post dsl``) does not apply to this head's scores, or None where it does.
+
+        DSL re-weights a similarity by a prior in (0, 1], ``sim * softmax(T sim)``; that presumes
+        non-negative similarities such as CLIP cosines. On a score that is a negative distance the
+        product inverts the ranking (the pair the prior favours most gets the most negative score),
+        so a head whose scores are distances says so here and the engine reports no DSL for it.
+        """
+        return None
+
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config

@@ -309,6 +309,15 @@ class ProTA(Head):
         return dpa_scores(low, gram, te["mask"], ve["mask"], te["weight"], ve["weight"], cfg.lam, cfg.xi,
                           self._gram_floor)
 
+    @property
+    def dsl_not_applicable(self) -> str | None:
+        """Eq. 11's score averages negative W2 distances (Eq. 10), so DSL's sim x prior would invert
+        its ranking; the paper reports no DSL either ("without any augmentation [1]", Sec. 4.3)."""
+        if self.config.probabilistic:
+            return ("ProTA's Eq. 11 score is an average of negative W2 distances (Eq. 10); DSL's "
+                    "sim x softmax(100 sim) presumes non-negative similarities and would invert the ranking")
+        return None
+
     def similarity(self, text_emb: Emb, video_emb: Emb) -> Tensor:
         """Eq. 11 (Eq. 8 with ``probabilistic=False``): (n_text, n_video), deterministic.
 
