@@ -268,3 +268,27 @@ def test_train_head_cli_prints_reranked_rows_and_readouts(cli, tmp_path):
     assert r.exit_code == 0, r.output
     assert "t2v_rerank" in r.output and "v2t_rerank" in r.output
     assert "readout u_s_t2v: correct" in r.output and "incorrect" in r.output
+
+
+def test_local_aggregation_mean_equals_the_block_mean():
+    """attention_block_mean (value and output projections after the mean) equals the plain
+    masked mean of the attention block's output, padding included, and so does its gradient."""
+    from tvrpipe.heads.duq import attention_block_mean
+    from tvrpipe.heads.losses import masked_mean
+    from tvrpipe.heads.seqtransf import ResidualAttentionBlock
+
+    torch.manual_seed(0)
+    block = ResidualAttentionBlock(16, 4, mlp_ratio=0, ln_eps=1e-5).double()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(5, 7, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.arange(7)[None] < torch.tensor([[7], [1], [4], [6], [0]])  # the last item: all padding
+    xm = torch.where(mask[..., None], x, torch.zeros_like(x))
+    direct = masked_mean(block(xm, mask), mask, dim=1)
+    fast = attention_block_mean(block, xm, mask)
+    torch.testing.assert_close(fast, direct, rtol=1e-12, atol=1e-12)
+    assert fast[4].abs().max() == 0  # an all-padded item averages to 0 either way
+    g_direct = torch.autograd.grad(direct.square().sum(), [x, *block.parameters()], retain_graph=True)
+    g_fast = torch.autograd.grad(fast.square().sum(), [x, *block.parameters()])
+    for a, b in zip(g_direct, g_fast):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

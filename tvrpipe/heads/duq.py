@@ -38,6 +38,8 @@ Choices (docs/methods.md, "DUQ"):
   adds an MLP, which would triple the per-token cost; 8 heads at D = 512) over the real words
   (frames), their masked mean,
   concatenated with the global feature and projected back to D (a linear map of [local ; global]).
+  The mean is computed by :func:`attention_block_mean` (value and output projections after it:
+  the same function, half the per-token work).
   The global text feature is the EOS sentence; the global video feature is the mean of its frames
   (X-Pool's F_v is text-conditioned, which would make z_v, hence every sample, a per-pair quantity
   at K x D per pair).
@@ -145,11 +147,34 @@ class LocalAggregation(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor, global_feature: Tensor) -> Tensor:
         mask = mask.bool()
-        x = torch.where(mask.unsqueeze(-1), x, torch.zeros_like(x))  # padding never enters
         local = x.new_empty(x.shape[0], x.shape[2])  # (B, D)
         for idx, keep in length_groups(mask):  # no work on the padded tails of short captions
-            local[idx] = masked_mean(self.block(x[idx, :keep], mask[idx, :keep]), mask[idx, :keep], dim=1)
+            m = mask[idx, :keep]
+            xi = x[idx, :keep].masked_fill_(~m.unsqueeze(-1), 0.0)  # padding never enters (a copy: x is not changed)
+            local[idx] = attention_block_mean(self.block, xi, m)
         return self.fuse(torch.cat([local, global_feature], dim=-1))  # (B, D)
+
+
+def attention_block_mean(block: ResidualAttentionBlock, x: Tensor, mask: Tensor) -> Tensor:
+    """``masked_mean(block(x, mask), mask)`` of an attention-only block, with half its work.
+
+    The mean over the real queries commutes with the value and output projections (both linear,
+    the attention weights of a query summing to 1): mean_q(x_q + W_o sum_k a_qk W_v y_k + b) =
+    mean(x) + W_o (W_v sum_k abar_k y_k + b_v) + b_o, abar_k = mean_q a_qk per head, y = LN(x). So
+    only the query and key projections run per token (2 D^2 instead of 4 D^2 multiply-adds), the
+    value and output projections once per item. Equal to the block's output up to float rounding
+    (tests/test_duq.py); used in training and evaluation alike.
+    """
+    b, n, d = x.shape
+    h = block.heads
+    y = block.ln_1(x)
+    a = block.attention_weights(y, mask)  # (B, H, N queries, N keys)
+    abar = masked_mean(a.transpose(2, 3), mask[:, None, None, :], dim=-1)  # (B, H, N keys): mean over real queries
+    pooled = torch.einsum("bhk,bkd->bhd", abar, y)  # (B, H, D): each head's weighted mean of LN(x)
+    w_v = block.in_proj.weight[2 * d:].view(h, d // h, d)  # head h's rows of W_v
+    v = torch.einsum("bhd,hcd->bhc", pooled, w_v).reshape(b, d) + block.in_proj.bias[2 * d:]  # (B, D)
+    has_real = mask.any(1, keepdim=True).to(x.dtype)  # an all-padded item: 0, as masked_mean gives
+    return masked_mean(x, mask, dim=1) + has_real * block.out_proj(v)
 
 
 @register_head("duq")
