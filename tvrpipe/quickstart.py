@@ -84,8 +84,9 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     if not (data / "manifest" / "videos.parquet").is_file():
         synthesize(data, plan.videos, seed, progress=progress)
     pre = out / "pretrain"
-    if not (pre / "manifest" / "videos.parquet").is_file():  # other videos from the same world, another seed
-        synthesize(pre, plan.pretrain_videos, seed + 1_000_003, progress=progress)
+    # other videos from the same world, another seed; single-scene, as CLIP's image-caption pairs are
+    if not (pre / "manifest" / "videos.parquet").is_file():
+        synthesize(pre, plan.pretrain_videos, seed + 1_000_003, multi_scene_fraction=0.0, progress=progress)
     stage(f"2. train {TINY_MODEL} end to end from random weights on {plan.pretrain_videos} other videos, "
           f"{plan.finetune_epochs} epochs (tvrpipe finetune --end-to-end)")
     ft = finetune(pre / "manifest", pre / "videos", "meanpool", out / "finetune",

@@ -57,6 +57,8 @@ def _print_metrics(title: str, metrics: dict) -> None:
         m = metrics[key]
         table.add_row(key, *(f"{m[c]:.1f}" for c in ("R@1", "R@5", "R@10", "MdR", "MnR")))
     console.print(table)
+    if metrics.get("dsl_not_applicable"):
+        console.print(f"no DSL: {metrics['dsl_not_applicable']}", highlight=False)
     for name, r in metrics.get("readouts", {}).items():  # the head's uncertainty readouts
         values = ", ".join(f"{k} {v:.4g}" for k, v in r.items()) if isinstance(r, dict) else f"{r:.4g}"
         console.print(f"readout {name}: {values}")

@@ -355,7 +355,7 @@ def evaluate_head(
                 result["readouts"] = means
         if "dsl" in post and head.dsl_not_applicable:
             result["dsl_not_applicable"] = head.dsl_not_applicable
-            log.warning("%s: no DSL: %s", head.name, head.dsl_not_applicable)
+            log.info("%s: no DSL: %s", head.name, head.dsl_not_applicable)  # recorded in the result
         elif "dsl" in post:
             t2v_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=0), "DSL (t2v)", *names)
             v2t_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=1), "DSL (v2t)", *names)
