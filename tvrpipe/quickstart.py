@@ -36,11 +36,11 @@ class QuickstartPlan:
     finetune_epochs: int = 10
     head_batch: int = 32
     max_epochs: int = 60
-    min_steps: int = 300  # train-head's floor before early stopping (TrainConfig.min_steps)
+    min_steps: int = 300  # steps without improvement before a head stops (TrainConfig.min_steps)
 
     @classmethod
     def fast(cls) -> QuickstartPlan:
-        # a store of ~100 train videos has 3 steps per epoch: 100 steps is already ~30 epochs per head
+        # ~80 train videos are 2 steps an epoch at batch 32: patience of 100 steps is already 50 epochs
         return cls(videos=120, pretrain_videos=120, finetune_epochs=4, head_batch=32, max_epochs=20, min_steps=100)
 
 
