@@ -48,7 +48,8 @@ def quickstart(
                 table.add_row(r["method"], *(f"{r[f'{direction} {m}']:.1f}" for m in METRICS))
             skipped = [r["method"] for r in result.rows if post and f"{post}_not_applicable" in r["test"]]
             if skipped:
-                table.caption = f"no {post.upper()} for {', '.join(skipped)}: its scores are negative distances"
+                table.caption = (f"no {post.upper()} for {', '.join(skipped)}: "
+                                 "its scores are negative distances")
             console.print(table)
     console.print(f"results: {out / 'results.csv'}; runs (metrics.json, epochs.csv, plots/): {out / 'runs'}; "
                   f"finetuned CLIP: {out / 'finetune' / 'clip.safetensors'}", highlight=False, soft_wrap=True)

@@ -25,8 +25,9 @@ EpochsOption = Annotated[Optional[int], typer.Option(
 MaxEpochsOption = Annotated[int, typer.Option(help="Cap on epochs when --epochs is not given.")]
 PatienceOption = Annotated[int, typer.Option(
     help="Without --epochs: stop after this many epochs without a better validation score (t2v R@1+R@5+R@10; "
-         "the lr halves every 3 such epochs). On a store of fewer than 300 / patience optimizer steps an epoch, "
-         "patience, the 3 and --max-epochs scale up by the same factor, so that patience covers 300 steps.")]
+         "the lr halves every 3 such epochs). On a store of fewer than 300 / patience optimizer steps an "
+         "epoch, patience, the 3 and --max-epochs scale up by the same factor, so that patience covers "
+         "300 steps.")]
 BatchSizeOption = Annotated[int, typer.Option(help="Pairs per step (one caption per video).")]
 LrOption = Annotated[Optional[float], typer.Option(
     help="AdamW learning rate. Default: the head's (`tvrpipe heads` lists them).")]

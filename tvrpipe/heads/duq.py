@@ -150,7 +150,7 @@ class LocalAggregation(nn.Module):
         local = x.new_empty(x.shape[0], x.shape[2])  # (B, D)
         for idx, keep in length_groups(mask):  # no work on the padded tails of short captions
             m = mask[idx, :keep]
-            xi = x[idx, :keep].masked_fill_(~m.unsqueeze(-1), 0.0)  # padding never enters (a copy: x is not changed)
+            xi = x[idx, :keep].masked_fill_(~m.unsqueeze(-1), 0.0)  # padding never enters (x[idx] is a copy)
             local[idx] = attention_block_mean(self.block, xi, m)
         return self.fuse(torch.cat([local, global_feature], dim=-1))  # (B, D)
 
@@ -169,7 +169,7 @@ def attention_block_mean(block: ResidualAttentionBlock, x: Tensor, mask: Tensor)
     h = block.heads
     y = block.ln_1(x)
     a = block.attention_weights(y, mask)  # (B, H, N queries, N keys)
-    abar = masked_mean(a.transpose(2, 3), mask[:, None, None, :], dim=-1)  # (B, H, N keys): mean over real queries
+    abar = masked_mean(a.transpose(2, 3), mask[:, None, None, :], dim=-1)  # (B, H, N keys): over real queries
     pooled = torch.einsum("bhk,bkd->bhd", abar, y)  # (B, H, D): each head's weighted mean of LN(x)
     w_v = block.in_proj.weight[2 * d:].view(h, d // h, d)  # head h's rows of W_v
     v = torch.einsum("bhd,hcd->bhc", pooled, w_v).reshape(b, d) + block.in_proj.bias[2 * d:]  # (B, D)

@@ -98,8 +98,9 @@ class ResidualAttentionBlock(nn.Module):
 
     def attention(self, x: Tensor, mask: Tensor) -> Tensor:
         b, f, d = x.shape
-        v = F.linear(x, self.in_proj.weight[2 * d:], self.in_proj.bias[2 * d:]).view(b, f, self.heads, d // self.heads)
-        out = torch.einsum("bhqk,bkhc->bqhc", self.attention_weights(x, mask), v).reshape(b, f, d)  # (B, F, D)
+        v = F.linear(x, self.in_proj.weight[2 * d:], self.in_proj.bias[2 * d:])
+        v = v.view(b, f, self.heads, d // self.heads)  # (B, F, H, d_h)
+        out = torch.einsum("bhqk,bkhc->bqhc", self.attention_weights(x, mask), v).reshape(b, f, d)
         return self.out_proj(out)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:

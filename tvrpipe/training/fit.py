@@ -59,8 +59,8 @@ class TrainConfig:
     epochs (at most ``max_epochs``); on a store with few steps an epoch these three scale up so that
     patience covers ``min_steps`` optimizer steps (:func:`open_ended_epochs`). The checkpoint is
     still selected on t2v (R@1, R@5, R@10). With ``epochs`` set, the schedule is the papers' warmup
-    + cosine over exactly that many epochs. ``lr`` None takes the head's ``default_lr``. The evidence for these
-    defaults is in docs/training.md (``tvrpipe bench convergence``).
+    + cosine over exactly that many epochs. ``lr`` None takes the head's ``default_lr``. The
+    evidence for these defaults is in docs/training.md (``tvrpipe bench convergence``).
     """
 
     epochs: int | None = None  # choice: until validation stops improving (issue 8); papers: 5 end-to-end
@@ -122,7 +122,8 @@ def open_ended_epochs(train: TrainConfig, steps_per_epoch: int) -> tuple[int, in
         (20, 8, 150)
     """
     f = max(1.0, train.min_steps / (train.patience * steps_per_epoch))
-    patience, plateau, max_epochs = (math.ceil(round(n * f, 6)) for n in (train.patience, train.plateau, train.max_epochs))
+    patience, plateau, max_epochs = (math.ceil(round(n * f, 6))  # round: 10.000000001 is 10 epochs
+                                     for n in (train.patience, train.plateau, train.max_epochs))
     return patience, plateau, max(max_epochs, patience + 1)
 
 
@@ -530,8 +531,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                "checkpoint": {"file": "checkpoints/best.safetensors", "sha256": best.get("sha256")},
                "schedule": {"lr": lr, "lr_source": lr_source, "description": schedule, "epochs_run": len(rows),
                             "stopped_early": stopped, "lr_halvings": halvings,
-                            **({"patience_epochs": patience, "plateau_epochs": plateau, "max_epochs": max_epochs}
-                               if open_ended else {})},
+                            **({"patience_epochs": patience, "plateau_epochs": plateau,
+                                "max_epochs": max_epochs} if open_ended else {})},
                "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
                          "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None}}
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
