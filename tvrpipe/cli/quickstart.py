@@ -46,10 +46,10 @@ def quickstart(
                 table.add_column(m, justify="right")
             for r in rows:
                 table.add_row(r["method"], *(f"{r[f'{direction} {m}']:.1f}" for m in METRICS))
-            skipped = [r["method"] for r in result.rows if post and f"{post}_not_applicable" in r["test"]]
-            if skipped:
-                table.caption = (f"no {post.upper()} for {', '.join(skipped)}: "
-                                 "its scores are negative distances")
+            skipped = {r["method"]: r["test"][f"{post}_not_applicable"] for r in result.rows
+                       if post and f"{post}_not_applicable" in r["test"]}
+            if skipped:  # the head's own reason (Head.dsl_not_applicable), as metrics.json records it
+                table.caption = "; ".join(f"no {post.upper()} for {m}: {why}" for m, why in skipped.items())
             console.print(table)
     console.print(f"results: {out / 'results.csv'}; runs (metrics.json, epochs.csv, plots/): {out / 'runs'}; "
                   f"finetuned CLIP: {out / 'finetune' / 'clip.safetensors'}", highlight=False, soft_wrap=True)
