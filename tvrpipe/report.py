@@ -301,13 +301,14 @@ def _read_run(d: Path, config: dict) -> RunRecord | Skipped:
 def _dataset_of(config: dict) -> tuple[str, str | None]:
     """The dataset and split set a run's features came from: the store's attrs (train-head) or the
     manifest's meta.json (finetune); ``("?", None)`` when neither can be read any more."""
+    from tvrpipe.pipeline.store import StoreError, store_attributes
+
     attrs: dict = {}
     if config.get("features"):
-        path = Path(config["features"]) / "features.zarr" / "zarr.json"
         try:
-            attrs = json.loads(path.read_text()).get("attributes", {})
-        except (OSError, ValueError):
-            log.info("%s: cannot read the store's attributes; its dataset is unknown", path)
+            attrs = store_attributes(config["features"])
+        except StoreError as e:
+            log.info("%s; the run's dataset is unknown", e)
     elif config.get("manifest"):
         path = Path(config["manifest"]) / "meta.json"
         try:

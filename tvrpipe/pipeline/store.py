@@ -535,11 +535,25 @@ def _read_sidecar(path: Path, rows: int, made_by: str, columns: Iterable[str]) -
     return df
 
 
-def _open_checked(d: Path) -> tuple[zarr.Group, dict[str, Any]]:
+def store_attributes(features_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The store's attributes (provenance, ``complete``, counts), read without checking the store:
+    for describing a store, e.g. in a report, whatever its state.
+
+    Raises:
+        StoreError: no store in ``features_dir``, or its metadata cannot be read.
+    """
+    return dict(_store_group(Path(features_dir)).attrs)
+
+
+def _store_group(d: Path) -> zarr.Group:
     path = d / STORE_NAME
     if not (path / "zarr.json").is_file():
         raise StoreError(f"{d}: no feature store here (expected {STORE_NAME}); create one with `tvrpipe extract`")
-    group = _open_group(path)
+    return _open_group(path)
+
+
+def _open_checked(d: Path) -> tuple[zarr.Group, dict[str, Any]]:
+    group = _store_group(d)
     prov = dict(group.attrs)
     if prov.get("schema_version") != SCHEMA_VERSION:
         raise StoreError(
