@@ -122,6 +122,17 @@ def test_quickstart_end_to_end(tmp_path):
     for title in ("text-to-video, raw scores", "video-to-text, raw scores", "text-to-video, after DSL"):
         assert title in " ".join(r.stdout.split())
     assert "results.csv" in r.stdout
+    # R@1 by difficulty: recomputed from each run's checkpoint, its "all" is the run's test R@1
+    difficulty = pd.read_csv(tmp_path / "q" / "difficulty.csv")
+    raw = results[results["post"] == "raw"].set_index("method")["t2v R@1"]
+    overall = difficulty[difficulty["difficulty"] == "all"].set_index("method")["t2v R@1"]
+    assert overall.round(6).to_dict() == raw.round(6).to_dict()
+    counts = difficulty.groupby("difficulty")["captions"].first()
+    assert counts["all"] == (store.texts["split"] == "test").sum()
+    # every caption is plain, multi-scene or near-duplicate (the last two may overlap), never plain and another
+    assert counts["plain"] + counts["multi_scene"] + counts["near_duplicate"] >= counts["all"]
+    assert counts["plain"] + max(counts["multi_scene"], counts["near_duplicate"]) <= counts["all"]
+    assert "text-to-video R@1 by difficulty" in " ".join(r.stdout.split())
     # the report over every run: its raw t2v table holds the results' numbers, and its plots exist
     report = (tmp_path / "q" / "report" / "report.md").read_text()
     assert f"report: {tmp_path / 'q' / 'report' / 'report.md'}" in " ".join(r.stdout.split())

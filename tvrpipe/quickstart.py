@@ -4,8 +4,9 @@ and the offline quickstart").
 synth (the benchmark, and as many other videos of the same world: the tiny CLIP's training data, so
 the benchmark stays unseen and the zero-shot row is zero-shot) -> finetune --end-to-end a tiny CLIP
 from random weights on those -> extract the benchmark with it -> train-head for
-every registered head (plus the zero-shot row: meanpool untrained) -> one results table -> ``tvrpipe
-report`` (Markdown tables, plots, a retrieval gallery) in ``report/``.
+every registered head (plus the zero-shot row: meanpool untrained) -> one results table, and t2v R@1
+of each head by difficulty (:data:`DIFFICULTIES`: which kind of test caption it gains or loses on) ->
+``tvrpipe report`` (Markdown tables, plots, a retrieval gallery) in ``report/``.
 
 Choices (docs/quickstart.md): the tiny CLIP (``tvrpipe-tiny``, D = 64) is finetuned with the
 parameter-free meanpool head, so that no head is favoured by the features; the learning rates are
@@ -22,9 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from tvrpipe.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 METRICS = ("R@1", "R@5", "R@10", "MdR", "MnR")
+# Subsets of the test captions by what makes them hard (the synthetic benchmark knows; a caption can be in
+# both the second and the third): where each head gains or loses against the zero-shot row.
+DIFFICULTIES = {
+    "plain": "single-scene video, no near-duplicate in the test split",
+    "multi_scene": "multi-scene video, the caption describes one scene (intra-pair uncertainty)",
+    "near_duplicate": "a near-duplicate of the video is in the test split (inter-pair uncertainty)",
+}
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,8 @@ class QuickstartPlan:
 @dataclass
 class QuickstartResult:
     out: Path
-    rows: list[dict] = field(default_factory=list)  # one per head: method, kind, t2v/v2t metrics
+    rows: list[dict] = field(default_factory=list)  # one per head: method, kind, t2v/v2t metrics, difficulty
+    captions: dict[str, int] = field(default_factory=dict)  # test captions per difficulty (and "all")
     report: Path | None = None  # report.md (tvrpipe report over the runs)
 
     def table_rows(self, post: str = "") -> list[dict]:
@@ -70,10 +83,14 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
         stage: called with a title as each stage starts (the CLI prints it).
         progress: show progress bars.
     """
+    import pandas as pd
+
     from tvrpipe.heads.base import list_heads
     from tvrpipe.pipeline.clip import TINY_MODEL
     from tvrpipe.pipeline.extract import ExtractConfig, extract
-    from tvrpipe.pipeline.synth import synthesize
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.pipeline.synth import ATTRIBUTES_FILE, synthesize
+    from tvrpipe.training.data import load_splits
     from tvrpipe.report import write_report
     from tvrpipe.training.finetune import FinetuneConfig, finetune
     from tvrpipe.training.fit import TrainConfig, fit
@@ -108,6 +125,12 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
         result.rows.append({"method": label, "run": str(run), "selected_epoch": metrics["selected_epoch"],
                             "test": metrics["test"]})
     _write_csv(result, out / "results.csv")
+    test = load_splits(open_store(out / "features")).test
+    masks = difficulty_masks(pd.read_parquet(data / ATTRIBUTES_FILE), test.video_ids, test.text_video)
+    result.captions = {"all": test.n_texts, **{k: int(m.sum()) for k, m in masks.items()}}
+    for row in result.rows:
+        row["difficulty"] = r1_by_difficulty(Path(row["run"]), test, masks)
+    _write_difficulty_csv(result, out / "difficulty.csv")
     stage("5. report: the papers' tables and plots, with a retrieval gallery (tvrpipe report)")
     result.report = write_report([out / "runs", out / "finetune"], out / "report", video_root=data / "videos",
                                  manifest=data / "manifest", seed=seed)
@@ -120,3 +143,49 @@ def _write_csv(result: QuickstartResult, path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+
+
+def difficulty_masks(attributes, video_ids, text_video) -> dict[str, np.ndarray]:
+    """Which captions of a split fall under each of :data:`DIFFICULTIES` (boolean arrays, one per caption).
+
+    Args:
+        attributes: ``attributes.parquet`` of ``tvrpipe synth`` (one row per video and scene, with
+            ``group``: a near-duplicate shares its original's).
+        video_ids: the split's videos; near-duplicates count only when both are among them.
+        text_video: each caption's index into ``video_ids``.
+    """
+    per_video = attributes.groupby("video_id").agg(scenes=("scene", "nunique"), group=("group", "first"))
+    missing = sorted(set(video_ids) - set(per_video.index))
+    if missing:
+        raise ConfigError(f"attributes.parquet has no row for video {str(missing[0])!r} of the split")
+    per_video = per_video.loc[list(video_ids)]
+    in_split = per_video["group"].map(per_video["group"].value_counts())  # videos of the group in the split
+    caption_video = np.asarray(text_video)
+    multi = per_video["scenes"].to_numpy()[caption_video] > 1
+    dup = in_split.to_numpy()[caption_video] > 1
+    return {"plain": ~multi & ~dup, "multi_scene": multi, "near_duplicate": dup}
+
+
+def r1_by_difficulty(run: Path, split, masks: dict[str, np.ndarray]) -> dict[str, float | None]:
+    """Text-to-video R@1 (percent) of a run's selected checkpoint over all captions of ``split`` and over
+    each subset in ``masks`` (None for an empty one); the same scores and tie rule as its test metrics."""
+    from tvrpipe.evaluation.engine import encode_all, similarity_matrix
+    from tvrpipe.evaluation.metrics import t2v_ranks
+    from tvrpipe.training.fit import load_head
+
+    head = load_head(run / "checkpoints" / "best.safetensors")
+    video_emb = encode_all(head.encode_videos, split.video_batches(256))
+    text_emb = encode_all(head.encode_texts, split.text_batches(256, head.uses_tokens))
+    hit = t2v_ranks(similarity_matrix(head, text_emb, video_emb), split.text_video) == 1
+    return {"all": 100.0 * float(hit.mean()),
+            **{k: 100.0 * float(hit[m].mean()) if m.any() else None for k, m in masks.items()}}
+
+
+def _write_difficulty_csv(result: QuickstartResult, path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["method", "difficulty", "captions", "t2v R@1"])
+        w.writeheader()
+        for r in result.rows:
+            for k, n in result.captions.items():
+                w.writerow({"method": r["method"], "difficulty": k, "captions": n,
+                            "t2v R@1": "" if r["difficulty"][k] is None else r["difficulty"][k]})

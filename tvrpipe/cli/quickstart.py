@@ -30,7 +30,7 @@ def quickstart(
 
     Rerun the same command to resume: each stage skips or resumes what is done.
     """
-    from tvrpipe.quickstart import METRICS, QuickstartPlan, run_quickstart
+    from tvrpipe.quickstart import DIFFICULTIES, METRICS, QuickstartPlan, run_quickstart
 
     plan = QuickstartPlan.fast() if fast else QuickstartPlan()
     if videos is not None:
@@ -51,7 +51,16 @@ def quickstart(
             if skipped:  # the head's own reason (Head.dsl_not_applicable), as metrics.json records it
                 table.caption = "; ".join(f"no {post.upper()} for {m}: {why}" for m, why in skipped.items())
             console.print(table)
-    console.print(f"results: {out / 'results.csv'}; runs (metrics.json, epochs.csv, plots/): {out / 'runs'}; "
+    table = Table(title="text-to-video R@1 by difficulty (test captions; raw scores)")
+    table.add_column("head", no_wrap=True)
+    for k, n in result.captions.items():
+        table.add_column(f"{k.replace('_', '-')} ({n})", justify="right")
+    for r in result.rows:
+        table.add_row(r["method"], *("-" if r["difficulty"][k] is None else f"{r['difficulty'][k]:.1f}"
+                                     for k in result.captions))
+    table.caption = "; ".join(f"{k.replace('_', '-')}: {what}" for k, what in DIFFICULTIES.items())
+    console.print(table)
+    console.print(f"results: {out / 'results.csv'} (by difficulty: {out / 'difficulty.csv'}); runs (metrics.json, epochs.csv, plots/): {out / 'runs'}; "
                   f"finetuned CLIP: {out / 'finetune' / 'clip.safetensors'}", highlight=False, soft_wrap=True)
     console.print(f"report: {result.report} (tables like the papers', curves, R@1, uncertainty and a retrieval "
                   f"gallery: {', '.join(sorted(p.name for p in result.report.parent.glob('*.png')))})",
