@@ -175,6 +175,44 @@ def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_
             {k: v for k, v in b.items() if k != "default_seconds"}
 
 
+def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
+    """After a head's default_lr changes, the recorded default is no longer the default: the open-ended
+    run at the new lr (already measured) becomes it, or a default run at the new lr is trained in a
+    folder named by its lr; the old default's row leaves the tables."""
+    import csv
+
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=2)
+    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    xpool = head_class("xpool")
+    old, new, newer = xpool.default_lr, xpool.default_lr * 3, xpool.default_lr / 3
+
+    def bench(**kw):
+        bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=(old, new), epochs=(2,), progress=False,
+                          train=base, **kw)
+        with open(tmp_path / "results.csv") as f:
+            return {(r["schedule"], float(r["lr"])): r for r in csv.DictReader(f)}
+
+    first = bench()
+    assert ("default", old) in first
+    monkeypatch.setattr(xpool, "default_lr", new)
+    stamp = {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")}
+    second = bench(only_default=True)
+    assert ("default", old) not in second and second[("default", new)]["val_r1"] == first[("open", new)]["val_r1"]
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp  # nothing retrained
+    monkeypatch.setattr(xpool, "default_lr", newer)  # no run at this lr yet: trained beside the old default
+    third = bench(only_default=True)
+    assert sorted(k for k in third if k[0] == "default") == [("default", newer)]
+    assert json.loads((tmp_path / "runs" / "tiny" / "xpool" / f"default-{newer}" / "metrics.json").read_text(
+    ))["schedule"]["lr"] == newer
+    assert sorted(p.name for p in (tmp_path / "runs" / "tiny" / "xpool").glob("default-*")) == [f"default-{newer}"]
+
+
 def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
     r = cli("bench", "finetune", "--out", tmp_path / "b", "--model", "tvrpipe-tiny", "--method", "meanpool",
             "--steps", "3", "--batch-size", "2", "--frames", "4", "--width", "96", "--height", "64",

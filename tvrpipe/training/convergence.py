@@ -133,16 +133,17 @@ def bench_convergence(
             plan += [] if only_default else [("open", lr, None) for lr in lrs]
             plan += [("default", None, None)]
             for schedule, lr, e in plan:
-                same = [r for r in runs if (r.store, r.method, r.schedule) == (size, method, "open")
-                        and r.lr == head_class(method).default_lr]
                 lr_used = head_class(method).default_lr if lr is None else lr
+                # the open-ended run at the default lr, of this bench or an earlier one
+                same = [r for r in [*runs, *done.values()] if (r.store, r.method, r.schedule, r.lr) ==
+                        (size, method, "open", lr_used)]
                 if schedule == "default" and same:  # the same configuration and seed: the same run
                     run = replace(same[0], schedule="default")
                 elif (size, method, schedule, lr_used) in done:
                     run = done[(size, method, schedule, lr_used)]
-                else:
+                else:  # a default run's folder names its lr: a changed default_lr is a new run
                     run = _run(store_dir, size, method, schedule, lr, e,
-                               out / "runs" / size / method / f"{schedule}-{lr}", base)
+                               out / "runs" / size / method / f"{schedule}-{lr_used}", base)
                 runs.append(run)
                 log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
                             run.lr, run.val_r1, run.selected_epoch, run.epochs_run, run.seconds)
@@ -163,7 +164,19 @@ def _load(out: Path) -> dict[tuple[str, str, str, float], Run]:
     whose directory is complete but which the tables lack (see :func:`_recover`)."""
     runs = _load_tables(out)
     _recover(out, runs)
-    return runs
+    return {key: r for key, r in runs.items() if key[2] != "default" or _current_default(key[1], key[3])}
+
+
+def _current_default(method: str, lr: float) -> bool:
+    """A recorded default run is train-head's default only while ``lr`` is still the head's
+    ``default_lr``; after a change it is an open-ended run at another lr, and the default is rerun."""
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import head_class
+
+    try:
+        return head_class(method).default_lr == lr
+    except ConfigError:  # a head no longer registered: keep what was measured
+        return True
 
 
 def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
