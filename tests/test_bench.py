@@ -203,14 +203,16 @@ def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
     monkeypatch.setattr(xpool, "default_lr", new)
     stamp = {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")}
     second = bench(only_default=True)
-    assert ("default", old) not in second and second[("default", new)]["val_r1"] == first[("open", new)]["val_r1"]
-    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp  # nothing retrained
+    assert ("default", old) not in second
+    assert second[("default", new)]["val_r1"] == first[("open", new)]["val_r1"]
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp  # none retrained
     monkeypatch.setattr(xpool, "default_lr", newer)  # no run at this lr yet: trained beside the old default
     third = bench(only_default=True)
     assert sorted(k for k in third if k[0] == "default") == [("default", newer)]
     assert json.loads((tmp_path / "runs" / "tiny" / "xpool" / f"default-{newer}" / "metrics.json").read_text(
     ))["schedule"]["lr"] == newer
-    assert sorted(p.name for p in (tmp_path / "runs" / "tiny" / "xpool").glob("default-*")) == [f"default-{newer}"]
+    folders = sorted(p.name for p in (tmp_path / "runs" / "tiny" / "xpool").glob("default-*"))
+    assert folders == [f"default-{newer}"]
 
 
 def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):

@@ -129,7 +129,7 @@ def test_quickstart_end_to_end(tmp_path):
     assert overall.round(6).to_dict() == raw.round(6).to_dict()
     counts = difficulty.groupby("difficulty")["captions"].first()
     assert counts["all"] == (store.texts["split"] == "test").sum()
-    # every caption is plain, multi-scene or near-duplicate (the last two may overlap), never plain and another
+    # each caption is plain, multi-scene or near-duplicate (the last two may overlap), never plain and another
     assert counts["plain"] + counts["multi_scene"] + counts["near_duplicate"] >= counts["all"]
     assert counts["plain"] + max(counts["multi_scene"], counts["near_duplicate"]) <= counts["all"]
     assert "text-to-video R@1 by difficulty" in " ".join(r.stdout.split())

@@ -16,8 +16,8 @@ def test_difficulty_masks_by_hand():
     # a: single scene, alone; b: two scenes; c and its near-duplicate d; e: near-duplicate of f, which is
     # not in the split (so e has no near-duplicate there); g: three scenes with a near-duplicate h
     attrs = _attributes([
-        ("a", 0, "a"), ("b", 0, "b"), ("b", 1, "b"), ("c", 0, "c"), ("d", 0, "c"), ("e", 0, "f"),
-        ("f", 0, "f"), ("g", 0, "g"), ("g", 1, "g"), ("g", 2, "g"), ("h", 0, "g"), ("h", 1, "g"), ("h", 2, "g"),
+        ("a", 0, "a"), ("b", 0, "b"), ("b", 1, "b"), ("c", 0, "c"), ("d", 0, "c"), ("e", 0, "f"), ("f", 0, "f"),
+        ("g", 0, "g"), ("g", 1, "g"), ("g", 2, "g"), ("h", 0, "g"), ("h", 1, "g"), ("h", 2, "g"),
     ])
     videos = np.array(["a", "b", "c", "d", "e", "g", "h"])
     text_video = np.array([0, 0, 1, 2, 3, 4, 5, 6])  # two captions of a

@@ -90,8 +90,8 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     from tvrpipe.pipeline.extract import ExtractConfig, extract
     from tvrpipe.pipeline.store import open_store
     from tvrpipe.pipeline.synth import ATTRIBUTES_FILE, synthesize
-    from tvrpipe.training.data import load_splits
     from tvrpipe.report import write_report
+    from tvrpipe.training.data import load_splits
     from tvrpipe.training.finetune import FinetuneConfig, finetune
     from tvrpipe.training.fit import TrainConfig, fit
 

@@ -60,7 +60,8 @@ def quickstart(
                                      for k in result.captions))
     table.caption = "; ".join(f"{k.replace('_', '-')}: {what}" for k, what in DIFFICULTIES.items())
     console.print(table)
-    console.print(f"results: {out / 'results.csv'} (by difficulty: {out / 'difficulty.csv'}); runs (metrics.json, epochs.csv, plots/): {out / 'runs'}; "
+    console.print(f"results: {out / 'results.csv'} (by difficulty: {out / 'difficulty.csv'}); runs "
+                  f"(metrics.json, epochs.csv, plots/): {out / 'runs'}; "
                   f"finetuned CLIP: {out / 'finetune' / 'clip.safetensors'}", highlight=False, soft_wrap=True)
     console.print(f"report: {result.report} (tables like the papers', curves, R@1, uncertainty and a retrieval "
                   f"gallery: {', '.join(sorted(p.name for p in result.report.parent.glob('*.png')))})",
