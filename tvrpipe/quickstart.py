@@ -169,14 +169,11 @@ def difficulty_masks(attributes, video_ids, text_video) -> dict[str, np.ndarray]
 def r1_by_difficulty(run: Path, split, masks: dict[str, np.ndarray]) -> dict[str, float | None]:
     """Text-to-video R@1 (percent) of a run's selected checkpoint over all captions of ``split`` and over
     each subset in ``masks`` (None for an empty one); the same scores and tie rule as its test metrics."""
-    from tvrpipe.evaluation.engine import encode_all, similarity_matrix
     from tvrpipe.evaluation.metrics import t2v_ranks
-    from tvrpipe.training.fit import load_head
+    from tvrpipe.training.fit import checkpoint_similarity
 
-    head = load_head(run / "checkpoints" / "best.safetensors")
-    video_emb = encode_all(head.encode_videos, split.video_batches(256))
-    text_emb = encode_all(head.encode_texts, split.text_batches(256, head.uses_tokens))
-    hit = t2v_ranks(similarity_matrix(head, text_emb, video_emb), split.text_video) == 1
+    sim = checkpoint_similarity(run / "checkpoints" / "best.safetensors", split)
+    hit = t2v_ranks(sim, split.text_video) == 1
     return {"all": 100.0 * float(hit.mean()),
             **{k: 100.0 * float(hit[m].mean()) if m.any() else None for k, m in masks.items()}}
 

@@ -776,11 +776,10 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
         >>> g.queries[0].top[0]  # doctest: +SKIP
         ('video7', 0.61)
     """
-    from tvrpipe.evaluation.engine import encode_all, similarity_matrix
     from tvrpipe.evaluation.metrics import t2v_ranks
     from tvrpipe.pipeline.store import StoreError, open_store
     from tvrpipe.training.data import SplitData, check_finite_rows, read_rows, split_rows
-    from tvrpipe.training.fit import _read_config, load_head
+    from tvrpipe.training.fit import _read_config, checkpoint_similarity
 
     if queries < 1:
         raise ConfigError(f"--queries must be >= 1, got {queries}")
@@ -814,10 +813,7 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
                       col[store.texts["video_row"].to_numpy()[text_rows]],
                       store.videos["video_id"].to_numpy()[test_v], store.texts["caption_id"].to_numpy()[text_rows])
 
-    head = load_head(run / "checkpoints" / "best.safetensors", device)
-    video_emb = encode_all(head.encode_videos, split.video_batches(256), device)
-    text_emb = encode_all(head.encode_texts, [split.text_batch(np.arange(split.n_texts), head.uses_tokens)], device)
-    sim = similarity_matrix(head, text_emb, video_emb, device=device).numpy()  # (queries, n_test_videos)
+    sim = checkpoint_similarity(run / "checkpoints" / "best.safetensors", split, device)  # (queries, n_videos)
     ranks = t2v_ranks(sim, split.text_video)
     texts = dict(zip(man.captions["caption_id"], man.captions["text"])) if man is not None else {}
     missing = [c for c in split.caption_ids if c not in texts] if man is not None else []

@@ -241,6 +241,18 @@ def load_head(checkpoint: str | os.PathLike[str], device: str = "cpu") -> Head:
     return head.to(device).eval()
 
 
+def checkpoint_similarity(checkpoint: str | os.PathLike[str], split: SplitData,
+                          device: str = "cpu") -> np.ndarray:
+    """The raw float32 ``(n_text, n_video)`` scores of a checkpoint (:func:`load_head`) on every caption
+    and video of ``split``, through the evaluation engine: the scores behind a run's metrics there."""
+    from tvrpipe.evaluation.engine import encode_all, similarity_matrix
+
+    head = load_head(checkpoint, device)
+    video_emb = encode_all(head.encode_videos, split.video_batches(256), device)
+    text_emb = encode_all(head.encode_texts, split.text_batches(256, head.uses_tokens), device)
+    return similarity_matrix(head, text_emb, video_emb, device=device).numpy()
+
+
 def _read_config(run: Path) -> dict:
     """A run's config.yaml, checked for the keys evaluation and resuming need."""
     path = run / "config.yaml"
