@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_extract_cli(tmp_path):
     out = tmp_path / "b"
@@ -230,3 +232,43 @@ def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
 
     row = pd.read_csv(tmp_path / "b" / "run" / "epochs.csv").iloc[-1]
     assert res["clips_per_s"] == row["clips_per_s_steady"]  # the bench reports the run's own measurement
+
+
+def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_path, monkeypatch):
+    """A bench interrupted inside a run resumes that run from its last epoch (the epochs already
+    trained are kept, not retrained) and reports the wall time of all its epochs."""
+    import csv
+
+    import tvrpipe.training.fit as fit_module
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=2)
+    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    evaluate, calls = fit_module._evaluate, []
+
+    def interrupted(*a, **kw):  # Ctrl-C during the third epoch's validation
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return evaluate(*a, **kw)
+
+    monkeypatch.setattr(fit_module, "_evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
+    run = next((tmp_path / "runs" / "tiny" / "xpool").glob("default-*"))
+    with open(run / "epochs.csv") as f:
+        before = list(csv.DictReader(f))
+    assert [r["epoch"] for r in before] == ["1", "2"] and not (run / "metrics.json").exists()
+
+    monkeypatch.setattr(fit_module, "_evaluate", evaluate)
+    rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
+    with open(run / "epochs.csv") as f:
+        after = list(csv.DictReader(f))
+    assert after[:2] == before  # resumed: the first two epochs (and their seconds) are not retrained
+    assert len(after) == rows[0]["default_epochs_run"] > 2
+    assert rows[0]["default_seconds"] == pytest.approx(sum(float(r["seconds"]) for r in after), abs=0.06)
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["train"]["seconds"] == pytest.approx(sum(float(r["seconds"]) for r in after))

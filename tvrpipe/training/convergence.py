@@ -15,8 +15,9 @@ epoch of every run), ``curves.png`` (per store and head: the open-ended curves p
 the default's, and the grid's best as a line) and ``summary.csv`` (per store and head: the grid's
 best and the default, the gap in R@1 points, the default's epochs and wall time). The test split
 is never read. Rerunning in the same directory reuses the runs already recorded there, in the
-tables or as completed run directories (a long bench resumes; delete the directory after changing
-the trainer or a head), and the tables keep the runs of other heads and sizes benched there earlier.
+tables or as completed run directories, and resumes a run it was interrupted in from its last epoch
+(a run's ``seconds`` then sum its epochs' wall times over the sessions); delete the directory after
+changing the trainer or a head. The tables keep the runs of other heads and sizes benched there earlier.
 """
 
 from __future__ import annotations
@@ -66,13 +67,21 @@ class Run:
 
 def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | None, epochs: int | None,
          run_dir: Path, base) -> Run:
+    from tvrpipe.errors import ConfigError, RunError
     from tvrpipe.training.fit import fit, resolved_lr
 
-    shutil.rmtree(run_dir, ignore_errors=True)
     cfg = replace(base, epochs=epochs, lr=lr)
     t = time.perf_counter()
-    m = fit(store_dir, method, run_dir, cfg, progress=False)
-    seconds = time.perf_counter() - t
+    try:  # a run interrupted by an earlier bench resumes from its last epoch
+        m = fit(store_dir, method, run_dir, cfg, progress=False)
+    except (ConfigError, RunError) as e:  # trained under another configuration, or damaged: from scratch
+        log.warning("%s: not resumed (%s); training it from scratch", run_dir, e)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        t = time.perf_counter()
+        m = fit(store_dir, method, run_dir, cfg, progress=False)
+    seconds = m["train"].get("seconds")  # summed over the sessions of a resumed run
+    if seconds is None:
+        seconds = time.perf_counter() - t
     with open(run_dir / "epochs.csv") as f:
         curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # keep the logs, not the weights
@@ -182,8 +191,8 @@ def _current_default(method: str, lr: float) -> bool:
 def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
     """Add the completed run directories (``runs/<store>/<method>/<schedule>-<lr>/metrics.json``)
     missing from ``runs``: rebuilt from their metrics.json and epochs.csv (a bench that ran a subset
-    of the heads used to rewrite the tables with its own runs only). Their seconds are the span
-    between the run's config.yaml and metrics.json writes."""
+    of the heads used to rewrite the tables with its own runs only). Their seconds are those
+    metrics.json records (older runs: the span between the config.yaml and metrics.json writes)."""
     for metrics in sorted(out.glob("runs/*/*/*/metrics.json")):
         run_dir = metrics.parent
         schedule = run_dir.name.split("-", 1)[0]  # "epochs=5", "open" or "default"; the rest is the lr
@@ -194,7 +203,9 @@ def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
                 continue
             with open(run_dir / "epochs.csv") as f:
                 curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
-            seconds = metrics.stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime
+            seconds = m.get("train", {}).get("seconds")
+            if seconds is None:  # a run older than per-epoch seconds
+                seconds = metrics.stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime
             runs[key] = Run(*key, m["val"]["t2v"]["R@1"], m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve),
                             seconds, curve)
         except (OSError, KeyError, ValueError) as e:  # an unreadable leftover is retrained, not fatal

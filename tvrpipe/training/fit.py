@@ -463,6 +463,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         for epoch in range(start_epoch, n_epochs):
             if stopped:
                 break
+            t_epoch = time.perf_counter()
             head.train()
             rng = np.random.default_rng([train.seed, epoch])
             order = rng.permutation(train_split.n_videos)
@@ -506,7 +507,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                    **_flat_readouts(val),
                    "lr": opt.param_groups[0]["lr"] if opt else 0.0,
                    "samples_per_s": steps_per_epoch * batch / max(t_data + t_step, 1e-9),
-                   "data_share": t_data / max(t_data + t_step, 1e-9)}
+                   "data_share": t_data / max(t_data + t_step, 1e-9),
+                   "seconds": time.perf_counter() - t_epoch}  # wall time of the epoch, validation included
             rows.append(row)
             _save_checkpoint(head, out / "checkpoints" / "last.safetensors")
             if best is None or _key(val) > tuple(best["key"]):
@@ -546,12 +548,21 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                             **({"patience_epochs": patience, "plateau_epochs": plateau,
                                 "max_epochs": max_epochs} if open_ended else {})},
                "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
-                         "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None}}
+                         "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
+                         "seconds": _train_seconds(rows)}}
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
     if rows:
         groups = {name: list(r) if isinstance(r, dict) else [""] for name, r in best["val"].get("readouts", {}).items()}
         _plots(rows, out / "plots", groups)
     return metrics
+
+
+def _train_seconds(rows: list[dict]) -> float | None:
+    """Wall seconds of all epochs, summed over resumed sessions (None for a run resumed from a
+    state written before epochs recorded their seconds)."""
+    if any("seconds" not in r for r in rows):
+        return None
+    return float(sum(r["seconds"] for r in rows))
 
 
 def evaluate_run(
