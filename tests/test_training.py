@@ -161,6 +161,31 @@ def test_memory_mapped_split_is_float16(store):
     assert not set(s.train.video_ids) & set(s.val.video_ids)
 
 
+def test_load_split_loads_one_split_as_load_splits_does(store, monkeypatch):
+    """load_split reads only the rows of its split (evaluating test reads no train features), with
+    the same arrays as load_splits; text_subset keeps the chosen captions and all their videos."""
+    import tvrpipe.training.data as data
+    from tvrpipe.pipeline.store import open_store
+
+    s = open_store(store)
+    every = data.load_splits(s)
+    read = []
+    real = data.read_rows
+    monkeypatch.setattr(data, "read_rows", lambda array, rows: read.append(len(rows)) or real(array, rows))
+    test = data.load_split(s, "test")
+    n = every.test.n_texts
+    assert read == [N_TEST, N_TEST, n, n, n] and n < every.train.n_texts  # frames, mask, tokens, mask, sentence
+    for name in ("frames", "frame_mask", "tokens", "token_mask", "sentence", "text_video", "video_ids", "caption_ids"):
+        np.testing.assert_array_equal(getattr(test, name), getattr(every.test, name))
+    some = data.load_split(s, "test", text_subset=np.array([1, 7, 30]))
+    np.testing.assert_array_equal(some.caption_ids, every.test.caption_ids[[1, 7, 30]])
+    np.testing.assert_array_equal(some.sentence, every.test.sentence[[1, 7, 30]])
+    np.testing.assert_array_equal(some.video_ids[some.text_video], every.test.video_ids[every.test.text_video[[1, 7, 30]]])
+    assert some.n_videos == N_TEST
+    with pytest.raises(ValueError, match="its video outside the test rows"):
+        data.load_rows(s, "test", np.arange(2), np.arange(len(s.texts)))
+
+
 def test_prefetch_does_not_change_training(store, tmp_path):
     a = fit(store, "xpool", tmp_path / "a", TrainConfig(epochs=1, batch_size=32, prefetch=True), progress=False)
     b = fit(store, "xpool", tmp_path / "b", TrainConfig(epochs=1, batch_size=32, prefetch=False), progress=False)

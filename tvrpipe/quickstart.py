@@ -91,7 +91,7 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     from tvrpipe.pipeline.store import open_store
     from tvrpipe.pipeline.synth import ATTRIBUTES_FILE, synthesize
     from tvrpipe.report import write_report
-    from tvrpipe.training.data import load_splits
+    from tvrpipe.training.data import load_split
     from tvrpipe.training.finetune import FinetuneConfig, finetune
     from tvrpipe.training.fit import TrainConfig, fit
 
@@ -125,7 +125,7 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
         result.rows.append({"method": label, "run": str(run), "selected_epoch": metrics["selected_epoch"],
                             "test": metrics["test"]})
     _write_csv(result, out / "results.csv")
-    test = load_splits(open_store(out / "features")).test
+    test = load_split(open_store(out / "features"), "test")
     masks = difficulty_masks(pd.read_parquet(data / ATTRIBUTES_FILE), test.video_ids, test.text_video)
     result.captions = {"all": test.n_texts, **{k: int(m.sum()) for k, m in masks.items()}}
     for row in result.rows:

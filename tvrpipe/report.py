@@ -778,7 +778,7 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
     """
     from tvrpipe.evaluation.metrics import t2v_ranks
     from tvrpipe.pipeline.store import StoreError, open_store
-    from tvrpipe.training.data import SplitData, check_finite_rows, read_rows, split_rows
+    from tvrpipe.training.data import load_split, store_split_rows
     from tvrpipe.training.fit import _read_config, checkpoint_similarity
 
     if queries < 1:
@@ -795,23 +795,9 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
     man = _read_manifest(manifest) if manifest is not None else None
     root = _video_root(video_root, man, manifest, config)
 
-    rows = split_rows(store.videos["split"].to_numpy(), store.texts["split"].to_numpy(),
-                      store.texts["video_row"].to_numpy(), str(store.dir))
-    test_v, test_t = np.sort(rows.test_videos), np.sort(rows.test_texts)
-    pick = np.sort(np.random.default_rng(seed).permutation(len(test_t))[:queries])  # more queries: a superset
-    text_rows = test_t[pick]
-    col = np.full(len(store.videos), -1, dtype=np.int64)
-    col[test_v] = np.arange(len(test_v))
-    arrays = {}
-    for name, r in (("videos/frames", test_v), ("videos/frame_mask", test_v), ("texts/tokens", text_rows),
-                    ("texts/token_mask", text_rows), ("texts/sentence", text_rows)):
-        arrays[name] = read_rows(store.group[name], r)
-        if arrays[name].dtype.kind == "f":
-            check_finite_rows(store, name, arrays[name], r)
-    split = SplitData("test", arrays["videos/frames"], arrays["videos/frame_mask"], arrays["texts/tokens"],
-                      arrays["texts/token_mask"], arrays["texts/sentence"],
-                      col[store.texts["video_row"].to_numpy()[text_rows]],
-                      store.videos["video_id"].to_numpy()[test_v], store.texts["caption_id"].to_numpy()[text_rows])
+    rows = store_split_rows(store)
+    pick = np.random.default_rng(seed).permutation(len(rows.test_texts))[:queries]  # more queries: a superset
+    split = load_split(store, "test", rows, text_subset=np.sort(pick))
 
     sim = checkpoint_similarity(run / "checkpoints" / "best.safetensors", split, device)  # (queries, n_videos)
     ranks = t2v_ranks(sim, split.text_video)

@@ -60,7 +60,7 @@ def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     import torch
 
     from tvrpipe.pipeline.store import open_store
-    from tvrpipe.training.data import load_splits
+    from tvrpipe.training.data import load_split
     from tvrpipe.training.fit import TrainConfig, _evaluate, fit, load_head
 
     store_dir, method, steps, batch, run_dir, prefetch = args
@@ -70,11 +70,11 @@ def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     t = time.perf_counter()
     metrics = fit(store_dir, method, run_dir, cfg, progress=False, max_steps=steps)
     fit_seconds = time.perf_counter() - t
-    splits = load_splits(open_store(store_dir))
+    test = load_split(open_store(store_dir), "test")
     head = load_head(Path(run_dir) / "checkpoints" / "best.safetensors")
     with _PeakRss() as mem:
         t = time.perf_counter()
-        _evaluate(head, splits.test, cfg)
+        _evaluate(head, test, cfg)
         eval_seconds = time.perf_counter() - t
     return {
         "method": method,

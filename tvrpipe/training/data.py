@@ -118,12 +118,18 @@ def check_finite_rows(store: FeatureStore, name: str, data: np.ndarray, rows: np
     )
 
 
-def _load(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> SplitData:
+def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> SplitData:
+    """The features of store rows ``video_rows`` and ``text_rows`` (every caption's video among them).
+
+    Raises:
+        NonFiniteError: a loaded feature is NaN or infinite.
+    """
     video_rows, text_rows = np.sort(video_rows), np.sort(text_rows)
     col = np.full(len(store.videos), -1, dtype=np.int64)
     col[video_rows] = np.arange(len(video_rows))
     text_video = col[store.texts["video_row"].to_numpy()[text_rows]]
-    assert (text_video >= 0).all(), "a caption's video is outside its split"
+    if (text_video < 0).any():
+        raise ValueError(f"{store.dir}: caption row {text_rows[text_video < 0][0]} has its video outside the {name} rows")
     g = store.group
     arrays = {}
     for array, rows in (("videos/frames", video_rows), ("videos/frame_mask", video_rows),
@@ -209,6 +215,35 @@ def split_rows(
     return SplitRows(train_v, train_t, val_v, val_t, test_v, test_t, source)
 
 
+def store_split_rows(
+    store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True
+) -> SplitRows:
+    """:func:`split_rows` of a feature store's tables."""
+    return split_rows(store.videos["split"].to_numpy(), store.texts["split"].to_numpy(),
+                      store.texts["video_row"].to_numpy(), str(store.dir), carve_fraction, carve_max, need_test)
+
+
+def load_split(
+    store: FeatureStore, split: str, rows: SplitRows | None = None, text_subset: np.ndarray | None = None
+) -> SplitData:
+    """Load one split (``train``, ``val`` or ``test``) and nothing else: evaluating on test needs no
+    train features, which at MSR-VTT scale are gigabytes of word tokens.
+
+    Args:
+        store: the feature store.
+        split: which split.
+        rows: the store's :func:`store_split_rows` (computed when None).
+        text_subset: positions among the split's captions to load (default: all of them).
+
+    Raises:
+        ConfigError: the store has no train split, or no test split and ``split`` is test.
+    """
+    rows = rows or store_split_rows(store, need_test=split == "test")
+    texts = getattr(rows, f"{split}_texts")
+    return load_rows(store, split, getattr(rows, f"{split}_videos"),
+                     texts if text_subset is None else np.sort(texts)[text_subset])
+
+
 def load_splits(
     store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True
 ) -> Splits:
@@ -217,11 +252,5 @@ def load_splits(
     Raises:
         ConfigError: a split the trainer needs is empty.
     """
-    rows = split_rows(store.videos["split"].to_numpy(), store.texts["split"].to_numpy(),
-                      store.texts["video_row"].to_numpy(), str(store.dir), carve_fraction, carve_max, need_test)
-    return Splits(
-        train=_load(store, "train", rows.train_videos, rows.train_texts),
-        val=_load(store, "val", rows.val_videos, rows.val_texts),
-        test=_load(store, "test", rows.test_videos, rows.test_texts),
-        val_source=rows.val_source,
-    )
+    rows = store_split_rows(store, carve_fraction, carve_max, need_test)
+    return Splits(*(load_split(store, name, rows) for name in ("train", "val", "test")), val_source=rows.val_source)

@@ -44,7 +44,7 @@ from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.heads.base import Head, create_head, head_class, make_config
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, open_store
-from tvrpipe.training.data import SplitData, Splits, load_splits
+from tvrpipe.training.data import SplitData, Splits, load_split, load_splits, store_split_rows
 
 log = logging.getLogger(__name__)
 
@@ -602,12 +602,13 @@ def evaluate_run(
         # a finetune run pins what it learnt with (its CLIP's weights hash) in metrics.json
         expect = {**config["provenance"], **(_recorded(run, "provenance") or {})}
         store = open_store(features or config["features"], expect=expect)
-        splits = load_splits(store)
-        data = getattr(splits, split)
+        rows = store_split_rows(store)
+        data = load_split(store, split, rows)  # only the split evaluated (and train for QB-Norm's bank)
         if data.n_videos == 0:
             raise ConfigError(f"{store.dir}: the {split} split is empty")
-        metrics = {"split": split, "validation": splits.val_source,
-                   **_evaluate(head, data, tc, post=post, querybank=splits.train if "qbnorm" in post else None)}
+        querybank = load_split(store, "train", rows) if "qbnorm" in post else None
+        metrics = {"split": split, "validation": rows.val_source,
+                   **_evaluate(head, data, tc, post=post, querybank=querybank)}
         atomic_write_text(run / f"eval_{split}.json", json.dumps(metrics, indent=2))
     return metrics
 
