@@ -272,3 +272,32 @@ def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_p
     assert rows[0]["default_seconds"] == pytest.approx(sum(float(r["seconds"]) for r in after), abs=0.06)
     m = json.loads((run / "metrics.json").read_text())
     assert m["train"]["seconds"] == pytest.approx(sum(float(r["seconds"]) for r in after))
+
+
+def test_bench_convergence_no_grid_compares_open_ended_lrs(tmp_path):
+    """--no-grid: the open-ended run at each lr and the default, no fixed-epoch run; the summary's
+    target is then the best open-ended run, and the gap is measured against it."""
+    import csv
+
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=2)
+    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    default_lr = head_class("xpool").default_lr
+    lrs = (default_lr / 10, default_lr)
+    rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, progress=False, train=base, no_grid=True)
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert sorted((r["schedule"], float(r["lr"])) for r in runs) == [
+        ("default", default_lr), ("open", default_lr / 10), ("open", default_lr)]
+    best = max((r for r in runs if r["schedule"] == "open"), key=lambda r: float(r["val_r1"]))
+    default = next(r for r in runs if r["schedule"] == "default")
+    assert default["val_r1"] == next(r["val_r1"] for r in runs if (r["schedule"], float(r["lr"])) ==
+                                     ("open", default_lr))  # the same run, reused
+    assert rows[0]["grid_best"] == f"open lr {float(best['lr']):g}"
+    assert rows[0]["gap"] == pytest.approx(float(best["val_r1"]) - float(default["val_r1"]))
+    assert len(list((tmp_path / "runs" / "tiny" / "xpool").iterdir())) == 2  # no fixed-epoch run

@@ -121,13 +121,17 @@ def bench_convergence_cmd(
     epochs: Annotated[Optional[list[int]], typer.Option(help="Grid epoch counts (repeatable; default 5, 15, 40).")] = None,
     only_default: Annotated[bool, typer.Option(
         help="Run only train-head's default (no grid): its cost and curve on stores too large for the grid.")] = False,
+    no_grid: Annotated[bool, typer.Option(
+        help="Run the open-ended schedule at each --lr and the default, not the fixed-epoch grid; the best "
+             "open-ended lr is then the target (msrvtt9k, where a run takes hours).")] = False,
 ) -> None:
     """Does train-head's default schedule reach the best validation R@1 of a grid of lrs x epochs?"""
     from rich.table import Table
 
     from tvrpipe.training.convergence import EPOCHS, LRS, bench_convergence
 
-    rows = bench_convergence(out, size, method, tuple(lr or LRS), tuple(epochs or EPOCHS), only_default=only_default)
+    rows = bench_convergence(out, size, method, tuple(lr or LRS), tuple(epochs or EPOCHS),
+                             only_default=only_default, no_grid=no_grid)
     table = Table(title=f"validation t2v R@1: default schedule vs grid ({out / 'summary.csv'}, curves.png)")
     for col in ("store", "method", "grid best", "(run)", "default", "gap", "default lr", "epochs", "seconds",
                 "best open lr"):
