@@ -54,3 +54,23 @@ def cli():
         return runner.invoke(app, [str(a) for a in args])
 
     return invoke
+
+
+@pytest.fixture
+def interrupt_call(monkeypatch):
+    """``interrupt_call(module, "name", n)``: ``module.name`` raises KeyboardInterrupt (a Ctrl-C) on its
+    ``n``-th call, the earlier calls run the real function; returns a function that restores it."""
+
+    def patch(module, name: str, n: int):
+        real, calls = getattr(module, name), []
+
+        def interrupted(*a, **kw):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        monkeypatch.setattr(module, name, interrupted)
+        return lambda: monkeypatch.setattr(module, name, real)
+
+    return patch

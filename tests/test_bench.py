@@ -234,7 +234,7 @@ def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
     assert res["clips_per_s"] == row["clips_per_s_steady"]  # the bench reports the run's own measurement
 
 
-def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_path, monkeypatch):
+def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_path, interrupt_call):
     """A bench interrupted inside a run resumes that run from its last epoch (the epochs already
     trained are kept, not retrained) and reports the wall time of all its epochs."""
     import csv
@@ -247,15 +247,7 @@ def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_p
     spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
                    max_words=6, embed_dim=16, seed=2)
     base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
-    evaluate, calls = fit_module._evaluate, []
-
-    def interrupted(*a, **kw):  # Ctrl-C during the third epoch's validation
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return evaluate(*a, **kw)
-
-    monkeypatch.setattr(fit_module, "_evaluate", interrupted)
+    restore = interrupt_call(fit_module, "_evaluate", 3)  # Ctrl-C during the third epoch's validation
     with pytest.raises(KeyboardInterrupt):
         bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
     run = next((tmp_path / "runs" / "tiny" / "xpool").glob("default-*"))
@@ -263,7 +255,7 @@ def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_p
         before = list(csv.DictReader(f))
     assert [r["epoch"] for r in before] == ["1", "2"] and not (run / "metrics.json").exists()
 
-    monkeypatch.setattr(fit_module, "_evaluate", evaluate)
+    restore()
     rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
     with open(run / "epochs.csv") as f:
         after = list(csv.DictReader(f))

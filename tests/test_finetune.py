@@ -160,25 +160,17 @@ def _small(tmp_path, n=30):
     return tmp_path / "d"
 
 
-def test_resume_continues_from_the_last_epoch(tmp_path, monkeypatch):
+def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
     import tvrpipe.training.finetune as ft
 
     d = _small(tmp_path)
     cfg = FinetuneConfig(end_to_end=True, epochs=2, batch_size=4, max_steps=2, clip_lr=1e-3, head_lr=1e-3, **TINY)
     finetune(d / "manifest", d / "videos", "xpool", tmp_path / "full", cfg, progress=False)
 
-    real, calls = ft._evaluate, []
-
-    def stop_in_epoch_two(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(ft, "_evaluate", stop_in_epoch_two)
+    restore = interrupt_call(ft, "_evaluate", 2)  # stops in epoch two
     with pytest.raises(KeyboardInterrupt):
         finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", cfg, progress=False)
-    monkeypatch.setattr(ft, "_evaluate", real)
+    restore()
     assert len(pd.read_csv(tmp_path / "cut" / "epochs.csv")) == 1
     first = load_file(str(tmp_path / "cut" / "checkpoints" / "clip_last.safetensors"))
     finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", cfg, progress=False)

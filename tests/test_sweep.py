@@ -114,7 +114,7 @@ def _sweep(args, env):
                           text=True, timeout=300)
 
 
-def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, monkeypatch):
+def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, interrupt_call):
     address, env = ray_head
     store = generate_store(tmp_path / "store", STORE)
     out = tmp_path / "sweep"
@@ -125,19 +125,12 @@ def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, monkeypatch):
     import tvrpipe.training.fit as fitmod
     from tvrpipe.training.fit import TrainConfig, fit
 
-    real, calls = fitmod._evaluate, []
-
-    def stop_after_first_epoch(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-    monkeypatch.setattr(fitmod, "_evaluate", stop_after_first_epoch)
+    restore = interrupt_call(fitmod, "_evaluate", 2)  # stops after the first epoch
     interrupted = out / "xpool__num_heads=1__seed1"
     with pytest.raises(KeyboardInterrupt):
         fit(store, "xpool", interrupted, TrainConfig(epochs=2, batch_size=16, seed=1), {"num_heads": 1}, ("dsl",),
             progress=False)
-    monkeypatch.undo()
+    restore()
     first_epoch = pd.read_csv(interrupted / "epochs.csv")
     assert len(first_epoch) == 1 and not (interrupted / "metrics.json").exists()
 

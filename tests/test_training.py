@@ -107,22 +107,13 @@ def test_zero_epochs_is_zero_shot(store, tmp_path):
     assert m["selected_epoch"] == 0 and m["test"]["t2v"]["R@1"] > 5 * 100.0 / N_TEST
 
 
-def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, monkeypatch):
+def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, interrupt_call):
     cfg = TrainConfig(epochs=3, batch_size=32, lr=1e-3, seed=1)
     full = fit(store, "tokenwise", tmp_path / "full", cfg, progress=False)
-    real = fit_module._evaluate
-    calls = {"n": 0}
-
-    def interrupt_second_epoch(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(fit_module, "_evaluate", interrupt_second_epoch)
+    restore = interrupt_call(fit_module, "_evaluate", 2)  # in the second epoch
     with pytest.raises(KeyboardInterrupt):
         fit(store, "tokenwise", tmp_path / "cut", cfg, progress=False)
-    monkeypatch.setattr(fit_module, "_evaluate", real)
+    restore()
     resumed = fit(store, "tokenwise", tmp_path / "cut", cfg, progress=False)
     assert resumed["test"] == full["test"] and resumed["selected_epoch"] == full["selected_epoch"]
     assert len((tmp_path / "cut" / "epochs.csv").read_text().splitlines()) == 4
