@@ -173,6 +173,8 @@ def test_load_split_loads_one_split_as_load_splits_does(store, monkeypatch):
     np.testing.assert_array_equal(some.sentence, every.test.sentence[[1, 7, 30]])
     np.testing.assert_array_equal(some.video_ids[some.text_video], every.test.video_ids[every.test.text_video[[1, 7, 30]]])
     assert some.n_videos == N_TEST
+    with pytest.raises(ConfigError, match="split must be train, val or test, got 'testing'"):
+        data.load_split(s, "testing")
     with pytest.raises(ValueError, match="its video outside the test rows"):
         data.load_rows(s, "test", np.arange(2), np.arange(len(s.texts)))
 

@@ -129,7 +129,8 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
     col[video_rows] = np.arange(len(video_rows))
     text_video = col[store.texts["video_row"].to_numpy()[text_rows]]
     if (text_video < 0).any():
-        raise ValueError(f"{store.dir}: caption row {text_rows[text_video < 0][0]} has its video outside the {name} rows")
+        raise ValueError(f"{store.dir}: caption row {text_rows[text_video < 0][0]} has its video outside the "
+                         f"{name} rows")
     g = store.group
     arrays = {}
     for array, rows in (("videos/frames", video_rows), ("videos/frame_mask", video_rows),
@@ -236,8 +237,11 @@ def load_split(
         text_subset: positions among the split's captions to load (default: all of them).
 
     Raises:
-        ConfigError: the store has no train split, or no test split and ``split`` is test.
+        ConfigError: ``split`` is not a split; the store has no train split, or no test split and
+            ``split`` is test.
     """
+    if split not in ("train", "val", "test"):
+        raise ConfigError(f"split must be train, val or test, got {split!r}")
     rows = rows or store_split_rows(store, need_test=split == "test")
     texts = getattr(rows, f"{split}_texts")
     return load_rows(store, split, getattr(rows, f"{split}_videos"),

@@ -602,7 +602,7 @@ def evaluate_run(
         # a finetune run pins what it learnt with (its CLIP's weights hash) in metrics.json
         expect = {**config["provenance"], **(_recorded(run, "provenance") or {})}
         store = open_store(features or config["features"], expect=expect)
-        rows = store_split_rows(store)
+        rows = store_split_rows(store, need_test=split == "test")
         data = load_split(store, split, rows)  # only the split evaluated (and train for QB-Norm's bank)
         if data.n_videos == 0:
             raise ConfigError(f"{store.dir}: the {split} split is empty")
