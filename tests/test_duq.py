@@ -230,6 +230,25 @@ def test_distance_branch_starts_at_the_zero_shot_alignment():
     torch.testing.assert_close(d, ref, atol=1e-5, rtol=0)
 
 
+def test_text_gaussian_reads_the_words_without_the_start_token():
+    """Sec. 3.1: F_t = [w_1, ..., w_Nt]. With drop_sot (default) the text Gaussian is the aggregation
+    of the words and EOT only: changing the start token's feature changes nothing, and it equals
+    drop_sot=False on the captions with their first position masked out."""
+    head = perturbed("duq").eval()
+    texts, _ = batches(4, 1)
+    other = type(texts)(texts.tokens.clone(), texts.token_mask, texts.sentence)
+    other.tokens[:, 0] += 5.0  # the start token
+    with torch.no_grad():
+        a, b = head.encode_texts(texts), head.encode_texts(other)
+        torch.testing.assert_close(a["p_mu"], b["p_mu"])
+        torch.testing.assert_close(a["p_log_sigma"], b["p_log_sigma"])
+        keep_sot = perturbed("duq", drop_sot=False).eval()
+        assert not torch.allclose(keep_sot.encode_texts(texts)["p_mu"], keep_sot.encode_texts(other)["p_mu"])
+        shifted = type(texts)(texts.tokens, texts.token_mask & (torch.arange(texts.token_mask.shape[1]) > 0),
+                              texts.sentence)
+        torch.testing.assert_close(keep_sot.encode_texts(shifted)["p_mu"], a["p_mu"])
+
+
 def test_bad_config_is_named():
     with pytest.raises(ConfigError, match="num_samples"):
         create_head("duq", embed_dim=D, num_samples=0)

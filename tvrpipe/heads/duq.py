@@ -40,6 +40,8 @@ Choices (docs/methods.md, "DUQ"):
   concatenated with the global feature and projected back to D (a linear map of [local ; global]).
   The mean is computed by :func:`attention_block_mean` (value and output projections after it:
   the same function, half the per-token work).
+  The words are F_t = [w_1, ..., w_Nt] (Sec. 3.1): CLIP's start token, whose output is the same for
+  every caption, is left out (``drop_sot``, as ``tokenwise`` and ``uatvr``); EOT stays.
   The global text feature is the EOS sentence; the global video feature is the mean of its frames
   (X-Pool's F_v is text-conditioned, which would make z_v, hence every sample, a per-pair quantity
   at K x D per pair).
@@ -94,6 +96,7 @@ from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, Reranked, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
 from tvrpipe.heads.seqtransf import ResidualAttentionBlock, attention_heads, length_groups
+from tvrpipe.heads.tokenwise import without_first
 from tvrpipe.heads.xpool import Config as XPoolConfig
 from tvrpipe.heads.xpool import XPool
 
@@ -116,6 +119,7 @@ class Config(HeadConfig):
     gamma2: float = 0.1  # DUQ Eq. 16 / Sec. 4.1: weight of u_s
     rerank: bool = True  # DUQ Sec. 3.4 "Inference": report the Eq. 16 re-ranking beside the raw scores
     agg_heads: int | None = None  # None: D // 64 (8 at D = 512), DUQ code module_agg num_heads=8
+    drop_sot: bool = True  # DUQ Sec. 3.1: F_t = [w_1, ..., w_Nt], the words (no SOT), as tokenwise and uatvr
     noise_seed: int = 0  # choice (DESIGN.md): seed of the fixed (K, D) inference noise
     log_sigma_init: float = 0.0  # choice: initial bias of h_sigma (0: sigma ~ 1, torch's default Linear init)
     # h_mu = identity and the fusion passes the global feature through, so the distance branch starts
@@ -224,8 +228,9 @@ class DUQ(Head):
         return {"mu": mu, "log_sigma": log_sigma, "sample_mean": samples.mean(1)}  # (B, D) each
 
     def encode_texts(self, texts: TextBatch) -> Emb:
-        g = self._gaussian(self.text_agg, self.text_mu, self.text_sigma, texts.tokens, texts.token_mask,
-                           texts.sentence, self.noise[0])
+        mask = without_first(texts.token_mask) if self.config.drop_sot else texts.token_mask.bool()
+        g = self._gaussian(self.text_agg, self.text_mu, self.text_sigma, texts.tokens, mask, texts.sentence,
+                           self.noise[0])
         return {**self.xpool.encode_texts(texts), **{f"p_{k}": v for k, v in g.items()}}
 
     def encode_videos(self, videos: VideoBatch) -> Emb:

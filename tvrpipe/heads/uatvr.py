@@ -88,7 +88,7 @@ class Config(HeadConfig):
     """UATVR: DSA extra tokens + seqTransf, Eq. 8 token-wise score, DUA Gaussian embeddings."""
 
     dsa: bool = True  # UATVR Tab. 1 "+DSA": extra tokens and seqTransf; False = "TI" (tokenwise)
-    extra_video_tokens: int = 3  # C_v, UATVR Tab. 3 (best: 3)
+    extra_video_tokens: int = 3  # C_v, UATVR Tab. 3 (best: 3); official code: 2 (docs/methods.md)
     extra_text_tokens: int = 2  # C_t, UATVR Tab. 3 (best: 2)
     num_layers: int = 4  # UATVR Sec. 4.1: four-layer seqTransf, after CLIP4Clip
     num_heads: int | None = None  # None: D // 64, CLIP4Clip code transformer_heads = width // 64
