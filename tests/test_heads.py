@@ -349,31 +349,33 @@ def _xpool_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
 def xpool_pooled_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
     """z_{v|t} of every (text, video) pair, (n_text, n_video, D), from X-Pool's equations."""
     wq, wk, wv, wo = (np64(m.weight) for m in (head.q_proj, head.k_proj, head.v_proj, head.out_proj))
+    bq, bk, bv, bo = (np64(m.bias) if m.bias is not None else 0.0  # proj_bias: the official code's biases
+                      for m in (head.q_proj, head.k_proj, head.v_proj, head.out_proj))
     w_fc, b_fc = np64(head.linear_proj.weight), np64(head.linear_proj.bias)
     h = head.config.num_heads
     dh = D // h
     ref = np.zeros((len(texts), len(videos), head.config.embed_dim))
     for i in range(len(texts)):
         c_t = np64(texts.sentence[i])
-        q = _layer_norm(c_t, head.layer_norm1) @ wq.T  # Q_t
+        q = _layer_norm(c_t, head.layer_norm1) @ wq.T + bq  # Q_t
         for j in range(len(videos)):
             c_v = np64(videos.frames[j])[videos.frame_mask[j].numpy()]  # real frames only
-            k = _layer_norm(c_v, head.layer_norm1) @ wk.T  # K_v
-            v = _layer_norm(c_v, head.layer_norm1) @ wv.T  # V_v
+            k = _layer_norm(c_v, head.layer_norm1) @ wk.T + bk  # K_v
+            v = _layer_norm(c_v, head.layer_norm1) @ wv.T + bv  # V_v
             heads_out = []
             for hh in range(h):
                 sl = slice(hh * dh, (hh + 1) * dh)
                 logits = k[:, sl] @ q[sl] / np.sqrt(dh)
                 att = np.exp(logits - logits.max())
                 heads_out.append((att / att.sum()) @ v[:, sl])
-            r = _layer_norm(np.concatenate(heads_out) @ wo.T, head.layer_norm2)  # r_{v|t}
+            r = _layer_norm(np.concatenate(heads_out) @ wo.T + bo, head.layer_norm2)  # r_{v|t}
             ref[i, j] = _layer_norm(r @ w_fc.T + b_fc + r, head.layer_norm3)  # z_{v|t}
     return ref
 
 
-@pytest.mark.parametrize("num_heads", [1, 2])
-def test_xpool_matches_reference(num_heads):
-    head = perturbed("xpool", dtype=torch.float64, num_heads=num_heads)
+@pytest.mark.parametrize("num_heads,proj_bias", [(1, False), (2, False), (1, True), (2, True)])
+def test_xpool_matches_reference(num_heads, proj_bias):
+    head = perturbed("xpool", dtype=torch.float64, num_heads=num_heads, proj_bias=proj_bias)
     texts, videos = batches(5, 7, dtype=torch.float64)
     ref = _xpool_reference(head, texts, videos)
     with torch.no_grad():

@@ -68,6 +68,15 @@ def test_sampled_inference_matches_per_pair_loop(radius, prior):
     np.testing.assert_allclose(sim(head, texts, videos).numpy(), score_reference(head, texts, videos), atol=1e-10)
 
 
+def test_official_projection_biases_match_the_per_pair_loop():
+    """proj_bias (the official code's q/k/v/out biases): Eq. 10 still matches the loop written from
+    the equations, which adds the biases (training: test_loss_terms_match_per_pair_loops)."""
+    head = perturbed("tmass", dtype=torch.float64, proj_bias=True, num_samples=7)
+    assert all(float(m.bias.abs().max()) > 0 for m in (head.q_proj, head.k_proj, head.v_proj, head.out_proj))
+    texts, videos = batches(5, 6, dtype=torch.float64)
+    np.testing.assert_allclose(sim(head, texts, videos).numpy(), score_reference(head, texts, videos), atol=1e-10)
+
+
 def test_float32_sampled_inference_matches_reference():
     head = perturbed("tmass")
     texts, videos = batches(5, 6)
@@ -180,9 +189,10 @@ def loss_reference(head, texts, videos, eps: np.ndarray, paired: bool = False) -
     return {k: infonce(scale * c) for k, c in cos.items()}
 
 
-@pytest.mark.parametrize("train_radius", ["pairs", "paired"])
-def test_loss_terms_match_per_pair_loops(train_radius):
-    head = perturbed("tmass", dtype=torch.float64, dropout=0.0, w_ce=0.5, train_radius=train_radius).train()
+@pytest.mark.parametrize("train_radius,proj_bias", [("pairs", False), ("paired", False), ("pairs", True)])
+def test_loss_terms_match_per_pair_loops(train_radius, proj_bias):
+    head = perturbed("tmass", dtype=torch.float64, dropout=0.0, w_ce=0.5, train_radius=train_radius,
+                     proj_bias=proj_bias).train()
     texts, videos = batches(5, 5, dtype=torch.float64)
     eps = torch.randn(5, D, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     out = head.loss(texts, videos, eps=eps)

@@ -28,6 +28,9 @@ Where they differ, the paper is followed:
 - W_Q, W_K, W_V, W_O are bias-free projection matrices as in the paper's equations (the code's
   ``nn.Linear`` layers carry biases initialised to zero; the key bias is provably inert: it adds the
   same logit to every frame of a softmax, so it can never receive gradient). FC keeps its bias.
+  ``proj_bias=True`` adds the code's four biases (zero at init), so that an official checkpoint,
+  whose trained query, value and output biases move the scores, gives the same scores here (a video
+  with no real frame then pools to zero without b_O, where the official code has no padding).
 - The code attends over every frame slot (its videos always have 12 frames); here padded frames
   get zero weight, and a video with no real frame has all-zero weights (its pooled vector before
   LN2 is zero) instead of NaN.
@@ -66,6 +69,8 @@ class Config(HeadConfig):
     num_heads: int = 1  # X-Pool code num_mha_heads=1 (paper: a single query per text), D_p = D
     dropout: float = 0.3  # X-Pool code transformer_dropout=0.3; T-MASS Sec. 4.1 keeps X-Pool's 0.3
     identity_init: bool = True  # X-Pool code Transformer._init_parameters: identity projections, zero biases
+    # True: the official code's nn.Linear biases (zero at init), so that its trained checkpoints score the same
+    proj_bias: bool = False  # X-Pool's equations: bias-free W_Q, W_K, W_V, W_O
 
 
 @register_head("xpool")
@@ -84,10 +89,10 @@ class XPool(Head):
         if not 0.0 <= config.dropout < 1.0:
             raise ConfigError(f"xpool: dropout must be in [0, 1), got {config.dropout}")
         self.layer_norm1 = nn.LayerNorm(d)
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.out_proj = nn.Linear(d, d, bias=False)
+        self.q_proj = nn.Linear(d, d, bias=config.proj_bias)
+        self.k_proj = nn.Linear(d, d, bias=config.proj_bias)
+        self.v_proj = nn.Linear(d, d, bias=config.proj_bias)
+        self.out_proj = nn.Linear(d, d, bias=config.proj_bias)
         self.layer_norm2 = nn.LayerNorm(d)
         self.linear_proj = nn.Linear(d, d)
         self.dropout = nn.Dropout(config.dropout)
@@ -95,7 +100,8 @@ class XPool(Head):
         if config.identity_init:
             for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.linear_proj):
                 nn.init.eye_(lin.weight)
-            nn.init.zeros_(self.linear_proj.bias)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
 
     # -- per-item work --------------------------------------------------------------------------
 
@@ -113,6 +119,8 @@ class XPool(Head):
         w_o = self.out_proj.weight.view(d, h, d // h)  # (D_out, H, d_h): W_O's columns per head
         # V W_O per head: head h's attention output only meets W_O's columns of head h.
         values_o = torch.einsum("bfhc,ehc->bhfe", values, w_o).reshape(b, h * n_frames, d)  # (B, J=H*F, D)
+        if self.out_proj.bias is not None:  # proj_bias: each head's weights sum to 1, so H slots of b_O / H add b_O
+            values_o = values_o + self.out_proj.bias / h
         return {"keys": self.k_proj(x), "values": values_o, "frame_mask": mask, **self._factors(values_o)}
 
     def _factors(self, values_o: Tensor) -> Emb:
