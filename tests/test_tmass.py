@@ -27,9 +27,10 @@ def radius_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
         for j in range(len(videos)):
             frames = np64(videos.frames[j])[videos.frame_mask[j].numpy()]
             s = unit(frames) @ t if len(frames) else np.zeros(0)  # S_1..S_F' (Eq. 6)
-            if cfg.radius == "linear":  # exp(S W + b), W: (F, D); only real frames' rows
+            if cfg.radius == "linear":  # exp(S W) (+ b with proj_bias), W: (F, D); only real frames' rows
                 w = np64(head.radius_proj.weight).T  # (num_frames, D)
-                out[i, j] = np.exp(s @ w[: len(s)] + np64(head.radius_proj.bias))
+                b = np64(head.radius_proj.bias) if head.radius_proj.bias is not None else 0.0  # proj_bias
+                out[i, j] = np.exp(s @ w[: len(s)] + b)
             else:
                 mean_s = s.mean() if len(s) else 0.0
                 theta = float(head.theta.detach()) if cfg.radius == "scalar" else 1.0
@@ -98,9 +99,10 @@ def test_zero_samples_or_zero_radius_is_xpool():
     xpool.load_state_dict({k: v for k, v in head.state_dict().items() if k in xpool.state_dict()})
     texts, videos = batches(5, 6)
     assert torch.equal(sim(head, texts, videos), sim(xpool, texts, videos))
-    tiny = perturbed("tmass")
+    tiny = perturbed("tmass", proj_bias=True)  # with the official code's biases, to set R's
     with torch.no_grad():
         tiny.radius_proj.bias.fill_(-60.0)  # R = exp(S W - 60) ~ 1e-26
+    xpool = create_head("xpool", embed_dim=D, proj_bias=True).eval()
     xpool.load_state_dict({k: v for k, v in tiny.state_dict().items() if k in xpool.state_dict()})
     torch.testing.assert_close(sim(tiny, texts, videos), sim(xpool, texts, videos), atol=1e-6, rtol=0)
 

@@ -9,7 +9,7 @@ Equations (t = raw sentence embedding (D,), f_1..f_F = raw frame embeddings, v =
 X-Pool embedding of the video pooled with the text t, :class:`tvrpipe.heads.xpool.XPool`)::
 
     S_i = cos(t, f_i),  i = 1..F over the REAL frames               (Eq. 6)
-    R = exp(S W + b)  (W: F x D)   | exp(theta mean S) | exp(mean S)   (Eq. 7; Tab. 5)
+    R = exp(S W)  (W: F x D)   | exp(theta mean S) | exp(mean S)       (Eq. 7; Tab. 5)
     t_s = t + R * eps,  eps ~ P                                       (Eq. 5)
     L_s   = symmetric InfoNCE over cos(t_s, v)                        (Sec. 3.3, "Learning text mass")
     t_sup = t + (v - t) / |v - t| * R                                 (Eq. 8)
@@ -35,7 +35,9 @@ Choices (docs/methods.md, "T-MASS"):
 - **alpha = 1.2** as the paper's Sec. 4 and Fig. 6; the official code's default
   ``support_loss_weight`` is 0 and its README trains MSR-VTT with 0.8.
 - **Radius variants**: the official code implements only exp(S W) (its ``learnable_scalar`` is
-  never used); the scalar and mean variants follow the paper's Tab. 5 text.
+  never used); the scalar and mean variants follow the paper's Tab. 5 text. Eq. 7 has no bias;
+  the official ``nn.Linear`` has one (zero at init), added with ``proj_bias=True`` together with
+  X-Pool's projection biases (the official code's biases, to score its checkpoints the same).
 - **Padding**: S has entries for real frames only. For exp(S W) the padded slots of S are 0, so
   the rows of W for padded positions never contribute (the official code assumes 12 real frames);
   the two mean variants average over the real frames. A video with no real frame has S = 0.
@@ -58,7 +60,7 @@ Efficiency (exact): with eps fixed, a pair with radius R, raw text t and pooled 
 so the M samples cost matrix products with the (D, M) noise, never M D-vectors per pair. <t, z>
 and |z| are X-Pool's factored scalars (:meth:`XPool.factored`); z = g3 (inv_sigma P + c) inv_s + b3
 with P = sum_j a_j rc_j, so <R * z, eps_m> = inv_s inv_sigma <R * P, g3 eps_m> + inv_s <R, c g3
-eps_m> + <R, b3 eps_m>: per pair the D-sized work is P (a J x D product), R = exp(S W + b) and
+eps_m> + <R, b3 eps_m>: per pair the D-sized work is P (a J x D product), R = exp(S W) and
 three products with the noise. A scalar radius (Tab. 5 rows 1-2) needs only <z, eps_m>. Texts
 are processed in chunks so that each (n_video, chunk, D) tensor stays under ``_PAIR_BUDGET``
 elements: memory beyond the score matrix is bounded whatever the engine's block sizes.
@@ -125,9 +127,11 @@ class TMass(XPool):
                               f"{config.alpha}, {config.w_s}, {config.w_ce}")
         d = config.embed_dim
         if config.radius == "linear":
-            self.radius_proj = nn.Linear(config.num_frames, d)  # S (F,) -> log R (D,)
+            # S (F,) -> log R (D,); Eq. 7 has no bias, the official nn.Linear has one (proj_bias)
+            self.radius_proj = nn.Linear(config.num_frames, d, bias=config.proj_bias)
             nn.init.eye_(self.radius_proj.weight)  # official LinearCosRadius._init_parameters
-            nn.init.zeros_(self.radius_proj.bias)
+            if self.radius_proj.bias is not None:
+                nn.init.zeros_(self.radius_proj.bias)
         elif config.radius == "scalar":
             self.theta = nn.Parameter(torch.tensor(float(config.theta_init)))
         g = torch.Generator().manual_seed(config.noise_seed)
@@ -163,7 +167,8 @@ class TMass(XPool):
         s = (f_unit.flatten(0, 1) @ text_emb["sentence"].t()).view(n_v, n_frames, -1).transpose(1, 2)  # (n_v, n_t, F)
         if self.config.radius == "linear":
             # padded slots of S are 0: their rows of W never contribute (W[:, :F] = S zero-padded to num_frames)
-            return torch.exp(s @ self.radius_proj.weight[:, :n_frames].t() + self.radius_proj.bias)  # (n_v, n_t, D)
+            log_r = s @ self.radius_proj.weight[:, :n_frames].t()  # (n_v, n_t, D)
+            return torch.exp(log_r if self.radius_proj.bias is None else log_r + self.radius_proj.bias)
         n_real = video_emb["frame_mask"].sum(-1).clamp(min=1).to(s.dtype)  # (n_v,)
         mean_s = (s.sum(-1) / n_real[:, None]).unsqueeze(-1)  # (n_v, n_t, 1) mean over the real frames
         return torch.exp(self.theta * mean_s) if self.config.radius == "scalar" else torch.exp(mean_s)
