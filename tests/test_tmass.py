@@ -27,9 +27,9 @@ def radius_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
         for j in range(len(videos)):
             frames = np64(videos.frames[j])[videos.frame_mask[j].numpy()]
             s = unit(frames) @ t if len(frames) else np.zeros(0)  # S_1..S_F' (Eq. 6)
-            if cfg.radius == "linear":  # exp(S W) (+ b with proj_bias), W: (F, D); only real frames' rows
+            if cfg.radius == "linear":  # exp(S W + b), W: (F, D); only real frames' rows
                 w = np64(head.radius_proj.weight).T  # (num_frames, D)
-                b = np64(head.radius_proj.bias) if head.radius_proj.bias is not None else 0.0  # proj_bias
+                b = np64(head.radius_proj.bias) if head.radius_proj.bias is not None else 0.0  # radius_bias
                 out[i, j] = np.exp(s @ w[: len(s)] + b)
             else:
                 mean_s = s.mean() if len(s) else 0.0
@@ -63,8 +63,9 @@ def test_radius_variants_match_their_formulas(radius):
 
 @pytest.mark.parametrize("radius", ["linear", "scalar", "mean"])
 @pytest.mark.parametrize("prior", ["normal", "uniform"])
-def test_sampled_inference_matches_per_pair_loop(radius, prior):
-    head = perturbed("tmass", dtype=torch.float64, radius=radius, prior=prior, num_samples=7)
+@pytest.mark.parametrize("radius_bias", [True, False])
+def test_sampled_inference_matches_per_pair_loop(radius, prior, radius_bias):
+    head = perturbed("tmass", dtype=torch.float64, radius=radius, prior=prior, num_samples=7, radius_bias=radius_bias)
     texts, videos = batches(5, 6, dtype=torch.float64)
     np.testing.assert_allclose(sim(head, texts, videos).numpy(), score_reference(head, texts, videos), atol=1e-10)
 
@@ -99,10 +100,9 @@ def test_zero_samples_or_zero_radius_is_xpool():
     xpool.load_state_dict({k: v for k, v in head.state_dict().items() if k in xpool.state_dict()})
     texts, videos = batches(5, 6)
     assert torch.equal(sim(head, texts, videos), sim(xpool, texts, videos))
-    tiny = perturbed("tmass", proj_bias=True)  # with the official code's biases, to set R's
+    tiny = perturbed("tmass")
     with torch.no_grad():
         tiny.radius_proj.bias.fill_(-60.0)  # R = exp(S W - 60) ~ 1e-26
-    xpool = create_head("xpool", embed_dim=D, proj_bias=True).eval()
     xpool.load_state_dict({k: v for k, v in tiny.state_dict().items() if k in xpool.state_dict()})
     torch.testing.assert_close(sim(tiny, texts, videos), sim(xpool, texts, videos), atol=1e-6, rtol=0)
 
