@@ -64,6 +64,7 @@ from tvrpipe.training.fit import (
     _schedule,
     _sha256,
     load_head,
+    seed_step,
     write_rows,
 )
 from tvrpipe.training.videodata import (
@@ -454,7 +455,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 t1 = time.perf_counter()
                 new_failed += batch.failed
                 # the head's own noise (sampling heads) is the same on every rank and after a resume
-                torch.manual_seed(int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0]))
+                seed_step(cfg.seed, epoch, step)
                 total_loss, loss_terms = wrapped(batch.frames, batch.frame_mask, batch.texts, job.max_words)
                 if not torch.isfinite(total_loss.detach()):
                     vids = ", ".join(str(job.video_ids[v]) for v in batch.videos[:5])

@@ -482,6 +482,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
             for step, (vids, caps, texts, videos) in enumerate(_prefetch(batches()) if train.prefetch else batches()):
                 n = len(vids)
                 t1 = time.perf_counter()  # t1 - t0: time the step waited for its batch
+                seed_step(train.seed, epoch, step)  # dropout and sampled noise: the same after a resume
                 out_loss = head.loss(texts, videos)
                 if not torch.isfinite(out_loss.total.detach()):  # before the step: the weights stay finite
                     raise _nonfinite_loss(out_loss, epoch + 1, step + 1, vids, caps, train_split, epoch)
@@ -555,6 +556,12 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         groups = {name: list(r) if isinstance(r, dict) else [""] for name, r in best["val"].get("readouts", {}).items()}
         _plots(rows, out / "plots", groups)
     return metrics
+
+
+def seed_step(seed: int, epoch: int, step: int) -> None:
+    """Seed torch's generators (dropout, a head's sampled noise) from (seed, epoch, step): a resumed
+    run draws what the uninterrupted one drew, and every data-parallel rank draws the same."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, step]).generate_state(1)[0]))
 
 
 def _train_seconds(rows: list[dict]) -> float | None:
