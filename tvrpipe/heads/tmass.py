@@ -39,7 +39,7 @@ Choices (docs/methods.md, "T-MASS"):
 - **The radius layer's bias**: Eq. 7 writes R = exp(S W) with "W ... the learnable weights in the
   linear layer"; the official code's linear layer has a bias (zero at init), kept here
   (``radius_bias``). It lets R shrink in every dimension at once, which W alone can do only through
-  S (cosines near 0.2-0.3). Measured without it (``radius_bias=false``), the default run's
+  S, whose entries are cosines in [-1, 1]. Measured without it (``radius_bias=false``), the default run's
   validation R@1 is 34.0 and 26.5 on the small and medium convergence stores, against 33.0 and
   30.0 with it (docs/training.md).
 - **Padding**: S has entries for real frames only. For exp(S W) the padded slots of S are 0, so
