@@ -17,7 +17,8 @@ Choices:
   (``visual_output / visual_output.norm(...)`` then ``_mean_pooling_for_similarity_visual``);
   the paper's text says only "mean pooling".
 - Padded frames never contribute; a video with no real frame gets the zero vector and
-  similarity 0 (the code divides by a clamped count of 1, the same result).
+  similarity 0 (the code's mean is then zero too, but its final normalisation divides it by its
+  zero norm: NaN).
 - The only parameter is ``logit_scale``. CLIP4Clip reuses CLIP's own learned logit scale; a head
   on cached features has no CLIP, so it starts from CLIP's initial value log(1/0.07) (clamped to
   100 by ``Head.logits_scale``). Untrained, the head is CLIP4Clip's zero-shot baseline.

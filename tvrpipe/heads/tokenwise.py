@@ -17,6 +17,9 @@ Where paper and code disagree (the paper is followed):
 - The released UATVR model uses DRL's *weighted* token-wise interaction (learned
   ``text_weight_fc``/``video_weight_fc`` softmax weights instead of the plain means); the paper's
   Eq. 7 and its text describe plain averages, which is what the "TI" row of Tab. 1 names.
+- The features are the raw CLIP tokens and frames (Eq. 7, Tab. 1 "TI"); the released UATVR code
+  would call its unweighted ``token_wise_interaction`` (commented out there) on the outputs of its
+  seqTransf with the DSA tokens, which is ``uatvr`` here.
 - The code's unweighted ``token_wise_interaction`` masks by multiplying the similarities by 0 before
   the max, so a padded position enters the max with value 0 whenever all real similarities are
   negative; here padding is excluded exactly.
