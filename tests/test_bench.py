@@ -144,6 +144,40 @@ def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path
     assert r.exit_code == 1 and "--size 'huge' is not one of: small, medium, msrvtt9k" in r.output
 
 
+def test_bench_convergence_cli_no_grid_runs_open_ended_lrs(cli, tmp_path, monkeypatch):
+    """`tvrpipe bench convergence --no-grid --lr X`: the open-ended run at X and the default, no
+    fixed-epoch run; the printed table names the best open lr; --only-default with it is refused."""
+    import csv
+    import functools
+
+    import tvrpipe.training.convergence as conv
+    import tvrpipe.training.fit as fit_module
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.pipeline.genstore import GenSpec
+
+    monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(train_videos=64, val_videos=32, test_videos=16,
+                                                    captions_per_train_video=2, frames=4, max_words=6,
+                                                    embed_dim=16, seed=2))
+    monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, batch_size=32,
+                                                                     min_steps=4, patience=2, max_epochs=4))
+    default_lr = head_class("xpool").default_lr
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--method", "xpool", "--no-grid",
+            "--lr", str(default_lr / 10))
+    assert r.exit_code == 0, r.output
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert sorted((x["schedule"], float(x["lr"])) for x in runs) == [("default", default_lr), ("open", default_lr / 10)]
+    best = max(runs, key=lambda x: float(x["val_r1"]))  # the default is the open-ended run at its own lr
+    with open(tmp_path / "summary.csv") as f:
+        (summary,) = list(csv.DictReader(f))
+    assert summary["grid_best"] == f"open lr {float(best['lr']):g}" and "open lr" in r.output
+    default = next(x for x in runs if x["schedule"] == "default")
+    assert float(summary["gap"]) == pytest.approx(float(best["val_r1"]) - float(default["val_r1"]), abs=0.06)
+    assert float(summary["gap"]) >= 0
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--no-grid", "--only-default")
+    assert r.exit_code == 1 and "--only-default and --no-grid exclude each other" in r.output
+
+
 def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_tables(tmp_path):
     """A bench of one head in a directory keeps the other heads' rows; completed run directories
     missing from the tables (lost by an older bench) are reused, not retrained."""
