@@ -166,7 +166,8 @@ def test_bench_convergence_cli_no_grid_runs_open_ended_lrs(cli, tmp_path, monkey
     assert r.exit_code == 0, r.output
     with open(tmp_path / "results.csv") as f:
         runs = list(csv.DictReader(f))
-    assert sorted((x["schedule"], float(x["lr"])) for x in runs) == [("default", default_lr), ("open", default_lr / 10)]
+    assert sorted((x["schedule"], float(x["lr"])) for x in runs) == [
+        ("default", default_lr), ("open", default_lr / 10)]
     best = max(runs, key=lambda x: float(x["val_r1"]))  # the default is the open-ended run at its own lr
     with open(tmp_path / "summary.csv") as f:
         (summary,) = list(csv.DictReader(f))

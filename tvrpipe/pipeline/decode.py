@@ -36,8 +36,9 @@ Choices where the papers and codebases are silent or differ:
 - decord silently returns the previous frame for frames it cannot decode (its "fault tolerance"
   cache); tvrpipe opens it with a near-zero tolerance so that this raises instead, and then
   falls back to PyAV. A retry inside decord is not safe: on a file whose frame count lies, decord
-  returned frames one or more positions early about one time in fifty, with no error. decord 0.6 also fails for a
-  few output widths of at most 144 px (a row-padding bug); those go straight to PyAV.
+  returned frames one or more positions early about one time in fifty, with no error. decord 0.6
+  also fails for a few output widths of at most 144 px (a row-padding bug); those go straight to
+  PyAV.
 """
 
 from __future__ import annotations

@@ -252,7 +252,10 @@ def _summary(runs: list[Run]) -> list[dict]:
         opened = max((r for r in mine if r.schedule == "open"), key=lambda r: r.val_r1, default=None)
         # the target: the grid's best; on a store benched without the grid, the best open-ended lr, the
         # default's own among them (it is the open-ended schedule at the default lr)
-        g = max(grid, key=lambda r: r.val_r1) if grid else max(opened, d, key=lambda r: r.val_r1) if opened else None
+        if grid:
+            g = max(grid, key=lambda r: r.val_r1)
+        else:
+            g = max(opened, d, key=lambda r: r.val_r1) if opened else None
         rows.append({"store": store, "method": method, "grid_best_r1": g.val_r1 if g else None,
                      "grid_best": f"{'open' if not grid else g.schedule} lr {g.lr:g}" if g else None,
                      "default_r1": d.val_r1, "gap": g.val_r1 - d.val_r1 if g else None, "default_lr": d.lr,
