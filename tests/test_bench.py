@@ -120,10 +120,10 @@ def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_p
                              only_default=True) == rows  # recorded runs are reused, not retrained
 
 
-def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path, monkeypatch):
-    """`tvrpipe bench convergence --only-default` end to end on a tiny store: one default run per
-    head, no grid, tables written and the default's row printed."""
-    import csv
+@pytest.fixture
+def tiny_convergence_size(monkeypatch):
+    """`bench convergence --size tiny`: a store of 64 train videos, D = 16, and a trainer that stops
+    within 6 epochs, so the command runs end to end in seconds."""
     import functools
 
     import tvrpipe.training.convergence as conv
@@ -135,6 +135,13 @@ def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path
                                                     embed_dim=16, seed=2))
     monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, batch_size=32,
                                                                      min_steps=4, patience=2, max_epochs=6))
+
+
+def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path, tiny_convergence_size):
+    """`tvrpipe bench convergence --only-default` end to end on a tiny store: one default run per
+    head, no grid, tables written and the default's row printed."""
+    import csv
+
     r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--method", "meanpool", "--only-default")
     assert r.exit_code == 0, r.output
     with open(tmp_path / "results.csv") as f:
@@ -144,22 +151,13 @@ def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path
     assert r.exit_code == 1 and "--size 'huge' is not one of: small, medium, msrvtt9k" in r.output
 
 
-def test_bench_convergence_cli_no_grid_runs_open_ended_lrs(cli, tmp_path, monkeypatch):
+def test_bench_convergence_cli_no_grid_runs_open_ended_lrs(cli, tmp_path, tiny_convergence_size):
     """`tvrpipe bench convergence --no-grid --lr X`: the open-ended run at X and the default, no
     fixed-epoch run; the printed table names the best open lr; --only-default with it is refused."""
     import csv
-    import functools
 
-    import tvrpipe.training.convergence as conv
-    import tvrpipe.training.fit as fit_module
     from tvrpipe.heads.base import head_class
-    from tvrpipe.pipeline.genstore import GenSpec
 
-    monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(train_videos=64, val_videos=32, test_videos=16,
-                                                    captions_per_train_video=2, frames=4, max_words=6,
-                                                    embed_dim=16, seed=2))
-    monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, batch_size=32,
-                                                                     min_steps=4, patience=2, max_epochs=4))
     default_lr = head_class("xpool").default_lr
     r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--method", "xpool", "--no-grid",
             "--lr", str(default_lr / 10))
