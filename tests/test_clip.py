@@ -105,7 +105,10 @@ def test_sha_changes_with_any_weight(tiny: ClipBundle, tiny_ckpt, tmp_path):
     state = torch.load(tiny_ckpt / "plain.pt")
     state["logit_scale"] = state["logit_scale"] + 1.0
     torch.save(state, tmp_path / "changed.pt")
-    assert load_clip(TINY_MODEL, str(tmp_path / "changed.pt")).weights_sha256 != tiny.weights_sha256
+    changed = load_clip(TINY_MODEL, str(tmp_path / "changed.pt"))
+    assert changed.weights_sha256 != tiny.weights_sha256
+    # the bundle reports the checkpoint's learned scale, which heads start from (clip_defaults)
+    assert changed.logit_scale == pytest.approx(tiny.logit_scale + 1.0, abs=1e-6)
 
 
 def test_garbage_checkpoint_is_a_config_error_naming_the_path(tmp_path):

@@ -111,6 +111,34 @@ def test_export_names_its_architecture(e2e):
         metrics["export"]["weights_sha256"]
 
 
+def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, tmp_path):
+    """The head starts from CLIP's scale, the export carries the head's learned scale, extract records it
+    and every head trained on that store starts from it; an explicit --set logit_scale_init wins."""
+    import math
+
+    import yaml
+
+    from tvrpipe.pipeline.clip import load_clip
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.training.fit import TrainConfig, fit, load_head
+
+    out, metrics, store = e2e
+    random_clip = load_clip("tvrpipe-tiny", "none")
+    assert random_clip.logit_scale == pytest.approx(math.log(1 / 0.07), abs=1e-6)  # open_clip's init
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["head"]["logit_scale_init"] == pytest.approx(random_clip.logit_scale)
+    learned = load_head(out / "checkpoints" / "best.safetensors").logit_scale.item()
+    assert abs(learned - random_clip.logit_scale) > 0.01  # the scale trained (lr 1e-3, 10 epochs)
+    exported = load_file(str(out / "clip.safetensors"))["logit_scale"]
+    assert float(exported) == pytest.approx(min(learned, math.log(100)), abs=1e-6)
+    assert open_store(store).provenance["logit_scale"] == pytest.approx(float(exported), abs=1e-6)
+    for overrides, want in (({}, float(exported)), ({"logit_scale_init": 0.5}, 0.5)):
+        run = tmp_path / f"xpool{len(overrides)}"
+        fit(store, "xpool", run, TrainConfig(epochs=0), overrides=overrides, progress=False)
+        assert yaml.safe_load((run / "config.yaml").read_text())["head"]["logit_scale_init"] == pytest.approx(want)
+        assert load_head(run / "checkpoints" / "best.safetensors").logit_scale.item() == pytest.approx(want)
+
+
 def test_evaluate_refuses_a_store_of_other_weights(e2e, tmp_path, cli):
     out, metrics, store = e2e
     other = tmp_path / "run"

@@ -106,7 +106,7 @@ def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str]
         ['xpool__train.lr=0.001__seed0', 'xpool__train.lr=0.001__seed1', ...]
     """
     from tvrpipe.heads.base import head_class, list_heads
-    from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.training.fit import TrainConfig, store_head_config
 
     if not methods:
         raise ConfigError("--methods is empty; give one or more of: " + ", ".join(list_heads()))
@@ -251,11 +251,10 @@ def run_sweep(
     Example:
         >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
     """
-    from tvrpipe.heads.base import make_config
     from tvrpipe.lock import check_writable
     from tvrpipe.pipeline.extract import _ray_init
     from tvrpipe.pipeline.store import open_store
-    from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.training.fit import TrainConfig, store_head_config
 
     base = train or TrainConfig()
     if not cpus_per_run > 0 or not math.isfinite(cpus_per_run):
@@ -270,7 +269,6 @@ def run_sweep(
     check_writable(out, "--out")
     store = open_store(features)
     features = Path(features).resolve()
-    D = int(store.provenance["embed_dim"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -284,7 +282,7 @@ def run_sweep(
         try:
             tc = dataclasses.replace(base, seed=run.seed, **run.train)
             tc.validate()
-            head_cfg = dataclasses.asdict(make_config(run.method, **{"embed_dim": D, **run.head}))
+            head_cfg = dataclasses.asdict(store_head_config(store, run.method, run.head))
         except (TvrpipeError, TypeError, ValueError) as e:  # one bad combination fails alone
             row.update(status="failed", error=_error_text(e))
             continue

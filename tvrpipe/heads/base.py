@@ -102,7 +102,8 @@ class HeadConfig:
     """Fields every head's config has; each head's ``Config`` subclasses this."""
 
     embed_dim: int = 512  # D: CLIP ViT-B/32 projection width; the trainer sets it from the store
-    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init; the papers reuse CLIP's learned scale
+    # the papers reuse CLIP's learned scale: train-head and finetune set it from the features' CLIP (clip_defaults)
+    logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init, where no CLIP's scale is known
 
 
 class Head(nn.Module):
@@ -225,6 +226,21 @@ def make_config(name: str, **overrides: Any) -> HeadConfig:
     if unknown:
         raise ConfigError(f"{name}: unknown config key(s) {unknown}; valid: {', '.join(sorted(fields))}")
     return dataclasses.replace(cls.Config(), **overrides)
+
+
+def clip_defaults(embed_dim: int, logit_scale: float | None) -> dict[str, Any]:
+    """The config fields every head takes from the CLIP its features come from, before user overrides.
+
+    ``embed_dim`` is D; ``logit_scale`` is CLIP's learned scale as its parameter stores it (a store's
+    ``logit_scale`` provenance, :attr:`tvrpipe.pipeline.clip.ClipBundle.logit_scale`): the papers'
+    heads reuse CLIP's scale (log 100 for OpenAI's weights), so it is every head's ``logit_scale_init``.
+    None (a generated store, or one extracted before the scale was recorded) keeps CLIP's initial
+    log(1/0.07).
+    """
+    out: dict[str, Any] = {"embed_dim": int(embed_dim)}
+    if logit_scale is not None:
+        out["logit_scale_init"] = float(logit_scale)
+    return out
 
 
 def create_head(name: str, **overrides: Any) -> Head:

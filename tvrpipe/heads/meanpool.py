@@ -19,9 +19,10 @@ Choices:
 - Padded frames never contribute; a video with no real frame gets the zero vector and
   similarity 0 (the code's mean is then zero too, but its final normalisation divides it by its
   zero norm: NaN).
-- The only parameter is ``logit_scale``. CLIP4Clip reuses CLIP's own learned logit scale; a head
-  on cached features has no CLIP, so it starts from CLIP's initial value log(1/0.07) (clamped to
-  100 by ``Head.logits_scale``). Untrained, the head is CLIP4Clip's zero-shot baseline.
+- The only parameter is ``logit_scale``. CLIP4Clip reuses CLIP's own learned logit scale; the head
+  starts from the scale of the CLIP its features come from (the store's ``logit_scale``, see
+  ``clip_defaults``; CLIP's initial log(1/0.07) on a store without one), clamped to 100 by
+  ``Head.logits_scale``. Untrained, the head is CLIP4Clip's zero-shot baseline.
 """
 
 from __future__ import annotations

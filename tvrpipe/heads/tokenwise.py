@@ -36,8 +36,8 @@ Where paper and code disagree (the paper is followed):
   with the untrained word outputs alone; that reading is not taken.
 
 Other choices: a text with no token left or a video with no real frame contributes 0 for its direction
-(the corresponding mean is empty). ``logit_scale`` starts at CLIP's initial log(1/0.07); UATVR
-reuses CLIP's learned scale.
+(the corresponding mean is empty). ``logit_scale`` starts at the features' CLIP's
+learned scale, as UATVR reuses it (``clip_defaults``).
 """
 
 from __future__ import annotations

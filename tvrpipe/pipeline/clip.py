@@ -75,6 +75,9 @@ class ClipBundle:
         device: Where the model lives.
         quick_gelu_forced: The tag's weights need QuickGELU and the architecture name does not say
             so: their checkpoint loads with the ``-quickgelu`` name (``tvrpipe finetune``'s export).
+        logit_scale: CLIP's learned contrastive scale as its parameter stores it (the log of the
+            multiplier: log 100 for OpenAI's weights), or None for a model without one. The papers'
+            heads reuse this scale, so every head starts from it (:func:`tvrpipe.heads.base.clip_defaults`).
     """
 
     model: torch.nn.Module
@@ -88,6 +91,7 @@ class ClipBundle:
     context_length: int
     device: torch.device
     quick_gelu_forced: bool = False  # built with QuickGELU for its tag (the plain name builds GELU)
+    logit_scale: float | None = None
 
 
 def register_tiny_config() -> None:
@@ -217,7 +221,14 @@ def load_clip(
         context_length=int(model.context_length),
         device=torch_device,
         quick_gelu_forced=quick_gelu,
+        logit_scale=clip_logit_scale(model),
     )
+
+
+def clip_logit_scale(model: torch.nn.Module) -> float | None:
+    """The log of ``model``'s learned contrastive scale (its ``logit_scale`` parameter), or None."""
+    scale = getattr(model, "logit_scale", None)
+    return float(scale.detach().float().reshape(-1)[0]) if isinstance(scale, torch.Tensor) else None
 
 
 def encode_frames(

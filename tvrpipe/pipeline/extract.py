@@ -479,6 +479,7 @@ def extract(
         frames=F, max_words=L, embed_dim=bundle.embed_dim, frame_sampling=FRAME_SAMPLING,
         image_size=bundle.image_size, preprocessing=preprocess_description(bundle),
         manifest_sha256=manifest_sha256(manifest.videos, manifest.captions),
+        logit_scale=bundle.logit_scale,  # CLIP's learned scale: every head starts from it (train-head)
     )
     del bundle
     videos = manifest.videos[["video_id", "split", "path", "start_s", "end_s"]]

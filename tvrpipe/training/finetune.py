@@ -52,7 +52,7 @@ import torch.nn as nn
 import yaml
 
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
-from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class, make_config
+from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_defaults, head_class, make_config
 from tvrpipe.lock import locked
 from tvrpipe.pipeline.store import atomic_write_text
 from tvrpipe.training.fit import (
@@ -583,6 +583,8 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
     model.clip.load_state_dict(load_file(str(ckpt / "clip_best.safetensors")))
     model.head.load_state_dict(load_head(ckpt / "best.safetensors").state_dict())
     test = _evaluate(model, loader_for, job.test, job, failures, post=job.post)
+    if cfg.end_to_end:
+        _adopt_head_scale(model.clip, model.head)
     provenance = {"weights_sha256": _state_dict_sha256(model.clip), "model": _extract_model_name(model._bundle)}
     export = None
     if cfg.end_to_end:
@@ -606,6 +608,19 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
         groups = {name: list(r) if isinstance(r, dict) else [""] for name, r in best["val"].get("readouts", {}).items()}
         _plots(rows, out / "plots", groups)
     return metrics
+
+
+def _adopt_head_scale(clip: nn.Module, head: Head) -> None:
+    """Give the exported CLIP the logit scale its head learned (clamped at 100, as CLIP clamps its own).
+
+    In the papers' code head and CLIP share one scale, ``clip.logit_scale``; here the head owns it and
+    starts from CLIP's (:func:`clip_defaults`), so the export carries it back: ``extract`` records it
+    in the store and every head trained on that store starts from it.
+    """
+    scale = getattr(clip, "logit_scale", None)
+    if isinstance(scale, torch.Tensor):
+        with torch.no_grad():
+            scale.copy_(head.logit_scale.detach().clamp(max=math.log(100.0)).to(scale).reshape(scale.shape))
 
 
 def _extract_model_name(bundle) -> str:
@@ -662,7 +677,8 @@ def finetune(
     post = tuple(_check_post(post))
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
-    head_cfg = make_config(method, **{"embed_dim": bundle.embed_dim, **(overrides or {})})
+    from_clip = clip_defaults(bundle.embed_dim, bundle.logit_scale)  # D and CLIP's learned scale
+    head_cfg = make_config(method, **{**from_clip, **(overrides or {})})
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     text_video = vrow.loc[captions["video_id"]].to_numpy()

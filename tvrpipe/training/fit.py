@@ -41,7 +41,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
-from tvrpipe.heads.base import Head, create_head, head_class, make_config
+from tvrpipe.heads.base import Head, HeadConfig, clip_defaults, create_head, head_class, make_config
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, open_store
 from tvrpipe.training.data import SplitData, Splits, load_split, load_splits, store_split_rows
@@ -211,6 +211,14 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def store_head_config(store, method: str, overrides: dict[str, Any] | None = None) -> HeadConfig:
+    """The config of ``method`` trained on ``store``: D and the CLIP's logit scale from the store's
+    provenance (:func:`clip_defaults`), then the user's ``overrides`` (unknown keys fail)."""
+    prov = store.provenance
+    from_clip = clip_defaults(int(prov["embed_dim"]), prov.get("logit_scale"))
+    return make_config(method, **{**from_clip, **(overrides or {})})
+
+
 def load_head(checkpoint: str | os.PathLike[str], device: str = "cpu") -> Head:
     """Rebuild a head from a safetensors checkpoint written by :func:`fit` (name + config inside).
 
@@ -374,8 +382,7 @@ def fit(
     train.validate()
     check_writable(out_dir, "--out")
     store = open_store(features)
-    D = int(store.provenance["embed_dim"])
-    head_cfg = make_config(method, **{"embed_dim": D, **(overrides or {})})
+    head_cfg = store_head_config(store, method, overrides)
     splits: Splits = load_splits(store)
     train_split = splits.train
     if train_split.n_videos < 2:
