@@ -106,7 +106,7 @@ def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str]
         ['xpool__train.lr=0.001__seed0', 'xpool__train.lr=0.001__seed1', ...]
     """
     from tvrpipe.heads.base import head_class, list_heads
-    from tvrpipe.training.fit import TrainConfig, store_head_config
+    from tvrpipe.training.fit import TrainConfig
 
     if not methods:
         raise ConfigError("--methods is empty; give one or more of: " + ", ".join(list_heads()))
