@@ -111,7 +111,7 @@ def test_export_names_its_architecture(e2e):
         metrics["export"]["weights_sha256"]
 
 
-def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, tmp_path):
+def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, tmp_path, caplog):
     """The head starts from CLIP's scale, the export carries the head's learned scale, extract records it
     and every head trained on that store starts from it; an explicit --set logit_scale_init wins."""
     import math
@@ -137,6 +137,22 @@ def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, tmp_pa
         fit(store, "xpool", run, TrainConfig(epochs=0), overrides=overrides, progress=False)
         assert yaml.safe_load((run / "config.yaml").read_text())["head"]["logit_scale_init"] == pytest.approx(want)
         assert load_head(run / "checkpoints" / "best.safetensors").logit_scale.item() == pytest.approx(want)
+
+    # a store extracted before the scale was recorded: the head starts at 1/0.07, and train-head says so
+    import logging
+
+    import zarr
+
+    from tvrpipe.pipeline.store import STORE_NAME
+
+    old = tmp_path / "old-store"
+    shutil.copytree(store, old)
+    del zarr.open_group(str(old / STORE_NAME), mode="a").attrs["logit_scale"]
+    with caplog.at_level(logging.WARNING, logger="tvrpipe.training.fit"):
+        fit(old, "xpool", tmp_path / "old", TrainConfig(epochs=0), progress=False)
+    assert "records no learned CLIP logit scale" in caplog.text and str(old) in caplog.text
+    assert load_head(tmp_path / "old" / "checkpoints" / "best.safetensors").logit_scale.item() == \
+        pytest.approx(math.log(1 / 0.07))
 
 
 def test_evaluate_refuses_a_store_of_other_weights(e2e, tmp_path, cli):

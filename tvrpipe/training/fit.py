@@ -383,6 +383,11 @@ def fit(
     check_writable(out_dir, "--out")
     store = open_store(features)
     head_cfg = store_head_config(store, method, overrides)
+    if store.provenance.get("logit_scale") is None and "generator" not in store.provenance \
+            and "logit_scale_init" not in (overrides or {}):
+        log.warning("%s records no learned CLIP logit scale (extracted before tvrpipe recorded it): %s starts "
+                    "at CLIP's initial scale 1/0.07, not the learned one the papers reuse; extract again, or "
+                    "pass --set logit_scale_init=LOG_SCALE (4.6052 for OpenAI's CLIP)", features, method)
     splits: Splits = load_splits(store)
     train_split = splits.train
     if train_split.n_videos < 2:
