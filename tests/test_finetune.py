@@ -111,7 +111,7 @@ def test_export_names_its_architecture(e2e):
         metrics["export"]["weights_sha256"]
 
 
-def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, tmp_path, caplog):
+def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, data, tmp_path, caplog):
     """The head starts from CLIP's scale, the export carries the head's learned scale, extract records it
     and every head trained on that store starts from it; an explicit --set logit_scale_init wins."""
     import math
@@ -153,6 +153,12 @@ def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, tmp_pa
     assert "records no learned CLIP logit scale" in caplog.text and str(old) in caplog.text
     assert load_head(tmp_path / "old" / "checkpoints" / "best.safetensors").logit_scale.item() == \
         pytest.approx(math.log(1 / 0.07))
+    # running the same extract again records the scale in the old store (every shard is already done)
+    from tvrpipe.pipeline.extract import ExtractConfig, extract
+
+    extract(data / "manifest", data / "videos", old,
+            ExtractConfig(model=metrics["export"]["model"], pretrained=str(out / "clip.safetensors"), progress=False))
+    assert open_store(old).provenance["logit_scale"] == pytest.approx(float(exported), abs=1e-6)
 
 
 def test_evaluate_refuses_a_store_of_other_weights(e2e, tmp_path, cli):

@@ -327,6 +327,11 @@ class StoreWriter:
         _atomic_write_parquet(videos.reset_index(drop=True), self.dir / "videos.parquet")
         _atomic_write_parquet(texts.reset_index(drop=True), self.dir / "texts.parquet")
         self.root = _open_group(path, mode="a")
+        # provenance that a store written by an earlier tvrpipe lacks (e.g. logit_scale): the identity keys
+        # matched above, so these describe the same weights; recording them loses nothing
+        missing = {k: v for k, v in self.provenance.items() if k not in self.root.attrs}
+        if missing:
+            self.root.attrs.update(missing)
         self._layout = _Layout(self.dir, self.root)
         self.video_shard = self.root["videos/frames"].chunks[0]
         self.text_shard = self.root["texts/tokens"].chunks[0]

@@ -386,8 +386,9 @@ def fit(
     if store.provenance.get("logit_scale") is None and "generator" not in store.provenance \
             and "logit_scale_init" not in (overrides or {}):
         log.warning("%s records no learned CLIP logit scale (extracted before tvrpipe recorded it): %s starts "
-                    "at CLIP's initial scale 1/0.07, not the learned one the papers reuse; extract again, or "
-                    "pass --set logit_scale_init=LOG_SCALE (4.6052 for OpenAI's CLIP)", features, method)
+                    "at CLIP's initial scale 1/0.07, not the learned one the papers reuse; run the same extract again "
+                    "(it records the scale and re-extracts nothing), or pass --set logit_scale_init=LOG_SCALE "
+                    "(4.6052 for OpenAI's CLIP)", features, method)
     splits: Splits = load_splits(store)
     train_split = splits.train
     if train_split.n_videos < 2:
