@@ -219,7 +219,7 @@ def loss_reference(head, texts: TextBatch, videos: VideoBatch) -> dict[str, floa
     cfg = head.config
     s = prota_reference(head, texts, videos)  # S^p, (B, B)
     ts, vs = items_reference(head, texts, videos)
-    scale = float(head.logits_scale())
+    scale = head.logits_scale().item()
 
     def pooled(mu, var):  # the mixture of the token Gaussians, moment-matched
         mean = mu.mean(0)
@@ -255,7 +255,7 @@ def test_loss_matches_loop(margin_weight):
     ref = loss_reference(head, texts, videos)
     assert float(out.terms["contra"]) == pytest.approx(ref["contra"], abs=1e-9)
     assert float(out.terms["kl"]) == pytest.approx(ref["kl"], abs=1e-9)
-    assert float(out.total) == pytest.approx(ref["total"], abs=1e-9)
+    assert out.total.item() == pytest.approx(ref["total"], abs=1e-9)
 
 
 def test_margin_grows_as_the_pair_kl_shrinks_and_raises_the_loss():
@@ -289,7 +289,7 @@ def test_margin_is_a_detached_indicator_unless_asked():
         head = create_head("prota", embed_dim=D, margin_weight=1.0, kl_weight=0.0, margin_grad=grad).train()
         out = head.loss(texts, videos)
         out.total.backward()
-        totals.append(float(out.total))
+        totals.append(out.total.item())
         grads.append(head.text_var[0].weight.grad.clone())
     torch.manual_seed(0)
     plain = create_head("prota", embed_dim=D, margin_weight=0.0, kl_weight=0.0).train()
