@@ -293,7 +293,7 @@ def test_margin_is_a_detached_indicator_unless_asked():
         grads.append(head.text_var[0].weight.grad.clone())
     torch.manual_seed(0)
     plain = create_head("prota", embed_dim=D, margin_weight=0.0, kl_weight=0.0).train()
-    assert totals[0] == totals[1] != pytest.approx(float(plain.loss(texts, videos).total), abs=1e-6)
+    assert totals[0] == totals[1] != pytest.approx(plain.loss(texts, videos).total.item(), abs=1e-6)
     assert not torch.allclose(grads[0], grads[1], atol=1e-9)
 
 
