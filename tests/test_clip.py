@@ -107,7 +107,7 @@ def test_sha_changes_with_any_weight(tiny: ClipBundle, tiny_ckpt, tmp_path):
     torch.save(state, tmp_path / "changed.pt")
     changed = load_clip(TINY_MODEL, str(tmp_path / "changed.pt"))
     assert changed.weights_sha256 != tiny.weights_sha256
-    # the bundle reports the checkpoint's learned scale, which heads start from (clip_defaults)
+    # the bundle reports the checkpoint's learned scale, which heads start from (clip_head_config)
     assert changed.logit_scale == pytest.approx(tiny.logit_scale + 1.0, abs=1e-6)
 
 

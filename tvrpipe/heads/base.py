@@ -102,7 +102,8 @@ class HeadConfig:
     """Fields every head's config has; each head's ``Config`` subclasses this."""
 
     embed_dim: int = 512  # D: CLIP ViT-B/32 projection width; the trainer sets it from the store
-    # the papers reuse CLIP's learned scale: train-head and finetune set it from the features' CLIP (clip_defaults)
+    # the papers reuse CLIP's learned scale: train-head and finetune set it from the features' CLIP
+    # (clip_head_config)
     logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init, where no CLIP's scale is known
 
 
@@ -228,8 +229,10 @@ def make_config(name: str, **overrides: Any) -> HeadConfig:
     return dataclasses.replace(cls.Config(), **overrides)
 
 
-def clip_defaults(embed_dim: int, logit_scale: float | None) -> dict[str, Any]:
-    """The config fields every head takes from the CLIP its features come from, before user overrides.
+def clip_head_config(name: str, embed_dim: int, logit_scale: float | None,
+                     overrides: dict[str, Any] | None = None) -> HeadConfig:
+    """The config of head ``name`` on the features of a CLIP: what it takes from that CLIP, then the
+    user's ``overrides`` (``--set``; they always win, and unknown keys fail).
 
     ``embed_dim`` is D; ``logit_scale`` is CLIP's learned scale as its parameter stores it (a store's
     ``logit_scale`` provenance, :attr:`tvrpipe.pipeline.clip.ClipBundle.logit_scale`): the papers'
@@ -237,10 +240,10 @@ def clip_defaults(embed_dim: int, logit_scale: float | None) -> dict[str, Any]:
     None (a generated store, or one extracted before the scale was recorded) keeps CLIP's initial
     log(1/0.07).
     """
-    out: dict[str, Any] = {"embed_dim": int(embed_dim)}
+    from_clip: dict[str, Any] = {"embed_dim": int(embed_dim)}
     if logit_scale is not None:
-        out["logit_scale_init"] = float(logit_scale)
-    return out
+        from_clip["logit_scale_init"] = float(logit_scale)
+    return make_config(name, **{**from_clip, **(overrides or {})})
 
 
 def create_head(name: str, **overrides: Any) -> Head:

@@ -21,7 +21,7 @@ Choices:
   zero norm: NaN).
 - The only parameter is ``logit_scale``. CLIP4Clip reuses CLIP's own learned logit scale; the head
   starts from the scale of the CLIP its features come from (the store's ``logit_scale``, see
-  ``clip_defaults``; CLIP's initial log(1/0.07) on a store without one), clamped to 100 by
+  ``clip_head_config``; CLIP's initial log(1/0.07) on a store without one), clamped to 100 by
   ``Head.logits_scale``. Untrained, the head is CLIP4Clip's zero-shot baseline.
 """
 

@@ -34,7 +34,7 @@ Choices where the paper is silent or the code cannot be followed:
 - LayerNorm epsilon 1e-12, as CLIP4Clip's TF-style ``module_cross.LayerNorm`` (torch's default
   1e-5 was the whole 3.3e-6 difference found side by side on identical weights; issue 10).
 - A video with no real frame is the zero vector (similarity 0).
-- ``logit_scale`` starts at the features' CLIP's learned scale, as CLIP4Clip reuses it (``clip_defaults``).
+- ``logit_scale`` starts at the features' CLIP's learned scale, as CLIP4Clip reuses it (``clip_head_config``).
 """
 
 from __future__ import annotations

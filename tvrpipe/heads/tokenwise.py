@@ -37,7 +37,7 @@ Where paper and code disagree (the paper is followed):
 
 Other choices: a text with no token left or a video with no real frame contributes 0 for its direction
 (the corresponding mean is empty). ``logit_scale`` starts at the features' CLIP's
-learned scale, as UATVR reuses it (``clip_defaults``).
+learned scale, as UATVR reuses it (``clip_head_config``).
 """
 
 from __future__ import annotations

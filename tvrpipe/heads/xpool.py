@@ -34,7 +34,7 @@ Where they differ, the paper is followed:
 - The code attends over every frame slot (its videos always have 12 frames); here padded frames
   get zero weight, and a video with no real frame has all-zero weights (its pooled vector before
   LN2 is zero) instead of NaN.
-- ``logit_scale`` starts at the features' CLIP's learned scale, as X-Pool reuses it (``clip_defaults``).
+- ``logit_scale`` starts at the features' CLIP's learned scale, as X-Pool reuses it (``clip_head_config``).
 
 Efficiency (exact algebra, no approximation): keys and values depend only on the video, so
 ``encode_videos`` computes K = LN(C_v) W_K and V W_O (W_O is linear, so it commutes with the

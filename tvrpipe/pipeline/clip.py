@@ -77,7 +77,7 @@ class ClipBundle:
             so: their checkpoint loads with the ``-quickgelu`` name (``tvrpipe finetune``'s export).
         logit_scale: CLIP's learned contrastive scale as its parameter stores it (the log of the
             multiplier: log 100 for OpenAI's weights), or None for a model without one. The papers'
-            heads reuse this scale, so every head starts from it (:func:`tvrpipe.heads.base.clip_defaults`).
+            heads reuse this scale, so every head starts from it (:func:`tvrpipe.heads.base.clip_head_config`).
     """
 
     model: torch.nn.Module

@@ -52,7 +52,7 @@ import torch.nn as nn
 import yaml
 
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
-from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_defaults, head_class, make_config
+from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
 from tvrpipe.pipeline.store import atomic_write_text
 from tvrpipe.training.fit import (
@@ -614,7 +614,7 @@ def _adopt_head_scale(clip: nn.Module, head: Head) -> None:
     """Give the exported CLIP the logit scale its head learned (clamped at 100, as CLIP clamps its own).
 
     In the papers' code head and CLIP share one scale, ``clip.logit_scale``; here the head owns it and
-    starts from CLIP's (:func:`clip_defaults`), so the export carries it back: ``extract`` records it
+    starts from CLIP's (:func:`clip_head_config`), so the export carries it back: ``extract`` records it
     in the store and every head trained on that store starts from it.
     """
     scale = getattr(clip, "logit_scale", None)
@@ -677,8 +677,7 @@ def finetune(
     post = tuple(_check_post(post))
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
-    from_clip = clip_defaults(bundle.embed_dim, bundle.logit_scale)  # D and CLIP's learned scale
-    head_cfg = make_config(method, **{**from_clip, **(overrides or {})})
+    head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     text_video = vrow.loc[captions["video_id"]].to_numpy()

@@ -41,7 +41,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
-from tvrpipe.heads.base import Head, HeadConfig, clip_defaults, create_head, head_class, make_config
+from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, create_head, head_class
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, open_store
 from tvrpipe.training.data import SplitData, Splits, load_split, load_splits, store_split_rows
@@ -213,10 +213,9 @@ def _sha256(path: Path) -> str:
 
 def store_head_config(store, method: str, overrides: dict[str, Any] | None = None) -> HeadConfig:
     """The config of ``method`` trained on ``store``: D and the CLIP's logit scale from the store's
-    provenance (:func:`clip_defaults`), then the user's ``overrides`` (unknown keys fail)."""
-    prov = store.provenance
-    from_clip = clip_defaults(int(prov["embed_dim"]), prov.get("logit_scale"))
-    return make_config(method, **{**from_clip, **(overrides or {})})
+    provenance (:func:`clip_head_config`), then the user's ``overrides`` (unknown keys fail)."""
+    return clip_head_config(method, int(store.provenance["embed_dim"]), store.provenance.get("logit_scale"),
+                            overrides)
 
 
 def load_head(checkpoint: str | os.PathLike[str], device: str = "cpu") -> Head:
