@@ -74,7 +74,7 @@ def test_official_projection_biases_match_the_per_pair_loop():
     """proj_bias (the official code's q/k/v/out biases): Eq. 10 still matches the loop written from
     the equations, which adds the biases (training: test_loss_terms_match_per_pair_loops)."""
     head = perturbed("tmass", dtype=torch.float64, proj_bias=True, num_samples=7)
-    assert all(float(m.bias.abs().max()) > 0 for m in (head.q_proj, head.k_proj, head.v_proj, head.out_proj))
+    assert all(m.bias.abs().max().item() > 0 for m in (head.q_proj, head.k_proj, head.v_proj, head.out_proj))
     texts, videos = batches(5, 6, dtype=torch.float64)
     np.testing.assert_allclose(sim(head, texts, videos).numpy(), score_reference(head, texts, videos), atol=1e-10)
 
