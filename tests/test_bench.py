@@ -210,6 +210,37 @@ def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_
             {k: v for k, v in b.items() if k != "default_seconds"}
 
 
+def test_bench_convergence_keeps_the_rows_of_a_bench_running_beside_it(tmp_path, monkeypatch):
+    """Two benches of different heads in one --out (two terminals): the runs the other one finishes
+    while this one trains are in the tables this one writes (they are read again at each write)."""
+    import csv
+    import shutil
+
+    import tvrpipe.training.convergence as conv
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=2)
+    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    other = conv.bench_convergence(tmp_path / "other", {"tiny": spec}, ["meanpool"], progress=False, train=base,
+                                   only_default=True)
+    out = tmp_path / "shared"
+    run = conv._run
+
+    def run_while_the_other_bench_finishes(*args, **kwargs):  # its run lands after this bench read the tables
+        shutil.copytree(tmp_path / "other" / "runs", out / "runs", dirs_exist_ok=True)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(conv, "_run", run_while_the_other_bench_finishes)
+    mine = conv.bench_convergence(out, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
+    with open(out / "results.csv") as f:
+        assert sorted(r["method"] for r in csv.DictReader(f)) == ["meanpool", "xpool"]
+    with open(out / "summary.csv") as f:
+        assert sorted(r["method"] for r in csv.DictReader(f)) == ["meanpool", "xpool"]
+    assert [r["method"] for r in mine] == ["xpool"] and other[0]["method"] == "meanpool"
+
+
 def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
     """After a head's default_lr changes, the recorded default is no longer the default: the open-ended
     run at the new lr (already measured) becomes it, or a default run at the new lr is trained in a

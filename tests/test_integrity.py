@@ -298,6 +298,28 @@ def test_second_writer_is_refused_naming_the_holder_and_crash_frees_it(pristine,
         pass
 
 
+def test_a_waiting_writer_blocks_until_the_holder_is_gone_then_finishes_the_store(tmp_path, holder, caplog):
+    """generate_store(wait=True), as `bench convergence` calls it: a second bench on the same --out
+    waits for the first one's lock instead of failing, then writes (or checks) the store itself."""
+    import threading
+
+    d = tmp_path / "shared"
+    p = holder(d)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(generate_store(d, SPEC, wait=True)), daemon=True)
+    with caplog.at_level("WARNING", logger="tvrpipe.lock"):
+        t.start()
+        t.join(1.5)
+        assert t.is_alive() and not result  # blocked on the lock, nothing written
+        assert not (d / STORE_NAME).exists()
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        t.join(60)
+    assert not t.is_alive() and result == [d]
+    assert f"{d} is being written by pid {p.pid}" in caplog.text and "waiting for it to finish" in caplog.text
+    assert open_store(d).array("videos/frames").shape[0] == SPEC.train_videos + SPEC.test_videos
+
+
 def test_run_directory_locked_for_train_head_and_evaluate_cli(pristine, tmp_path, holder, cli):
     run = tmp_path / "run"
     fit(pristine, "meanpool", run, TrainConfig(epochs=1, batch_size=8), progress=False)

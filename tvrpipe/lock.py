@@ -9,11 +9,14 @@ of a cluster that share the filesystem.
 
 Writers that take it: :class:`~tvrpipe.pipeline.store.StoreWriter` (``tvrpipe extract`` and
 generated stores) and the training run directory (``tvrpipe train-head``, ``tvrpipe evaluate``).
+``tvrpipe bench convergence`` waits for its stores' locks instead of being refused (``wait=True``),
+and holds its own directory's lock only while it rereads and rewrites its tables.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import sys
@@ -25,6 +28,8 @@ from pathlib import Path
 from tvrpipe.errors import ConfigError, LockError
 
 LOCK_NAME = ".tvrpipe.lock"
+
+log = logging.getLogger(__name__)
 
 
 def _holder() -> str:
@@ -49,13 +54,15 @@ class DirLock:
     Args:
         directory: the directory about to be written.
         option: the option that named it (``--out``), for messages.
+        wait: if another process holds the lock, log who and block until it is released (Ctrl-C
+            still interrupts), instead of raising :class:`LockError`.
 
     Raises:
-        LockError: another live process holds the lock; the message names it.
+        LockError: another live process holds the lock (and not ``wait``); the message names it.
         ConfigError: the directory cannot be created or written.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], option: str = "--out") -> None:
+    def __init__(self, directory: str | os.PathLike[str], option: str = "--out", wait: bool = False) -> None:
         self.dir, self.option = Path(directory), option
         self._fd = -1
         self._created = _new_dirs(self.dir)
@@ -71,11 +78,19 @@ class DirLock:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip() or "another process"
-            os.close(self._fd)
-            self._fd = -1
-            raise LockError(
-                f"{self.dir} is being written by {holder}; wait for it to finish or choose another {option}"
-            ) from None
+            if not wait:
+                os.close(self._fd)
+                self._fd = -1
+                raise LockError(
+                    f"{self.dir} is being written by {holder}; wait for it to finish or choose another {option}"
+                ) from None
+            log.warning("%s is being written by %s; waiting for it to finish", self.dir, holder)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            except BaseException:  # Ctrl-C while waiting
+                os.close(self._fd)
+                self._fd = -1
+                raise
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, _holder().encode(), 0)
 

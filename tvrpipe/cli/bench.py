@@ -110,7 +110,8 @@ def bench_finetune_cmd(
 
 @bench_app.command("convergence")
 def bench_convergence_cmd(
-    out: Annotated[Path, typer.Option(help="Working directory (stores are generated once and reused).")] = Path(
+    out: Annotated[Path, typer.Option(help="Working directory (stores are generated once and reused; benches "
+                                           "of other heads may share it, side by side).")] = Path(
         "bench/convergence"
     ),
     size: Annotated[

@@ -438,6 +438,7 @@ def generate_store(
     text_shard: int = 256,
     progress: bool = False,
     overwrite: bool = False,
+    wait: bool = False,
 ) -> Path:
     """Write a complete synthetic feature store (same layout as ``tvrpipe extract``'s).
 
@@ -454,6 +455,8 @@ def generate_store(
         text_shard: texts per shard / Zarr chunk.
         progress: show a progress bar.
         overwrite: delete the store in ``out_dir`` (whatever its spec) and generate it afresh.
+        wait: if another process is writing this store (a second bench on the same ``--out``),
+            wait for it, then check and finish what it wrote, instead of raising ``LockError``.
 
     Returns:
         ``out_dir`` as a Path.
@@ -472,7 +475,7 @@ def generate_store(
     lat = _latents(spec, videos, captions)
     texts = captions.assign(video_row=lat.video_row)[["caption_id", "video_id", "video_row", "split"]]
     with StoreWriter(out, videos[["video_id", "split", "path"]], texts, _provenance(spec, videos, captions),
-                     video_shard, text_shard, overwrite, made_by=MADE_BY) as writer:
+                     video_shard, text_shard, overwrite, made_by=MADE_BY, wait=wait) as writer:
         v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

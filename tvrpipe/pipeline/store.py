@@ -279,9 +279,11 @@ class StoreWriter:
         text_shard: texts per shard.
         overwrite: delete the store in ``features_dir`` (whatever its provenance) and start afresh.
         made_by: the command that makes this store, named in repair messages.
+        wait: if another process is writing the store, wait for it (:class:`~tvrpipe.lock.DirLock`)
+            instead of raising; what it wrote is then checked like any resumed store's.
 
     Raises:
-        LockError: another process is writing the store.
+        LockError: another process is writing the store (and not ``wait``).
         StoreError: the directory holds a store with other provenance (and not ``overwrite``).
     """
 
@@ -295,13 +297,14 @@ class StoreWriter:
         text_shard: int = 256,
         overwrite: bool = False,
         made_by: str = "tvrpipe extract",
+        wait: bool = False,
     ) -> None:
         self.dir = Path(features_dir)
         self.provenance = {**provenance, "made_by": made_by}
         self.made_by = made_by
         self.n_videos, self.n_texts = len(videos), len(texts)
         self._video_row = pd.Series(np.arange(self.n_videos), index=videos["video_id"].to_numpy())
-        self._lock = DirLock(self.dir, "--out")
+        self._lock = DirLock(self.dir, "--out", wait=wait)
         try:
             self._open(videos, texts, video_shard, text_shard, overwrite)
         except BaseException:

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tvrpipe.lock import DirLock
 from tvrpipe.pipeline.genstore import GenSpec, generate_store
 
 log = logging.getLogger(__name__)
@@ -144,10 +145,12 @@ def bench_convergence(
             raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(SIZES)}")
         sizes = {name: SIZES[name] for name in names}
     methods = methods or list_heads()
-    done = _load(out)  # runs of an earlier, interrupted bench in the same directory are reused
+    with DirLock(out, wait=True):  # the tables are shared with benches of other heads in the same --out
+        done = _load(out)  # runs of an earlier, interrupted bench in the same directory are reused
     runs: list[Run] = []
     for size, spec in sizes.items():
-        store_dir = generate_store(out / "stores" / size, spec, progress=progress)
+        # wait=True: benches of other heads started in parallel in the same --out share its stores
+        store_dir = generate_store(out / "stores" / size, spec, progress=progress, wait=True)
         for method in methods:
             plan = [] if only_default or no_grid else [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
             plan += [] if only_default else [("open", lr, None) for lr in lrs]
@@ -167,11 +170,20 @@ def bench_convergence(
                 runs.append(run)
                 log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
                             run.lr, run.val_r1, run.selected_epoch, run.epochs_run, run.seconds)
-                _write(out, _with_earlier(runs, done))
-    every = _with_earlier(runs, done)  # the directory keeps the runs of earlier benches (other heads, sizes)
-    _write(out, every, _summary(every))
+                _merge_tables(out, runs)
+    every = _merge_tables(out, runs, summary=True)
     _plot(out / "curves.png", every)
     return _summary(runs)
+
+
+def _merge_tables(out: Path, runs: list[Run], summary: bool = False) -> list[Run]:
+    """Write ``runs`` and every run the directory already has (other heads and sizes, of earlier
+    benches or of one running beside this one: the tables are read again under ``out``'s lock, so a
+    parallel bench's rows are kept); with ``summary``, the summary tables too. Returns all the runs."""
+    with DirLock(out, wait=True):
+        every = _with_earlier(runs, _load(out))
+        _write(out, every, _summary(every) if summary else None)
+    return every
 
 
 def _with_earlier(runs: list[Run], done: dict[tuple[str, str, str, float], Run]) -> list[Run]:
