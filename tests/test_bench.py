@@ -99,7 +99,7 @@ def test_bench_eval_rejects_unknown_size(cli):
     assert r.exit_code == 1 and "--size 'huge' is not one of: msrvtt1k, msvd" in r.output
 
 
-def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path):
+def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path, caplog):
     import csv
 
     from tvrpipe.pipeline.genstore import GenSpec
@@ -109,11 +109,17 @@ def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_p
     spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
                    max_words=6, embed_dim=16, seed=2)
     base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
-    rows = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
-                             only_default=True)
+    with caplog.at_level("WARNING", logger="tvrpipe.training.convergence"):
+        rows = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
+                                 only_default=True)
     with open(tmp_path / "results.csv") as f:
         runs = list(csv.DictReader(f))
     assert [(r["method"], r["schedule"]) for r in runs] == [("meanpool", "default"), ("xpool", "default")]
+    with open(tmp_path / "runs" / "tiny" / "xpool" / "default-0.001" / "epochs.csv") as f:
+        epochs = list(csv.DictReader(f))
+    lines = [r.getMessage() for r in caplog.records if ": epoch " in r.getMessage() and " xpool " in r.getMessage()]
+    assert lines == [f"tiny xpool default lr 0.001: epoch {e['epoch']}, val R@1 {float(e['val_t2v_R@1']):.1f} "
+                     f"({float(e['seconds']):.0f} s)" for e in epochs]  # one progress line per epoch
     assert all(r["grid_best_r1"] is None and r["gap"] is None for r in rows)
     assert 1 <= rows[1]["default_selected_epoch"] <= rows[1]["default_epochs_run"] <= 6
     assert bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,

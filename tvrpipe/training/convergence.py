@@ -74,14 +74,19 @@ def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | No
     from tvrpipe.training.fit import fit, resolved_lr
 
     cfg = replace(base, epochs=epochs, lr=lr)
+    name = f"{store} {method} {schedule} lr {resolved_lr(method, cfg)[0]:g}"
+
+    def epoch_line(row: dict) -> None:  # a 9k run takes hours: one line per epoch shows where it is
+        log.warning("%s: epoch %d, val R@1 %.1f (%.0f s)", name, row["epoch"], row["val_t2v_R@1"], row["seconds"])
+
     t = time.perf_counter()
     try:  # a run interrupted by an earlier bench resumes from its last epoch
-        m = fit(store_dir, method, run_dir, cfg, progress=False)
+        m = fit(store_dir, method, run_dir, cfg, progress=False, on_epoch=epoch_line)
     except (ConfigError, RunError) as e:  # trained under another configuration, or damaged: from scratch
         log.warning("%s: not resumed (%s); training it from scratch", run_dir, e)
         shutil.rmtree(run_dir, ignore_errors=True)
         t = time.perf_counter()
-        m = fit(store_dir, method, run_dir, cfg, progress=False)
+        m = fit(store_dir, method, run_dir, cfg, progress=False, on_epoch=epoch_line)
     seconds = m["train"].get("seconds")  # summed over the sessions of a resumed run
     if seconds is None:
         seconds = time.perf_counter() - t

@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,6 +358,7 @@ def fit(
     post: tuple[str, ...] = (),
     progress: bool = True,
     max_steps: int | None = None,
+    on_epoch: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train ``method`` on a feature store, select the epoch on validation, evaluate on test.
 
@@ -370,6 +371,8 @@ def fit(
         post: post-processing to report beside raw test metrics (``dsl``, ``qbnorm``).
         progress: show a progress bar.
         max_steps: cap on steps per epoch (benchmarks); None trains on every video.
+        on_epoch: called after each epoch, once it is saved, with its ``epochs.csv`` row (``bench
+            convergence`` logs a line per epoch of its hours-long runs with it).
 
     Returns:
         The run's metrics (also in ``out_dir/metrics.json``).
@@ -394,11 +397,11 @@ def fit(
         raise ConfigError("the training split needs at least 2 videos")
     out = Path(out_dir)
     with locked(out, "--out"):
-        return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features)
+        return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features, on_epoch)
 
 
 def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: TrainConfig, post: tuple[str, ...],
-           progress: bool, max_steps: int | None, features) -> dict:
+           progress: bool, max_steps: int | None, features, on_epoch: Callable[[dict], None] | None) -> dict:
     """The training run proper, with the run directory locked."""
     train_split = splits.train
     lr, lr_source = resolved_lr(method, train)
@@ -509,8 +512,10 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                 losses.append(float(out_loss.total.detach()))
                 for k, v in out_loss.terms.items():
                     terms.setdefault(k, []).append(float(v))
+                last_val = f" | val R@1 {rows[-1]['val_t2v_R@1']:.1f} (best {best['val']['t2v']['R@1']:.1f})" \
+                    if rows and best else ""
                 bar.update(task, advance=1, info=f"epoch {epoch + 1}/{n_epochs} loss {losses[-1]:.3f} "
-                           f"{n / (t2 - t0):.0f} samples/s")
+                           f"{n / (t2 - t0):.0f} samples/s{last_val}")
                 t0 = time.perf_counter()
             val = _evaluate(head, splits.val, train)
             row = {"epoch": epoch + 1, "loss": float(np.mean(losses)),
@@ -541,6 +546,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                         "optimizer": opt.state_dict() if opt else None}, tmp)
             os.replace(tmp, state_path)
             write_rows(rows, out / "epochs.csv")
+            if on_epoch is not None:
+                on_epoch(row)
 
     # ---- evaluation of the selected epoch on test
     if best is None:  # zero epochs: evaluate the untrained head (zero-shot)
