@@ -176,19 +176,19 @@ def bench_convergence(
                 log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
                             run.lr, run.val_r1, run.selected_epoch, run.epochs_run, run.seconds)
                 _merge_tables(out, runs)
-    every = _merge_tables(out, runs, summary=True)
-    _plot(out / "curves.png", every)
+    _merge_tables(out, runs, final=True)
     return _summary(runs)
 
 
-def _merge_tables(out: Path, runs: list[Run], summary: bool = False) -> list[Run]:
+def _merge_tables(out: Path, runs: list[Run], final: bool = False) -> None:
     """Write ``runs`` and every run the directory already has (other heads and sizes, of earlier
     benches or of one running beside this one: the tables are read again under ``out``'s lock, so a
-    parallel bench's rows are kept); with ``summary``, the summary tables too. Returns all the runs."""
+    parallel bench's rows are kept); ``final``: the summary tables and ``curves.png`` too."""
     with DirLock(out, wait=True):
         every = _with_earlier(runs, _load(out))
-        _write(out, every, _summary(every) if summary else None)
-    return every
+        _write(out, every, _summary(every) if final else None)
+        if final:
+            _plot(out / "curves.png", every)
 
 
 def _with_earlier(runs: list[Run], done: dict[tuple[str, str, str, float], Run]) -> list[Run]:

@@ -493,6 +493,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                     yield (vids, caps, train_split.text_batch(caps, head.uses_tokens).to(device),
                            train_split.video_batch(vids).to(device))
 
+            last_val = f" | val R@1 {rows[-1]['val_t2v_R@1']:.1f} (best {best['val']['t2v']['R@1']:.1f})" \
+                if rows and best else ""  # the bar shows where validation stands
             t0 = time.perf_counter()
             for step, (vids, caps, texts, videos) in enumerate(_prefetch(batches()) if train.prefetch else batches()):
                 n = len(vids)
@@ -512,8 +514,6 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                 losses.append(float(out_loss.total.detach()))
                 for k, v in out_loss.terms.items():
                     terms.setdefault(k, []).append(float(v))
-                last_val = f" | val R@1 {rows[-1]['val_t2v_R@1']:.1f} (best {best['val']['t2v']['R@1']:.1f})" \
-                    if rows and best else ""
                 bar.update(task, advance=1, info=f"epoch {epoch + 1}/{n_epochs} loss {losses[-1]:.3f} "
                            f"{n / (t2 - t0):.0f} samples/s{last_val}")
                 t0 = time.perf_counter()
