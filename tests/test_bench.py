@@ -8,6 +8,11 @@ import sys
 
 import pytest
 
+# the bench-convergence tests' store (64 train videos, D = 16) and trainer (stops within 6 epochs)
+TINY_STORE = dict(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                  max_words=6, embed_dim=16, seed=2)
+TINY_TRAINER = dict(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+
 
 def test_bench_extract_cli(tmp_path):
     out = tmp_path / "b"
@@ -106,9 +111,8 @@ def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_p
     from tvrpipe.training.convergence import bench_convergence
     from tvrpipe.training.fit import TrainConfig
 
-    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
-                   max_words=6, embed_dim=16, seed=2)
-    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
     with caplog.at_level("WARNING", logger="tvrpipe.training.convergence"):
         rows = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
                                  only_default=True)
@@ -136,11 +140,8 @@ def tiny_convergence_size(monkeypatch):
     import tvrpipe.training.fit as fit_module
     from tvrpipe.pipeline.genstore import GenSpec
 
-    monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(train_videos=64, val_videos=32, test_videos=16,
-                                                    captions_per_train_video=2, frames=4, max_words=6,
-                                                    embed_dim=16, seed=2))
-    monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, batch_size=32,
-                                                                     min_steps=4, patience=2, max_epochs=6))
+    monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(**TINY_STORE))
+    monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, **TINY_TRAINER))
 
 
 def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path, tiny_convergence_size):
@@ -191,11 +192,10 @@ def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_
     from tvrpipe.pipeline.genstore import GenSpec
     from tvrpipe.training.convergence import bench_convergence
 
-    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
-                   max_words=6, embed_dim=16, seed=2)
+    spec = GenSpec(**TINY_STORE)
     from tvrpipe.training.fit import TrainConfig
 
-    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    base = TrainConfig(**TINY_TRAINER)
     both = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], lrs=(1e-3,), epochs=(2,),
                              progress=False, train=base)
     assert bench_convergence(tmp_path, {"tiny": spec}, ["meanpool"], lrs=(1e-3,), epochs=(2,), progress=False,
@@ -226,9 +226,8 @@ def test_bench_convergence_keeps_the_rows_of_a_bench_running_beside_it(tmp_path,
     from tvrpipe.pipeline.genstore import GenSpec
     from tvrpipe.training.fit import TrainConfig
 
-    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
-                   max_words=6, embed_dim=16, seed=2)
-    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
     other = conv.bench_convergence(tmp_path / "other", {"tiny": spec}, ["meanpool"], progress=False, train=base,
                                    only_default=True)
     out = tmp_path / "shared"
@@ -258,9 +257,8 @@ def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
     from tvrpipe.training.convergence import bench_convergence
     from tvrpipe.training.fit import TrainConfig
 
-    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
-                   max_words=6, embed_dim=16, seed=2)
-    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
     xpool = head_class("xpool")
     old, new, newer = xpool.default_lr, xpool.default_lr * 3, xpool.default_lr / 3
 
@@ -314,9 +312,8 @@ def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_p
     from tvrpipe.training.convergence import bench_convergence
     from tvrpipe.training.fit import TrainConfig
 
-    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
-                   max_words=6, embed_dim=16, seed=2)
-    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
     restore = interrupt_call(fit_module, "_evaluate", 3)  # Ctrl-C during the third epoch's validation
     with pytest.raises(KeyboardInterrupt):
         bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
@@ -346,9 +343,8 @@ def test_bench_convergence_no_grid_compares_open_ended_lrs(tmp_path):
     from tvrpipe.training.convergence import bench_convergence
     from tvrpipe.training.fit import TrainConfig
 
-    spec = GenSpec(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
-                   max_words=6, embed_dim=16, seed=2)
-    base = TrainConfig(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
     default_lr = head_class("xpool").default_lr
     lrs = (default_lr / 10, default_lr)
     rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, progress=False, train=base, no_grid=True)
