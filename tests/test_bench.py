@@ -156,6 +156,9 @@ def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path
     assert "meanpool" in r.output and (tmp_path / "summary.csv").is_file()
     r = cli("bench", "convergence", "--out", tmp_path, "--size", "huge", "--only-default")
     assert r.exit_code == 1 and "--size 'huge' is not one of: small, medium, msrvtt9k" in r.output
+    r = cli("bench", "convergence", "--out", tmp_path / "new", "--size", "tiny", "--method", "nope")
+    assert r.exit_code == 1 and "unknown method 'nope'; known: duq, meanpool" in r.output, r.output
+    assert "from scratch" not in r.output and not (tmp_path / "new").exists()  # refused before any store
 
 
 def test_bench_convergence_cli_no_grid_runs_open_ended_lrs(cli, tmp_path, tiny_convergence_size):

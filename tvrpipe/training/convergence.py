@@ -150,6 +150,8 @@ def bench_convergence(
             raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(SIZES)}")
         sizes = {name: SIZES[name] for name in names}
     methods = methods or list_heads()
+    for method in methods:  # an unknown head fails here, before hours of store generation
+        head_class(method)
     with DirLock(out, wait=True):  # the tables are shared with benches of other heads in the same --out
         done = _load(out)  # runs of an earlier, interrupted bench in the same directory are reused
     runs: list[Run] = []
