@@ -288,6 +288,34 @@ def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
     assert folders == [f"default-{newer}"]
 
 
+def test_bench_convergence_reads_a_per_width_default_lr_at_each_stores_width(tmp_path, monkeypatch):
+    """With a {D: lr} default_lr, each store's default run trains at its own width's lr, and a rerun
+    keeps both as the current defaults (nothing retrained)."""
+    import csv
+
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.pipeline.genstore import GenSpec
+    from tvrpipe.training.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 2e-3, 32: 5e-4})
+    sizes = {"d16": GenSpec(**TINY_STORE), "d32": GenSpec(**{**TINY_STORE, "embed_dim": 32})}
+
+    def bench():
+        bench_convergence(tmp_path, sizes, ["xpool"], progress=False, train=TrainConfig(**TINY_TRAINER),
+                          only_default=True)
+        with open(tmp_path / "results.csv") as f:
+            return {r["store"]: float(r["lr"]) for r in csv.DictReader(f) if r["schedule"] == "default"}
+
+    assert bench() == {"d16": 2e-3, "d32": 5e-4}
+    for store, lr in (("d16", 2e-3), ("d32", 5e-4)):
+        m = json.loads((tmp_path / "runs" / store / "xpool" / f"default-{lr}" / "metrics.json").read_text())
+        assert (m["schedule"]["lr"], m["schedule"]["lr_source"]) == (lr, f"xpool.default_lr at D={store[1:]}")
+    stamp = {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")}
+    assert bench() == {"d16": 2e-3, "d32": 5e-4}
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp
+
+
 def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
     r = cli("bench", "finetune", "--out", tmp_path / "b", "--model", "tvrpipe-tiny", "--method", "meanpool",
             "--steps", "3", "--batch-size", "2", "--frames", "4", "--width", "96", "--height", "64",

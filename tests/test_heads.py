@@ -95,6 +95,43 @@ def test_every_config_field_names_its_source(name):
             assert line and "#" in line.group(0), f"{klass.__name__}.{field} has no source comment"
 
 
+def test_default_lr_is_read_per_width():
+    """A {D: lr} default: exact at a measured width, geometric in between (log lr linear in log D),
+    the nearest measured width's lr outside; one number is the same at every width."""
+    from tvrpipe.heads.base import Head
+
+    class Table(Head):
+        default_lr = {64: 3e-3, 512: 3e-4, 256: 1e-3}
+
+    class One(Head):
+        default_lr = 2e-4
+
+    assert Table.lr_for(64) == 3e-3 and Table.lr_for(256) == 1e-3 and Table.lr_for(512) == 3e-4
+    assert Table.lr_for(16) == 3e-3 and Table.lr_for(1024) == 3e-4  # clamped, not extrapolated
+    assert Table.lr_for(128) == pytest.approx((3e-3 * 1e-3) ** 0.5)  # 128 = sqrt(64 x 256)
+    assert Table.lr_for(384) == pytest.approx(1e-3 * 0.3 ** (np.log(1.5) / np.log(2)))
+    assert One.lr_for(16) == One.lr_for(768) == 2e-4
+    assert Table.lr_text() == "0.003 at D=64, 0.001 at D=256, 0.0003 at D=512" and One.lr_text() == "0.0002"
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-3, float("nan"), {}, {64: 0.0}, {0: 1e-3}, {64.5: 1e-3}, "1e-3"])
+def test_a_bad_default_lr_fails_at_registration(bad):
+    from tvrpipe.heads.base import Head, register_head
+
+    class Bad(Head):
+        default_lr = bad
+
+    with pytest.raises(TypeError, match="Bad.default_lr must be a positive learning rate or a non-empty"):
+        register_head("bad_default_lr")(Bad)
+    assert "bad_default_lr" not in list_heads()
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_every_heads_default_lr_is_positive_at_every_width(name):
+    for d in (16, 64, 128, 512, 768, 1024):
+        assert 1e-6 <= head_class(name).lr_for(d) <= 1e-1
+
+
 # -- generic behaviour, every head ------------------------------------------------------------
 
 

@@ -265,6 +265,22 @@ def test_explicit_epochs_and_lr_win_and_are_recorded(store, tmp_path):
     assert cfg["resolved"]["lr_source"] == "seqtransf.default_lr"
 
 
+def test_a_default_lr_per_width_is_read_at_the_stores_width(store, tmp_path, monkeypatch):
+    """A head whose default_lr is a {D: lr} table trains at the lr of the store's width (D = 32
+    here, between the measured 16 and 64: the geometric interpolation), says which width it read,
+    and --lr still wins."""
+    from tvrpipe.heads.base import head_class
+
+    monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 1e-2, 64: 1e-4})
+    m = fit(store, "xpool", tmp_path / "a", TrainConfig(epochs=1, batch_size=32), progress=False)
+    assert m["schedule"]["lr"] == pytest.approx(1e-3)  # half-way between 16 and 64 in log D
+    assert m["schedule"]["lr_source"] == "xpool.default_lr at D=32"
+    cfg = yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())
+    assert cfg["resolved"]["lr_source"] == "xpool.default_lr at D=32"
+    m = fit(store, "xpool", tmp_path / "b", TrainConfig(epochs=1, batch_size=32, lr=5e-3), progress=False)
+    assert (m["schedule"]["lr"], m["schedule"]["lr_source"]) == (5e-3, "--lr")
+
+
 def test_open_ended_epochs_scale_with_steps_per_epoch():
     from tvrpipe.training.fit import open_ended_epochs
 

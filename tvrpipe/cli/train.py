@@ -30,7 +30,7 @@ PatienceOption = Annotated[int, typer.Option(
          "300 steps.")]
 BatchSizeOption = Annotated[int, typer.Option(help="Pairs per step (one caption per video).")]
 LrOption = Annotated[Optional[float], typer.Option(
-    help="AdamW learning rate. Default: the head's (`tvrpipe heads` lists them).")]
+    help="AdamW learning rate. Default: the head's, at the features' width D (`tvrpipe heads` lists them).")]
 WeightDecayOption = Annotated[float, typer.Option(help="AdamW weight decay.")]
 PostOption = Annotated[Optional[list[str]], typer.Option(
     help="Also report test metrics after dsl or qbnorm (repeatable).")]
@@ -126,5 +126,5 @@ def heads() -> None:
         cls = head_class(name)
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
         console.print(f"[bold]{name}[/]: {(cls.__doc__ or '').strip().splitlines()[0]} "
-                      f"(default lr {cls.default_lr:g})")
+                      f"(default lr {cls.lr_text()})")
         console.print(f"    {fields}", highlight=False)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -123,8 +123,44 @@ class Head(nn.Module):
     uses_tokens: ClassVar[bool] = True
     # The learning rate ``train-head`` uses when --lr is not given: a training setting, not part of
     # the head's Config (the papers' lrs are for end-to-end finetuning, where CLIP itself moves).
-    # Each head sets it from the validation curves of `tvrpipe bench convergence` (docs/training.md).
-    default_lr: ClassVar[float] = 1e-3
+    # Each head sets it from the validation curves of `tvrpipe bench convergence` (docs/training.md):
+    # one lr, or ``{D: lr}`` where the curves at several widths D disagree (a wider head can need a
+    # smaller lr); :meth:`lr_for` reads it at a store's width.
+    default_lr: ClassVar[float | Mapping[int, float]] = 1e-3
+
+    @classmethod
+    def lr_for(cls, embed_dim: int) -> float:
+        """The default learning rate at width ``embed_dim`` (D): ``default_lr`` if it is one number;
+        for a ``{D: lr}`` table, the lr at a measured width, the geometric interpolation between the
+        two measured widths around D (log lr linear in log D), and the nearest measured width's lr
+        below the smallest or above the largest.
+
+        Example:
+            >>> class H(Head):
+            ...     default_lr = {64: 3e-3, 512: 3e-4}
+            >>> H.lr_for(64), H.lr_for(768), round(H.lr_for(128), 6)
+            (0.003, 0.0003, 0.001392)
+        """
+        table = cls.default_lr
+        if not isinstance(table, Mapping):
+            return float(table)
+        widths = sorted(table)
+        if embed_dim <= widths[0]:
+            return float(table[widths[0]])
+        if embed_dim >= widths[-1]:
+            return float(table[widths[-1]])
+        hi = next(w for w in widths if w >= embed_dim)
+        lo = widths[widths.index(hi) - 1]
+        t = math.log(embed_dim / lo) / math.log(hi / lo)
+        return float(table[lo] * (table[hi] / table[lo]) ** t)
+
+    @classmethod
+    def lr_text(cls) -> str:
+        """``default_lr`` for people: ``1e-3``, or ``3e-3 at D=64, 3e-4 at D=512`` for a table."""
+        table = cls.default_lr
+        if not isinstance(table, Mapping):
+            return f"{table:g}"
+        return ", ".join(f"{table[w]:g} at D={w}" for w in sorted(table))
 
     @property
     def dsl_not_applicable(self) -> str | None:
@@ -198,11 +234,23 @@ def register_head(name: str) -> Callable[[H], H]:
             raise ValueError(f"head {name!r} registered twice")
         if not (dataclasses.is_dataclass(cls.Config) and cls.Config.__dataclass_params__.frozen):
             raise TypeError(f"{cls.__name__}.Config must be a frozen dataclass")
+        _check_default_lr(cls)
         cls.name = name
         _HEADS[name] = cls
         return cls
 
     return deco
+
+
+def _check_default_lr(cls: type[Head]) -> None:
+    """``default_lr`` is a positive lr or a non-empty ``{D: lr}`` table of positive ints and lrs."""
+    lrs = cls.default_lr
+    table = dict(lrs) if isinstance(lrs, Mapping) else {1: lrs}
+    ok = table and all(isinstance(w, int) and w > 0 for w in table) and all(
+        isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0 for lr in table.values())
+    if not ok:
+        raise TypeError(f"{cls.__name__}.default_lr must be a positive learning rate or a non-empty "
+                        f"{{embed_dim: lr}} table of positive values, not {lrs!r}")
 
 
 def list_heads() -> list[str]:

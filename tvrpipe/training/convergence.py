@@ -68,13 +68,14 @@ class Run:
     curve: list[float]
 
 
-def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | None, epochs: int | None,
-         run_dir: Path, base) -> Run:
+def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | None, lr_used: float,
+         epochs: int | None, run_dir: Path, base) -> Run:
+    """Train one run (``lr`` None: the head's default at the store's width, which is ``lr_used``)."""
     from tvrpipe.errors import ConfigError, RunError
-    from tvrpipe.training.fit import fit, resolved_lr
+    from tvrpipe.training.fit import fit
 
     cfg = replace(base, epochs=epochs, lr=lr)
-    name = f"{store} {method} {schedule} lr {resolved_lr(method, cfg)[0]:g}"
+    name = f"{store} {method} {schedule} lr {lr_used:g}"
 
     def epoch_line(row: dict) -> None:  # a 9k run takes hours: one line per epoch shows where it is
         log.warning("%s: epoch %d, val R@1 %.1f (%.0f s)", name, row["epoch"], row["val_t2v_R@1"], row["seconds"])
@@ -93,7 +94,7 @@ def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | No
     with open(run_dir / "epochs.csv") as f:
         curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # keep the logs, not the weights
-    return Run(store, method, schedule, resolved_lr(method, cfg)[0], m["val"]["t2v"]["R@1"],
+    return Run(store, method, schedule, lr_used, m["val"]["t2v"]["R@1"],
                m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve), seconds, curve)
 
 
@@ -163,7 +164,7 @@ def bench_convergence(
             plan += [] if only_default else [("open", lr, None) for lr in lrs]
             plan += [("default", None, None)]
             for schedule, lr, e in plan:
-                lr_used = head_class(method).default_lr if lr is None else lr
+                lr_used = head_class(method).lr_for(spec.embed_dim) if lr is None else lr
                 # the open-ended run at the default lr, of this bench or an earlier one
                 same = [r for r in [*runs, *done.values()] if (r.store, r.method, r.schedule, r.lr) ==
                         (size, method, "open", lr_used)]
@@ -172,7 +173,7 @@ def bench_convergence(
                 elif (size, method, schedule, lr_used) in done:
                     run = done[(size, method, schedule, lr_used)]
                 else:  # a default run's folder names its lr: a changed default_lr is a new run
-                    run = _run(store_dir, size, method, schedule, lr, e,
+                    run = _run(store_dir, size, method, schedule, lr, lr_used, e,
                                out / "runs" / size / method / f"{schedule}-{lr_used}", base)
                 runs.append(run)
                 log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
@@ -203,18 +204,21 @@ def _load(out: Path) -> dict[tuple[str, str, str, float], Run]:
     whose directory is complete but which the tables lack (see :func:`_recover`)."""
     runs = _load_tables(out)
     _recover(out, runs)
-    return {key: r for key, r in runs.items() if key[2] != "default" or _current_default(key[1], key[3])}
+    return {key: r for key, r in runs.items() if key[2] != "default" or _current_default(out, *key)}
 
 
-def _current_default(method: str, lr: float) -> bool:
+def _current_default(out: Path, store: str, method: str, schedule: str, lr: float) -> bool:
     """A recorded default run is train-head's default only while ``lr`` is still the head's
-    ``default_lr``; after a change it is an open-ended run at another lr, and the default is rerun."""
+    ``default_lr`` at the store's width; after a change it is an open-ended run at another lr, and
+    the default is rerun."""
     from tvrpipe.errors import ConfigError
     from tvrpipe.heads.base import head_class
+    from tvrpipe.pipeline.store import StoreError, store_attributes
 
     try:
-        return head_class(method).default_lr == lr
-    except ConfigError:  # a head no longer registered: keep what was measured
+        dim = int(store_attributes(out / "stores" / store)["embed_dim"])
+        return head_class(method).lr_for(dim) == lr
+    except (ConfigError, StoreError, KeyError):  # a head no longer registered, a store deleted: keep the run
         return True
 
 

@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +59,9 @@ class TrainConfig:
     epochs (at most ``max_epochs``); on a store with few steps an epoch these three scale up so that
     patience covers ``min_steps`` optimizer steps (:func:`open_ended_epochs`). The checkpoint is
     still selected on t2v (R@1, R@5, R@10). With ``epochs`` set, the schedule is the papers' warmup
-    + cosine over exactly that many epochs. ``lr`` None takes the head's ``default_lr``. The
-    evidence for these defaults is in docs/training.md (``tvrpipe bench convergence``).
+    + cosine over exactly that many epochs. ``lr`` None takes the head's ``default_lr`` at the
+    store's width D (:meth:`Head.lr_for`). The evidence for these defaults is in docs/training.md
+    (``tvrpipe bench convergence``).
     """
 
     epochs: int | None = None  # choice: until validation stops improving (issue 8); papers: 5 end-to-end
@@ -72,7 +73,7 @@ class TrainConfig:
     # an epoch, patience, plateau and max_epochs all scale up by the same factor (open_ended_epochs)
     min_steps: int = 300
     batch_size: int = 128  # CLIP4Clip Sec. 4.1: batch 128
-    lr: float | None = None  # None: the head's default_lr (chosen on validation curves, docs/training.md)
+    lr: float | None = None  # None: the head's default_lr at the store's D (validation curves, docs/training.md)
     weight_decay: float = 0.2  # X-Pool Sec. 4 / CLIP: AdamW weight decay 0.2
     warmup_fraction: float = 0.1  # CLIP4Clip: warmup proportion 0.1, then cosine (runs with --epochs)
     seed: int = 0
@@ -138,11 +139,14 @@ def _schedule(step: int, total: int | None, warmup: int, halvings: int = 0) -> f
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def resolved_lr(method: str, train: TrainConfig) -> tuple[float, str]:
-    """The learning rate a run uses and where it comes from (``--lr`` or the head's default)."""
+def resolved_lr(method: str, train: TrainConfig, embed_dim: int) -> tuple[float, str]:
+    """The learning rate a run on features of width ``embed_dim`` uses and where it comes from
+    (``--lr``, or the head's ``default_lr``: read at that width where the head gives one per width)."""
     if train.lr is not None:
         return train.lr, "--lr"
-    return head_class(method).default_lr, f"{method}.default_lr"
+    cls = head_class(method)
+    width = f" at D={embed_dim}" if isinstance(cls.default_lr, Mapping) else ""
+    return cls.lr_for(embed_dim), f"{method}.default_lr{width}"
 
 
 def _evaluate(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank: SplitData | None = None,
@@ -404,7 +408,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
            progress: bool, max_steps: int | None, features, on_epoch: Callable[[dict], None] | None) -> dict:
     """The training run proper, with the run directory locked."""
     train_split = splits.train
-    lr, lr_source = resolved_lr(method, train)
+    lr, lr_source = resolved_lr(method, train, head_cfg.embed_dim)
     open_ended = train.epochs is None
     steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
     if max_steps is not None:
