@@ -23,7 +23,10 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "tvrpipe needs Python >= 3.10, found " + sys.version' 
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv
-	$(BIN)/uv pip install --python $(BIN)/python -e '.[dev]'
+	# --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (as on these machines) Python never
+	# caches what it compiles, so every process (each test's subprocess, each Ray worker) would
+	# compile torch's and ray's sources again, ~5-8 s each; compiled once here, they are only read
+	$(BIN)/uv pip install --python $(BIN)/python --compile-bytecode -e '.[dev]'
 	$(BIN)/python -c 'import torch, torchvision, open_clip, decord, av, zarr, ray; print("environment ok: torch", torch.__version__)'
 	touch $(STAMP)
 
