@@ -145,6 +145,8 @@ def test_train_head_cli(store, tmp_path, cli):
     assert r.exit_code == 1 and "no feature store here" in r.output
     r = cli("heads")
     assert r.exit_code == 0 and all(n in r.output for n in BASELINES)
+    text = " ".join(r.output.split())  # the console wraps long lines
+    assert "(default lr 0.003 at D=64, 0.0003 at D=512)" in text and "(default lr 0.001)" in text  # uatvr, xpool
 
 
 def test_memory_mapped_split_is_float16(store):
