@@ -204,21 +204,33 @@ def _load(out: Path) -> dict[tuple[str, str, str, float], Run]:
     whose directory is complete but which the tables lack (see :func:`_recover`)."""
     runs = _load_tables(out)
     _recover(out, runs)
-    return {key: r for key, r in runs.items() if key[2] != "default" or _current_default(out, *key)}
+    widths = {store: _store_width(out, store) for store, _, schedule, _ in runs if schedule == "default"}
+    return {key: r for key, r in runs.items()
+            if key[2] != "default" or _current_default(key[1], key[3], widths[key[0]])}
 
 
-def _current_default(out: Path, store: str, method: str, schedule: str, lr: float) -> bool:
-    """A recorded default run is train-head's default only while ``lr`` is still the head's
-    ``default_lr`` at the store's width; after a change it is an open-ended run at another lr, and
-    the default is rerun."""
-    from tvrpipe.errors import ConfigError
-    from tvrpipe.heads.base import head_class
+def _store_width(out: Path, store: str) -> int | None:
+    """D of the bench's store ``store`` (its provenance), or None where it cannot be read (deleted)."""
     from tvrpipe.pipeline.store import StoreError, store_attributes
 
     try:
-        dim = int(store_attributes(out / "stores" / store)["embed_dim"])
-        return head_class(method).lr_for(dim) == lr
-    except (ConfigError, StoreError, KeyError):  # a head no longer registered, a store deleted: keep the run
+        return int(store_attributes(out / "stores" / store)["embed_dim"])
+    except (StoreError, KeyError):
+        return None
+
+
+def _current_default(method: str, lr: float, width: int | None) -> bool:
+    """A recorded default run is train-head's default only while ``lr`` is still the head's
+    ``default_lr`` at the store's ``width``; after a change it is an open-ended run at another lr,
+    and the default is rerun."""
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import head_class
+
+    if width is None:  # the store is gone: keep what was measured
+        return True
+    try:
+        return head_class(method).lr_for(width) == lr
+    except ConfigError:  # a head no longer registered: keep what was measured
         return True
 
 
