@@ -231,6 +231,32 @@ def test_padded_item_equals_its_unpadded_self(name):
 
 
 @pytest.mark.parametrize("name", HEADS)
+def test_training_loss_ignores_trailing_padding_columns(name):
+    """The trainer leaves out the token columns that are padding in every caption of a batch
+    (``SplitData.text_batch(trim=True)``): in training mode, random draws included, the loss and
+    every gradient must be those of the batch with the columns."""
+    texts, videos = batches(6, 6)
+    mask = texts.token_mask.clone()
+    mask[:, 5:] = False  # columns 5.. are padding in every caption (the first was full length)
+    padded = TextBatch(texts.tokens, mask, texts.sentence)
+    trimmed = TextBatch(texts.tokens[:, :5].clone(), mask[:, :5].clone(), texts.sentence)
+    head = perturbed(name).train()
+    results = []
+    for batch in (padded, trimmed):
+        head.zero_grad()
+        torch.manual_seed(3)
+        out = head.loss(batch, videos)
+        out.total.backward()
+        results.append((out.total.detach(), {n: p.grad.clone() for n, p in head.named_parameters()
+                                             if p.grad is not None}))
+    (loss_p, grads_p), (loss_t, grads_t) = results
+    torch.testing.assert_close(loss_t, loss_p, atol=1e-5, rtol=1e-5)
+    assert grads_t.keys() == grads_p.keys() and grads_p
+    for n in grads_p:
+        torch.testing.assert_close(grads_t[n], grads_p[n], atol=1e-5, rtol=1e-4, msg=f"{name}.{n}")
+
+
+@pytest.mark.parametrize("name", HEADS)
 def test_eval_is_deterministic(name):
     head = perturbed(name)
     texts, videos = batches(4, 5)

@@ -186,6 +186,25 @@ def test_load_split_loads_one_split_as_load_splits_does(store, monkeypatch):
         data.load_rows(s, "test", np.arange(2), np.arange(len(s.texts)))
 
 
+def test_text_batch_trim_drops_only_columns_padded_in_every_caption(store):
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.training.data import load_split
+
+    train = load_split(open_store(store), "train")
+    lengths = train.token_mask.sum(1)
+    assert train.token_mask.shape[1] == 8 and lengths[np.argsort(lengths)[:5]].max() < lengths.max()
+    short, longest = np.argsort(lengths)[:5], int(np.argmax(lengths))
+    for idx in (short, np.append(short, longest)):
+        batch, full = train.text_batch(idx, trim=True), train.text_batch(idx)
+        k = int(lengths[idx].max())  # the store's masks are real tokens first, then padding
+        assert batch.tokens.shape == (len(idx), k, 32) and batch.token_mask.shape == (len(idx), k)
+        np.testing.assert_array_equal(batch.tokens.numpy(), full.tokens[:, :k].numpy())
+        np.testing.assert_array_equal(batch.token_mask.numpy(), full.token_mask[:, :k].numpy())
+        assert not full.token_mask[:, k:].any()
+    empty = train.text_batch(short, tokens=False, trim=True)  # heads without tokens get none either way
+    assert empty.tokens.shape == (5, 0, 32)
+
+
 def test_prefetch_does_not_change_training(store, tmp_path):
     a = fit(store, "xpool", tmp_path / "a", TrainConfig(epochs=1, batch_size=32, prefetch=True), progress=False)
     b = fit(store, "xpool", tmp_path / "b", TrainConfig(epochs=1, batch_size=32, prefetch=False), progress=False)

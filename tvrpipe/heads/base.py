@@ -20,6 +20,10 @@ same small interface (DESIGN.md, "Heads"):
 ``Emb`` is a dict of tensors that all have the items as their first dimension, so the engine can
 concatenate chunks and slice blocks without knowing what a head keeps.
 
+Padding (``token_mask`` / ``frame_mask`` False) never enters a head's result: the tests check that
+junk in it changes nothing, and the trainer relies on it, handing ``loss`` only as many token
+columns as the longest caption of the batch has (the others are padding in every caption).
+
 Each head is one file: a frozen ``Config`` dataclass (defaults are the paper's values, each with
 a comment naming its source) and a class decorated with ``@register_head("name")``. The trainer,
 evaluator and CLI never branch on which head they hold.

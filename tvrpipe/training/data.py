@@ -77,10 +77,23 @@ class SplitData:
     def n_texts(self) -> int:
         return len(self.caption_ids)
 
-    def text_batch(self, idx: np.ndarray, tokens: bool = True) -> TextBatch:
-        """Captions ``idx`` as a float32 TextBatch (word tokens empty ``(B, 0, D)`` if not ``tokens``)."""
+    def text_batch(self, idx: np.ndarray, tokens: bool = True, trim: bool = False) -> TextBatch:
+        """Captions ``idx`` as a float32 TextBatch (word tokens empty ``(B, 0, D)`` if not ``tokens``).
+
+        With ``trim``, the token columns after the batch's last real token (padding in every caption)
+        are left out, at least one column kept: a head gives the same result without them, since
+        padding never enters its computation, and does less work (training batches; an evaluation
+        concatenates batches, which must then share one length).
+        """
         if tokens:
-            tok, mask = torch.from_numpy(self.tokens[idx]).float(), torch.from_numpy(self.token_mask[idx])
+            mask_np = self.token_mask[idx]
+            if trim:
+                real = np.flatnonzero(mask_np.any(0))
+                length = max(int(real[-1]) + 1 if real.size else 0, 1)
+                tok = torch.from_numpy(self.tokens[idx, :length]).float()
+                mask = torch.from_numpy(np.ascontiguousarray(mask_np[:, :length]))
+            else:
+                tok, mask = torch.from_numpy(self.tokens[idx]).float(), torch.from_numpy(mask_np)
         else:
             tok = torch.zeros((len(idx), 0, self.tokens.shape[-1]))
             mask = torch.zeros((len(idx), 0), dtype=torch.bool)

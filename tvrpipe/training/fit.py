@@ -494,7 +494,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                 for s in range(steps_per_epoch):
                     vids = order[s * batch : (s + 1) * batch]
                     caps = by_video[first[vids] + (rng.random(len(vids)) * counts[vids]).astype(np.int64)]
-                    yield (vids, caps, train_split.text_batch(caps, head.uses_tokens).to(device),
+                    yield (vids, caps, train_split.text_batch(caps, head.uses_tokens, trim=True).to(device),
                            train_split.video_batch(vids).to(device))
 
             last_val = f" | val R@1 {rows[-1]['val_t2v_R@1']:.1f} (best {best['val']['t2v']['R@1']:.1f})" \
