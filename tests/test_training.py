@@ -169,10 +169,11 @@ def test_load_split_loads_one_split_as_load_splits_does(store, monkeypatch):
     every = data.load_splits(s)
     read = []
     real = data.read_rows
-    monkeypatch.setattr(data, "read_rows", lambda array, rows: read.append(len(rows)) or real(array, rows))
+    monkeypatch.setattr(data, "read_rows",
+                        lambda array, rows, width=None: read.append(len(rows)) or real(array, rows, width))
     test = data.load_split(s, "test")
     n = every.test.n_texts
-    assert read == [N_TEST, N_TEST, n, n, n] and n < every.train.n_texts  # frames, mask, tokens, mask, sentence
+    assert read == [n, N_TEST, N_TEST, n, n] and n < every.train.n_texts  # token mask, frames, mask, tokens, sentence
     for name in ("frames", "frame_mask", "tokens", "token_mask", "sentence", "text_video", "video_ids", "caption_ids"):
         np.testing.assert_array_equal(getattr(test, name), getattr(every.test, name))
     some = data.load_split(s, "test", text_subset=np.array([1, 7, 30]))
@@ -184,6 +185,26 @@ def test_load_split_loads_one_split_as_load_splits_does(store, monkeypatch):
         data.load_split(s, "testing")
     with pytest.raises(ValueError, match="its video outside the test rows"):
         data.load_rows(s, "test", np.arange(2), np.arange(len(s.texts)))
+
+
+def test_a_split_is_loaded_up_to_its_last_real_token(tmp_path):
+    """Token columns that are padding in every caption of a split are not loaded (nor kept in memory);
+    every real token is, unchanged."""
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.training.data import load_split
+
+    spec = GenSpec(train_videos=24, test_videos=8, captions_per_train_video=2, frames=4, max_words=24,
+                   embed_dim=16, seed=0)
+    s = open_store(generate_store(tmp_path / "gs", spec))
+    mask, tokens = np.asarray(s.array("texts/token_mask")[:]), np.asarray(s.array("texts/tokens")[:])
+    for name in ("train", "test"):
+        split = load_split(s, name)
+        rows = s.texts.index[s.texts["caption_id"].isin(split.caption_ids)].to_numpy()
+        width = int(mask[rows].sum(1).max())  # the store's masks are real tokens first, then padding
+        assert width < 24 and split.tokens.shape == (len(rows), width, 16) and split.token_mask.shape == (len(rows), width)
+        np.testing.assert_array_equal(split.token_mask, mask[rows, :width])
+        np.testing.assert_array_equal(split.tokens, tokens[rows, :width])
+        assert split.token_mask.sum() == mask[rows].sum()
 
 
 def test_text_batch_trim_drops_only_columns_padded_in_every_caption(store):

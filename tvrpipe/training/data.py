@@ -32,9 +32,13 @@ from tvrpipe.pipeline.store import FeatureStore, nonfinite_rows
 CARVE_SEED = 20240501  # fixed: the carved validation set does not depend on the training seed
 
 
-def read_rows(array: zarr.Array, rows: np.ndarray) -> np.ndarray:
-    """``array[rows]`` for sorted row indices, read one chunk at a time (bounded extra memory)."""
-    out = np.empty((len(rows), *array.shape[1:]), dtype=array.dtype)
+def read_rows(array: zarr.Array, rows: np.ndarray, width: int | None = None) -> np.ndarray:
+    """``array[rows]`` for sorted row indices, read one chunk at a time (bounded extra memory); with
+    ``width``, only the first ``width`` entries of the second dimension (``array[rows, :width]``)."""
+    cols, shape = slice(None), list(array.shape[1:])
+    if width is not None:
+        cols, shape[0] = slice(0, width), min(width, shape[0])
+    out = np.empty((len(rows), *shape), dtype=array.dtype)
     if len(rows) == 0:
         return out
     step = array.chunks[0]
@@ -42,9 +46,16 @@ def read_rows(array: zarr.Array, rows: np.ndarray) -> np.ndarray:
     starts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]])
     for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
         c = int(chunk_of[a])
-        block = array[c * step : min((c + 1) * step, array.shape[0])]
+        block = array[c * step : min((c + 1) * step, array.shape[0]), cols]
         out[a:b] = block[rows[a:b] - c * step]
     return out
+
+
+def real_width(token_mask: np.ndarray) -> int:
+    """How many leading token columns hold a real token of some caption (at least 1): the columns
+    after them are padding in every row of ``token_mask`` ``(n, L)``."""
+    real = np.flatnonzero(token_mask.any(0))
+    return max(int(real[-1]) + 1 if real.size else 0, 1)
 
 
 @dataclass
@@ -54,7 +65,8 @@ class SplitData:
     Attributes:
         name: split name (``train``, ``val``, ``test``; ``val`` may be carved from train).
         frames, frame_mask: videos of the split, ``(n_v, F, D)`` float16 and ``(n_v, F)``.
-        tokens, token_mask, sentence: captions of the split.
+        tokens, token_mask, sentence: captions of the split; tokens and mask ``(n_t, L', ...)`` end
+            with the split's last real token (L' <= the store's L, see :func:`real_width`).
         text_video: ``(n_t,)`` index into this split's videos of each caption's video.
         video_ids, caption_ids: ids, for reports.
     """
@@ -88,8 +100,7 @@ class SplitData:
         if tokens:
             mask_np = self.token_mask[idx]
             if trim:
-                real = np.flatnonzero(mask_np.any(0))
-                length = max(int(real[-1]) + 1 if real.size else 0, 1)
+                length = real_width(mask_np)
                 tok = torch.from_numpy(self.tokens[idx, :length]).float()
                 mask = torch.from_numpy(np.ascontiguousarray(mask_np[:, :length]))
             else:
@@ -145,10 +156,14 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
         raise ValueError(f"{store.dir}: caption row {text_rows[text_video < 0][0]} has its video outside the "
                          f"{name} rows")
     g = store.group
-    arrays = {}
+    # the token columns after the split's last real token are padding in every caption: not loaded
+    # (padding never enters a head; SplitData.text_batch(trim=True) does the same per batch)
+    mask = read_rows(g["texts/token_mask"], text_rows)
+    width = real_width(mask)
+    arrays = {"texts/token_mask": np.ascontiguousarray(mask[:, :width])}
     for array, rows in (("videos/frames", video_rows), ("videos/frame_mask", video_rows),
-                        ("texts/tokens", text_rows), ("texts/token_mask", text_rows), ("texts/sentence", text_rows)):
-        arrays[array] = read_rows(g[array], rows)
+                        ("texts/tokens", text_rows), ("texts/sentence", text_rows)):
+        arrays[array] = read_rows(g[array], rows, width if array == "texts/tokens" else None)
         if arrays[array].dtype.kind == "f":
             check_finite_rows(store, array, arrays[array], rows)
     return SplitData(
