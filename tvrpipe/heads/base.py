@@ -21,8 +21,9 @@ same small interface (DESIGN.md, "Heads"):
 concatenate chunks and slice blocks without knowing what a head keeps.
 
 Padding (``token_mask`` / ``frame_mask`` False) never enters a head's result: the tests check that
-junk in it changes nothing, and the trainer relies on it, handing ``loss`` only as many token
-columns as the longest caption of the batch has (the others are padding in every caption).
+junk in it changes nothing. The data loader relies on it: a split is loaded only up to its last
+real token, and ``loss`` gets only as many token columns as the longest caption of its batch has
+(the columns left out are padding in every caption).
 
 Each head is one file: a frozen ``Config`` dataclass (defaults are the paper's values, each with
 a comment naming its source) and a class decorated with ``@register_head("name")``. The trainer,
