@@ -173,7 +173,8 @@ def test_load_split_loads_one_split_as_load_splits_does(store, monkeypatch):
                         lambda array, rows, width=None: read.append(len(rows)) or real(array, rows, width))
     test = data.load_split(s, "test")
     n = every.test.n_texts
-    assert read == [n, N_TEST, N_TEST, n, n] and n < every.train.n_texts  # token mask, frames, mask, tokens, sentence
+    # token mask, frames, frame mask, tokens, sentence
+    assert read == [n, N_TEST, N_TEST, n, n] and n < every.train.n_texts
     for name in ("frames", "frame_mask", "tokens", "token_mask", "sentence", "text_video", "video_ids", "caption_ids"):
         np.testing.assert_array_equal(getattr(test, name), getattr(every.test, name))
     some = data.load_split(s, "test", text_subset=np.array([1, 7, 30]))
@@ -201,7 +202,8 @@ def test_a_split_is_loaded_up_to_its_last_real_token(tmp_path):
         split = load_split(s, name)
         rows = s.texts.index[s.texts["caption_id"].isin(split.caption_ids)].to_numpy()
         width = int(mask[rows].sum(1).max())  # the store's masks are real tokens first, then padding
-        assert width < 24 and split.tokens.shape == (len(rows), width, 16) and split.token_mask.shape == (len(rows), width)
+        assert width < 24 and split.tokens.shape == (len(rows), width, 16)
+        assert split.token_mask.shape == (len(rows), width)
         np.testing.assert_array_equal(split.token_mask, mask[rows, :width])
         np.testing.assert_array_equal(split.tokens, tokens[rows, :width])
         assert split.token_mask.sum() == mask[rows].sum()
