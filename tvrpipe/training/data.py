@@ -99,12 +99,9 @@ class SplitData:
         """
         if tokens:
             mask_np = self.token_mask[idx]
-            if trim:
-                length = real_width(mask_np)
-                tok = torch.from_numpy(self.tokens[idx, :length]).float()
-                mask = torch.from_numpy(np.ascontiguousarray(mask_np[:, :length]))
-            else:
-                tok, mask = torch.from_numpy(self.tokens[idx]).float(), torch.from_numpy(mask_np)
+            length = real_width(mask_np) if trim else mask_np.shape[1]
+            tok = torch.from_numpy(self.tokens[idx, :length]).float()
+            mask = torch.from_numpy(np.ascontiguousarray(mask_np[:, :length]))
         else:
             tok = torch.zeros((len(idx), 0, self.tokens.shape[-1]))
             mask = torch.zeros((len(idx), 0), dtype=torch.bool)
@@ -161,9 +158,9 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
     mask = read_rows(g["texts/token_mask"], text_rows)
     width = real_width(mask)
     arrays = {"texts/token_mask": np.ascontiguousarray(mask[:, :width])}
-    for array, rows in (("videos/frames", video_rows), ("videos/frame_mask", video_rows),
-                        ("texts/tokens", text_rows), ("texts/sentence", text_rows)):
-        arrays[array] = read_rows(g[array], rows, width if array == "texts/tokens" else None)
+    for array, rows, cols in (("videos/frames", video_rows, None), ("videos/frame_mask", video_rows, None),
+                              ("texts/tokens", text_rows, width), ("texts/sentence", text_rows, None)):
+        arrays[array] = read_rows(g[array], rows, cols)
         if arrays[array].dtype.kind == "f":
             check_finite_rows(store, array, arrays[array], rows)
     return SplitData(
