@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 
@@ -102,6 +103,24 @@ def test_bench_eval_cli_reports_time_and_memory_per_head(cli, tmp_path, monkeypa
 def test_bench_eval_rejects_unknown_size(cli):
     r = cli("bench", "eval", "--size", "huge")
     assert r.exit_code == 1 and "--size 'huge' is not one of: msrvtt1k, msvd" in r.output
+
+
+def test_bench_allocator_cli_times_a_step_with_and_without_the_tuning(cli, tmp_path):
+    """`tvrpipe bench allocator`: each head steps in two fresh processes, one tuned as train-head
+    tunes it and one on glibc's defaults; with the defaults, X-Pool's (B, B, D) temporaries (4 MiB
+    at D = 64) are faulted in afresh every step, tuned they are reused."""
+    r = cli("bench", "allocator", "--method", "xpool", "--dim", "64", "--steps", "3", "--json", tmp_path / "a.json")
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((tmp_path / "a.json").read_text())
+    assert (row["method"], row["dim"], row["batch_size"]) == ("xpool", 64, 128)
+    assert row["speedup"] == pytest.approx(row["step_seconds_default"] / row["step_seconds_tuned"])
+    assert row["peak_rss_gb_tuned"] > 0 and row["peak_rss_gb_default"] > 0
+    if platform.libc_ver()[0] == "glibc":
+        assert row["allocator"].startswith("glibc: blocks up to 256 MiB")
+        assert row["faults_per_step_default"] > max(1024, 4 * row["faults_per_step_tuned"]), row  # 1,024 pages a block
+    assert "xpool" in r.output and f"{row['speedup']:.2f}x" in r.output
+    r = cli("bench", "allocator", "--steps", "0")
+    assert r.exit_code == 2 and "--steps must be >= 1" in r.output
 
 
 def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path, caplog):

@@ -173,3 +173,34 @@ def bench_eval_cmd(
     console.print(table)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2))
+
+
+@bench_app.command("allocator")
+def bench_allocator_cmd(
+    method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
+    steps: Annotated[int, typer.Option(help="Timed training steps per head and allocator (after two warm-up steps).")] = 3,
+    batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = 128,
+    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = 512,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+) -> None:
+    """Per head: training step time with train-head's malloc tuning vs glibc's defaults (fresh processes)."""
+    from rich.table import Table
+
+    from tvrpipe.training.bench import bench_allocator
+
+    if steps < 1 or batch_size < 2 or dim < 1:
+        raise typer.BadParameter("--steps must be >= 1, --batch-size >= 2 and --dim >= 1")
+    rows = bench_allocator(method, steps, batch_size, dim=dim)
+    table = Table(title=f"a training step of {batch_size} random pairs, D = {dim} (F = 12, L = 14)")
+    for col in ("method", "s/step tuned", "s/step glibc", "speedup", "faults/step tuned", "faults/step glibc",
+                "peak GB tuned", "peak GB glibc"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["method"], f"{r['step_seconds_tuned']:.3f}", f"{r['step_seconds_default']:.3f}",
+                      f"{r['speedup']:.2f}x", f"{r['faults_per_step_tuned']:,.0f}",
+                      f"{r['faults_per_step_default']:,.0f}", f"{r['peak_rss_gb_tuned']:.2f}",
+                      f"{r['peak_rss_gb_default']:.2f}")
+    console.print(table)
+    console.print(f"tuned: {rows[0]['allocator']}" if rows else "no heads measured")
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=2))

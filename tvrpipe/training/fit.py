@@ -44,6 +44,7 @@ from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, create_head, head_class
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, open_store
+from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.data import SplitData, Splits, load_split, load_splits, store_split_rows
 
 log = logging.getLogger(__name__)
@@ -400,6 +401,7 @@ def fit(
     if train_split.n_videos < 2:
         raise ConfigError("the training split needs at least 2 videos")
     out = Path(out_dir)
+    tune_allocator()  # a step's large temporaries reused from the heap, not re-faulted (allocator.py)
     with locked(out, "--out"):
         return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features, on_epoch)
 
