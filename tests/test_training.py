@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from tvrpipe.errors import ConfigError
@@ -207,6 +208,39 @@ def test_a_split_is_loaded_up_to_its_last_real_token(tmp_path):
         np.testing.assert_array_equal(split.token_mask, mask[rows, :width])
         np.testing.assert_array_equal(split.tokens, tokens[rows, :width])
         assert split.token_mask.sum() == mask[rows].sum()
+
+
+def test_a_split_loaded_without_tokens_holds_none_and_refuses_token_batches(store):
+    """A sentence head's split: no word tokens read ((n_t, 0, D)), everything else as loaded with
+    them, and sentence batches the same; a token batch from it is an error, not empty tokens."""
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.training.data import load_split
+
+    s = open_store(store)
+    full, bare = load_split(s, "train"), load_split(s, "train", tokens=False)
+    assert bare.tokens.shape == (full.n_texts, 0, 32) and bare.token_mask.shape == (full.n_texts, 0)
+    for name in ("frames", "frame_mask", "sentence", "text_video", "video_ids", "caption_ids"):
+        np.testing.assert_array_equal(getattr(bare, name), getattr(full, name))
+    idx = np.array([0, 5, 7])
+    a, b = full.text_batch(idx, tokens=False), bare.text_batch(idx, tokens=False, trim=True)
+    assert a.tokens.shape == b.tokens.shape == (3, 0, 32) and torch.equal(a.sentence, b.sentence)
+    with pytest.raises(ValueError, match="the train split was loaded without word tokens"):
+        bare.text_batch(idx)
+
+
+def test_fit_loads_word_tokens_only_for_heads_that_read_them(store, tmp_path, monkeypatch):
+    seen = {}
+
+    def spy(st, **kwargs):
+        seen[method] = kwargs.get("tokens", True)
+        return load_splits(st, **kwargs)
+
+    load_splits = fit_module.load_splits
+    monkeypatch.setattr(fit_module, "load_splits", spy)
+    for method in ("xpool", "tokenwise"):
+        m = fit(store, method, tmp_path / method, TrainConfig(epochs=1, batch_size=32), progress=False)
+        assert m["test"]["t2v"]["n"] == N_TEST
+    assert seen == {"xpool": False, "tokenwise": True}
 
 
 def test_text_batch_trim_drops_only_columns_padded_in_every_caption(store):

@@ -66,7 +66,8 @@ class SplitData:
         name: split name (``train``, ``val``, ``test``; ``val`` may be carved from train).
         frames, frame_mask: videos of the split, ``(n_v, F, D)`` float16 and ``(n_v, F)``.
         tokens, token_mask, sentence: captions of the split; tokens and mask ``(n_t, L', ...)`` end
-            with the split's last real token (L' <= the store's L, see :func:`real_width`).
+            with the split's last real token (L' <= the store's L, see :func:`real_width`); L' = 0
+            for a split loaded without tokens (:func:`load_rows`).
         text_video: ``(n_t,)`` index into this split's videos of each caption's video.
         video_ids, caption_ids: ids, for reports.
     """
@@ -98,6 +99,9 @@ class SplitData:
         concatenates batches, which must then share one length).
         """
         if tokens:
+            if self.tokens.shape[1] == 0:  # loaded with at least one column, or without tokens at all
+                raise ValueError(f"the {self.name} split was loaded without word tokens (load_split(..., "
+                                 "tokens=False)); load it with tokens for a head that reads them")
             mask_np = self.token_mask[idx]
             length = real_width(mask_np) if trim else mask_np.shape[1]
             tok = torch.from_numpy(self.tokens[idx, :length]).float()
@@ -139,8 +143,13 @@ def check_finite_rows(store: FeatureStore, name: str, data: np.ndarray, rows: np
     )
 
 
-def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> SplitData:
+def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray,
+              tokens: bool = True) -> SplitData:
     """The features of store rows ``video_rows`` and ``text_rows`` (every caption's video among them).
+
+    With ``tokens`` False the word tokens are not read (a head with ``uses_tokens = False`` never
+    sees them; at MSR-VTT 9k they are gigabytes): the split holds ``(n_t, 0, D)`` tokens and an
+    ``(n_t, 0)`` mask, and :meth:`SplitData.text_batch` refuses to make token batches from it.
 
     Raises:
         NonFiniteError: a loaded feature is NaN or infinite.
@@ -155,11 +164,18 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
     g = store.group
     # the token columns after the split's last real token are padding in every caption: not loaded
     # (padding never enters a head; SplitData.text_batch(trim=True) does the same per batch)
-    mask = read_rows(g["texts/token_mask"], text_rows)
-    width = real_width(mask)
-    arrays = {"texts/token_mask": np.ascontiguousarray(mask[:, :width])}
+    if tokens:
+        mask = read_rows(g["texts/token_mask"], text_rows)
+        width = real_width(mask)
+        arrays = {"texts/token_mask": np.ascontiguousarray(mask[:, :width])}
+    else:
+        arrays = {"texts/token_mask": np.zeros((len(text_rows), 0), dtype=bool),
+                  "texts/tokens": np.zeros((len(text_rows), 0, g["texts/tokens"].shape[-1]), np.float16)}
     for array, rows, cols in (("videos/frames", video_rows, None), ("videos/frame_mask", video_rows, None),
-                              ("texts/tokens", text_rows, width), ("texts/sentence", text_rows, None)):
+                              ("texts/tokens", text_rows, width if tokens else None),
+                              ("texts/sentence", text_rows, None)):
+        if array in arrays:  # the tokens of a split loaded without them
+            continue
         arrays[array] = read_rows(g[array], rows, cols)
         if arrays[array].dtype.kind == "f":
             check_finite_rows(store, array, arrays[array], rows)
@@ -250,7 +266,8 @@ def store_split_rows(
 
 
 def load_split(
-    store: FeatureStore, split: str, rows: SplitRows | None = None, text_subset: np.ndarray | None = None
+    store: FeatureStore, split: str, rows: SplitRows | None = None, text_subset: np.ndarray | None = None,
+    tokens: bool = True,
 ) -> SplitData:
     """Load one split (``train``, ``val`` or ``test``) and nothing else: evaluating on test needs no
     train features, which at MSR-VTT scale are gigabytes of word tokens.
@@ -260,6 +277,8 @@ def load_split(
         split: which split.
         rows: the store's :func:`store_split_rows` (computed when None).
         text_subset: positions among the split's captions to load (default: all of them).
+        tokens: load the word tokens (False for a head that reads only the sentence, see
+            :func:`load_rows`).
 
     Raises:
         ConfigError: ``split`` is not a split; the store has no train split, or no test split and
@@ -270,16 +289,19 @@ def load_split(
     rows = rows or store_split_rows(store, need_test=split == "test")
     texts = getattr(rows, f"{split}_texts")
     return load_rows(store, split, getattr(rows, f"{split}_videos"),
-                     texts if text_subset is None else np.sort(texts)[text_subset])
+                     texts if text_subset is None else np.sort(texts)[text_subset], tokens)
 
 
 def load_splits(
-    store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True
+    store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True,
+    tokens: bool = True,
 ) -> Splits:
-    """Load train, validation (the store's or carved from train) and test splits.
+    """Load train, validation (the store's or carved from train) and test splits; ``tokens`` as in
+    :func:`load_split`.
 
     Raises:
         ConfigError: a split the trainer needs is empty.
     """
     rows = store_split_rows(store, carve_fraction, carve_max, need_test)
-    return Splits(*(load_split(store, name, rows) for name in ("train", "val", "test")), val_source=rows.val_source)
+    return Splits(*(load_split(store, name, rows, tokens=tokens) for name in ("train", "val", "test")),
+                  val_source=rows.val_source)

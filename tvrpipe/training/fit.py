@@ -396,7 +396,7 @@ def fit(
                     "at CLIP's initial scale 1/0.07, not the learned one the papers reuse; run the same extract again "
                     "(it records the scale and re-extracts nothing), or pass --set logit_scale_init=LOG_SCALE "
                     "(4.6052 for OpenAI's CLIP)", features, method)
-    splits: Splits = load_splits(store)
+    splits: Splits = load_splits(store, tokens=head_class(method).uses_tokens)  # no word tokens for a sentence head
     train_split = splits.train
     if train_split.n_videos < 2:
         raise ConfigError("the training split needs at least 2 videos")
@@ -635,10 +635,11 @@ def evaluate_run(
         expect = {**config["provenance"], **(_recorded(run, "provenance") or {})}
         store = open_store(features or config["features"], expect=expect)
         rows = store_split_rows(store, need_test=split == "test")
-        data = load_split(store, split, rows)  # only the split evaluated (and train for QB-Norm's bank)
+        # only the split evaluated (and train for QB-Norm's bank), with word tokens only for a head that reads them
+        data = load_split(store, split, rows, tokens=head.uses_tokens)
         if data.n_videos == 0:
             raise ConfigError(f"{store.dir}: the {split} split is empty")
-        querybank = load_split(store, "train", rows) if "qbnorm" in post else None
+        querybank = load_split(store, "train", rows, tokens=head.uses_tokens) if "qbnorm" in post else None
         metrics = {"split": split, "validation": rows.val_source,
                    **_evaluate(head, data, tc, post=post, querybank=querybank)}
         atomic_write_text(run / f"eval_{split}.json", json.dumps(metrics, indent=2))
