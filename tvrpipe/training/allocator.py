@@ -6,8 +6,8 @@ mmap threshold (at most 32 MiB) is a fresh ``mmap`` each time, and the freed top
 handed back once it exceeds the trim threshold; either way the next step touches new pages, and
 the kernel faults in and zeroes every 4 KiB of them again. :func:`tune_allocator` raises both
 thresholds so that blocks up to 256 MiB come from the heap and up to 1 GiB of freed heap stays
-with the process for the next step. Larger blocks (a store's arrays) are still mapped and
-returned to the system when freed.
+with the process for the next step (a glibc that refuses an mmap threshold above 32 MiB gets
+32 MiB). Larger blocks (a store's arrays) are still mapped and returned to the system when freed.
 
 Measured (``tvrpipe bench allocator``, docs/performance.md): a step at D = 512 is 1.9x faster
 for tmass, 1.5x for xpool and 1.4x for duq; the GEMM-bound uatvr, prota and seqtransf move within
@@ -31,6 +31,7 @@ import platform
 log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 256 << 20  # choice: blocks up to 256 MiB from the heap (a step's tensors at D = 512)
+MMAP_THRESHOLD_CAPPED = 32 << 20  # where glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 1 << 30  # choice: up to 1 GiB of freed heap kept for the next step
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h> parameter numbers
@@ -61,9 +62,11 @@ def _tune() -> str:
     except (OSError, AttributeError):
         return "left as is (glibc's mallopt not found)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    refused = [name for name, param, value in (("mmap", _M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                                               ("trim", _M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-               if not mallopt(param, value)]
-    if refused:
-        return f"glibc refused the {' and '.join(refused)} threshold (left at its default)"
-    return f"glibc: blocks up to {MMAP_THRESHOLD >> 20} MiB from the heap, {TRIM_THRESHOLD >> 20} MiB of it kept"
+    # Some glibc versions refuse an mmap threshold above half their arena heap size (32 MiB on 64-bit):
+    # there, 32 MiB still keeps every smaller block in the heap.
+    mmap = next((v for v in (MMAP_THRESHOLD, MMAP_THRESHOLD_CAPPED) if mallopt(_M_MMAP_THRESHOLD, v)), None)
+    trim = TRIM_THRESHOLD if mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) else None
+    if mmap is None or trim is None:
+        refused = " and ".join(name for name, v in (("mmap", mmap), ("trim", trim)) if v is None)
+        return f"glibc refused the {refused} threshold (left at its default)"
+    return f"glibc: blocks up to {mmap >> 20} MiB from the heap, {trim >> 20} MiB of it kept"
