@@ -99,7 +99,7 @@ class SplitData:
         concatenates batches, which must then share one length).
         """
         if tokens:
-            if self.tokens.shape[1] == 0:  # loaded with at least one column, or without tokens at all
+            if self.tokens.shape[1] == 0:  # a split loaded with tokens keeps at least one column
                 raise ValueError(f"the {self.name} split was loaded without word tokens (load_split(..., "
                                  "tokens=False)); load it with tokens for a head that reads them")
             mask_np = self.token_mask[idx]
@@ -164,18 +164,17 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
     g = store.group
     # the token columns after the split's last real token are padding in every caption: not loaded
     # (padding never enters a head; SplitData.text_batch(trim=True) does the same per batch)
+    reads = [("videos/frames", video_rows, None), ("videos/frame_mask", video_rows, None),
+             ("texts/sentence", text_rows, None)]
     if tokens:
         mask = read_rows(g["texts/token_mask"], text_rows)
         width = real_width(mask)
         arrays = {"texts/token_mask": np.ascontiguousarray(mask[:, :width])}
+        reads.append(("texts/tokens", text_rows, width))
     else:
         arrays = {"texts/token_mask": np.zeros((len(text_rows), 0), dtype=bool),
                   "texts/tokens": np.zeros((len(text_rows), 0, g["texts/tokens"].shape[-1]), np.float16)}
-    for array, rows, cols in (("videos/frames", video_rows, None), ("videos/frame_mask", video_rows, None),
-                              ("texts/tokens", text_rows, width if tokens else None),
-                              ("texts/sentence", text_rows, None)):
-        if array in arrays:  # the tokens of a split loaded without them
-            continue
+    for array, rows, cols in reads:
         arrays[array] = read_rows(g[array], rows, cols)
         if arrays[array].dtype.kind == "f":
             check_finite_rows(store, array, arrays[array], rows)
