@@ -70,6 +70,9 @@ def test_run_directory_contents(trained, store):
     assert len(rows) == 4 and rows[0].startswith("epoch,loss")
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["test"]["t2v"] == m["test"]["t2v"]
+    # what the wall times ran with: torch's threads and the allocator (tuned here unless not glibc)
+    assert saved["train"]["threads"] == torch.get_num_threads() >= 1
+    assert saved["train"]["allocator"].startswith(("glibc", "left as"))
 
 
 def test_selection_uses_validation_not_test(trained):

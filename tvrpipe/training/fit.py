@@ -575,7 +575,9 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                                 "max_epochs": max_epochs} if open_ended else {})},
                "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
                          "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
-                         "seconds": _train_seconds(rows)}}
+                         "seconds": _train_seconds(rows),
+                         # what the wall times above ran with (this session's; a resumed run may differ)
+                         "threads": torch.get_num_threads(), "allocator": tune_allocator()}}
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
     if rows:
         groups = {name: list(r) if isinstance(r, dict) else [""] for name, r in best["val"].get("readouts", {}).items()}
