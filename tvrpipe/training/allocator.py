@@ -9,12 +9,12 @@ thresholds so that blocks up to 256 MiB come from the heap and up to 1 GiB of fr
 with the process for the next step (a glibc that refuses an mmap threshold above 32 MiB gets
 32 MiB). Larger blocks (a store's arrays) are still mapped and returned to the system when freed.
 
-Measured (``tvrpipe bench allocator``, docs/performance.md): a step at D = 512 is 1.9x faster
-for tmass, 1.5x for xpool and 1.4x for duq; the GEMM-bound uatvr, prota and seqtransf move within
-the run-to-run spread. The arithmetic is untouched, so results are the same to the bit. The price
-is memory: the heap keeps what a step used between steps, and a freed block in its middle serves
-only requests no larger than itself, so a step's peak resident memory at D = 512 grows by up to
-0.5 GB (tmass).
+Measured (``tvrpipe bench allocator``, and ``fit`` on the generated 9k store; docs/performance.md):
+a step at D = 512 is 1.9-2.0x faster for tmass, 1.5x for xpool and 1.3-1.4x for duq; the GEMM-bound
+uatvr, prota and seqtransf move within the run-to-run spread. The arithmetic is untouched, so
+results are the same to the bit. The price is memory: the heap keeps what a step used between
+steps, and a freed block in its middle serves only requests no larger than itself, so the peak
+resident memory at D = 512 grows by up to 0.6 GB (tmass).
 
 A user's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (glibc's environment
 variables) always win: with either set, nothing is changed. Elsewhere than glibc, nothing is
