@@ -35,9 +35,9 @@ def faults_per_block(n=7):  # the median over n blocks: the heap may grow once, 
 """
 
 
-def _run(body: str, env: dict[str, str] | None = None, cwd=None) -> dict:
+def _run(body: str, env: dict[str, str] | None = None) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", MEASURE + body], env={**clean, **(env or {})}, cwd=cwd,
+    out = subprocess.run([sys.executable, "-c", MEASURE + body], env={**clean, **(env or {})},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -116,7 +116,7 @@ def test_bench_allocator_cli_times_a_step_with_and_without_the_tuning(cli, tmp_p
     assert row["speedup"] == pytest.approx(row["step_seconds_default"] / row["step_seconds_tuned"])
     assert row["peak_rss_gb_tuned"] > 0 and row["peak_rss_gb_default"] > 0
     if platform.libc_ver()[0] == "glibc":
-        assert row["allocator"].startswith("glibc: blocks up to 256 MiB")
+        assert row["allocator"].startswith("glibc: blocks up to")
         assert row["faults_per_step_default"] > max(1024, 4 * row["faults_per_step_tuned"]), row  # 1,024 pages a block
     assert "xpool" in r.output and f"{row['speedup']:.2f}x" in r.output
     r = cli("bench", "allocator", "--steps", "0")
