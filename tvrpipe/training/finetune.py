@@ -55,7 +55,6 @@ from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
 from tvrpipe.pipeline.store import atomic_write_text
-from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.fit import (
     _flat_readouts,
     _key,
@@ -679,7 +678,6 @@ def finetune(
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
-    tune_allocator()  # CPU steps reuse their large temporaries from the heap (allocator.py)
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     text_video = vrow.loc[captions["video_id"]].to_numpy()
