@@ -144,22 +144,38 @@ def _random_features(n_t: int, n_v: int, frames: int, words: int, dim: int, toke
     }
 
 
+def _text_batch(x: dict, rows: slice):
+    """Captions ``rows`` of :func:`_random_features` as a float32 TextBatch (cast per batch, as the trainer)."""
+    import torch
+
+    from tvrpipe.heads.base import TextBatch
+
+    f32 = lambda a: torch.from_numpy(a).float()  # noqa: E731
+    return TextBatch(f32(x["tokens"][rows]), torch.from_numpy(x["token_mask"][rows]), f32(x["sentence"][rows]))
+
+
+def _video_batch(x: dict, rows: slice):
+    """Videos ``rows`` of :func:`_random_features` as a float32 VideoBatch."""
+    import torch
+
+    from tvrpipe.heads.base import VideoBatch
+
+    return VideoBatch(torch.from_numpy(x["frames"][rows]).float(), torch.from_numpy(x["frame_mask"][rows]))
+
+
 def _eval_one(args: tuple[str, int, int, int, int, int, int]) -> dict:
     import torch
 
     from tvrpipe.evaluation.engine import evaluate_head
-    from tvrpipe.heads.base import TextBatch, VideoBatch, create_head
+    from tvrpipe.heads.base import create_head
 
     method, n_t, n_v, frames, words, dim, block_texts = args
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     head = create_head(method, embed_dim=dim).eval()  # cost does not depend on the weights' values
     x = _random_features(n_t, n_v, frames, words, dim, head.uses_tokens, seed=0)
-    f32 = lambda a: torch.from_numpy(a).float()  # noqa: E731  (float16 -> float32 per batch, as the trainer)
-    texts = (TextBatch(f32(x["tokens"][a:a + 256]), torch.from_numpy(x["token_mask"][a:a + 256]),
-                       f32(x["sentence"][a:a + 256])) for a in range(0, n_t, 256))
-    videos = (VideoBatch(f32(x["frames"][a:a + 256]), torch.from_numpy(x["frame_mask"][a:a + 256]))
-              for a in range(0, n_v, 256))
+    texts = (_text_batch(x, slice(a, a + 256)) for a in range(0, n_t, 256))
+    videos = (_video_batch(x, slice(a, a + 256)) for a in range(0, n_v, 256))
     with _PeakRss() as mem:
         t = time.perf_counter()
         res = evaluate_head(head, texts, videos, x["text_video"], block_texts=block_texts)
@@ -211,8 +227,9 @@ def _steps_one(args: tuple[str, bool, int, int, int, int, int]) -> dict:
     """Training steps of one head on one random batch, in a fresh process: time, faults, peak RSS."""
     import torch
 
-    from tvrpipe.heads.base import TextBatch, VideoBatch, create_head
+    from tvrpipe.heads.base import create_head
     from tvrpipe.training.allocator import tune_allocator
+    from tvrpipe.training.fit import TrainConfig
 
     method, tuned, steps, batch, frames, words, dim = args
     allocator = tune_allocator() if tuned else "glibc's defaults"  # before any large block exists
@@ -220,10 +237,8 @@ def _steps_one(args: tuple[str, bool, int, int, int, int, int]) -> dict:
     torch.manual_seed(0)
     head = create_head(method, embed_dim=dim).train()
     x = _random_features(batch, batch, frames, words, dim, head.uses_tokens, seed=0)
-    f32 = lambda a: torch.from_numpy(a).float()  # noqa: E731
-    texts = TextBatch(f32(x["tokens"]), torch.from_numpy(x["token_mask"]), f32(x["sentence"]))
-    videos = VideoBatch(f32(x["frames"]), torch.from_numpy(x["frame_mask"]))
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-4, weight_decay=0.2)  # the trainer's optimizer
+    texts, videos = _text_batch(x, slice(None)), _video_batch(x, slice(None))
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-4, weight_decay=TrainConfig().weight_decay)  # as fit
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
