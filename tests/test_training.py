@@ -120,12 +120,35 @@ def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, interr
     with pytest.raises(KeyboardInterrupt):
         fit(store, method, tmp_path / "cut", cfg, progress=False)
     restore()
+    state_path = tmp_path / "cut" / "checkpoints" / "state.pt"
+    state = torch.load(state_path, weights_only=False)
+    kept = json.loads(state["rows"])  # the rows are one JSON text, epoch 1's row as epochs.csv has it
+    assert [r["epoch"] for r in kept] == [1] and kept[0]["val_t2v_R@1"] == pd.read_csv(
+        tmp_path / "cut" / "epochs.csv")["val_t2v_R@1"][0]
+    if method == "tokenwise":  # a state written before the rows became JSON holds the list: it resumes too
+        torch.save({**state, "rows": kept}, state_path)
     resumed = fit(store, method, tmp_path / "cut", cfg, progress=False)
     assert resumed["test"] == full["test"] and resumed["selected_epoch"] == full["selected_epoch"]
     rows = [pd.read_csv(tmp_path / run / "epochs.csv").drop(columns=["samples_per_s", "data_share", "seconds"])
             for run in ("full", "cut")]
     assert len(rows[1]) == 3
     pd.testing.assert_frame_equal(rows[0], rows[1])  # every epoch's losses and validation, bit for bit
+
+
+def test_seed_step_seeds_the_cpu_stream_as_manual_seed_does_without_lazy_accelerator_seeds(monkeypatch):
+    from tvrpipe.training.fit import seed_step
+
+    lazy = []  # torch.manual_seed queues a lazy seed (with a formatted stack) for an uninitialised CUDA
+    real = torch.cuda.random._lazy_call
+    monkeypatch.setattr(torch.cuda.random, "_lazy_call", lambda *a, **k: (lazy.append(1), real(*a, **k)))
+    seed_step(7, 2, 5)
+    ours = torch.rand(6)
+    assert lazy == [] or torch.cuda.is_initialized()
+    torch.manual_seed(int(np.random.SeedSequence([7, 2, 5]).generate_state(1)[0]))
+    assert torch.equal(ours, torch.rand(6))
+    assert lazy == [1] or torch.cuda.is_initialized()  # the probe sees torch.manual_seed's lazy call
+    seed_step(7, 2, 6)
+    assert not torch.equal(ours, torch.rand(6))  # another step, another stream
 
 
 def test_other_config_in_same_run_dir_is_refused(store, tmp_path):

@@ -64,6 +64,7 @@ from tvrpipe.training.fit import (
     _schedule,
     _sha256,
     load_head,
+    rows_from_state,
     seed_step,
     write_rows,
 )
@@ -430,7 +431,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
             opt.load_state_dict(state["optimizer"])
         if state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
-        start_epoch, best, rows, failures = state["epoch"] + 1, state["best"], state["rows"], state["failures"]
+        start_epoch, best, rows, failures = state["epoch"] + 1, state["best"], rows_from_state(state), state["failures"]
         if rank == 0:
             log.info("resuming %s from epoch %d", out, start_epoch)
     id_row = {str(v): i for i, v in enumerate(job.video_ids)}
@@ -505,7 +506,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                     sha = _save_checkpoint(head, ckpt / "best.safetensors")
                     best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val, "sha256": sha}
                 tmp = ckpt / ".state.pt.tmp"
-                torch.save({"epoch": epoch, "best": best, "rows": rows, "failures": failures,
+                torch.save({"epoch": epoch, "best": best, "rows": json.dumps(rows), "failures": failures,
                             "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()}, tmp)
                 os.replace(tmp, state_path)
                 write_rows(rows, out / "epochs.csv")
