@@ -109,9 +109,10 @@ def test_bench_allocator_cli_times_a_step_with_and_without_the_tuning(cli, tmp_p
     """`tvrpipe bench allocator`: each head steps in two fresh processes, one tuned as train-head
     tunes it and one on glibc's defaults; with the defaults, X-Pool's (B, B, D) temporaries (4 MiB
     at D = 64) are faulted in afresh every step, tuned they are reused."""
-    r = cli("bench", "allocator", "--method", "xpool", "--dim", "64", "--steps", "3", "--json", tmp_path / "a.json")
+    r = cli("bench", "allocator", "--method", "xpool", "--dim", "64", "--steps", "3",
+            "--json", tmp_path / "new" / "a.json")  # --json's folder is created
     assert r.exit_code == 0, r.output
-    (row,) = json.loads((tmp_path / "a.json").read_text())
+    (row,) = json.loads((tmp_path / "new" / "a.json").read_text())
     assert (row["method"], row["dim"], row["batch_size"]) == ("xpool", 64, 128)
     assert row["speedup"] == pytest.approx(row["step_seconds_default"] / row["step_seconds_tuned"])
     assert row["peak_rss_gb_tuned"] > 0 and row["peak_rss_gb_default"] > 0
@@ -121,6 +122,29 @@ def test_bench_allocator_cli_times_a_step_with_and_without_the_tuning(cli, tmp_p
     assert "xpool" in r.output and f"{row['speedup']:.2f}x" in r.output
     r = cli("bench", "allocator", "--steps", "0")
     assert r.exit_code == 2 and "--steps must be >= 1" in r.output
+
+
+@pytest.mark.parametrize("command", ["extract", "train-head", "finetune", "eval", "allocator"])
+def test_bench_json_is_checked_before_the_measurement(cli, tmp_path, command, monkeypatch):
+    import tvrpipe.pipeline.bench
+    import tvrpipe.training.bench
+    import tvrpipe.training.bench_finetune
+
+    def measured(*a, **k):
+        raise AssertionError("measured before --json was checked")
+
+    for module, name in ((tvrpipe.pipeline.bench, "bench_extract"), (tvrpipe.training.bench, "bench_train_head"),
+                         (tvrpipe.training.bench_finetune, "bench_finetune"), (tvrpipe.training.bench, "bench_eval"),
+                         (tvrpipe.training.bench, "bench_allocator")):
+        monkeypatch.setattr(module, name, measured)
+    def said(r):  # the message without rich's box and line breaks
+        return " ".join(r.output.replace("\u2502", " ").split())
+
+    r = cli("bench", command, "--json", tmp_path)
+    assert r.exit_code == 2 and "is a folder; give a file name" in said(r), r.output
+    (tmp_path / "a-file").write_text("")
+    r = cli("bench", command, "--json", tmp_path / "a-file" / "r.json")
+    assert r.exit_code == 2 and "cannot create the folder" in said(r) and "a-file" in said(r), r.output
 
 
 def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path, caplog):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
@@ -13,6 +14,35 @@ from rich.console import Console
 from tvrpipe.cli.app import app, new_app
 
 console = Console()
+
+
+def _json_target(path: Optional[Path]) -> Optional[Path]:
+    """``--json``'s check, before the measurement (which may take hours) rather than after: the
+    folder is created and must be writable, and the path must not be a folder."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a folder; give a file name, e.g. {path / 'bench.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise typer.BadParameter(f"cannot create the folder {path.parent} ({e.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise typer.BadParameter(f"cannot write to the folder {path.parent}")
+    return path
+
+
+JsonOut = Annotated[Optional[Path], typer.Option(
+    "--json", help="Also write the measurements as JSON to this file (its folder is created).", callback=_json_target)]
+
+
+def _write_json(path: Optional[Path], data) -> None:
+    if path is not None:
+        from tvrpipe.pipeline.store import atomic_write_text
+
+        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
 bench_app = new_app(help="Benchmarks: throughput ratios measured in one run (see docs/performance.md).")
 app.add_typer(bench_app, name="bench")
 
@@ -30,7 +60,7 @@ def bench_extract_cmd(
     model: Annotated[str, typer.Option(help="open_clip architecture (random weights).")] = "ViT-B-32",
     device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda.")] = "cpu",
     batch_size: Annotated[int, typer.Option(help="Videos per encoder call.")] = 4,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """Measure decode-only, encode-only, pipeline and naive-loop extraction throughput."""
     from tvrpipe.pipeline.bench import BenchVideos, bench_extract
@@ -39,8 +69,7 @@ def bench_extract_cmd(
                       model=model, device=device, batch_size=batch_size)
     for line in r.lines():
         console.print(line)
-    if json_out:
-        json_out.write_text(json.dumps({**asdict(r), "vs_bound": r.vs_bound, "vs_naive": r.vs_naive}, indent=2))
+    _write_json(json_out, {**asdict(r), "vs_bound": r.vs_bound, "vs_naive": r.vs_naive})
 
 
 @bench_app.command("train-head")
@@ -52,7 +81,7 @@ def bench_train_head_cmd(
     steps: Annotated[int, typer.Option(help="Training steps per method.")] = 20,
     batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = 128,
     prefetch: Annotated[bool, typer.Option(help="Train with batch prefetching (as train-head does by default).")] = True,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """Per head at MSR-VTT 9k/1k-A scale: samples/s, data share, test evaluation time and memory."""
     from rich.table import Table
@@ -72,8 +101,7 @@ def bench_train_head_cmd(
             console.print(f"xpool evaluation vs the official code ({XPOOL_OFFICIAL['eval_seconds']:.0f} s, "
                           f"{XPOOL_OFFICIAL['peak_gb']} GB): {XPOOL_OFFICIAL['eval_seconds'] / r['test_eval_seconds']:.1f}x "
                           f"faster, {r['test_eval_extra_gb']:.2f} GB extra")
-    if json_out:
-        json_out.write_text(json.dumps(rows, indent=2))
+    _write_json(json_out, rows)
 
 
 @bench_app.command("finetune")
@@ -93,7 +121,7 @@ def bench_finetune_cmd(
     width: Annotated[int, typer.Option(help="Video width in pixels.")] = 320,
     height: Annotated[int, typer.Option(help="Video height in pixels.")] = 240,
     seconds: Annotated[float, typer.Option(help="Video length in seconds.")] = 15.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """End-to-end finetuning: clips/s, data-loading share of step time and peak memory."""
     from tvrpipe.pipeline.bench import BenchVideos
@@ -104,8 +132,7 @@ def bench_finetune_cmd(
                        grad_checkpointing, loader_workers)
     for line in r.lines():
         console.print(line, highlight=False)
-    if json_out:
-        json_out.write_text(json.dumps(asdict(r), indent=2))
+    _write_json(json_out, asdict(r))
 
 
 @bench_app.command("convergence")
@@ -154,7 +181,7 @@ def bench_eval_cmd(
         Optional[list[str]], typer.Option(help="Test-set sizes: msrvtt1k (1,000 x 1,000), msvd (27,763 x 670); repeatable.")
     ] = None,
     dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = 512,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """Per head: evaluation time and memory on random features of the MSR-VTT 1k-A and MSVD test sizes."""
     from rich.table import Table
@@ -171,8 +198,7 @@ def bench_eval_cmd(
         table.add_row(r["size"], r["method"], f"{r['n_texts']:,} x {r['n_videos']:,}", f"{r['seconds']:.2f}",
                       f"{r['extra_gb']:.2f}", f"{r['extra_beyond_scores_gb']:.2f}", official)
     console.print(table)
-    if json_out:
-        json_out.write_text(json.dumps(rows, indent=2))
+    _write_json(json_out, rows)
 
 
 @bench_app.command("allocator")
@@ -181,7 +207,7 @@ def bench_allocator_cmd(
     steps: Annotated[int, typer.Option(help="Timed training steps per head and allocator (after two warm-up steps).")] = 3,
     batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = 128,
     dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = 512,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the measurements as JSON.")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """Per head: training step time with train-head's malloc tuning vs glibc's defaults (fresh processes)."""
     from rich.table import Table
@@ -202,5 +228,4 @@ def bench_allocator_cmd(
                       f"{r['peak_rss_gb_default']:.2f}")
     console.print(table)
     console.print(f"tuned: {rows[0]['allocator']}" if rows else "no heads measured")
-    if json_out:
-        json_out.write_text(json.dumps(rows, indent=2))
+    _write_json(json_out, rows)
