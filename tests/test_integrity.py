@@ -227,6 +227,31 @@ def test_nonfinite_loss_stops_at_its_step_and_keeps_the_finite_epoch(pristine, t
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
+def test_checkpoint_bytes_depend_only_on_the_weights_and_metadata(tmp_path):
+    """safetensors writes metadata keys in a random order (a Rust HashMap); save_weights sorts them,
+    so identical runs write identical checkpoints (and record the same sha256)."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from tvrpipe.training.fit import save_weights
+
+    state = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(5, dtype=torch.float16)}
+    # 8 keys (in the file sorted by chance 1 time in 40,320), values that JSON escapes
+    meta = {k: f'{k} "q" \\ \u00e9\n' * i for i, k in enumerate("hgfedcba", 1)}
+    sha = save_weights(state, tmp_path / "a.safetensors", meta, "test")
+    raw = (tmp_path / "a.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert list(json.loads(raw[8:8 + n])["__metadata__"]) == sorted(meta)
+    assert sha == hashlib.sha256(raw).hexdigest()
+    loaded = load_file(str(tmp_path / "a.safetensors"))
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        assert f.metadata() == meta
+    assert save_weights(state, tmp_path / "b.safetensors", dict(reversed(meta.items())), "test") == sha
+
+
 def test_nonfinite_weights_are_never_saved(tmp_path):
     from tvrpipe.heads.base import create_head
 

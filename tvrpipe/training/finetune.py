@@ -65,6 +65,7 @@ from tvrpipe.training.fit import (
     _sha256,
     load_head,
     rows_from_state,
+    save_weights,
     seed_step,
     write_rows,
 )
@@ -350,15 +351,7 @@ def _loader(dataset: DecodedClips, sampler: PlannedBatches, collate: Collate, wo
 
 def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> None:
     """An open_clip state dict in safetensors (what ``extract --pretrained`` loads)."""
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise NonFiniteError(f"CLIP weights {', '.join(bad[:5])} are NaN or infinite; not saved to {path}")
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(state, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    save_weights(model.state_dict(), path, meta, "CLIP")
 
 
 def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device = "cpu",

@@ -196,24 +196,53 @@ def _progress_score(metrics: dict) -> float:
     return t["R@1"] + t["R@5"] + t["R@10"]
 
 
+def save_weights(state_dict: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str],
+                 what: str) -> str:
+    """Write ``state_dict`` to ``path`` as safetensors, through a temporary file and a rename;
+    returns the file's sha256.
+
+    The bytes depend only on the tensors and ``metadata``: safetensors writes the metadata keys in
+    an order that changes from process to process (a Rust HashMap), so the header is rewritten with
+    them sorted, at its own length (no tensor moves). Two identical runs write identical files.
+
+    Raises:
+        NonFiniteError: a weight is NaN or infinite (such a state is never written); ``what``
+            names the model in the message.
+    """
+    state = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise NonFiniteError(f"{what}: weights {', '.join(bad[:5])} are NaN or infinite; not saved to {path}")
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(state, str(tmp), metadata=metadata)
+    with open(tmp, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= n:  # the same keys and values: the same length, or less with padding dropped
+            f.seek(8)
+            f.write(text.ljust(n))  # safetensors pads its header with spaces too
+    os.replace(tmp, path)
+    return _sha256(path)
+
+
 def _save_checkpoint(head: Head, path: Path) -> str:
     """Write the head's weights (head name and config inside); returns the file's sha256.
 
     Raises:
         NonFiniteError: a weight is NaN or infinite (such a state is never written).
     """
-    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise NonFiniteError(f"{head.name}: weights {', '.join(bad[:5])} are NaN or infinite; not saved to {path}")
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(state, str(tmp), metadata={"head": head.name, "config": json.dumps(dataclasses.asdict(head.config))})
-    os.replace(tmp, path)
-    return _sha256(path)
+    return save_weights(head.state_dict(), path, {"head": head.name,
+                                                  "config": json.dumps(dataclasses.asdict(head.config))}, head.name)
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):  # 16 MiB at a time: a CLIP checkpoint is never all in memory
+            h.update(block)
+    return h.hexdigest()
 
 
 def store_head_config(store, method: str, overrides: dict[str, Any] | None = None) -> HeadConfig:
