@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import signal
 import subprocess
 import sys
 
@@ -122,6 +124,28 @@ def test_bench_allocator_cli_times_a_step_with_and_without_the_tuning(cli, tmp_p
     assert "xpool" in r.output and f"{row['speedup']:.2f}x" in r.output
     r = cli("bench", "allocator", "--steps", "0")
     assert r.exit_code == 2 and "--steps must be >= 1" in r.output
+
+
+def _killed(_):
+    os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer does
+
+
+def test_a_benchmarks_process_answers_raises_or_is_reported_dead():
+    """in_fresh_process: the result; the child's own exception; a child killed (as by the OOM
+    killer) is a WorkerDiedError naming the measurement, where multiprocessing.Pool hung forever."""
+    import math
+
+    from tvrpipe.errors import WorkerDiedError
+    from tvrpipe.pipeline.bench import in_fresh_process
+
+    assert in_fresh_process(math.sqrt, 16.0, "sqrt") == 4.0
+    with pytest.raises(ValueError, match="math domain error"):
+        in_fresh_process(math.sqrt, -1.0, "sqrt")
+    with pytest.raises(WorkerDiedError, match=r"^prota at msvd size: its process ended without an answer "
+                                              r"\(killed by SIGKILL; the kernel's out-of-memory killer"):
+        in_fresh_process(_killed, None, "prota at msvd size")
+    with pytest.raises(WorkerDiedError, match=r"^exit: its process ended without an answer \(exit code 3\)"):
+        in_fresh_process(os._exit, 3, "exit")
 
 
 @pytest.mark.parametrize("command", ["extract", "train-head", "finetune", "eval", "allocator"])

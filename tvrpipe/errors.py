@@ -33,3 +33,7 @@ class NonFiniteError(TvrpipeError):
 
 class RunError(TvrpipeError):
     """A run directory is missing a file or holds a damaged one."""
+
+
+class WorkerDiedError(TvrpipeError):
+    """A process doing part of the work ended without returning (killed, out of memory, crashed)."""

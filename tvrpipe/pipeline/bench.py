@@ -30,10 +30,63 @@ from pathlib import Path
 
 import numpy as np
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, WorkerDiedError
 from tvrpipe.pipeline.manifest import make_tables, write_manifest
 
 log = logging.getLogger(__name__)
+
+
+def in_fresh_process(fn, arg, what: str):
+    """``fn(arg)`` in a fresh spawned process: its own imports, allocator and peak memory, which
+    the benchmarks measure. The caller gets the result, or the exception ``fn`` raised.
+
+    Raises:
+        WorkerDiedError: the process ended without an answer, naming ``what`` and how it ended
+            (multiprocessing.Pool would wait forever for the lost task instead).
+    """
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_answer, args=(fn, arg, send), daemon=True)
+    proc.start()
+    send.close()  # the child holds the only sending end: its death ends the pipe
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        proc.join()
+        raise WorkerDiedError(f"{what}: its process ended without an answer ({_ending(proc.exitcode)})") from None
+    finally:
+        receive.close()
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _answer(fn, arg, send) -> None:
+    try:
+        answer = (True, fn(arg))
+    except BaseException as e:  # noqa: BLE001 - the parent re-raises it
+        import pickle
+        import traceback
+
+        try:
+            pickle.dumps(e)
+            answer = (False, e)
+        except Exception:  # an exception that does not pickle: its text crosses instead
+            answer = (False, RuntimeError(traceback.format_exc()))
+    send.send(answer)
+    send.close()
+
+
+def _ending(exitcode: int | None) -> str:
+    import signal
+
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        why = "; the kernel's out-of-memory killer sends it when memory runs out (see `dmesg`)" \
+            if name == "SIGKILL" else ""
+        return f"killed by {name}{why}"
+    return f"exit code {exitcode}"
 
 
 @dataclass(frozen=True)
@@ -160,11 +213,18 @@ def _decode_one(args: tuple[str, int, int]):
 
 
 def _decode_only(paths: list[str], frames: int, size: int, procs: int) -> float:
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(procs) as pool:
-        pool.map(_decode_one, [(paths[0], frames, size)] * procs)  # start-up and imports, untimed
-        t = time.perf_counter()
-        pool.map(_decode_one, [(p, frames, size) for p in paths], chunksize=1)
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    # not multiprocessing.Pool: it waits forever for the task of a worker that died
+    with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
+        try:
+            list(pool.map(_decode_one, [(paths[0], frames, size)] * procs))  # start-up and imports, untimed
+            t = time.perf_counter()
+            list(pool.map(_decode_one, [(p, frames, size) for p in paths]))
+        except BrokenProcessPool:
+            raise WorkerDiedError("decode-only: a decoding process ended without an answer (killed or out "
+                                  "of memory; see `dmesg`)") from None
         return len(paths) / (time.perf_counter() - t)
 
 

@@ -16,7 +16,6 @@ and peaked at 8.4 GB on this machine (issue 4). Target: X-Pool >= 5x faster, < 2
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import resource
 import shutil
@@ -24,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from tvrpipe.pipeline.bench import in_fresh_process
 from tvrpipe.pipeline.genstore import GenSpec, generate_store
 
 MSRVTT_9K = GenSpec(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20,
@@ -101,11 +101,9 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
     out = Path(out_dir)
     store = generate_store(out / "store", spec, progress=True)
     results = []
-    ctx = mp.get_context("spawn")
     for method in methods or list_heads():
-        with ctx.Pool(1) as pool:
-            results.append(pool.apply(_one_method, ((str(store), method, steps, batch_size,
-                                                      str(out / "runs" / method), prefetch),)))
+        results.append(in_fresh_process(_one_method, (str(store), method, steps, batch_size,
+                                                      str(out / "runs" / method), prefetch), method))
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return results
 
@@ -208,12 +206,11 @@ def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None,
     if unknown:
         raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(EVAL_SIZES)}")
     rows = []
-    ctx = mp.get_context("spawn")
     for size in sizes:
         n_t, n_v = EVAL_SIZES[size]
         for method in methods or list_heads():
-            with ctx.Pool(1) as pool:
-                row = pool.apply(_eval_one, ((method, n_t, n_v, frames, words, dim, block_texts),))
+            row = in_fresh_process(_eval_one, (method, n_t, n_v, frames, words, dim, block_texts),
+                                   f"{method} at {size} size ({n_t:,} x {n_v:,})")
             official = OFFICIAL_EVAL.get(method) if size == "msrvtt1k" else None
             rows.append({"size": size, **row, "official_seconds": official[0] if official else None,
                          "official_peak_gb": official[1] if official else None})
@@ -273,12 +270,11 @@ def bench_allocator(methods: list[str] | None = None, steps: int = 3, batch_size
     from tvrpipe.heads.base import list_heads
 
     rows = []
-    ctx = mp.get_context("spawn")
     for method in methods or list_heads():
         pair = {}
         for tuned in (True, False):
-            with ctx.Pool(1) as pool:
-                pair[tuned] = pool.apply(_steps_one, ((method, tuned, steps, batch_size, frames, words, dim),))
+            pair[tuned] = in_fresh_process(_steps_one, (method, tuned, steps, batch_size, frames, words, dim),
+                                           f"{method}, {'tuned' if tuned else 'glibc defaults'}")
         rows.append({"method": method, "dim": dim, "batch_size": batch_size,
                      **{f"{k}_{name}": pair[tuned][k] for tuned, name in ((True, "tuned"), (False, "default"))
                         for k in ("step_seconds", "faults_per_step", "peak_rss_gb")},
