@@ -33,7 +33,8 @@ def _json_target(path: Optional[Path]) -> Optional[Path]:
 
 
 JsonOut = Annotated[Optional[Path], typer.Option(
-    "--json", help="Also write the measurements as JSON to this file (its folder is created).", callback=_json_target)]
+    "--json", help="Also write the measurements as JSON to this file (its folder is created).",
+    callback=_json_target)]
 
 
 def _write_json(path: Optional[Path], data) -> None:

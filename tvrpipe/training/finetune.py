@@ -424,7 +424,8 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
             opt.load_state_dict(state["optimizer"])
         if state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
-        start_epoch, best, rows, failures = state["epoch"] + 1, state["best"], rows_from_state(state), state["failures"]
+        start_epoch, best, failures = state["epoch"] + 1, state["best"], state["failures"]
+        rows = rows_from_state(state)
         if rank == 0:
             log.info("resuming %s from epoch %d", out, start_epoch)
     id_row = {str(v): i for i, v in enumerate(job.video_ids)}

@@ -218,11 +218,12 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: Path, metadata: d
     with open(tmp, "r+b") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(text) <= n:  # the same keys and values: the same length, or less with padding dropped
-            f.seek(8)
-            f.write(text.ljust(n))  # safetensors pads its header with spaces too
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+            text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+            if len(text) <= n:  # the same keys and values: the same length, or less with padding dropped
+                f.seek(8)
+                f.write(text.ljust(n))  # safetensors pads its header with spaces too
     os.replace(tmp, path)
     return _sha256(path)
 
@@ -585,8 +586,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                         halvings += 1
                     stopped = since_best >= patience
             tmp = state_path.with_name(".state.pt.tmp")
-            torch.save({"epoch": epoch, "best": best, "rows": json.dumps(rows), "best_score": best_score, "since_best": since_best,
-                        "halvings": halvings, "stopped": stopped,
+            torch.save({"epoch": epoch, "best": best, "rows": json.dumps(rows), "best_score": best_score,
+                        "since_best": since_best, "halvings": halvings, "stopped": stopped,
                         "optimizer": opt.state_dict() if opt else None}, tmp)
             os.replace(tmp, state_path)
             write_rows(rows, out / "epochs.csv")
