@@ -10,7 +10,6 @@ function. See docs/datasets.md for the formats and the counts each standard spli
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import os
@@ -505,14 +504,6 @@ def read_custom_table(ctx: ReadContext, args: dict[str, Any]) -> Rows:
 # ------------------------------------------------------------------------------------- build
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def build_manifest(
     dataset: str,
     annotations: str | os.PathLike[str],
@@ -539,6 +530,8 @@ def build_manifest(
     Example:
         >>> build_manifest("msrvtt", "annotations/msrvtt", "data/msrvtt/manifest", "9k")  # doctest: +SKIP
     """
+    from tvrpipe.pipeline.store import file_sha256  # not at import: the store module loads zarr
+
     spec = load_spec(dataset)
     if not spec.split_sets:
         raise ConfigError(f"dataset {dataset!r} has no annotation files to build from: {spec.raw.get('note', '')}")
@@ -569,7 +562,7 @@ def build_manifest(
         "split_set": split_set,
         "frames": spec.frames,
         "max_words": spec.max_words,
-        "annotation_files": {p.name: _sha256(p) for p in used},
+        "annotation_files": {p.name: file_sha256(p) for p in used},
         "missing_videos": missing,
         "tvrpipe_version": _version(),
     }

@@ -109,6 +109,15 @@ def provenance_mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> lis
     ]
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read 16 MiB at a time (a CLIP checkpoint is never all in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

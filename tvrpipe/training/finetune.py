@@ -54,7 +54,7 @@ import yaml
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
-from tvrpipe.pipeline.store import atomic_write_text
+from tvrpipe.pipeline.store import atomic_write_text, file_sha256
 from tvrpipe.training.fit import (
     _flat_readouts,
     _key,
@@ -62,7 +62,6 @@ from tvrpipe.training.fit import (
     _read_config,
     _save_checkpoint,
     _schedule,
-    _sha256,
     load_head,
     rows_from_state,
     save_weights,
@@ -572,7 +571,7 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
         val = _evaluate(model, loader_for, job.val, job, failures)
         _save_clip(model.clip, ckpt / "clip_best.safetensors", {"model": cfg.model})
         best = {"epoch": 0, "key": None, "val": val, "sha256": _save_checkpoint(model.head, ckpt / "best.safetensors")}
-    if best.get("sha256") and _sha256(ckpt / "best.safetensors") != best["sha256"]:
+    if best.get("sha256") and file_sha256(ckpt / "best.safetensors") != best["sha256"]:
         raise RunError(f"{ckpt / 'best.safetensors'} changed after it was written (sha256 mismatch); "
                        f"delete {out} and train again")
     model.clip.load_state_dict(load_file(str(ckpt / "clip_best.safetensors")))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import hashlib
 import io
 import json
 import logging
@@ -43,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, create_head, head_class
 from tvrpipe.lock import check_writable, locked
-from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, open_store
+from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, file_sha256, open_store
 from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.data import SplitData, Splits, load_split, load_splits, store_split_rows
 
@@ -225,7 +224,7 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: Path, metadata: d
                 f.seek(8)
                 f.write(text.ljust(n))  # safetensors pads its header with spaces too
     os.replace(tmp, path)
-    return _sha256(path)
+    return file_sha256(path)
 
 
 def _save_checkpoint(head: Head, path: Path) -> str:
@@ -234,16 +233,8 @@ def _save_checkpoint(head: Head, path: Path) -> str:
     Raises:
         NonFiniteError: a weight is NaN or infinite (such a state is never written).
     """
-    return save_weights(head.state_dict(), path, {"head": head.name,
-                                                  "config": json.dumps(dataclasses.asdict(head.config))}, head.name)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):  # 16 MiB at a time: a CLIP checkpoint is never all in memory
-            h.update(block)
-    return h.hexdigest()
+    metadata = {"head": head.name, "config": json.dumps(dataclasses.asdict(head.config))}
+    return save_weights(head.state_dict(), path, metadata, head.name)
 
 
 def store_head_config(store, method: str, overrides: dict[str, Any] | None = None) -> HeadConfig:
@@ -600,7 +591,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         best = {"epoch": 0, "key": None, "val": val,
                 "sha256": _save_checkpoint(head, out / "checkpoints" / "best.safetensors")}
     best_path = out / "checkpoints" / "best.safetensors"
-    if best.get("sha256") and best_path.is_file() and _sha256(best_path) != best["sha256"]:
+    if best.get("sha256") and best_path.is_file() and file_sha256(best_path) != best["sha256"]:
         raise RunError(f"{best_path} changed after it was written (sha256 mismatch); delete {out} and train again")
     selected = load_head(best_path, train.device)
     test = _evaluate(selected, splits.test, train, post=post,
@@ -674,7 +665,7 @@ def evaluate_run(
     with locked(run, "--run"):
         best_path = run / "checkpoints" / "best.safetensors"
         want = _recorded_sha256(run)
-        if want and best_path.is_file() and _sha256(best_path) != want:
+        if want and best_path.is_file() and file_sha256(best_path) != want:
             raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
                            "checkpoint is damaged or was replaced; delete the run directory and train it again")
         head = load_head(best_path, tc.device)
