@@ -237,6 +237,21 @@ def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
         finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut",
                  FinetuneConfig(**{**cfg.__dict__, "clip_lr": 1e-4}), progress=False)
 
+    # cut inside epoch two's commit, its weights staged and its state.pt not yet written: the resume drops
+    # them and trains epoch two again from epoch one's (fit's commit test has the other cuts)
+    restore = interrupt_call(ft.Checkpoints, "commit", 2)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut2", cfg, progress=False)
+    restore()
+    ckpt = tmp_path / "cut2" / "checkpoints"
+    assert {".clip_last.safetensors.next", ".last.safetensors.next"} <= {p.name for p in ckpt.glob(".*.next")}
+    finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut2", cfg, progress=False)
+    assert not list(ckpt.glob(".*.next"))
+    for name in ("clip_last.safetensors", "last.safetensors", "best.safetensors"):
+        a, b = (load_file(str(tmp_path / run / "checkpoints" / name)) for run in ("cut2", "full"))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
 
 def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):
     from tvrpipe.pipeline.clip import load_clip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.heads.base import list_heads
 from tvrpipe.pipeline.genstore import GenSpec, generate_store
 from tvrpipe.pipeline.store import StoreError
@@ -133,6 +134,71 @@ def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, interr
             for run in ("full", "cut")]
     assert len(rows[1]) == 3
     pd.testing.assert_frame_equal(rows[0], rows[1])  # every epoch's losses and validation, bit for bit
+
+
+@pytest.mark.parametrize("cut", ["before the state", "half-written state", "after the state", "before epochs.csv"])
+def test_resume_after_interruption_inside_an_epochs_commit(tmp_path, monkeypatch, cut):
+    """An epoch writes last.safetensors, best.safetensors (validation improved), state.pt and
+    epochs.csv. Interrupted between any two of them, the resumed run equals the uninterrupted one:
+    staged weights of an uncommitted epoch are dropped (that epoch is trained again from the state's
+    weights), those of a committed one are moved into place. Before the commit protocol, an
+    interruption before state.pt left epoch 2's weights beside epoch 1's state, and the resume
+    trained epoch 2 again from them (another loss, another selected epoch)."""
+    spec = GenSpec(train_videos=128, val_videos=48, test_videos=48, captions_per_train_video=2, frames=4,
+                   max_words=4, embed_dim=16, noise=0.6, near_duplicates=0.1, seed=0)
+    store = generate_store(tmp_path / "store", spec)  # validation improves at epoch 2, not at 3
+    cfg = TrainConfig(epochs=3, batch_size=32, lr=3e-3, seed=1, prefetch=False)
+    full = fit(store, "xpool", tmp_path / "full", cfg, progress=False)
+    real_save, real_replace, real_rows, calls = torch.save, os.replace, fit_module.write_rows, []
+
+    def save(obj, f, *a, **k):  # torch.save is called once an epoch, for state.pt
+        calls.append(1)
+        if len(calls) == 2 and cut == "before the state":
+            raise KeyboardInterrupt
+        real_save(obj, f, *a, **k)
+        if len(calls) == 2 and cut == "half-written state":  # written, not yet renamed to state.pt
+            raise KeyboardInterrupt
+
+    def replace(src, dst):  # the renames of the staged files that follow epoch 2's state.pt
+        if len(calls) == 2 and cut == "after the state" and str(src).endswith(".next"):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    def rows(r, path):
+        if len(r) == 2 and cut == "before epochs.csv":
+            raise KeyboardInterrupt
+        real_rows(r, path)
+
+    monkeypatch.setattr(fit_module.torch, "save", save)
+    monkeypatch.setattr(fit_module.os, "replace", replace)
+    monkeypatch.setattr(fit_module, "write_rows", rows)
+    with pytest.raises(KeyboardInterrupt):
+        fit(store, "xpool", tmp_path / "cut", cfg, progress=False)
+    monkeypatch.undo()
+    ckpt = tmp_path / "cut" / "checkpoints"
+    staged = sorted(p.name for p in ckpt.glob(".*.next"))
+    assert staged == ([] if cut == "before epochs.csv" else [".best.safetensors.next", ".last.safetensors.next"])
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    assert state["epoch"] == (0 if cut in ("before the state", "half-written state") else 1)
+    assert (ckpt / ".state.pt.tmp").exists() == (cut == "half-written state")
+    assert sorted(state["files"]) == ["best.safetensors", "last.safetensors"]
+    resumed = fit(store, "xpool", tmp_path / "cut", cfg, progress=False)
+    assert not list(ckpt.glob(".*.next")) and not list(ckpt.glob(".*.tmp"))
+    assert resumed["test"] == full["test"] and resumed["selected_epoch"] == full["selected_epoch"] == 2
+    assert resumed["checkpoint"]["sha256"] == full["checkpoint"]["sha256"]
+    rows = [pd.read_csv(tmp_path / run / "epochs.csv").drop(columns=["samples_per_s", "data_share", "seconds"])
+            for run in ("full", "cut")]
+    pd.testing.assert_frame_equal(rows[0], rows[1])
+
+
+def test_resume_refuses_a_checkpoint_that_does_not_match_its_state(store, tmp_path):
+    cfg = TrainConfig(epochs=2, batch_size=32, lr=1e-3, seed=1)
+    fit(store, "xpool", tmp_path / "r", cfg, progress=False)
+    last = tmp_path / "r" / "checkpoints" / "last.safetensors"
+    last.write_bytes(last.read_bytes().replace(b"xpool", b"xPool"))  # still loads, no longer what was written
+    with pytest.raises(RunError, match=r"cannot resume.*last.safetensors does not match the sha256 that state.pt "
+                                       r"recorded for it\); delete .*checkpoints"):
+        fit(store, "xpool", tmp_path / "r", cfg, progress=False)
 
 
 def test_seed_step_seeds_the_cpu_stream_as_manual_seed_does_without_lazy_accelerator_seeds(monkeypatch):

@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +55,7 @@ from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, he
 from tvrpipe.lock import locked
 from tvrpipe.pipeline.store import atomic_write_text, file_sha256
 from tvrpipe.training.fit import (
+    Checkpoints,
     _flat_readouts,
     _key,
     _plots,
@@ -348,9 +348,9 @@ def _loader(dataset: DecodedClips, sampler: PlannedBatches, collate: Collate, wo
                       persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
 
 
-def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> None:
-    """An open_clip state dict in safetensors (what ``extract --pretrained`` loads)."""
-    save_weights(model.state_dict(), path, meta, "CLIP")
+def _save_clip(model: nn.Module, path: Path, meta: dict[str, str]) -> str:
+    """An open_clip state dict in safetensors (what ``extract --pretrained`` loads); its sha256."""
+    return save_weights(model.state_dict(), path, meta, "CLIP")
 
 
 def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device = "cpu",
@@ -369,13 +369,17 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     model.clip.requires_grad_(cfg.end_to_end)
     if cfg.grad_checkpointing:
         model.clip.set_grad_checkpointing(True)
-    state_path = ckpt / "state.pt"
+    ckpts = Checkpoints(ckpt)
     state = None
-    if state_path.is_file():
+    if (ckpt / ckpts.STATE).is_file():
         try:
             from safetensors.torch import load_file
 
-            state = torch.load(state_path, weights_only=False, map_location="cpu")
+            # rank 0 completes (or drops) an interrupted epoch's files and checks them; then the others read
+            state = ckpts.load("cpu") if rank == 0 else None
+            _barrier(world)
+            if rank != 0:
+                state = ckpts.load("cpu", check=False)
             model.clip.load_state_dict(load_file(str(ckpt / "clip_last.safetensors")))
             head.load_state_dict(load_head(ckpt / "last.safetensors").state_dict())
         except Exception as e:
@@ -427,6 +431,10 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
         rows = rows_from_state(state)
         if rank == 0:
             log.info("resuming %s from epoch %d", out, start_epoch)
+            if rows:  # the logs of the last committed epoch, had the run stopped before writing them
+                write_rows(rows, out / "epochs.csv")
+            if failures:
+                _write_failures(failures, out)
     id_row = {str(v): i for i, v in enumerate(job.video_ids)}
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -491,17 +499,14 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                        "lr_head": cfg.head_lr * _schedule(max(0, (epoch + 1) * steps_per_epoch - 1), total, warmup),
                        **_throughput(timing), "failed_videos": len(failures)}
                 rows.append(row)
-                _save_clip(model.clip, ckpt / "clip_last.safetensors", {"model": cfg.model})
-                _save_checkpoint(head, ckpt / "last.safetensors")
+                ckpts.stage("clip_last.safetensors", lambda path: _save_clip(model.clip, path, {"model": cfg.model}))
+                ckpts.stage("last.safetensors", lambda path: _save_checkpoint(head, path))
                 if best is None or _key(val) > tuple(best["key"]):
-                    shutil.copyfile(ckpt / "clip_last.safetensors", ckpt / ".clip_best.tmp")
-                    os.replace(ckpt / ".clip_best.tmp", ckpt / "clip_best.safetensors")
-                    sha = _save_checkpoint(head, ckpt / "best.safetensors")
+                    ckpts.stage_copy("clip_best.safetensors", "clip_last.safetensors")
+                    sha = ckpts.stage("best.safetensors", lambda path: _save_checkpoint(head, path))
                     best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val, "sha256": sha}
-                tmp = ckpt / ".state.pt.tmp"
-                torch.save({"epoch": epoch, "best": best, "rows": json.dumps(rows), "failures": failures,
-                            "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()}, tmp)
-                os.replace(tmp, state_path)
+                ckpts.commit({"epoch": epoch, "best": best, "rows": json.dumps(rows), "failures": failures,
+                              "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()})
                 write_rows(rows, out / "epochs.csv")
                 if failures:
                     _write_failures(failures, out)

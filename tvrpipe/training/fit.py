@@ -15,7 +15,9 @@ Integrity: a run directory is locked while written (:mod:`tvrpipe.lock`); featur
 finite as they load; a non-finite loss stops training at its step, naming the batch's videos and
 captions, and a non-finite score stops evaluation; no checkpoint with non-finite weights is ever
 written, so none can be selected as best. The selected checkpoint's sha256 is recorded in
-``metrics.json`` and checked whenever the run is evaluated again.
+``metrics.json`` and checked whenever the run is evaluated again. An epoch's checkpoint files and
+resume state are committed together (:class:`Checkpoints`), so a run cut anywhere resumes to the
+uninterrupted result.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -339,6 +342,90 @@ def rows_from_state(state: dict) -> list[dict]:
     return json.loads(rows) if isinstance(rows, str) else rows
 
 
+class Checkpoints:
+    """A run's ``checkpoints/`` folder, changed one epoch at a time, as one commit.
+
+    An epoch writes several files (the head's last weights, its best when validation improved,
+    finetune's CLIP beside them) and the resume state, ``state.pt``. Each file is replaced
+    atomically, but not all of them at once: a run interrupted between them would hold epoch e's
+    weights beside epoch e-1's state, and resuming would train epoch e again from epoch e's weights
+    with epoch e-1's optimiser (and a best checkpoint the state knows nothing of). So an epoch's
+    files are written under staging names (``.NAME.next``); ``commit`` then writes the state with
+    every file's sha256 (the commit point) and renames the staged files into place. ``load`` finishes
+    the renames of a committed epoch, drops the staged files of an uncommitted one, and checks every
+    file the state names against its sha256.
+    """
+
+    STATE = "state.pt"
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.files: dict[str, str] = {}  # name -> sha256 of the committed files
+        self._staged: dict[str, str] = {}
+
+    def _next(self, name: str) -> Path:
+        return self.folder / f".{name}.next"
+
+    def stage(self, name: str, write: Callable[[Path], str]) -> str:
+        """Write file ``name`` of this epoch with ``write(path)`` (which returns its sha256) under its
+        staging name; it takes ``name``'s place at :meth:`commit`. Returns the sha256."""
+        self._staged[name] = write(self._next(name))
+        return self._staged[name]
+
+    def stage_copy(self, name: str, source: str) -> str:
+        """Stage ``name`` as a copy of ``source`` (staged this epoch, or committed)."""
+        src = self._next(source) if source in self._staged else self.folder / source
+        sha = self._staged.get(source) or self.files[source]
+
+        def copy(path: Path) -> str:
+            tmp = path.with_name(f"{path.name}.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, path)
+            return sha
+        return self.stage(name, copy)
+
+    def commit(self, state: dict) -> None:
+        """Write ``state`` (with the sha256 of every file, as ``files``) as ``state.pt``, then move
+        this epoch's staged files into place."""
+        files = {**self.files, **self._staged}
+        tmp = self.folder / f".{self.STATE}.tmp"
+        torch.save({**state, "files": files}, tmp)
+        os.replace(tmp, self.folder / self.STATE)
+        for name in self._staged:
+            os.replace(self._next(name), self.folder / name)
+        self.files, self._staged = files, {}
+
+    def load(self, map_location: str | None = None, check: bool = True) -> dict | None:
+        """The last committed state (None when there is none), its files completed and checked
+        (``check=False``: read as they are, for a process beside the one that checked them).
+
+        Raises:
+            ValueError: a file the state names is missing or does not match its sha256.
+        """
+        path = self.folder / self.STATE
+        if not path.is_file():
+            return None
+        state = torch.load(path, weights_only=False, map_location=map_location)
+        files = state.get("files") or {}  # a state written before commits recorded files: none to check
+        self.files = dict(files)
+        if not check:
+            return state
+        for staged in self.folder.glob(".*.next"):
+            name = staged.name[1:-len(".next")]
+            if name in files and file_sha256(staged) == files[name]:
+                os.replace(staged, self.folder / name)  # committed, not yet moved into place
+            else:
+                staged.unlink()  # an epoch that was not committed
+        for partial in self.folder.glob(".*.tmp"):  # a file cut off as it was written
+            partial.unlink()
+        for name, sha in files.items():
+            if not (self.folder / name).is_file():
+                raise ValueError(f"{name} is missing")
+            if file_sha256(self.folder / name) != sha:
+                raise ValueError(f"{name} does not match the sha256 that {self.STATE} recorded for it")
+        return state
+
+
 def _flat_readouts(metrics: dict) -> dict[str, float]:
     """``val_<name>`` for item readouts, ``val_<name>_match`` / ``_nonmatch`` for pair readouts."""
     flat = {}
@@ -487,11 +574,11 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     rows: list[dict] = []
     start_epoch, best = 0, None
     best_score, since_best, halvings, stopped = None, 0, 0, False  # early stopping (runs without --epochs)
-    state_path = out / "checkpoints" / "state.pt"
-    if state_path.is_file():
+    ckpt = Checkpoints(out / "checkpoints")
+    if (ckpt.folder / ckpt.STATE).is_file():
         try:
-            state = torch.load(state_path, weights_only=False)
-            last = load_head(out / "checkpoints" / "last.safetensors", str(device))
+            state = ckpt.load()
+            last = load_head(ckpt.folder / "last.safetensors", str(device))
             head.load_state_dict(last.state_dict())
             if opt:
                 opt.load_state_dict(state["optimizer"])
@@ -503,6 +590,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                            f"{' '.join(str(e).split())[:160]}); delete {out / 'checkpoints'} to train from "
                            "scratch") from None
         log.info("resuming %s from epoch %d", out, start_epoch)
+        if rows:  # the log of the last committed epoch, had the run stopped before writing it
+            write_rows(rows, out / "epochs.csv")
 
     # ---- loop
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -564,9 +653,9 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                    "data_share": t_data / max(t_data + t_step, 1e-9),
                    "seconds": time.perf_counter() - t_epoch}  # wall time of the epoch, validation included
             rows.append(row)
-            _save_checkpoint(head, out / "checkpoints" / "last.safetensors")
+            ckpt.stage("last.safetensors", lambda path: _save_checkpoint(head, path))
             if best is None or _key(val) > tuple(best["key"]):
-                sha = _save_checkpoint(head, out / "checkpoints" / "best.safetensors")
+                sha = ckpt.stage("best.safetensors", lambda path: _save_checkpoint(head, path))
                 best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val, "sha256": sha}
             if best_score is None or _progress_score(val) > best_score:
                 best_score, since_best = _progress_score(val), 0
@@ -576,11 +665,9 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                     if since_best % plateau == 0:
                         halvings += 1
                     stopped = since_best >= patience
-            tmp = state_path.with_name(".state.pt.tmp")
-            torch.save({"epoch": epoch, "best": best, "rows": json.dumps(rows), "best_score": best_score,
-                        "since_best": since_best, "halvings": halvings, "stopped": stopped,
-                        "optimizer": opt.state_dict() if opt else None}, tmp)
-            os.replace(tmp, state_path)
+            ckpt.commit({"epoch": epoch, "best": best, "rows": json.dumps(rows), "best_score": best_score,
+                         "since_best": since_best, "halvings": halvings, "stopped": stopped,
+                         "optimizer": opt.state_dict() if opt else None})
             write_rows(rows, out / "epochs.csv")
             if on_epoch is not None:
                 on_epoch(row)
