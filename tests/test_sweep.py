@@ -114,6 +114,29 @@ def _sweep(args, env):
                           text=True, timeout=300)
 
 
+def test_a_run_at_an_earlier_default_lr_is_not_complete(tmp_path, monkeypatch):
+    """After a head's default_lr changes, a sweep reruns (rather than skips) the runs that relied on
+    it, and fit refuses their directory with a message that names both learning rates."""
+    import dataclasses
+
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.sweep import _is_complete
+    from tvrpipe.training.fit import TrainConfig, fit, store_head_config
+
+    store = generate_store(tmp_path / "store", STORE)
+    train = TrainConfig(epochs=1, batch_size=8)
+    fit(store, "xpool", tmp_path / "run", train, progress=False)
+    head = dataclasses.asdict(store_head_config(open_store(store), "xpool"))
+    args = (tmp_path / "run", "xpool", head, dataclasses.asdict(train), (tmp_path / "store").resolve(), ())
+    assert _is_complete(*args)
+    monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 2e-3, 512: 1e-4})
+    assert not _is_complete(*args)
+    with pytest.raises(ConfigError, match=r"run was trained at lr 0.001 \(xpool.default_lr\), and xpool.default_lr "
+                                          r"at D=16 is now 0.002; choose another --out \(add --lr 0.001 to"):
+        fit(store, "xpool", tmp_path / "run", train, progress=False)
+
+
 def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, interrupt_call):
     address, env = ray_head
     store = generate_store(tmp_path / "store", STORE)

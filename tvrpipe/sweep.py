@@ -180,8 +180,10 @@ def _run_one(features: str, method: str, run_dir: str, train: dict[str, Any], he
 
 def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: dict[str, Any], features: Path,
                  post: tuple[str, ...]) -> bool:
-    """The run finished with this configuration (its metrics.json is written last by ``fit``)."""
-    from tvrpipe.training.fit import _read_config, _recorded
+    """The run finished with this configuration (its metrics.json is written last by ``fit``), at the
+    learning rate this configuration resolves to now: a run without ``lr`` trained at a head's
+    earlier ``default_lr`` is not this run (``fit`` then says so)."""
+    from tvrpipe.training.fit import TrainConfig, _read_config, _recorded, resolved_lr
 
     try:
         config = _read_config(run_dir)
@@ -191,7 +193,10 @@ def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: di
         return False
     same = json.loads(json.dumps({"method": method, "head": head_cfg, "train": train, "features": str(features),
                                   "post": list(post)}))
-    return all(config.get(k) == v for k, v in same.items())
+    lr, source = resolved_lr(method, TrainConfig(**train), head_cfg["embed_dim"])
+    resolved = config.get("resolved") or {}
+    return all(config.get(k) == v for k, v in same.items()) and (resolved.get("lr"), resolved.get("lr_source")) == (
+        lr, source)
 
 
 def _error_text(e: BaseException) -> str:

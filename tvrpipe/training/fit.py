@@ -549,7 +549,12 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         "max_steps": max_steps,
     }
     cfg_path = out / "config.yaml"
-    if cfg_path.is_file() and _read_config(out) != json.loads(json.dumps(config)):
+    if cfg_path.is_file() and (old := _read_config(out)) != (new := json.loads(json.dumps(config))):
+        was = old.get("resolved") or {}
+        if [k for k in new if old.get(k) != new[k]] == ["resolved"] and was.get("lr") != lr:  # a changed default
+            raise ConfigError(f"{out} was trained at lr {was.get('lr'):g} ({was.get('lr_source')}), and "
+                              f"{lr_source} is now {lr:g}; choose another --out (add --lr {was.get('lr'):g} to train "
+                              "as before)")
         raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
     atomic_write_text(cfg_path, yaml.safe_dump(config, sort_keys=False))
     (out / "checkpoints").mkdir(exist_ok=True)
