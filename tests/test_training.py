@@ -455,7 +455,7 @@ def test_open_ended_epochs_scale_with_steps_per_epoch():
     from tvrpipe.training.fit import open_ended_epochs
 
     d = TrainConfig()  # patience 8, plateau 3, max 60, min_steps 300: f = 300 / (8 * steps)
-    assert open_ended_epochs(d, 70) == (8, 3, 60)  # MSR-VTT 9k: f < 1, the configured epochs
+    assert open_ended_epochs(d, 63) == (8, 3, 60)  # MSR-VTT 9k (8,100 train videos / 128): f < 1, the configured epochs
     assert open_ended_epochs(d, 38) == (8, 3, 60)  # f = 0.987
     assert open_ended_epochs(d, 15) == (20, 8, 150)  # f = 2.5: 7.5 -> 8
     assert open_ended_epochs(d, 3) == (100, 38, 750)  # f = 12.5

@@ -22,7 +22,8 @@ _POST = ("dsl", "qbnorm")
 EpochsOption = Annotated[Optional[int], typer.Option(
     help="Train exactly this many epochs (warmup + cosine). Default: until validation stops improving "
          "(--patience, at most --max-epochs).")]
-MaxEpochsOption = Annotated[int, typer.Option(help="Cap on epochs when --epochs is not given.")]
+MaxEpochsOption = Annotated[int, typer.Option(
+    help="Cap on epochs when --epochs is not given (scaled up with --patience on stores of few steps an epoch).")]
 PatienceOption = Annotated[int, typer.Option(
     help="Without --epochs: stop after this many epochs without a better validation score (t2v R@1+R@5+R@10; "
          "the lr halves every 3 such epochs). On a store of fewer than 300 / patience optimizer steps an "

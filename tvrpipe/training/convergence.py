@@ -15,8 +15,9 @@ Outputs in ``out_dir``: ``results.csv`` (one row per run: store, method, schedul
 validation R@1/R@5, selected epoch, epochs run, seconds), ``curves.csv`` (validation R@1 per
 epoch of every run), ``curves.png`` (per store and head: the open-ended curves per learning rate,
 the default's, and the grid's best as a line) and ``summary.csv`` (per store and head: the grid's
-best and the default, the gap in R@1 points, the default's epochs and wall time). The test split
-is never read. Rerunning in the same directory reuses the runs already recorded there, in the
+best and the default, the gap in R@1 points, the default's epochs and wall time). Nothing is
+chosen on the test split: each run's ``metrics.json`` has its test metrics (``fit`` evaluates the
+selected epoch on test once, at the end), but the bench reads validation only. Rerunning in the same directory reuses the runs already recorded there, in the
 tables or as completed run directories, and resumes a run it was interrupted in from its last epoch
 (a run's ``seconds`` then sum its epochs' wall times over the sessions); delete the directory after
 changing the trainer or a head. The tables keep the runs of other heads and sizes benched there earlier.

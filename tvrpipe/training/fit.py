@@ -118,7 +118,7 @@ def open_ended_epochs(train: TrainConfig, steps_per_epoch: int) -> tuple[int, in
     ``min_steps / patience`` steps: on a store with fewer steps an epoch they are multiplied by
     ``f = min_steps / (patience * steps_per_epoch)`` (rounded up), which makes patience cover
     ``min_steps`` steps. ``f`` is at least 1 (bigger stores keep the configured epochs). E.g. the
-    defaults (8, 3, 60, 300 steps): 70 steps an epoch (MSR-VTT 9k) -> (8, 3, 60); 15 -> (20, 8, 150);
+    defaults (8, 3, 60, 300 steps): 63 steps an epoch (MSR-VTT 9k) -> (8, 3, 60); 15 -> (20, 8, 150);
     3 -> (100, 38, 750).
 
     Example:
