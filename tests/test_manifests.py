@@ -321,6 +321,10 @@ def test_validation_names_rows():
     c.loc[1, "video_id"] = "zz"
     with pytest.raises(ManifestError, match=r"caption\(s\) 'b#0' name unknown video_id 'zz'"):
         write_manifest("unused", v, c)
+    c.loc[1, "video_id"] = "b"
+    v.loc[1, "path"] = "b\x00.mp4"  # opening it raised ValueError in extract, which stopped the run
+    with pytest.raises(ManifestError, match=r"a NUL character in the path of video\(s\) 'b'"):
+        write_manifest("unused", v, c)
 
 
 # ------------------------------------------------------------------------------ video root

@@ -257,7 +257,7 @@ def run_sweep(
         >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
     """
     from tvrpipe.lock import check_writable
-    from tvrpipe.pipeline.extract import _ray_init
+    from tvrpipe.pipeline.extract import _ray_init, require_gpus
     from tvrpipe.pipeline.store import open_store
     from tvrpipe.training.fit import TrainConfig, store_head_config
 
@@ -303,6 +303,8 @@ def run_sweep(
         import ray
 
         _ray_init(address)
+        if gpus_per_run > 0:
+            require_gpus(gpus_per_run, f"--gpus-per-run {gpus_per_run:g}", "use --gpus-per-run 0")
         task = ray.remote(_run_one).options(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0)
         pending = {task.remote(str(features), run.method, str(out / run.name), train_dict, run.head, tuple(post)): run
                    for run, train_dict in todo}

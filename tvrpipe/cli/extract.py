@@ -38,7 +38,7 @@ def extract_cmd(
     device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda (one GPU per encoder, fp16 autocast).")] = "cpu",
     decoders: Annotated[Optional[int], typer.Option(help="Decode actors (default: one per CPU).")] = None,
     encoders: Annotated[int, typer.Option(help="Encode actors (one per GPU on a GPU cluster).")] = 1,
-    timeout: Annotated[float, typer.Option(help="Per-video decode timeout in seconds.")] = 60.0,
+    timeout: Annotated[float, typer.Option(help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
     seed: Annotated[int, typer.Option(help="Seed of the random weights for --pretrained none.")] = 0,
     video_shard: Annotated[int, typer.Option(help="Videos per shard (one Zarr chunk; the unit of resume).")] = 64,
     text_shard: Annotated[int, typer.Option(help="Captions per shard.")] = 256,

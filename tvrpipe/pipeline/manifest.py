@@ -149,6 +149,9 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
     no_path = videos.loc[videos["path"].isna() | (videos["path"].astype(str).str.strip() == "")]
     if len(no_path):
         raise ManifestError(f"{source}: empty path for video(s) {_name_some(no_path['video_id'])}")
+    nul = videos.loc[videos["path"].astype(str).str.contains("\x00", regex=False)]
+    if len(nul):  # no file system has such a name; opening it would raise, not fail the one video
+        raise ManifestError(f"{source}: a NUL character in the path of video(s) {_name_some(nul['video_id'])}")
     clipped = videos.dropna(subset=["start_s", "end_s"])
     bad_clip = clipped.loc[~(clipped["start_s"] < clipped["end_s"]) | (clipped["start_s"] < 0)]
     if len(bad_clip):

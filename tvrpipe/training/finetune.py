@@ -730,10 +730,13 @@ def _ray_train(job: _Job) -> dict:
     from ray.train.torch import TorchTrainer
 
     from tvrpipe.errors import TvrpipeError
-    from tvrpipe.pipeline.extract import _ray_init
+    from tvrpipe.pipeline.extract import _ray_init, require_gpus
 
     cfg = job.cfg
     _ray_init(cfg.address)
+    if cfg.use_gpu:
+        require_gpus(cfg.num_workers, f"--use-gpu with --num-workers {cfg.num_workers}",
+                     "drop --use-gpu or lower --num-workers")
     cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
     cpus = cfg.cpus_per_worker or max(1, cluster_cpus // cfg.num_workers)
     resources = {"CPU": cpus, **({"GPU": 1} if cfg.use_gpu else {})}
