@@ -207,6 +207,47 @@ def test_finetune_run_shares_the_dataset_and_is_named_by_mode(runs, tmp_path):
                                                                ("xpool (train-head)", 2)]
 
 
+def test_damaged_runs_other_default_lrs_and_replaced_stores(runs, tmp_path):
+    """Runs trained at two default lrs are two rows; a run whose raw metrics lost a number, or whose
+    epochs.csv is gone, is skipped with the reason (it was counted, then dropped from the raw tables
+    alone); a run whose store was replaced at its path does not take the new store's dataset; a
+    finetune run alone in its section still says it is one."""
+    from tvrpipe.report import _dataset_of
+
+    src = runs / "xpool"
+    for name, seed in (("a", "seed0"), ("b", "seed1"), ("lost-r1", "seed0"), ("no-log", "seed0")):
+        shutil.copytree(src / seed, tmp_path / "runs" / name)
+    cfg = yaml.safe_load((tmp_path / "runs" / "b" / "config.yaml").read_text())
+    assert cfg["train"]["lr"] is None and cfg["resolved"]["lr"] == 1e-3
+    cfg["resolved"]["lr"] = 1e-2  # trained without --lr when xpool's default_lr was 1e-2
+    (tmp_path / "runs" / "b" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    m = _metrics(tmp_path / "runs" / "lost-r1")
+    del m["test"]["t2v"]["R@1"]
+    (tmp_path / "runs" / "lost-r1" / "metrics.json").write_text(json.dumps(m))
+    (tmp_path / "runs" / "no-log" / "epochs.csv").unlink()
+    found, skipped = find_runs([tmp_path / "runs"])
+    reasons = {s.dir.name: s.reason for s in skipped}
+    assert reasons["lost-r1"].endswith("metrics.json is damaged: no test t2v R@1")
+    assert "epochs.csv is missing" in reasons["no-log"] and "says 2 epochs ran" in reasons["no-log"]
+    [section] = group_runs(found)
+    assert [(r.label, len(r.runs)) for r in section.rows] == [("xpool (lr=0.001)", 1), ("xpool (lr=0.01)", 1)]
+
+    cfg = yaml.safe_load((src / "seed0" / "config.yaml").read_text())
+    assert _dataset_of(cfg) == ("synthetic-features", "generated")
+    cfg["provenance"]["manifest_sha256"] = "0" * 64  # trained on a store since replaced at that path
+    assert _dataset_of(cfg) == ("?", None)
+
+    dst = tmp_path / "alone" / "e2e"
+    shutil.copytree(src / "seed0", dst)
+    cfg = yaml.safe_load((dst / "config.yaml").read_text())
+    cfg["finetune"] = {"end_to_end": True, "model": "ViT-B-32", "epochs": 5, "seed": 0}
+    del cfg["train"]
+    cfg.update(features=None, manifest=str(tmp_path / "nowhere"), video_root=str(tmp_path / "videos"))
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+    [section] = group_runs(find_runs([tmp_path / "alone"])[0])
+    assert [r.label for r in section.rows] == ["xpool (finetune end-to-end)"]
+
+
 def test_paths_without_runs_are_errors(tmp_path, runs):
     (tmp_path / "empty" / "deeper").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"empty: no runs here"):

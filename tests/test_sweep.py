@@ -114,13 +114,14 @@ def _sweep(args, env):
                           text=True, timeout=300)
 
 
-def test_a_run_at_an_earlier_default_lr_is_not_complete(tmp_path, monkeypatch):
+def test_a_run_at_an_earlier_default_lr_or_on_a_replaced_store_is_not_complete(tmp_path, monkeypatch):
     """After a head's default_lr changes, a sweep reruns (rather than skips) the runs that relied on
-    it, and fit refuses their directory with a message that names both learning rates."""
+    it, and fit refuses their directory with a message that names both learning rates. A store
+    regenerated at the same path is another store: its old runs are not complete either."""
     import dataclasses
 
     from tvrpipe.heads.base import head_class
-    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.pipeline.store import IDENTITY_KEYS, open_store
     from tvrpipe.sweep import _is_complete
     from tvrpipe.training.fit import TrainConfig, fit, store_head_config
 
@@ -130,6 +131,9 @@ def test_a_run_at_an_earlier_default_lr_is_not_complete(tmp_path, monkeypatch):
     head = dataclasses.asdict(store_head_config(open_store(store), "xpool"))
     args = (tmp_path / "run", "xpool", head, dataclasses.asdict(train), (tmp_path / "store").resolve(), ())
     assert _is_complete(*args)
+    identity = {k: open_store(store).provenance.get(k) for k in IDENTITY_KEYS}
+    assert _is_complete(*args, identity)
+    assert not _is_complete(*args, {**identity, "manifest_sha256": "0" * 64})  # the store replaced in place
     monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 2e-3, 512: 1e-4})
     assert not _is_complete(*args)
     with pytest.raises(ConfigError, match=r"run was trained at lr 0.001 \(xpool.default_lr\), and xpool.default_lr "

@@ -289,7 +289,14 @@ def _read_run(d: Path, config: dict) -> RunRecord | Skipped:
     if not isinstance(metrics, dict) or not isinstance(metrics.get("test"), dict) or not all(
             isinstance(metrics["test"].get(k), dict) for k in DIRECTIONS):
         return Skipped(d, f"{mpath} has no test t2v / v2t metrics")
+    lost = [f"{k} {m}" for k in DIRECTIONS for m in METRICS if not isinstance(metrics["test"][k].get(m), (int, float))]
+    if lost:  # counted in a row's runs, it would drop out of the raw tables alone
+        return Skipped(d, f"{mpath} is damaged: no test {', '.join(lost[:3])}")
     epath = d / "epochs.csv"
+    ran = (metrics.get("schedule") or {}).get("epochs_run", metrics.get("selected_epoch") or 0)
+    if not epath.is_file() and ran:
+        return Skipped(d, f"{epath} is missing ({mpath} says {ran} epochs ran): the curves and the runs table "
+                          "need it; train the run again")
     try:
         epochs = pd.read_csv(epath) if epath.is_file() else pd.DataFrame({"epoch": []})
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError):
@@ -309,6 +316,10 @@ def _dataset_of(config: dict) -> tuple[str, str | None]:
             attrs = store_attributes(config["features"])
         except StoreError as e:
             log.info("%s; the run's dataset is unknown", e)
+        trained_on = (config.get("provenance") or {}).get("manifest_sha256")
+        if attrs and trained_on and attrs.get("manifest_sha256") != trained_on:  # the store was replaced since
+            log.info("%s holds another store than the run was trained on; its dataset is unknown", config["features"])
+            attrs = {}
     elif config.get("manifest"):
         path = Path(config["manifest"]) / "meta.json"
         try:
@@ -328,6 +339,9 @@ def _identity(run: RunRecord) -> dict[str, Any]:
     flat.update({f"head.{k}": v for k, v in (run.config.get("head") or {}).items()})
     section = "finetune" if "finetune" in run.config else "train"
     flat.update({f"{section}.{k}": v for k, v in run.settings.items() if k not in _NOT_IDENTITY})
+    resolved = (run.config.get("resolved") or {}).get("lr")
+    if resolved is not None and run.settings.get("lr") is None:  # a head's default_lr, which can change
+        flat["train.lr"] = resolved
     if run.config.get("max_steps") is not None:
         flat["train.max_steps"] = run.config["max_steps"]
     return flat
@@ -348,8 +362,9 @@ def _labels(method: str, identities: list[dict[str, Any]]) -> list[str]:
     that only one of two groups has, such as a finetune run's against a train-head run's, are
     told apart by ``mode``), in the order mode, head, trainer, store.
     """
-    if len(identities) == 1:
-        return [method]
+    if len(identities) == 1:  # a finetune run still says so: its row never reads like a train-head one
+        mode = identities[0].get("mode", "train-head")
+        return [method if mode == "train-head" else f"{method} ({mode})"]
     order = {"mode": 0, "head": 1, "train": 2, "finetune": 2, "store": 3}
     values = [{k: json.dumps(v, sort_keys=True, default=str) for k, v in ident.items()} for ident in identities]
     shown: list[list[str]] = []
@@ -383,10 +398,15 @@ def group_runs(runs: Iterable[RunRecord]) -> list[Section]:
         >>> [row.label for row in sections[0].rows]  # doctest: +SKIP
         ['meanpool', 'xpool (num_heads=1)', 'xpool (num_heads=2)']
     """
+    runs = list(runs)
+    shas = [(run.config.get("provenance") or {}).get("manifest_sha256") for run in runs]
+    # a run whose store is gone (or replaced) takes its dataset's name from a run of the same manifest
+    named = {sha: (run.dataset, run.split_set) for run, sha in zip(runs, shas) if sha and run.dataset != "?"}
     by_section: dict[tuple, list[RunRecord]] = {}
-    for run in runs:
-        sha = (run.config.get("provenance") or {}).get("manifest_sha256")
-        by_section.setdefault((run.dataset, run.split_set or "", sha or ""), []).append(run)
+    for run, sha in zip(runs, shas):
+        dataset, split_set = named.get(sha, (run.dataset, run.split_set)) if run.dataset == "?" else (
+            run.dataset, run.split_set)
+        by_section.setdefault((dataset, split_set or "", sha or ""), []).append(run)
     sections = []
     for (dataset, split_set, sha), members in sorted(by_section.items(), key=lambda kv: kv[0]):
         groups: dict[str, list[RunRecord]] = {}
@@ -761,7 +781,7 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
     Args:
         run_dir: a finished train-head run whose feature store is still where it was.
         video_root: the folder the store's video paths are relative to; default: the manifest's
-            ``video_root`` (``meta.json``) or the run's (finetune).
+            ``video_root`` (``meta.json``).
         manifest: a manifest folder (``captions.parquet``) for the caption texts and clip bounds.
         queries: how many test captions.
         seed: seed of the choice of captions.
@@ -793,7 +813,7 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
     except StoreError as e:
         raise GalleryUnavailable(f"the feature store of {run} cannot be read ({e})") from None
     man = _read_manifest(manifest) if manifest is not None else None
-    root = _video_root(video_root, man, manifest, config)
+    root = _video_root(video_root, man, manifest)
 
     rows = store_split_rows(store)
     pick = np.random.default_rng(seed).permutation(len(rows.test_texts))[:queries]  # more queries: a superset
@@ -829,7 +849,7 @@ def _read_manifest(manifest: str | os.PathLike[str]):
     return read_manifest(manifest)
 
 
-def _video_root(video_root, man, manifest, config: dict) -> Path:
+def _video_root(video_root, man, manifest) -> Path:
     if video_root is not None:
         root = Path(video_root)
         if not root.is_dir():
@@ -837,8 +857,6 @@ def _video_root(video_root, man, manifest, config: dict) -> Path:
         return root
     if man is not None and man.meta.get("video_root"):
         return (Path(manifest) / man.meta["video_root"]).resolve()
-    if config.get("video_root"):
-        return Path(config["video_root"])
     raise GalleryUnavailable("no video root: pass --video-root (and --manifest for the caption texts) to draw it")
 
 
@@ -971,7 +989,7 @@ def write_report(
     Args:
         runs: run directories, or folders holding runs at any depth.
         out: the report folder (created; files in it are replaced).
-        video_root: the videos' folder, for the gallery; default: found from the manifest or run.
+        video_root: the videos' folder, for the gallery; default: the manifest's.
         manifest: a manifest folder, for the gallery's caption texts (else caption ids are shown).
         gallery_queries: test captions in the gallery.
         seed: seed of the choice of gallery captions.

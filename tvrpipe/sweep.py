@@ -179,10 +179,11 @@ def _run_one(features: str, method: str, run_dir: str, train: dict[str, Any], he
 
 
 def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: dict[str, Any], features: Path,
-                 post: tuple[str, ...]) -> bool:
+                 post: tuple[str, ...], provenance: dict[str, Any] | None = None) -> bool:
     """The run finished with this configuration (its metrics.json is written last by ``fit``), at the
     learning rate this configuration resolves to now: a run without ``lr`` trained at a head's
-    earlier ``default_lr`` is not this run (``fit`` then says so)."""
+    earlier ``default_lr`` is not this run (``fit`` then says so), and neither is one trained on a
+    store that has since been replaced at the same path (``provenance``: the store's identity now)."""
     from tvrpipe.training.fit import TrainConfig, _read_config, _recorded, resolved_lr
 
     try:
@@ -192,7 +193,7 @@ def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: di
     except RunError:  # no run yet, or damaged files: fit says what is wrong when it runs
         return False
     same = json.loads(json.dumps({"method": method, "head": head_cfg, "train": train, "features": str(features),
-                                  "post": list(post)}))
+                                  "post": list(post), **({"provenance": provenance} if provenance is not None else {})}))
     lr, source = resolved_lr(method, TrainConfig(**train), head_cfg["embed_dim"])
     resolved = config.get("resolved") or {}
     return all(config.get(k) == v for k, v in same.items()) and (resolved.get("lr"), resolved.get("lr_source")) == (
@@ -258,7 +259,7 @@ def run_sweep(
     """
     from tvrpipe.lock import check_writable
     from tvrpipe.pipeline.extract import _ray_init, require_gpus
-    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.pipeline.store import IDENTITY_KEYS, open_store
     from tvrpipe.training.fit import TrainConfig, store_head_config
 
     base = train or TrainConfig()
@@ -273,6 +274,7 @@ def run_sweep(
     base.validate()
     check_writable(out, "--out")
     store = open_store(features)
+    identity = {k: store.provenance.get(k) for k in IDENTITY_KEYS}  # what fit records as the run's store
     features = Path(features).resolve()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +294,7 @@ def run_sweep(
             row.update(status="failed", error=_error_text(e))
             continue
         train_dict = dataclasses.asdict(tc)
-        if _is_complete(out / run.name, run.method, head_cfg, train_dict, features, post):
+        if _is_complete(out / run.name, run.method, head_cfg, train_dict, features, post, identity):
             row["status"] = "skipped"  # finished earlier with this configuration
         else:
             todo.append((run, train_dict))
