@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.training.finetune import FinetuneConfig, finetune
-from tvrpipe.training.videodata import TrainPairs, epoch_plan, frame_offsets
+from tvrpipe.training.videodata import TrainPairs, epoch_plan, epoch_steps, frame_offsets
 
 TINY = dict(model="tvrpipe-tiny", pretrained="none", loader_workers=0)
 
@@ -34,7 +34,7 @@ def e2e(data, tmp_path_factory):
     from tvrpipe.pipeline.extract import ExtractConfig, extract
 
     out = tmp_path_factory.mktemp("ftrun") / "run"
-    cfg = FinetuneConfig(end_to_end=True, epochs=10, batch_size=16, clip_lr=1e-3, head_lr=1e-3, **{**TINY, "loader_workers": 2})
+    cfg = FinetuneConfig(end_to_end=True, epochs=10, epoch_pairs="videos", batch_size=16, clip_lr=1e-3, head_lr=1e-3, **{**TINY, "loader_workers": 2})
     metrics = finetune(data / "manifest", data / "videos", "meanpool", out, cfg, progress=False)
     store = out.parent / "features"
     extract(data / "manifest", data / "videos", store,
@@ -174,17 +174,41 @@ def test_evaluate_refuses_a_store_of_other_weights(e2e, tmp_path, cli):
 
 def test_epoch_plan_is_the_same_pairs_for_any_number_of_workers():
     pairs = TrainPairs.build(np.arange(10, 30), np.arange(60), np.repeat(np.arange(10, 30), 3))
-    one = epoch_plan(pairs, seed=3, epoch=2, global_batch=8, rank=0, world=1)
-    two = [epoch_plan(pairs, seed=3, epoch=2, global_batch=8, rank=r, world=2) for r in range(2)]
+    one = epoch_plan(pairs, seed=3, epoch=2, global_batch=8, rank=0, world=1, epoch_pairs="videos")
+    two = [epoch_plan(pairs, seed=3, epoch=2, global_batch=8, rank=r, world=2, epoch_pairs="videos") for r in range(2)]
     assert len(one) == 2 and all(len(b) == 8 for b in one)  # 20 videos // 8: the partial batch is dropped
     assert [a + b for a, b in zip(*two)] == one
     videos = [v for b in one for v, _, _ in b]
     assert len(set(videos)) == 16 and all(c // 3 + 10 == v for b in one for v, c, _ in b)  # own captions
-    assert epoch_plan(pairs, 3, 3, 8, 0, 1) != one  # another epoch, another order
-    skipped = epoch_plan(pairs, 3, 2, 8, 0, 1, skip=frozenset({videos[0]}))
+    assert epoch_plan(pairs, 3, 3, 8, 0, 1, epoch_pairs="videos") != one  # another epoch, another order
+    skipped = epoch_plan(pairs, 3, 2, 8, 0, 1, skip=frozenset({videos[0]}), epoch_pairs="videos")
     assert videos[0] not in {v for b in skipped for v, _, _ in b}
     np.testing.assert_array_equal(frame_offsets(0, 1, 5, 12), frame_offsets(0, 1, 5, 12))
     assert not np.array_equal(frame_offsets(0, 1, 5, 12), frame_offsets(0, 2, 5, 12))
+
+
+@pytest.mark.parametrize("batch", [7, 8, 16])
+def test_the_papers_epoch_pairs_every_caption_once_and_no_video_twice_in_a_batch(batch):
+    """--epoch-pairs captions (the default): every (video, caption) pair once an epoch, as the papers'
+    loaders list them, and no video twice in a batch; uneven caption counts; workers split it alike."""
+    counts = np.random.default_rng(0).integers(1, 6, size=60)  # 60 videos of 1 to 5 captions
+    n = int(counts.sum())
+    video_of = np.repeat(np.arange(100, 160), counts)
+    pairs = TrainPairs.build(np.arange(100, 160), np.arange(n) + 1000, video_of)
+    plan = epoch_plan(pairs, seed=1, epoch=0, global_batch=batch, rank=0, world=1)
+    assert len(plan) == epoch_steps(pairs, batch) == n // batch and all(len(b) == batch for b in plan)
+    seen = [(v, c) for b in plan for v, c, _ in b]
+    assert len(set(seen)) == len(seen) == batch * (n // batch)  # each pair at most once, the tail dropped
+    assert all(video_of[c - 1000] == v for v, c in seen)  # a caption with its own video
+    assert all(len({v for v, _, _ in b}) == batch for b in plan)  # no video twice in a batch
+    full = epoch_plan(pairs, seed=1, epoch=0, global_batch=1, rank=0, world=1)
+    assert sorted((v, c) for b in full for v, c, _ in b) == sorted(zip(video_of, np.arange(n) + 1000))
+    if batch % 2 == 0:
+        halves = [epoch_plan(pairs, seed=1, epoch=0, global_batch=batch, rank=r, world=2) for r in range(2)]
+        assert [a + b for a, b in zip(*halves)] == plan
+    assert epoch_plan(pairs, seed=1, epoch=1, global_batch=batch, rank=0, world=1) != plan
+    skipped = epoch_plan(pairs, seed=1, epoch=0, global_batch=batch, rank=0, world=1, skip=frozenset({102}))
+    assert 102 not in {v for b in skipped for v, _, _ in b}
 
 
 def test_options_are_checked_before_anything_runs(data, tmp_path):
@@ -251,6 +275,23 @@ def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
         a, b = (load_file(str(tmp_path / run / "checkpoints" / name)) for run in ("cut2", "full"))
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_whose_videos_all_fail_to_decode_is_skipped(tmp_path):
+    """Every training video unreadable: each step has no pair, and a loss over none is NaN. The
+    step is skipped (it stopped the run with 'lower the learning rates'); the failures are kept."""
+    from tvrpipe.pipeline.manifest import read_manifest
+
+    d = _small(tmp_path)
+    videos = read_manifest(d / "manifest").videos
+    train = videos[videos["split"] == "train"]
+    for path in train["path"]:
+        (d / "videos" / path).write_bytes(b"not a video" * 40)
+    cfg = FinetuneConfig(epochs=1, batch_size=4, max_steps=2, epoch_pairs="videos", **TINY)
+    m = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "run", cfg, progress=False)
+    rows = pd.read_csv(tmp_path / "run" / "epochs.csv")
+    assert np.isnan(rows["loss"][0]) and rows["failed_videos"][0] == m["failed_videos"] == 8  # 2 steps x 4
+    assert set(pd.read_csv(tmp_path / "run" / "failures.csv")["video_id"]) <= set(train["video_id"])
 
 
 def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):

@@ -108,7 +108,8 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
           f"{plan.finetune_epochs} epochs (tvrpipe finetune --end-to-end)")
     ft = finetune(pre / "manifest", pre / "videos", "meanpool", out / "finetune",
                   FinetuneConfig(end_to_end=True, model=TINY_MODEL, pretrained="none", epochs=plan.finetune_epochs,
-                                 batch_size=16, clip_lr=1e-3, head_lr=1e-3, seed=seed), progress=progress)
+                                 epoch_pairs="videos", batch_size=16, clip_lr=1e-3, head_lr=1e-3, seed=seed),
+                  progress=progress)
     stage("3. CLIP features with the finetuned weights (tvrpipe extract)")
     extract(data / "manifest", data / "videos", out / "features",
             ExtractConfig(model=ft["export"]["model"], pretrained=str(out / "finetune" / ft["export"]["file"]),

@@ -29,12 +29,17 @@ def finetune_cmd(
         str, typer.Option(help="open_clip pretrained tag (e.g. openai), a local checkpoint file, or 'none' (seeded random).")
     ] = "openai",
     epochs: Annotated[int, typer.Option(help="Epochs (warmup 10 %, then cosine); the epoch is selected on validation.")] = 5,
-    batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers (one caption per video).")] = 32,
+    epoch_pairs: Annotated[str, typer.Option(
+        help="What an epoch visits: 'captions', every training caption with its video once (the papers' epoch; no "
+             "video twice in a batch), or 'videos', one random caption per video (train-head's epoch).")] = "captions",
+    batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers (no video twice in a batch).")] = 32,
     frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = None,
     max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = None,
     clip_lr: Annotated[float, typer.Option(help="AdamW learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
     head_lr: Annotated[float, typer.Option(help="AdamW learning rate of the head.")] = 1e-5,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (weight matrices only).")] = 0.2,
+    weight_decay: Annotated[float, typer.Option(
+        help="AdamW weight decay, on weight matrices only: gains, biases, embeddings and the head's logit scale are "
+             "exempt (docs/training.md).")] = 0.2,
     grad_clip: Annotated[float, typer.Option(help="Gradient norm clip (0: none).")] = 1.0,
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
@@ -59,7 +64,7 @@ def finetune_cmd(
         Optional[int], typer.Option(help="CPUs per Ray Train worker (default: the cluster's CPUs split evenly).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling, --pretrained none).")] = 0,
-    timeout: Annotated[float, typer.Option(help="Per-video decode timeout in seconds.")] = 60.0,
+    timeout: Annotated[float, typer.Option(help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
     post: Annotated[
         Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
     ] = None,
@@ -73,7 +78,7 @@ def finetune_cmd(
 
     overrides = parse_overrides(method, set_ or [])
     cfg = FinetuneConfig(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs,
-                         batch_size=batch_size, frames=frames, max_words=max_words, clip_lr=clip_lr, head_lr=head_lr,
+                         epoch_pairs=epoch_pairs, batch_size=batch_size, frames=frames, max_words=max_words, clip_lr=clip_lr, head_lr=head_lr,
                          weight_decay=weight_decay, grad_clip=grad_clip, precision=precision,
                          grad_checkpointing=grad_checkpointing, num_workers=num_workers, use_gpu=use_gpu,
                          address=address, cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed,

@@ -69,6 +69,7 @@ from tvrpipe.errors import VideoError
 log = logging.getLogger(__name__)
 
 FRAME_SAMPLING = "uniform-segment-centre"  # recorded in store provenance
+MAX_TIMEOUT_S = 2_000_000  # --timeout's limit: the decoder process is waited for in milliseconds, a C int
 RESIZE_INTERPOLATION = "bilinear"  # swscale's, at decode (see the module docstring)
 
 _READERS = ("decord", "pyav")  # tried in this order

@@ -76,6 +76,8 @@ class ExtractConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid option; reads and creates nothing."""
+        from tvrpipe.pipeline.decode import MAX_TIMEOUT_S
+
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         for opt, value, low in (("--frames", self.frames, 1), ("--max-words", self.max_words, 2),
@@ -89,9 +91,6 @@ class ExtractConfig:
                               f"{self.timeout_s}")
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise ConfigError(f"--max-failed-fraction must be between 0 and 1, got {self.max_failed_fraction}")
-
-
-MAX_TIMEOUT_S = 2_000_000  # --timeout's limit: a decode waits in milliseconds, which must fit a C int
 
 
 @dataclass

@@ -11,12 +11,13 @@ The loop reads top to bottom: data, model, optimiser, schedule, loop, validation
   so every registered head trains unchanged and a head never knows whether it reads a store.
 - **Data** (:mod:`tvrpipe.training.videodata`): DataLoader workers decode with extraction's
   decoder; random frame offsets within uniform segments in training, segment centres at
-  evaluation; one random caption per video per epoch; a bad video is skipped and counted.
+  evaluation; an epoch pairs every training caption with its video once (the papers'; or one
+  caption per video), no video twice in a batch; a bad video is skipped and counted.
 - **Optimisation** (the papers'): AdamW with one learning rate for CLIP and one for the head
-  (X-Pool / T-MASS / DUQ: 1e-6 and 1e-5), weight decay 0.2 on weight matrices only (CLIP4Clip and
-  open_clip exempt gains, biases, embeddings and the logit scale), warmup over the first 10 % of the
-  steps then cosine decay, gradient norm clipped to 1 (X-Pool), optional AMP (fp16 with a gradient
-  scaler, or bf16) and gradient checkpointing.
+  (X-Pool / T-MASS / DUQ: 1e-6 and 1e-5), weight decay 0.2 on weight matrices only (gains, biases,
+  embeddings and the logit scale exempt: a choice, the sources differ; docs/training.md), warmup
+  over the first 10 % of the steps then cosine decay, gradient norm clipped to 1 (X-Pool), optional
+  AMP (fp16 with a gradient scaler, or bf16) and gradient checkpointing.
 - **Protocol**: the epoch is selected on validation (the manifest's ``val`` split or carved from
   train exactly as ``train-head`` carves it), test is evaluated once with the selected weights,
   through the same evaluation engine and run-directory layout as ``train-head``.
@@ -53,6 +54,7 @@ import yaml
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
+from tvrpipe.pipeline.decode import MAX_TIMEOUT_S
 from tvrpipe.pipeline.store import atomic_write_text, file_sha256
 from tvrpipe.training.fit import (
     Checkpoints,
@@ -69,6 +71,7 @@ from tvrpipe.training.fit import (
     write_rows,
 )
 from tvrpipe.training.videodata import (
+    EPOCH_PAIRS,
     ClipBatch,
     Collate,
     DecodedClips,
@@ -76,6 +79,7 @@ from tvrpipe.training.videodata import (
     TrainPairs,
     VideoTable,
     epoch_plan,
+    epoch_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,7 @@ class FinetuneConfig:
     model: str = "ViT-B-32"  # the papers' backbone (CLIP ViT-B/32)
     pretrained: str = "openai"  # open_clip tag, a local checkpoint, or "none" (seeded random)
     epochs: int = 5  # X-Pool / T-MASS / DUQ: 5 epochs on MSR-VTT
+    epoch_pairs: str = "captions"  # an epoch: every training caption once (the papers'), or "videos": one per video
     batch_size: int = 32  # X-Pool / T-MASS Sec. 4: batch 32 (the global batch, over all workers)
     frames: int | None = None  # None: the manifest's (12 for MSR-VTT, X-Pool Sec. 4)
     max_words: int | None = None  # None: the manifest's (32 for MSR-VTT)
@@ -131,8 +136,11 @@ class FinetuneConfig:
             raise ConfigError(f"warmup_fraction must be between 0 and 1, got {self.warmup_fraction}")
         if not self.grad_clip >= 0:
             raise ConfigError(f"--grad-clip must be >= 0 (0: no clipping), got {self.grad_clip}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN too; the decoder waits in whole milliseconds (a C int)
+            raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got "
+                              f"{self.timeout_s}")
+        if self.epoch_pairs not in EPOCH_PAIRS:
+            raise ConfigError(f"--epoch-pairs must be one of {', '.join(EPOCH_PAIRS)}, got {self.epoch_pairs!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.precision == "fp16" and not self.use_gpu:
@@ -193,6 +201,18 @@ class _AllGather(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad)  # every worker's loss depends on every worker's rows
         return grad[ctx.rank * ctx.rows: (ctx.rank + 1) * ctx.rows]
+
+
+def _pairs_in_step(n: int, world: int, device: torch.device) -> int:
+    """The pairs of a step over all workers (``n`` on this one): a step with none is skipped on
+    every worker alike (a loss over no pair is NaN, and a collective must be entered by all)."""
+    if world == 1:
+        return n
+    import torch.distributed as dist
+
+    total = torch.tensor([n], device=device)
+    dist.all_reduce(total)
+    return int(total)
 
 
 def gather_pairs(texts: TextBatch, videos: VideoBatch) -> tuple[TextBatch, VideoBatch]:
@@ -279,7 +299,8 @@ class LiveModel(nn.Module):
 
 
 def _param_groups(model: LiveModel, cfg: FinetuneConfig) -> list[dict]:
-    """AdamW groups: CLIP and head learning rates; decay on weight matrices only (CLIP4Clip, open_clip)."""
+    """AdamW groups: CLIP and head learning rates; decay on weight matrices only (gains, biases,
+    embeddings and the logit scale exempt; docs/training.md says how the sources differ)."""
     groups = []
     for part, lr, trainable in ((model.clip, cfg.clip_lr, cfg.end_to_end), (model.head, cfg.head_lr, True)):
         if not trainable:
@@ -411,10 +432,10 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
 
     pairs = TrainPairs.build(job.train_videos, job.train_texts, job.text_video[job.train_texts])
     G = cfg.batch_size
-    steps_per_epoch = len(pairs.videos) // G
+    steps_per_epoch = epoch_steps(pairs, G, cfg.epoch_pairs)
     if cfg.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps)
-    if steps_per_epoch == 0 and cfg.epochs > 0:
+    if (G > len(pairs.videos) or steps_per_epoch == 0) and cfg.epochs > 0:  # a batch holds no video twice
         raise ConfigError(f"--batch-size {G} exceeds the {len(pairs.videos)} training videos; lower it")
     total = steps_per_epoch * cfg.epochs
     warmup = max(1, int(cfg.warmup_fraction * total))
@@ -448,7 +469,8 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
             if not cfg.end_to_end:
                 model.clip.eval()  # frozen: CLIP stays in inference mode
             skip = frozenset(id_row[v] for v in failures if v in id_row)
-            train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, G, rank, world, skip, cfg.max_steps)
+            train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, G, rank, world, skip, cfg.max_steps,
+                                            cfg.epoch_pairs)
             losses, terms, new_failed = [], {}, []
             timing = []  # (seconds waiting for the batch, seconds of the step, clips) per step
             t0 = time.perf_counter()
@@ -456,6 +478,11 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 batch: ClipBatch
                 t1 = time.perf_counter()
                 new_failed += batch.failed
+                if _pairs_in_step(len(batch.videos), world, bundle.device) == 0:  # no video of the step decoded
+                    bar.update(task, advance=1, info=f"epoch {epoch + 1}/{cfg.epochs}: a step whose videos all "
+                                                     "failed to decode, skipped")
+                    t0 = time.perf_counter()
+                    continue
                 # the head's own noise (sampling heads) is the same on every rank and after a resume
                 seed_step(cfg.seed, epoch, step)
                 total_loss, loss_terms = wrapped(batch.frames, batch.frame_mask, batch.texts, job.max_words)
