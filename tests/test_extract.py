@@ -307,10 +307,6 @@ def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch
                         ({"timeout_s": 1e7}, r"--timeout must be > 0 and at most 2,000,000 seconds \(23 days\), "
                                              "got 10000000.0"),  # it overflowed the decoder's wait
                         ({"timeout_s": float("inf")}, "at most 2,000,000 seconds"),
-                        # without a GPU Ray waited forever to place the encoders
-                        *([({"device": "cuda"}, "--device cuda: this machine has no CUDA GPU")]
-                          if not torch.cuda.is_available() else []),
-                        ({"address": f"127.0.0.1:{_free_port()}"}, "--address 127.0.0.1:.*cannot connect"),
                         ({"max_failed_fraction": 1.5}, "--max-failed-fraction must be between 0 and 1")]:
         with pytest.raises(ConfigError, match=message):
             extract(data / "manifest", data / "videos", out, _cfg(**kw))
@@ -382,3 +378,45 @@ def test_gpu_work_on_a_cluster_without_gpus_fails_naming_the_option(ray_session)
     with pytest.raises(ConfigError, match=r"^--use-gpu with --num-workers 2: needs 2 GPUs, and the Ray cluster"):
         require_gpus(2, "--use-gpu with --num-workers 2", "drop --use-gpu")
     require_gpus(0, "--gpus-per-run 0", "")  # nothing needed, nothing refused
+
+
+def test_no_gpu_or_no_cluster_fails_before_the_store_is_created_and_not_when_nothing_is_left(data, store_dir,
+                                                                                             tmp_path):
+    """--device cuda without a GPU (Ray waited forever to place the encoders) and an --address where
+    nothing answers fail before the store exists; on a complete store, where a rerun does nothing,
+    neither is needed."""
+    from tvrpipe.errors import ConfigError
+
+    out = tmp_path / "f"
+    cases = [({"address": f"127.0.0.1:{_free_port()}"}, "--address 127.0.0.1:.*cannot connect")]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, "--device cuda: (this machine has no CUDA GPU|needs 1 GPU, and the Ray "
+                                          "cluster has 0)"))  # the latter where this process joined a Ray
+    for kw, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            extract(data / "manifest", data / "videos", out, _cfg(**kw))
+        assert not (out / "features.zarr").exists()
+        done = tmp_path / f"done-{len(kw)}-{next(iter(kw))}"
+        shutil.copytree(store_dir, done, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+        s = extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False, **kw))
+        assert (s.videos_done, s.texts_done) == (0, 0)
+
+
+def test_gpus_are_checked_per_node_as_well(monkeypatch):
+    """A task is placed on one node: two one-GPU nodes cannot run a 2-GPU sweep run, but can run two
+    one-GPU finetune workers."""
+    import ray
+
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.pipeline.extract import require_gpus
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
+                                               {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
+                                               {"Alive": False, "Resources": {"GPU": 8.0}}])
+    require_gpus(2, "--use-gpu with --num-workers 2", "drop --use-gpu", per_task=1)
+    with pytest.raises(ConfigError, match=r"^--gpus-per-run 2: a task needs 2 GPUs on one node, and the largest "
+                                          r"node has 1; use --gpus-per-run 0, or run on nodes with more GPUs$"):
+        require_gpus(2, "--gpus-per-run 2", "use --gpus-per-run 0")
+    with pytest.raises(ConfigError, match=r"needs 3 GPUs, and the Ray cluster has 2"):
+        require_gpus(3, "--use-gpu with --num-workers 3", "drop --use-gpu", per_task=1)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -271,10 +273,34 @@ def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
     assert {".clip_last.safetensors.next", ".last.safetensors.next"} <= {p.name for p in ckpt.glob(".*.next")}
     finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut2", cfg, progress=False)
     assert not list(ckpt.glob(".*.next"))
-    for name in ("clip_last.safetensors", "last.safetensors", "best.safetensors"):
-        a, b = (load_file(str(tmp_path / run / "checkpoints" / name)) for run in ("cut2", "full"))
-        for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+    # cut after epoch two's state.pt, before its staged files are renamed: the resume moves them into place
+    real_commit, real_replace, commits = ft.Checkpoints.commit, os.replace, []
+
+    def commit(self, state):
+        commits.append(1)
+        return real_commit(self, state)
+
+    def replace(src, dst):
+        if len(commits) == 2 and str(src).endswith(".next"):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ft.Checkpoints, "commit", commit)
+        mp.setattr(os, "replace", replace)
+        with pytest.raises(KeyboardInterrupt):
+            finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut3", cfg, progress=False)
+    ckpt3 = tmp_path / "cut3" / "checkpoints"
+    assert torch.load(ckpt3 / "state.pt", weights_only=False)["epoch"] == 1  # epoch two is committed
+    assert ".clip_last.safetensors.next" in {p.name for p in ckpt3.glob(".*.next")}
+    finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut3", cfg, progress=False)
+    assert not list(ckpt3.glob(".*.next")) and len(pd.read_csv(tmp_path / "cut3" / "epochs.csv")) == 2
+    for run in ("cut2", "cut3"):
+        for name in ("clip_last.safetensors", "last.safetensors", "best.safetensors", "clip_best.safetensors"):
+            a, b = (load_file(str(tmp_path / r / "checkpoints" / name)) for r in (run, "full"))
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
 def test_a_step_whose_videos_all_fail_to_decode_is_skipped(tmp_path):
@@ -292,6 +318,14 @@ def test_a_step_whose_videos_all_fail_to_decode_is_skipped(tmp_path):
     rows = pd.read_csv(tmp_path / "run" / "epochs.csv")
     assert np.isnan(rows["loss"][0]) and rows["failed_videos"][0] == m["failed_videos"] == 8  # 2 steps x 4
     assert set(pd.read_csv(tmp_path / "run" / "failures.csv")["video_id"]) <= set(train["video_id"])
+    # a run from before --epoch-pairs trained one caption per video: it is that run, not another one
+    path = tmp_path / "run" / "config.yaml"
+    path.write_text(path.read_text().replace("  epoch_pairs: videos\n", ""))
+    assert "epoch_pairs" not in path.read_text()
+    assert finetune(d / "manifest", d / "videos", "xpool", tmp_path / "run", cfg, progress=False)["test"] == m["test"]
+    with pytest.raises(ConfigError, match="another configuration"):
+        finetune(d / "manifest", d / "videos", "xpool", tmp_path / "run",
+                 dataclasses.replace(cfg, epoch_pairs="captions"), progress=False)
 
 
 def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):

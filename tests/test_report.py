@@ -236,6 +236,16 @@ def test_damaged_runs_other_default_lrs_and_replaced_stores(runs, tmp_path):
     assert _dataset_of(cfg) == ("synthetic-features", "generated")
     cfg["provenance"]["manifest_sha256"] = "0" * 64  # trained on a store since replaced at that path
     assert _dataset_of(cfg) == ("?", None)
+    from tvrpipe.pipeline.manifest import make_tables, write_manifest
+    from tvrpipe.pipeline.store import manifest_sha256
+
+    v, c = make_tables([{"video_id": "a", "path": "a.mp4", "split": "test"}],
+                       [{"caption_id": "a#0", "video_id": "a", "text": "x", "split": "test"}])
+    write_manifest(tmp_path / "manifest", v, c, {"dataset": "msvd", "split_set": "standard"})
+    finetuned = {"manifest": str(tmp_path / "manifest"), "provenance": {"manifest_sha256": manifest_sha256(v, c)}}
+    assert _dataset_of(finetuned) == ("msvd", "standard")  # a finetune run: the manifest names it
+    finetuned["provenance"]["manifest_sha256"] = "0" * 64  # the manifest was rewritten since
+    assert _dataset_of(finetuned) == ("?", None)
 
     dst = tmp_path / "alone" / "e2e"
     shutil.copytree(src / "seed0", dst)

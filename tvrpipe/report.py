@@ -326,7 +326,25 @@ def _dataset_of(config: dict) -> tuple[str, str | None]:
             attrs = json.loads(path.read_text())
         except (OSError, ValueError):
             log.info("%s: cannot read the manifest's meta.json; its dataset is unknown", path)
+        trained_on = (config.get("provenance") or {}).get("manifest_sha256")
+        now = _manifest_sha(config["manifest"]) if attrs and trained_on else None
+        if now is not None and now != trained_on:  # the manifest was rewritten since
+            log.info("%s holds another manifest than the run was trained on; its dataset is unknown",
+                     config["manifest"])
+            attrs = {}
     return str(attrs.get("dataset") or "?"), attrs.get("split_set")
+
+
+def _manifest_sha(manifest: str) -> str | None:
+    """The sha256 of the manifest in ``manifest`` now (None if it cannot be read)."""
+    from tvrpipe.pipeline.store import manifest_sha256
+
+    try:
+        m = _read_manifest(manifest)
+    except (TvrpipeError, OSError, ValueError) as e:  # a damaged manifest: the dataset is unknown, the report goes on
+        log.info("%s: %s", manifest, e)
+        return None
+    return manifest_sha256(m.videos, m.captions)
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -338,7 +356,10 @@ def _identity(run: RunRecord) -> dict[str, Any]:
     flat.update({f"store.{k}": v for k, v in (run.config.get("provenance") or {}).items()})
     flat.update({f"head.{k}": v for k, v in (run.config.get("head") or {}).items()})
     section = "finetune" if "finetune" in run.config else "train"
-    flat.update({f"{section}.{k}": v for k, v in run.settings.items() if k not in _NOT_IDENTITY})
+    settings = run.settings
+    if section == "finetune":
+        settings.setdefault("epoch_pairs", "videos")  # a run from before the option trained on those
+    flat.update({f"{section}.{k}": v for k, v in settings.items() if k not in _NOT_IDENTITY})
     resolved = (run.config.get("resolved") or {}).get("lr")
     if resolved is not None and run.settings.get("lr") is None:  # a head's default_lr, which can change
         flat["train.lr"] = resolved

@@ -31,8 +31,9 @@ def finetune_cmd(
     epochs: Annotated[int, typer.Option(help="Epochs (warmup 10 %, then cosine); the epoch is selected on validation.")] = 5,
     epoch_pairs: Annotated[str, typer.Option(
         help="What an epoch visits: 'captions', every training caption with its video once (the papers' epoch; no "
-             "video twice in a batch), or 'videos', one random caption per video (train-head's epoch).")] = "captions",
-    batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers (no video twice in a batch).")] = 32,
+             "video twice in a batch unless one has about as many captions as the epoch has batches), or 'videos', "
+             "one random caption per video (train-head's epoch).")] = "captions",
+    batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers.")] = 32,
     frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = None,
     max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = None,
     clip_lr: Annotated[float, typer.Option(help="AdamW learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,

@@ -315,16 +315,30 @@ def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
     ctx.verbose_progress = False
 
 
+def _already_complete(out: Path, provenance: dict) -> bool:
+    """``out`` holds a complete store of this provenance: a rerun has nothing to do."""
+    from tvrpipe.pipeline.store import IDENTITY_KEYS, StoreError, store_attributes
+
+    try:
+        attrs = store_attributes(out)
+    except StoreError:
+        return False
+    return bool(attrs.get("complete")) and all(attrs.get(k) == provenance.get(k) for k in IDENTITY_KEYS)
+
+
 def _check_device(cfg: ExtractConfig) -> None:
-    """Before anything is created: ``--device cuda`` needs a GPU, on this machine or, with
-    ``--address``, in the cluster (Ray would otherwise wait forever to place the encoders); an
-    ``--address`` where nothing answers fails here too."""
+    """Before the store is created or changed: ``--device cuda`` needs a GPU, on this machine or,
+    with ``--address`` (or a Ray already joined), in the cluster (Ray would otherwise wait forever
+    to place the encoders); an ``--address`` where nothing answers fails here too."""
+    import sys
+
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
     if cfg.device != "cuda":
         return
-    if not address:
+    joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    if not address and not joined:
         import torch
 
         if not torch.cuda.is_available():
@@ -333,19 +347,25 @@ def _check_device(cfg: ExtractConfig) -> None:
                               "cluster with GPUs")
         return
     _ray_init(address)
-    require_gpus(1, "--device cuda", "use --device cpu")
+    require_gpus(1, "--device cuda", "use --device cpu")  # one encoder's GPU
 
 
-def require_gpus(need: float, option: str, instead: str) -> None:
+def require_gpus(need: float, option: str, instead: str, per_task: float | None = None) -> None:
     """After :func:`_ray_init`: fail, naming ``option``, when the Ray cluster has fewer than ``need``
-    GPUs in all; Ray would otherwise wait forever to place the work (extract's encoders, finetune's
+    GPUs in all, or no node with ``per_task`` of them (default ``need``; a task is placed on one
+    node); Ray would otherwise wait forever to place the work (extract's encoders, finetune's
     workers, a sweep's runs). ``instead`` says what to do."""
     import ray
 
     have = ray.cluster_resources().get("GPU", 0)
+    one = per_task if per_task is not None else need
+    node = max((n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
     if have < need:
         raise ConfigError(f"{option}: needs {need:g} GPU{'s' if need > 1 else ''}, and the Ray cluster has "
                           f"{have:g}; {instead}, or run on a cluster whose nodes have GPUs")
+    if node < one:
+        raise ConfigError(f"{option}: a task needs {one:g} GPUs on one node, and the largest node has {node:g}; "
+                          f"{instead}, or run on nodes with more GPUs")
 
 
 def _check_reachable(address: str, timeout: float = 10.0) -> None:
@@ -523,7 +543,6 @@ def extract(
     t0 = time.perf_counter()
     # Everything that can be checked cheaply is checked before Ray starts or a model loads.
     cfg.validate()
-    _check_device(cfg)
     # The driver loads the model once (on CPU) for provenance: weights hash, D, preprocessing.
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
@@ -541,6 +560,9 @@ def extract(
         logit_scale=bundle.logit_scale,  # CLIP's learned scale: every head starts from it (train-head)
     )
     del bundle
+    checked = cfg.overwrite or not _already_complete(out, provenance)  # a complete store may need no device
+    if checked:
+        _check_device(cfg)
     videos = manifest.videos[["video_id", "split", "path", "start_s", "end_s"]]
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     texts = manifest.captions.assign(video_row=vrow.loc[manifest.captions["video_id"]].to_numpy())[
@@ -560,6 +582,8 @@ def extract(
         failed_before = set(writer.failures()["video_id"])
         processed = 0
         if jobs or t_pending:
+            if not checked:  # a complete store whose failed videos are retried
+                _check_device(cfg)
             _ray_init(cfg.address)
             cpus = _cluster_cpus()
             gpu = cfg.device == "cuda"

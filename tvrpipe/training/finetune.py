@@ -740,6 +740,7 @@ def finetune(
         cfg_path = out / "config.yaml"
         if cfg_path.is_file():
             have = _read_config(out)
+            have.setdefault("finetune", {}).setdefault("epoch_pairs", "videos")  # a run from before the option
             if {k: v for k, v in have.items() if k != "execution"} != json.loads(json.dumps(
                     {k: v for k, v in config.items() if k != "execution"})):
                 raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
@@ -763,7 +764,7 @@ def _ray_train(job: _Job) -> dict:
     _ray_init(cfg.address)
     if cfg.use_gpu:
         require_gpus(cfg.num_workers, f"--use-gpu with --num-workers {cfg.num_workers}",
-                     "drop --use-gpu or lower --num-workers")
+                     "drop --use-gpu or lower --num-workers", per_task=1)
     cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
     cpus = cfg.cpus_per_worker or max(1, cluster_cpus // cfg.num_workers)
     resources = {"CPU": cpus, **({"GPU": 1} if cfg.use_gpu else {})}

@@ -549,7 +549,12 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         "max_steps": max_steps,
     }
     cfg_path = out / "config.yaml"
-    if cfg_path.is_file() and (old := _read_config(out)) != (new := json.loads(json.dumps(config))):
+    def same_run(a: dict, b: dict) -> bool:  # the lr's label may change with tvrpipe (a table of widths)
+        def strip(c: dict) -> dict:
+            return {**c, "resolved": {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}}
+        return strip(a) == strip(b)
+
+    if cfg_path.is_file() and not same_run(old := _read_config(out), new := json.loads(json.dumps(config))):
         was = old.get("resolved") or {}
         if [k for k in new if old.get(k) != new[k]] == ["resolved"] and was.get("lr") != lr:  # a changed default
             raise ConfigError(f"{out} was trained at lr {was.get('lr'):g} ({was.get('lr_source')}), and "
