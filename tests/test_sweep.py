@@ -134,9 +134,12 @@ def test_a_run_at_an_earlier_default_lr_or_on_a_replaced_store_is_not_complete(t
     identity = {k: open_store(store).provenance.get(k) for k in IDENTITY_KEYS}
     assert _is_complete(*args, identity)
     assert not _is_complete(*args, {**identity, "manifest_sha256": "0" * 64})  # the store replaced in place
+    monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 1e-3, 512: 1e-4})  # a table, the same lr at D=16
+    assert _is_complete(*args)  # only the lr's label changed ("xpool.default_lr at D=16"): the same run
+    assert fit(store, "xpool", tmp_path / "run", train, progress=False)["schedule"]["lr"] == 1e-3
     monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 2e-3, 512: 1e-4})
     assert not _is_complete(*args)
-    with pytest.raises(ConfigError, match=r"run was trained at lr 0.001 \(xpool.default_lr\), and xpool.default_lr "
+    with pytest.raises(ConfigError, match=r"run was trained at lr 0.001 \(xpool.default_lr at D=16\), and xpool.default_lr "
                                           r"at D=16 is now 0.002; choose another --out \(add --lr 0.001 to"):
         fit(store, "xpool", tmp_path / "run", train, progress=False)
 
