@@ -426,6 +426,14 @@ class Checkpoints:
         return state
 
 
+def _same_run(a: dict, b: dict) -> bool:
+    """Two run configs describe the same run: equal but for the label of the lr's source, which may
+    change with tvrpipe (``xpool.default_lr`` becoming ``xpool.default_lr at D=512``)."""
+    def strip(c: dict) -> dict:
+        return {**c, "resolved": {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}}
+    return strip(a) == strip(b)
+
+
 def _flat_readouts(metrics: dict) -> dict[str, float]:
     """``val_<name>`` for item readouts, ``val_<name>_match`` / ``_nonmatch`` for pair readouts."""
     flat = {}
@@ -549,12 +557,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         "max_steps": max_steps,
     }
     cfg_path = out / "config.yaml"
-    def same_run(a: dict, b: dict) -> bool:  # the lr's label may change with tvrpipe (a table of widths)
-        def strip(c: dict) -> dict:
-            return {**c, "resolved": {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}}
-        return strip(a) == strip(b)
-
-    if cfg_path.is_file() and not same_run(old := _read_config(out), new := json.loads(json.dumps(config))):
+    if cfg_path.is_file() and not _same_run(old := _read_config(out), new := json.loads(json.dumps(config))):
         was = old.get("resolved") or {}
         if [k for k in new if old.get(k) != new[k]] == ["resolved"] and was.get("lr") != lr:  # a changed default
             raise ConfigError(f"{out} was trained at lr {was.get('lr'):g} ({was.get('lr_source')}), and "
