@@ -104,7 +104,8 @@ def train_head(
 
 @app.command("evaluate")
 def evaluate(
-    run: Annotated[Path, typer.Option(help="A run directory (tvrpipe train-head).")],
+    run: Annotated[Path, typer.Option(help="A run directory (tvrpipe train-head, or tvrpipe finetune with --features "
+                                           "of a store extracted by its CLIP).")],
     split: Annotated[str, typer.Option(help="Split to evaluate: val or test (train for diagnostics).")] = "test",
     post: Annotated[Optional[list[str]], typer.Option(help="Post-processing: dsl or qbnorm (repeatable).")] = None,
     features: Annotated[
