@@ -311,12 +311,12 @@ def _dataset_of(config: dict) -> tuple[str, str | None]:
     from tvrpipe.pipeline.store import StoreError, store_attributes
 
     attrs: dict = {}
+    trained_on = (config.get("provenance") or {}).get("manifest_sha256")
     if config.get("features"):
         try:
             attrs = store_attributes(config["features"])
         except StoreError as e:
             log.info("%s; the run's dataset is unknown", e)
-        trained_on = (config.get("provenance") or {}).get("manifest_sha256")
         if attrs and trained_on and attrs.get("manifest_sha256") != trained_on:  # the store was replaced since
             log.info("%s holds another store than the run was trained on; its dataset is unknown", config["features"])
             attrs = {}
@@ -326,7 +326,6 @@ def _dataset_of(config: dict) -> tuple[str, str | None]:
             attrs = json.loads(path.read_text())
         except (OSError, ValueError):
             log.info("%s: cannot read the manifest's meta.json; its dataset is unknown", path)
-        trained_on = (config.get("provenance") or {}).get("manifest_sha256")
         now = _manifest_sha(config["manifest"]) if attrs and trained_on else None
         if now is not None and now != trained_on:  # the manifest was rewritten since
             log.info("%s holds another manifest than the run was trained on; its dataset is unknown",
@@ -361,7 +360,7 @@ def _identity(run: RunRecord) -> dict[str, Any]:
         settings.setdefault("epoch_pairs", "videos")  # a run from before the option trained on those
     flat.update({f"{section}.{k}": v for k, v in settings.items() if k not in _NOT_IDENTITY})
     resolved = (run.config.get("resolved") or {}).get("lr")
-    if resolved is not None and run.settings.get("lr") is None:  # a head's default_lr, which can change
+    if resolved is not None and settings.get("lr") is None:  # a head's default_lr, which can change
         flat["train.lr"] = resolved
     if run.config.get("max_steps") is not None:
         flat["train.max_steps"] = run.config["max_steps"]

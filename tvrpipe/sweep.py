@@ -257,7 +257,7 @@ def run_sweep(
     """
     from tvrpipe.lock import check_writable
     from tvrpipe.pipeline.extract import _ray_init, require_gpus
-    from tvrpipe.pipeline.store import IDENTITY_KEYS, open_store
+    from tvrpipe.pipeline.store import open_store, store_identity
     from tvrpipe.training.fit import TrainConfig, store_head_config
 
     base = train or TrainConfig()
@@ -272,7 +272,7 @@ def run_sweep(
     base.validate()
     check_writable(out, "--out")
     store = open_store(features)
-    identity = {k: store.provenance.get(k) for k in IDENTITY_KEYS}  # what fit records as the run's store
+    identity = store_identity(store.provenance)  # what fit records as the run's store
     features = Path(features).resolve()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -317,13 +317,13 @@ def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
 
 def _already_complete(out: Path, provenance: dict) -> bool:
     """``out`` holds a complete store of this provenance: a rerun has nothing to do."""
-    from tvrpipe.pipeline.store import IDENTITY_KEYS, StoreError, store_attributes
+    from tvrpipe.pipeline.store import StoreError, provenance_mismatch, store_attributes
 
     try:
         attrs = store_attributes(out)
     except StoreError:
         return False
-    return bool(attrs.get("complete")) and all(attrs.get(k) == provenance.get(k) for k in IDENTITY_KEYS)
+    return bool(attrs.get("complete")) and not provenance_mismatch(attrs, provenance)
 
 
 def _check_device(cfg: ExtractConfig) -> None:

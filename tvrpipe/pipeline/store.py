@@ -100,6 +100,11 @@ def make_provenance(**fields: Any) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "tvrpipe_version": __version__, "dtype": "float16", **fields}
 
 
+def store_identity(provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity keys of a provenance: what a run records as the store it was trained on."""
+    return {k: provenance.get(k) for k in IDENTITY_KEYS}
+
+
 def provenance_mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
     """Human-readable differences between two provenances on the identity keys in ``want``."""
     return [

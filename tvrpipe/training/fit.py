@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, create_head, head_class
 from tvrpipe.lock import check_writable, locked
-from tvrpipe.pipeline.store import IDENTITY_KEYS, atomic_write_text, file_sha256, open_store
+from tvrpipe.pipeline.store import atomic_write_text, file_sha256, open_store, store_identity
 from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.data import SplitData, Splits, load_split, load_splits, store_split_rows
 
@@ -552,7 +552,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         "resolved": {"lr": lr, "lr_source": lr_source, "schedule": schedule},
         "post": list(post),
         "features": str(Path(features).resolve()),
-        "provenance": {k: store.provenance.get(k) for k in IDENTITY_KEYS},
+        "provenance": store_identity(store.provenance),
         "validation": splits.val_source,
         "max_steps": max_steps,
     }
