@@ -217,7 +217,9 @@ def test_options_are_checked_before_anything_runs(data, tmp_path):
     bad = [(dict(batch_size=6, num_workers=4), "divisible by --num-workers"),
            (dict(precision="fp16"), "--precision fp16 needs --use-gpu"),
            (dict(precision="fp64"), "--precision must be one of"),
-           (dict(clip_lr=-1.0), "--clip-lr"), (dict(epochs=-1), "--epochs")]
+           (dict(clip_lr=-1.0), "--clip-lr"), (dict(epochs=-1), "--epochs"),
+           (dict(epoch_pairs="pairs"), "--epoch-pairs must be one of captions, videos, got 'pairs'"),
+           (dict(timeout_s=float("inf")), r"--timeout must be > 0 and at most 2,000,000 seconds")]
     for kw, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             finetune(data / "manifest", data / "videos", "meanpool", tmp_path / "r", FinetuneConfig(**{**TINY, **kw}))
