@@ -217,6 +217,25 @@ def test_seed_step_seeds_the_cpu_stream_as_manual_seed_does_without_lazy_acceler
     assert not torch.equal(ours, torch.rand(6))  # another step, another stream
 
 
+def test_an_optimizer_state_for_other_parameters_is_refused_by_name(tmp_path):
+    """A run started by a tvrpipe whose head had other parameters (prota's dead output biases) cannot
+    continue training: said so, not reported as damaged checkpoints."""
+    from tvrpipe.errors import RunError
+    from tvrpipe.training.fit import load_optimizer_state
+
+    before = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    old = torch.optim.AdamW(before)
+    before[0].sum().backward()
+    old.step()
+    now = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2)) for _ in range(2)])
+    with pytest.raises(RunError, match=r"cannot resume: its optimizer state is for 3 parameter tensors and the "
+                                       r"head now has 2 .*tvrpipe evaluate.*Delete .*checkpoints"):
+        load_optimizer_state(now, old.state_dict(), tmp_path)
+    same = torch.optim.AdamW(before)
+    load_optimizer_state(same, old.state_dict(), tmp_path)
+    assert same.state_dict()["state"][0]["step"] == 1
+
+
 def test_other_config_in_same_run_dir_is_refused(store, tmp_path):
     fit(store, "meanpool", tmp_path / "r", TrainConfig(epochs=1, batch_size=32), progress=False)
     with pytest.raises(ConfigError, match="holds a run with another configuration"):

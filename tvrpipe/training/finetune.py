@@ -65,6 +65,7 @@ from tvrpipe.training.fit import (
     _save_checkpoint,
     _schedule,
     load_head,
+    load_optimizer_state,
     rows_from_state,
     save_weights,
     seed_step,
@@ -445,7 +446,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     failures: dict[str, str] = {}  # video id -> error, every video that failed to decode
     if state is not None:
         if opt and state["optimizer"]:
-            opt.load_state_dict(state["optimizer"])
+            load_optimizer_state(opt, state["optimizer"], out)
         if state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         start_epoch, best, failures = state["epoch"] + 1, state["best"], state["failures"]

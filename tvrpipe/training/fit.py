@@ -426,6 +426,24 @@ class Checkpoints:
         return state
 
 
+def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict, out: Path) -> None:
+    """Resume ``opt`` from a checkpoint's optimizer state.
+
+    Raises:
+        RunError: the state was saved for other parameters: the run was started by a tvrpipe whose head
+            had other parameters (e.g. prota before its token-weight MLPs lost their dead output bias).
+            Its weights still load (``tvrpipe evaluate``); its training cannot continue.
+    """
+    have = [len(g["params"]) for g in opt.param_groups]
+    was = [len(g["params"]) for g in saved.get("param_groups", [])]
+    if have != was:
+        raise RunError(f"{out}: cannot resume: its optimizer state is for {sum(was)} parameter tensors and the "
+                       f"head now has {sum(have)} (the run was started by an earlier tvrpipe whose head had other "
+                       f"parameters); its checkpoints still load for `tvrpipe evaluate`. Delete "
+                       f"{out / 'checkpoints'} to train it again with this version")
+    opt.load_state_dict(saved)
+
+
 def _same_run(a: dict, b: dict) -> bool:
     """Two run configs describe the same run: equal but for the label of the lr's source, which may
     change with tvrpipe (``xpool.default_lr`` becoming ``xpool.default_lr at D=512``)."""
@@ -594,10 +612,12 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
             last = load_head(ckpt.folder / "last.safetensors", str(device))
             head.load_state_dict(last.state_dict())
             if opt:
-                opt.load_state_dict(state["optimizer"])
+                load_optimizer_state(opt, state["optimizer"], out)
             start_epoch, best, rows = state["epoch"] + 1, state["best"], rows_from_state(state)
             best_score, since_best = state["best_score"], state["since_best"]
             halvings, stopped = state["halvings"], state["stopped"]
+        except TvrpipeError:
+            raise
         except Exception as e:
             raise RunError(f"{out}: cannot resume, its checkpoints are damaged ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:160]}); delete {out / 'checkpoints'} to train from "

@@ -36,7 +36,9 @@ Choices (docs/methods.md, "ProTA"):
 - **Eq. 5: W_t yields one weight per token**: the two-layer MLP maps each re-aggregated token
   (G_tt f_t)_i to a logit (Linear D->2D, ReLU, Linear 2D->1: the token-weight MLP of Mean-Max/DRL,
   the paper's [22] and Tab. 1 baseline) and a softmax over the real tokens makes the weights, so
-  h_{t->t} is (N,) like l_{t->v} (Eq. 8 takes their inner product; a (N, D) h could not be).
+  h_{t->t} is (N,) like l_{t->v} (Eq. 8 takes their inner product; a (N, D) h could not be). The
+  output layer has no bias: the softmax is shift-invariant, so a bias there could never learn
+  (its gradient is exactly zero) and would change no weight.
   G_tt f_t is divided by N (``gram_aggregation="mean"``): a sum would scale with the caption's
   length, which an MLP on frozen features cannot undo; "sum" is the literal print. The MLP's
   output layer starts at zero, so the untrained weights are uniform (the LdA row's means).
@@ -168,15 +170,29 @@ class Config(HeadConfig):
 
 
 class TokenMLP(nn.Sequential):
-    """Linear -> ReLU -> Linear over the last dimension (the paper's "two-layer MLP")."""
+    """Linear -> ReLU -> Linear over the last dimension (the paper's "two-layer MLP").
 
-    def __init__(self, dim: int, hidden: int, out: int) -> None:
-        super().__init__(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, out))
+    ``out_bias=False`` drops the output layer's bias, for an MLP whose output feeds a softmax over
+    tokens: softmax is shift-invariant, so that bias would get an exactly zero gradient and change no
+    score. A checkpoint that still holds it (written before it was dropped) loads with it discarded,
+    which changes nothing either.
+    """
+
+    def __init__(self, dim: int, hidden: int, out: int, out_bias: bool = True) -> None:
+        super().__init__(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, out, bias=out_bias))
+        if not out_bias:
+            self.register_load_state_dict_pre_hook(_drop_shift_bias)
 
     def tokens(self, x: Tensor, mask: Tensor) -> Tensor:
         """The MLP on the real tokens only, zero at padding: (B, L, D) -> (B, L, out)."""
         real = self(x[mask])  # (n_real, out): no work on the padded tails of short captions
         return real.new_zeros(*mask.shape, real.shape[-1]).index_put((mask,), real)
+
+
+def _drop_shift_bias(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """Load-state hook of a bias-free :class:`TokenMLP`: a checkpoint's output bias is a constant shift
+    of the softmax's logits, so it is dropped, not refused."""
+    state_dict.pop(f"{prefix}2.bias", None)
 
 
 # -- the head --------------------------------------------------------------------------------------
@@ -221,12 +237,11 @@ class ProTA(Head):
         self.blocks = nn.ModuleList(ResidualAttentionBlock(d, heads, cfg.mlp_ratio, cfg.ln_eps)
                                     for _ in range(cfg.num_layers))
         init_sequence_transformer(self.frame_position_embeddings, self.blocks, cfg.zero_init)
-        if cfg.intra:  # W_t, W_v (Eq. 5): token weight logits, uniform at the start
-            self.text_weight = TokenMLP(d, 2 * d, 1)
-            self.video_weight = TokenMLP(d, 2 * d, 1)
+        if cfg.intra:  # W_t, W_v (Eq. 5): token weight logits, uniform at the start; no output bias (a softmax follows)
+            self.text_weight = TokenMLP(d, 2 * d, 1, out_bias=False)
+            self.video_weight = TokenMLP(d, 2 * d, 1, out_bias=False)
             for mlp in (self.text_weight, self.video_weight):
                 nn.init.zeros_(mlp[2].weight)
-                nn.init.zeros_(mlp[2].bias)
         if cfg.probabilistic:  # W^mean, W^var (Eq. 9), one pair per modality
             self.text_mean, self.video_mean = TokenMLP(d, d, d), TokenMLP(d, d, d)
             self.text_var, self.video_var = TokenMLP(d, d, d), TokenMLP(d, d, d)
