@@ -173,6 +173,10 @@ def test_features_show(store_dir, cli):
     r = cli("features", "show", store_dir)
     assert r.exit_code == 0
     assert "16 x 12 x 64" in r.output and "weights_sha256" in r.output and "failed videos: 2" in r.output
+    import torch
+
+    from tvrpipe import __version__
+    assert f"versions: tvrpipe {__version__}, torch {torch.__version__}," in r.output
 
 
 def test_incomplete_store_is_refused(tmp_path, cli):

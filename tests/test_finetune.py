@@ -129,6 +129,8 @@ def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, data, 
     assert random_clip.logit_scale == pytest.approx(math.log(1 / 0.07), abs=1e-6)  # open_clip's init
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert cfg["head"]["logit_scale_init"] == pytest.approx(random_clip.logit_scale)
+    from tvrpipe.environment import versions
+    assert cfg["versions"] == versions()  # the software the run was trained with
     learned = load_head(out / "checkpoints" / "best.safetensors").logit_scale.item()
     assert abs(learned - random_clip.logit_scale) > 0.01  # the scale trained (lr 1e-3, 10 epochs)
     exported = load_file(str(out / "clip.safetensors"))["logit_scale"]

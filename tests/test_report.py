@@ -111,6 +111,10 @@ def test_seeds_form_one_row_with_mean_and_sample_std(report, runs):
     runs_table = s["Runs"]
     assert sorted(r[1] for r in runs_table if r[0] == "xpool") == ["0", "1"]
     assert _row(runs_table, "tmass")[2] == str(_metrics(runs / "tmass" / "seed0")["selected_epoch"])
+    # the software each run was trained with, as its config.yaml records it
+    from tvrpipe.environment import versions, versions_text
+    assert _row(runs_table, "tmass")[4] == versions_text(versions()).replace("|", "\\|")
+    assert rec["versions"] == versions_text(versions())
 
 
 def test_raw_dsl_and_rerank_tables_apart(report, runs):

@@ -109,3 +109,36 @@ def test_reader_refuses_mismatch_and_missing(tmp_path):
     assert open_store(tmp_path / "s", expect={"model": "m", "frames": F}).provenance["model"] == "m"
     with pytest.raises(StoreError, match="no feature store here"):
         open_store(tmp_path / "nothing")
+
+
+def test_store_records_its_versions_and_a_resume_in_another_environment(tmp_path, monkeypatch):
+    """The software that made the rows: ``versions`` when created; a resume that writes rows in another
+    environment adds it to ``resumed_with`` (once); reopening the complete store adds nothing."""
+    import importlib.metadata
+
+    import torch
+
+    import tvrpipe
+    from tvrpipe import environment
+
+    v, t = _tables()
+    rng = np.random.default_rng(3)
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        _fill(w, rng, only={0})
+    made = zarr.open_group(tmp_path / STORE_NAME, mode="r").attrs.asdict()
+    assert made["versions"]["torch"] == torch.__version__ and made["versions"]["tvrpipe"] == tvrpipe.__version__
+    assert made["versions"]["zarr"] == importlib.metadata.version("zarr") and "resumed_with" not in made
+    first = made["versions"]
+    upgraded = {**first, "torch": "9.9.9"}
+    monkeypatch.setattr(environment, "versions", lambda: upgraded)
+    for _ in range(2):
+        with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4):
+            pass
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        _fill(w, rng)
+        w.finalize()
+    prov = open_store(tmp_path).provenance
+    assert prov["versions"] == first and prov["resumed_with"] == [upgraded]
+    monkeypatch.setattr(environment, "versions", lambda: {**first, "numpy": "0.0"})
+    StoreWriter(tmp_path, v, t, _prov()).close()  # complete: no row is written in this environment
+    assert open_store(tmp_path).provenance["resumed_with"] == [upgraded]

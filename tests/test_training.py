@@ -17,6 +17,7 @@ from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.heads.base import list_heads
 from tvrpipe.pipeline.genstore import GenSpec, generate_store
 from tvrpipe.pipeline.store import StoreError
+from tvrpipe.environment import versions
 from tvrpipe.training import fit as fit_module
 from tvrpipe.training.fit import TrainConfig, evaluate_run, fit, load_head
 
@@ -62,6 +63,7 @@ def test_run_directory_contents(trained, store):
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert cfg["method"] == "xpool" and cfg["head"]["embed_dim"] == 32 and cfg["train"]["epochs"] == 3
     assert cfg["provenance"]["model"] == "synthetic-features"
+    assert cfg["versions"] == versions() and "resumed_with" not in cfg  # the software behind the numbers
     # the generated store has no val split: validation is carved from train, and said so
     assert m["validation"].startswith("carved from train: 16 videos")
     assert m["val"]["t2v"]["n"] == 16
@@ -215,6 +217,19 @@ def test_seed_step_seeds_the_cpu_stream_as_manual_seed_does_without_lazy_acceler
     assert lazy == [1] or torch.cuda.is_initialized()  # the probe sees torch.manual_seed's lazy call
     seed_step(7, 2, 6)
     assert not torch.equal(ours, torch.rand(6))  # another step, another stream
+
+
+def test_a_run_resumed_in_another_environment_keeps_its_versions_and_lists_the_other(store, tmp_path, monkeypatch):
+    from tvrpipe import environment
+
+    cfg = TrainConfig(epochs=1, batch_size=32, lr=1e-3, seed=0)
+    first = fit(store, "meanpool", tmp_path / "r", cfg, progress=False)
+    upgraded = {**versions(), "torch": "9.9.9"}
+    monkeypatch.setattr(environment, "versions", lambda: upgraded)
+    again = fit(store, "meanpool", tmp_path / "r", cfg, progress=False)  # the same run, not another configuration
+    assert again["test"] == first["test"]
+    saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert saved["versions"]["torch"] == torch.__version__ and saved["resumed_with"] == [upgraded]
 
 
 def test_an_optimizer_state_for_other_parameters_is_refused_by_name(tmp_path):

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tvrpipe.environment import versions_text
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
 
 log = logging.getLogger(__name__)
@@ -509,12 +510,20 @@ def _link(path: Path, out: Path) -> str:
 
 
 def _runs_table(section: Section, out: Path) -> list[str]:
-    lines = ["| Method | seed | selected epoch | epochs run | run |", "|---|---:|---:|---:|---|"]
+    lines = ["| Method | seed | selected epoch | epochs run | versions | run |", "|---|---:|---:|---:|---|---|"]
     for row in section.rows:
         for r in row.runs:
             lines.append(f"| {row.label} | {r.seed} | {r.metrics.get('selected_epoch', '?')} | {len(r.epochs)} | "
-                         f"{_link(r.dir, out)} |")
+                         f"{_versions_cell(r.config)} | {_link(r.dir, out)} |")
     return lines
+
+
+def _versions_cell(config: dict) -> str:
+    """The software a run was trained with (its config's ``versions``), and any it was resumed with."""
+    text = versions_text(config.get("versions"))
+    for other in config.get("resumed_with") or []:
+        text += f"; resumed with {versions_text(other)}"
+    return text.replace("|", "\\|")
 
 
 def _csv_rows(sections: list[Section]) -> list[dict]:
@@ -535,6 +544,7 @@ def _csv_rows(sections: list[Section]) -> list[dict]:
                         mean, std = _stats(row.values(variant, direction, m))
                         rec[m], rec[f"{m} std"] = mean, std
                     rec["runs"] = " ".join(str(r.dir) for r in runs)
+                    rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
                     rows.append(rec)
     return rows
 

@@ -108,8 +108,14 @@ def show(features: Annotated[Path, typer.Argument(help="A feature store director
         a = store.array(name)
         table.add_row(name, " x ".join(str(n) for n in a.shape), str(a.dtype))
     console.print(table)
-    for k in sorted(store.provenance):
-        console.print(f"  {k}: {store.provenance[k]}")
+    from tvrpipe.environment import versions_text
+
+    prov = store.provenance
+    for k in sorted(set(prov) - {"versions", "resumed_with"}):
+        console.print(f"  {k}: {prov[k]}", markup=False)
+    console.print(f"  versions: {versions_text(prov.get('versions'))}", markup=False)
+    for other in prov.get("resumed_with") or []:  # rows written after a resume, in another environment
+        console.print(f"  resumed with: {versions_text(other)}", markup=False)
     splits = store.videos.groupby("split").size().to_dict()
     console.print(f"videos per split: {splits}; failed videos: {len(store.failures)}")
 

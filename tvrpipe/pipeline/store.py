@@ -49,6 +49,7 @@ import numpy as np
 import pandas as pd
 import zarr
 
+from tvrpipe.environment import resumed_versions
 from tvrpipe.errors import TvrpipeError
 from tvrpipe.lock import DirLock
 
@@ -93,11 +94,13 @@ def manifest_sha256(videos: pd.DataFrame, captions: pd.DataFrame) -> str:
 def make_provenance(**fields: Any) -> dict[str, Any]:
     """Provenance attrs: the identity keys plus anything else worth recording."""
     from tvrpipe import __version__
+    from tvrpipe.environment import versions
 
     missing = [k for k in IDENTITY_KEYS if k not in fields and k not in ("schema_version", "dtype")]
     if missing:
         raise ValueError(f"provenance lacks {missing}")
-    return {"schema_version": SCHEMA_VERSION, "tvrpipe_version": __version__, "dtype": "float16", **fields}
+    return {"schema_version": SCHEMA_VERSION, "tvrpipe_version": __version__, "dtype": "float16",
+            "versions": versions(), **fields}
 
 
 def store_identity(provenance: Mapping[str, Any]) -> dict[str, Any]:
@@ -346,7 +349,13 @@ class StoreWriter:
         self.root = _open_group(path, mode="a")
         # provenance that a store written by an earlier tvrpipe lacks (e.g. logit_scale): the identity keys
         # matched above, so these describe the same weights; recording them loses nothing
-        missing = {k: v for k, v in self.provenance.items() if k not in self.root.attrs}
+        # (not the versions: those of this process did not make the store's earlier rows)
+        missing = {k: v for k, v in self.provenance.items() if k not in self.root.attrs and k != "versions"}
+        attrs = self.root.attrs
+        if not attrs.get("complete"):  # the rows still to come are this process's
+            resumed = resumed_versions(attrs.get("versions"), attrs.get("resumed_with"))
+            if resumed != attrs.get("resumed_with"):
+                missing["resumed_with"] = resumed
         if missing:
             self.root.attrs.update(missing)
         self._layout = _Layout(self.dir, self.root)

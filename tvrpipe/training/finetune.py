@@ -51,6 +51,7 @@ import torch
 import torch.nn as nn
 import yaml
 
+from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
@@ -742,9 +743,11 @@ def finetune(
         if cfg_path.is_file():
             have = _read_config(out)
             have.setdefault("finetune", {}).setdefault("epoch_pairs", "videos")  # a run from before the option
-            if {k: v for k, v in have.items() if k != "execution"} != json.loads(json.dumps(
-                    {k: v for k, v in config.items() if k != "execution"})):
+            ignored = ("execution", *ENVIRONMENT_KEYS)  # how and where it runs may change on a resume
+            if {k: v for k, v in have.items() if k not in ignored} != json.loads(json.dumps(
+                    {k: v for k, v in config.items() if k not in ignored})):
                 raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
+        config.update(run_versions(have if cfg_path.is_file() else None))
         atomic_write_text(cfg_path, yaml.safe_dump(config, sort_keys=False))
         (out / "checkpoints").mkdir(exist_ok=True)
         if cfg.num_workers == 0:

@@ -42,6 +42,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, create_head, head_class
 from tvrpipe.lock import check_writable, locked
@@ -448,6 +449,7 @@ def _same_run(a: dict, b: dict) -> bool:
     """Two run configs describe the same run: equal but for the label of the lr's source, which may
     change with tvrpipe (``xpool.default_lr`` becoming ``xpool.default_lr at D=512``)."""
     def strip(c: dict) -> dict:
+        c = {k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS}  # a run may resume in another environment
         return {**c, "resolved": {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}}
     return strip(a) == strip(b)
 
@@ -582,6 +584,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                               f"{lr_source} is now {lr:g}; choose another --out (add --lr {was.get('lr'):g} to train "
                               "as before)")
         raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
+    config.update(run_versions(old if cfg_path.is_file() else None))
     atomic_write_text(cfg_path, yaml.safe_dump(config, sort_keys=False))
     (out / "checkpoints").mkdir(exist_ok=True)
 
