@@ -25,6 +25,8 @@ from tvrpipe.pipeline.clip import (
     tokenize,
 )
 
+pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
+
 TEXTS = ["a red circle moves to the left", "two blue squares bounce", "wow !~ a green triangle"]
 SOT, EOT = 49406, 49407
 
@@ -228,9 +230,10 @@ def test_sentence_equals_encode_text_of_padded_ids(tiny: ClipBundle):
     assert tokens.dtype == sentence.dtype == torch.float32
     with torch.no_grad():
         ref = tiny.model.encode_text(_padded(ids))  # (M, D), at the full context length
-    torch.testing.assert_close(sentence, ref, atol=1e-5, rtol=0)
+    # other sequence lengths, other GEMM shapes: a transformer's float32 rounding, ~1e-6 of |x| per path
+    torch.testing.assert_close(sentence, ref, atol=1e-5, rtol=1e-5)
     eos = ids.argmax(dim=-1)
-    torch.testing.assert_close(tokens[torch.arange(3), eos], sentence, atol=1e-5, rtol=0)
+    torch.testing.assert_close(tokens[torch.arange(3), eos], sentence, atol=1e-5, rtol=1e-5)
     assert (tokens[~mask] == 0).all() and (tokens[mask].abs().sum(-1) > 0).all()
     assert not tokens.is_inference() and not sentence.is_inference()
 
@@ -241,10 +244,10 @@ def test_tokens_do_not_depend_on_max_words(tiny: ClipBundle):
     assert torch.equal(ids77[:, :16], ids16) and torch.equal(mask77[:, :16], mask16)
     tokens16, sentence16 = encode_text_tokens(tiny, ids16)
     tokens77, sentence77 = encode_text_tokens(tiny, ids77)
-    torch.testing.assert_close(tokens16, tokens77[:, :16], atol=1e-5, rtol=0)
-    torch.testing.assert_close(sentence16, sentence77, atol=1e-5, rtol=0)
+    torch.testing.assert_close(tokens16, tokens77[:, :16], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sentence16, sentence77, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(sentence77, tiny.model.encode_text(ids77), atol=1e-5, rtol=0)
+        torch.testing.assert_close(sentence77, tiny.model.encode_text(ids77), atol=1e-5, rtol=1e-5)
 
 
 def test_mask_covers_sot_words_and_eot(tiny: ClipBundle):
@@ -265,7 +268,7 @@ def test_long_text_is_truncated_with_eot_last(tiny: ClipBundle):
     assert ids[1, :4].tolist()[0] == SOT and ids[1, 3] == EOT and mask[1].tolist() == [True] * 4 + [False] * 4
     _, sentence = encode_text_tokens(tiny, ids)
     with torch.no_grad():
-        torch.testing.assert_close(sentence, tiny.model.encode_text(_padded(ids)), atol=1e-5, rtol=0)
+        torch.testing.assert_close(sentence, tiny.model.encode_text(_padded(ids)), atol=1e-5, rtol=1e-5)
 
 
 def test_tokenize_rejects_bad_max_words(tiny: ClipBundle):
@@ -291,6 +294,6 @@ def test_vit_b_32_random_init_text_and_frames():
     assert tokens.shape == (2, 32, 512)
     with torch.no_grad():
         ref = bundle.model.encode_text(_padded(ids))
-    torch.testing.assert_close(sentence, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sentence, ref, atol=1e-5, rtol=1e-5)
     frames = np.random.default_rng(0).integers(0, 256, size=(2, 224, 224, 3), dtype=np.uint8)
     assert encode_frames(bundle, frames).shape == (2, 512)

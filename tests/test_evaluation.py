@@ -33,6 +33,8 @@ from tvrpipe.evaluation import (
 )
 from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch
 
+pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
+
 # --------------------------------------------------------------------------------------------
 # Independent references
 # --------------------------------------------------------------------------------------------
@@ -293,8 +295,9 @@ def test_block_engine_equals_full_matrix(head):
         full = head.similarity(head.encode_texts(texts), head.encode_videos(videos))
     blocked = similarity_matrix(head, t_emb, v_emb, block_texts=3, block_videos=5)
     assert blocked.dtype == torch.float32 and blocked.shape == (11, 13)
-    torch.testing.assert_close(blocked, full, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(similarity_matrix(head, t_emb, v_emb), blocked, rtol=1e-6, atol=1e-6)
+    # other block and batch shapes sum in other orders: ~10 float32 roundings (1e-6 of |x|) on each path
+    torch.testing.assert_close(blocked, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(similarity_matrix(head, t_emb, v_emb), blocked, rtol=1e-5, atol=1e-6)
 
 
 def test_permuting_videos_permutes_columns_and_keeps_metrics(head):
@@ -336,7 +339,7 @@ def test_evaluate_head_eval_mode_determinism_and_post_keys():
     with torch.no_grad():
         ref = head.similarity(head.encode_texts(texts), head.encode_videos(videos)).numpy()
         bank = head.similarity(head.encode_texts(bank_texts), head.encode_videos(videos)).numpy()
-    np.testing.assert_allclose(first["sim"].numpy(), ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(first["sim"].numpy(), ref, rtol=1e-5, atol=1e-6)  # other batch shapes, as above
     assert set(first) == {"t2v", "v2t", "n_texts", "n_videos", "t2v_dsl", "v2t_dsl", "t2v_qbnorm", "sim"}
     sim = first["sim"].numpy()
     assert first["t2v"] == pytest.approx(ref_metrics(ref_t2v_ranks(sim, tv)))
@@ -442,7 +445,9 @@ def test_qb_norm_matches_official_logic_and_streams():
     whole = querybank_summary(bank, k=2, beta=20.0)
     torch.testing.assert_close(acc.summary().log_norm, whole.log_norm)
     assert torch.equal(acc.summary().active, whole.active) and acc.summary().n_bank == 30
-    np.testing.assert_allclose(apply_qb_norm(sim, acc.summary()), qb_norm(sim, bank, k=2), rtol=1e-12)
+    # the streamed log-normaliser (a logaddexp chain over blocks of 7) and one logsumexp differ by ulps of
+    # ~20 (float64: ~1e-14), and beta s - log_norm cancels to values near 0: an absolute floor too
+    np.testing.assert_allclose(apply_qb_norm(sim, acc.summary()), qb_norm(sim, bank, k=2), rtol=1e-12, atol=1e-12)
 
 
 def test_qb_norm_large_scores_do_not_overflow():
@@ -464,6 +469,7 @@ def test_dsl_is_not_applied_to_distance_scores():
     from tvrpipe.heads.prota import ProTA
 
     texts, videos = _split(_texts(6, seed=1), 3), _split(_videos(6, seed=2), 3)
+    torch.manual_seed(0)  # the heads' weights, whatever ran before
     head = ProTA(ProTAConfig(embed_dim=D, num_heads=1, num_layers=1))
     res = evaluate_head(head, texts, videos, np.arange(6), post=("dsl",))
     assert "t2v_dsl" not in res and "v2t_dsl" not in res

@@ -147,12 +147,25 @@ def test_rerun_skips_everything_but_retries_failures(store_dir, data):
         np.testing.assert_array_equal(open_store(store_dir).array(name)[:], values)
 
 
+def assert_same_rows(a, b, name: str) -> None:
+    """Two stores hold the same rows of ``name``: masks and timestamps exactly; embeddings to one float16
+    ulp. An embedding is encoded in a batch of other size and neighbours when a run is resumed or
+    repaired, or runs with other workers; the CLIP's float32 matmuls then sum in another order (a few
+    ulps), and the float16 rounding of the store can turn that into one float16 ulp (2^-10 relative)."""
+    x, y = a.array(name)[:], b.array(name)[:]
+    if x.dtype != np.float16:
+        np.testing.assert_array_equal(x, y, err_msg=name)
+        return
+    np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=2.0 ** -10, atol=2.0 ** -24,
+                               err_msg=name)
+
+
 @pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
 def test_same_rows_with_other_worker_counts(store_dir, data, tmp_path):
     extract(data / "manifest", data / "videos", tmp_path / "b", _cfg(decoders=1, batch_size=5, video_shard=6))
     a, b = open_store(store_dir), open_store(tmp_path / "b")
     for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
-        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:])
+        assert_same_rows(a, b, name)
     pd.testing.assert_frame_equal(a.videos, b.videos)
 
 
@@ -251,7 +264,7 @@ def test_wrong_video_root_fails_the_run_then_the_right_one_retries(store_dir, da
     assert s.texts_done == 0  # texts were done by the failed run and kept
     a, b = open_store(out), open_store(store_dir)
     for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
-        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:], err_msg=name)
+        assert_same_rows(a, b, name)
     assert sorted(a.failures.video_id) == ["corrupt", "zero"]
 
 
@@ -289,7 +302,7 @@ def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path):
     assert changed == ["_progress/texts/000000.json", "_progress/videos/000001.json"]
     a, b = open_store(d), open_store(store_dir)
     for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
-        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:], err_msg=name)
+        assert_same_rows(a, b, name)
 
 
 def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch):

@@ -376,10 +376,17 @@ def test_ray_train_two_workers_step_equals_one_process_step(tmp_path):
         a = load_file(str(tmp_path / "one" / "checkpoints" / name))
         b = load_file(str(tmp_path / "two" / "checkpoints" / name))
         for k in a:
-            # Adam's first step is about lr * sign(g), so a different batch moves many weights by 2 lr; a
-            # gradient that is exactly 0 in theory (attention's key bias) is float noise in both runs and
-            # moves by up to lr: hence 0.1 lr
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4)
+            x, y = a[k], b[k]
+            if k.endswith("attn.in_proj_bias"):
+                # the key bias's gradient is exactly 0 (a softmax over keys ignores a shift common to all of
+                # them), so in each run it is float noise g ~ 1e-10 of the CPU's summation order, and Adam's
+                # first step lr g / (|g| + eps) moves it by anything up to lr: bounded, not compared
+                w = x.shape[0] // 3
+                assert (x[w:2 * w] - y[w:2 * w]).abs().max() <= 2 * cfg.clip_lr
+                x, y = torch.cat([x[:w], x[2 * w:]]), torch.cat([y[:w], y[2 * w:]])
+            # Adam's first step is about lr * sign(g), so a batch split in two (other sums, other rounding)
+            # moves a weight with a real gradient by the same step up to ~1e-5 (2.4e-6 measured): 0.1 lr
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-4)
     for k in start:
         moved += int((start[k] - init[k]).abs().max() > 5e-4)
     assert moved > 10  # the step moved the weights by about lr

@@ -20,6 +20,8 @@ from tvrpipe.errors import ConfigError
 from tvrpipe.heads import TextBatch, VideoBatch, create_head, list_heads
 from tvrpipe.heads.base import head_class
 
+pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
+
 D, L, NF = 16, 7, 5  # embed dim, tokens per caption, frames per video
 HEADS = list_heads()
 

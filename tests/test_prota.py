@@ -21,6 +21,8 @@ from tvrpipe.errors import ConfigError
 from tvrpipe.heads import TextBatch, VideoBatch, create_head
 from tvrpipe.heads.prota import gram_matrix, rbf_kernels, soft_max_aggregate, w2_similarity
 
+pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
+
 
 def mlp_np(mlp, x: np.ndarray) -> np.ndarray:
     w1, b1, w2 = (np64(p) for p in (mlp[0].weight, mlp[0].bias, mlp[2].weight))
@@ -286,8 +288,10 @@ def test_margin_grows_as_the_pair_kl_shrinks_and_raises_the_loss():
         m_t2v, m_v2t = head.pair_margins(te, ve)
         margins.append(float((m_t2v + m_v2t) / 2))
         kls.append(-math.log(float(m_t2v)))
-    assert kls == sorted(kls, reverse=True) and kls[-1] == pytest.approx(0.0, abs=1e-6)
-    assert margins == sorted(margins) and margins[-1] == pytest.approx(1.0)
+    # identical distributions: KL 0 up to the expansion's float32 cancellation (terms ~ sum mu^2 / var ~ 30,
+    # a few ulps of that: ~1e-5), which the clamp at 0 hides only when it rounds below
+    assert kls == sorted(kls, reverse=True) and kls[-1] == pytest.approx(0.0, abs=1e-4)
+    assert margins == sorted(margins) and margins[-1] == pytest.approx(1.0, abs=1e-4)
     # the KL is asymmetric, so the two directions' margins differ
     m_t2v, m_v2t = head.pair_margins({"pool_mu": mu_t, "pool_var": var}, {"pool_mu": mu_t + direction, "pool_var": 3 * var})
     assert float(m_t2v) != pytest.approx(float(m_v2t), rel=1e-3)

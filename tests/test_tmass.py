@@ -17,6 +17,8 @@ from tvrpipe.errors import ConfigError
 from tvrpipe.heads import TextBatch, VideoBatch, create_head
 from tvrpipe.heads.losses import symmetric_infonce
 
+pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
+
 
 def radius_reference(head, texts: TextBatch, videos: VideoBatch) -> np.ndarray:
     """R of every pair (Eq. 6-7 and Tab. 5), (n_text, n_video, D): S over the real frames only."""
@@ -116,13 +118,15 @@ def test_a_pairs_score_ignores_the_other_items_and_the_blocks():
     keep_t, keep_v = torch.tensor([5, 0, 3]), torch.tensor([8, 2, 4, 1])
     sub = sim(head, TextBatch(texts.tokens[keep_t], texts.token_mask[keep_t], texts.sentence[keep_t]),
               VideoBatch(videos.frames[keep_v], videos.frame_mask[keep_v]))
-    torch.testing.assert_close(sub, full[keep_t][:, keep_v], atol=1e-6, rtol=0)
+    # other block shapes, other summation orders: each path is within ~2.4e-7 of float64 here (M = 20
+    # noise matmuls), so two paths within ~5e-7; 5e-6 leaves a margin for other CPUs' kernels
+    torch.testing.assert_close(sub, full[keep_t][:, keep_v], atol=5e-6, rtol=0)
     import tvrpipe.heads.tmass as tm
 
     budget = tm._PAIR_BUDGET
     try:
         tm._PAIR_BUDGET = 1  # one pair per tile
-        torch.testing.assert_close(sim(head, texts, videos), full, atol=1e-6, rtol=0)
+        torch.testing.assert_close(sim(head, texts, videos), full, atol=5e-6, rtol=0)
     finally:
         tm._PAIR_BUDGET = budget
     # the same noise for the same seed, in a fresh head; another seed draws other noise

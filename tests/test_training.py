@@ -21,6 +21,8 @@ from tvrpipe.environment import versions
 from tvrpipe.training import fit as fit_module
 from tvrpipe.training.fit import TrainConfig, evaluate_run, fit, load_head
 
+pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
+
 N_TEST = 40
 BASELINES = ["meanpool", "seqtransf", "tokenwise", "xpool"]
 
