@@ -51,3 +51,34 @@ def test_resumed_with_lists_each_other_environment_once(monkeypatch):
     # a run from before versions were recorded: its start is unknown, this environment is listed
     assert run_versions({}) == {"versions": None, "resumed_with": [other]}
 
+
+def _lock() -> dict:
+    import tomllib
+    from pathlib import Path
+
+    return tomllib.loads((Path(__file__).resolve().parents[1] / "uv.lock").read_text())
+
+
+def test_the_lock_holds_the_index_torch_never_the_local_cpu_wheel():
+    """The machines carry a local torch==2.13.0+cpu wheel that breaks torchvision (DESIGN.md): the lock
+    must hold a regular build from the package index, with hashes, and no file or local version."""
+    torch_entries = [p for p in _lock()["package"] if p["name"] == "torch"]
+    assert torch_entries
+    for p in torch_entries:
+        assert p["source"] == {"registry": "https://pypi.org/simple"}, p["source"]
+        assert "+" not in p["version"] and p["version"] != "2.13.0", p["version"]
+        assert p["wheels"] and all(w["url"].startswith("https://") and w["hash"] for w in p["wheels"])
+
+
+def test_the_lock_covers_every_dependency_of_pyproject():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    lock = _lock()
+    assert lock["requires-python"] == project["requires-python"]
+    locked = {p["name"] for p in lock["package"]}
+    wanted = project["dependencies"] + project["optional-dependencies"]["dev"]
+    names = {re.split(r"[<>=!\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in wanted}
+    assert names <= locked, names - locked
