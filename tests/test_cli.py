@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -179,3 +180,30 @@ def test_help_lists_extraction_commands(cli):
         assert name in r.output
     r = cli("extract", "--help")
     assert r.exit_code == 0 and "--pretrained" in r.output and "--address" in r.output
+
+
+def test_nan_and_infinities_are_refused_wherever_a_finite_number_is_meant(cli, tmp_path):
+    """NaN passes every range check (nan > 0 and nan < 0 are both False) and then turns a loss term off
+    or a run into NaNs: refused in every float option, every --set, every head config, naming it."""
+    nowhere = tmp_path / "none"
+    for args in (["train-head", "--features", nowhere, "--method", "xpool", "--out", tmp_path / "r", "--lr", "nan"],
+                 ["finetune", "--method", "xpool", "--manifest", nowhere, "--video-root", nowhere, "--out",
+                  tmp_path / "f", "--head-lr", "inf"],
+                 ["extract", "--manifest", nowhere, "--video-root", nowhere, "--out", tmp_path / "s",
+                  "--max-failed-fraction", "nan"],
+                 ["sweep", "--features", nowhere, "--methods", "xpool", "--out", tmp_path / "w", "--cpus-per-run", "-inf"]):
+        r = cli(*args)
+        text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", r.output).split())  # the usage error's box, unwrapped
+        assert r.exit_code == 2 and f"Invalid value for '{args[-2]}': '{args[-1]}': a finite number is needed " \
+            "(not NaN or an infinity)" in text, (args, r.output)
+        assert not (tmp_path / "r").exists() and not (tmp_path / "f").exists()
+    for method, item in (("tmass", "alpha=nan"), ("duq", "uncertainty_weight=NaN"), ("prota", "margin_weight=nan"),
+                         ("xpool", "logit_scale_init=nan"), ("prota", "kl_weight=inf")):
+        r = cli("train-head", "--features", nowhere, "--method", method, "--out", tmp_path / "r", "--set", item)
+        assert r.exit_code == 1, r.output
+        assert f"error: --set {item}: it must be a finite number (not NaN or an infinity)" in " ".join(r.output.split())
+        assert not (tmp_path / "r").exists()
+    r = cli("train-head", "--features", nowhere, "--method", "prota", "--out", tmp_path / "r", "--set", "lam=nan")
+    assert r.exit_code == 1 and "error: --set lam=nan: NaN is not a value" in " ".join(r.output.split())
+    r = cli("sweep", "--features", nowhere, "--methods", "tmass", "--out", tmp_path / "w", "--set", "train.lr=1e-3,nan")
+    assert r.exit_code == 1 and "--set lr=nan: it must be a finite number" in " ".join(r.output.split()), r.output

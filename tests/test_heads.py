@@ -79,6 +79,25 @@ def test_unknown_config_key_is_named(name):
         create_head(name, embed_dim=D, bogus_key=1)
 
 
+@pytest.mark.parametrize("name", HEADS)
+def test_no_config_field_takes_nan_and_only_declared_ones_take_infinity(name):
+    """Every float field of every head: NaN is refused (it passes any range check, then silently turns a
+    term off); an infinity too, unless the field declares it means something (ProTA's hard-max
+    temperatures)."""
+    from tvrpipe.config import INFINITE_OK
+
+    fields = [f for f in dataclasses.fields(head_class(name).Config) if f.type in (float, "float")]
+    assert fields
+    for f in fields:
+        with pytest.raises(ConfigError, match=rf"\.{f.name}=nan: .*(finite number|NaN is not a value)"):
+            create_head(name, embed_dim=D, **{f.name: float("nan")})
+        if f.metadata.get(INFINITE_OK):
+            assert getattr(create_head(name, embed_dim=D, **{f.name: float("inf")}).config, f.name) == float("inf")
+        else:
+            with pytest.raises(ConfigError, match=rf"\.{f.name}=inf: it must be a finite number"):
+                create_head(name, embed_dim=D, **{f.name: float("inf")})
+
+
 def test_unknown_head_is_named():
     with pytest.raises(ConfigError, match="no_such_head"):
         create_head("no_such_head")

@@ -450,7 +450,7 @@ def test_resume_with_damaged_state_is_one_line(run, pristine, tmp_path):
     (["--epochs", "-1"], "--epochs must be >= 0"),
     (["--batch-size", "1"], "--batch-size must be >= 2"),
     (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
-    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-1e-3"], "--lr must be a finite number > 0, got -0.001"),  # NaN: a usage error (test_cli)
     (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
 ])

@@ -3,11 +3,43 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import typing
 from typing import Any
 
 from tvrpipe.errors import ConfigError
+
+# a dataclass field whose metadata holds this key (True) may be infinite (e.g. a softmax temperature,
+# where inf is the hard max); NaN is never a value of any field
+INFINITE_OK = "infinite_ok"
+ALLOWS_INFINITY = {INFINITE_OK: True}  # ``dataclasses.field(default=..., metadata=ALLOWS_INFINITY)``
+
+
+def infinite_ok(cls: type, key: str) -> bool:
+    """Whether the field ``key`` of the dataclass ``cls`` takes infinity as a value (its metadata says so)."""
+    return any(f.name == key and f.metadata.get(INFINITE_OK) for f in dataclasses.fields(cls))
+
+
+def check_finite(value: Any, what: str, inf_ok: bool = False) -> None:
+    """Refuse NaN anywhere in ``value`` (a number, or a list or dict of them), and infinities unless
+    ``inf_ok``: NaN passes every range check (``nan > 0`` and ``nan < 0`` are both False) and then
+    silently turns a term off or a run into NaNs.
+
+    Raises:
+        ConfigError: naming ``what`` (e.g. ``--set alpha=nan``).
+    """
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and not inf_ok):
+            allowed = "NaN is not a value" if inf_ok else "it must be a finite number (not NaN or an infinity)"
+            raise ConfigError(f"{what}: {allowed}")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_finite(v, what, inf_ok)
+    elif isinstance(value, dict):
+        for v in value.values():
+            check_finite(v, what, inf_ok)
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -17,11 +49,12 @@ def field_types(cls: type) -> dict[str, Any]:
 
 def parse_value(cls: type, key: str, raw: str, owner: str) -> Any:
     """``raw`` typed as the field ``key`` of the dataclass ``cls``: bool, int, float and str as
-    such, anything else as JSON (e.g. ``null``, a list).
+    such (an optional number also takes ``none`` or ``null``), anything else as JSON (e.g. a list).
+    NaN is refused everywhere, an infinity unless the field's metadata allows it (:data:`INFINITE_OK`).
 
     Raises:
         ConfigError: ``key`` is not a field of ``cls`` (naming ``owner`` and the valid keys), or
-            ``raw`` is not a value of its type.
+            ``raw`` is not a value of its type, or not finite.
     """
     hints = field_types(cls)
     if key not in hints:
@@ -32,11 +65,15 @@ def parse_value(cls: type, key: str, raw: str, owner: str) -> Any:
             if raw.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(raw)
             return raw.lower() in ("true", "1")
-        if kind in (int, float, str):
-            return kind(raw)
-        return json.loads(raw)
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(kind)) == 2 and args[0] in (int, float):  # e.g. float | None
+            value = None if raw.strip().lower() in ("none", "null") else args[0](raw)
+        else:
+            value = kind(raw) if kind in (int, float, str) else json.loads(raw)
     except ValueError as e:
         raise ConfigError(f"--set {key}={raw}: not a valid {getattr(kind, '__name__', kind)}") from e
+    check_finite(value, f"--set {key}={raw}", infinite_ok(cls, key) if dataclasses.is_dataclass(cls) else False)
+    return value
 
 
 def split_item(item: str) -> tuple[str, str]:

@@ -7,6 +7,7 @@ Each command parses typed options and calls one library function. Library errors
 from __future__ import annotations
 
 import logging
+import math
 from typing import Annotated, Any
 
 import click
@@ -38,6 +39,19 @@ class _ErrorsAsMessages(TyperGroup):
             logging.getLogger("tvrpipe").debug("traceback", exc_info=True)
             where = f"{e.filename}: " if e.filename else ""
             _one_line(f"{where}{e.strerror or e} (check that the path exists, is writable and the disk has room)")
+
+
+def finite_float(value: str | float) -> float:
+    """The parser of every float option: a number, finite. NaN passes any range check a command makes
+    (``nan > 0`` and ``nan < 0`` are both False) and infinities overflow what they feed, so both are
+    refused here, naming the option, before anything runs."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a number") from None
+    if not math.isfinite(x):
+        raise typer.BadParameter(f"{value!r}: a finite number is needed (not NaN or an infinity)")
+    return x
 
 
 def _one_line(message: str) -> None:

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import app, new_app
+from tvrpipe.cli.app import app, finite_float, new_app
 
 console = Console()
 
@@ -56,7 +56,7 @@ def bench_extract_cmd(
     videos: Annotated[int, typer.Option(help="Number of generated videos.")] = 16,
     width: Annotated[int, typer.Option(help="Video width in pixels.")] = 1280,
     height: Annotated[int, typer.Option(help="Video height in pixels.")] = 720,
-    seconds: Annotated[float, typer.Option(help="Video length in seconds.")] = 10.0,
+    seconds: Annotated[float, typer.Option(parser=finite_float, help="Video length in seconds.")] = 10.0,
     fps: Annotated[int, typer.Option(help="Video frame rate.")] = 30,
     model: Annotated[str, typer.Option(help="open_clip architecture (random weights).")] = "ViT-B-32",
     device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda.")] = "cpu",
@@ -121,7 +121,7 @@ def bench_finetune_cmd(
     loader_workers: Annotated[Optional[int], typer.Option(help="Decoding processes (default: the CPUs, at most 8).")] = None,
     width: Annotated[int, typer.Option(help="Video width in pixels.")] = 320,
     height: Annotated[int, typer.Option(help="Video height in pixels.")] = 240,
-    seconds: Annotated[float, typer.Option(help="Video length in seconds.")] = 15.0,
+    seconds: Annotated[float, typer.Option(parser=finite_float, help="Video length in seconds.")] = 15.0,
     json_out: JsonOut = None,
 ) -> None:
     """End-to-end finetuning: clips/s, data-loading share of step time and peak memory."""
@@ -146,7 +146,8 @@ def bench_convergence_cmd(
         Optional[list[str]], typer.Option(help="Store sizes: small, medium, msrvtt9k (repeatable; default: small, medium).")
     ] = None,
     method: Annotated[Optional[list[str]], typer.Option(help="Heads (repeatable; default: all).")] = None,
-    lr: Annotated[Optional[list[float]], typer.Option(help="Learning rates (repeatable; default 1e-4 .. 1e-2).")] = None,
+    lr: Annotated[Optional[list[float]], typer.Option(
+        parser=finite_float, help="Learning rates (repeatable; default 1e-4 .. 1e-2).")] = None,
     epochs: Annotated[Optional[list[int]], typer.Option(help="Grid epoch counts (repeatable; default 5, 15, 40).")] = None,
     only_default: Annotated[bool, typer.Option(
         help="Run only train-head's default (no grid): its cost and curve on stores too large for the grid.")] = False,

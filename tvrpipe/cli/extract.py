@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import app, new_app
+from tvrpipe.cli.app import app, finite_float, new_app
 from tvrpipe.errors import ConfigError
 
 console = Console()
@@ -38,7 +38,8 @@ def extract_cmd(
     device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda (one GPU per encoder, fp16 autocast).")] = "cpu",
     decoders: Annotated[Optional[int], typer.Option(help="Decode actors (default: one per CPU).")] = None,
     encoders: Annotated[int, typer.Option(help="Encode actors (one per GPU on a GPU cluster).")] = 1,
-    timeout: Annotated[float, typer.Option(help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
+    timeout: Annotated[float, typer.Option(
+        parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
     seed: Annotated[int, typer.Option(help="Seed of the random weights for --pretrained none.")] = 0,
     video_shard: Annotated[int, typer.Option(help="Videos per shard (one Zarr chunk; the unit of resume).")] = 64,
     text_shard: Annotated[int, typer.Option(help="Captions per shard.")] = 256,
@@ -49,7 +50,8 @@ def extract_cmd(
         bool, typer.Option(help="On a rerun, retry the videos recorded as failed (the rest is kept).")
     ] = True,
     max_failed_fraction: Annotated[
-        float, typer.Option(help="Exit 1, leaving the store incomplete and resumable, if more than this "
+        float, typer.Option(
+            parser=finite_float, help="Exit 1, leaving the store incomplete and resumable, if more than this "
                                  "fraction of the videos failed.")
     ] = 0.1,
 ) -> None:

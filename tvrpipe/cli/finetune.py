@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import app
+from tvrpipe.cli.app import app, finite_float
 from tvrpipe.cli.train import _post, _print_metrics, parse_overrides
 
 console = Console()
@@ -36,12 +36,15 @@ def finetune_cmd(
     batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers.")] = 32,
     frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = None,
     max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = None,
-    clip_lr: Annotated[float, typer.Option(help="AdamW learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
-    head_lr: Annotated[float, typer.Option(help="AdamW learning rate of the head.")] = 1e-5,
-    weight_decay: Annotated[float, typer.Option(
+    clip_lr: Annotated[float, typer.Option(
+        parser=finite_float, help="AdamW learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
+    head_lr: Annotated[float, typer.Option(
+        parser=finite_float, help="AdamW learning rate of the head.")] = 1e-5,
+    weight_decay: Annotated[float, typer.Option(parser=finite_float,
         help="AdamW weight decay, on weight matrices only: gains, biases, embeddings and the head's logit scale are "
              "exempt (docs/training.md).")] = 0.2,
-    grad_clip: Annotated[float, typer.Option(help="Gradient norm clip (0: none).")] = 1.0,
+    grad_clip: Annotated[float, typer.Option(
+        parser=finite_float, help="Gradient norm clip (0: none).")] = 1.0,
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
     ] = None,
@@ -65,7 +68,8 @@ def finetune_cmd(
         Optional[int], typer.Option(help="CPUs per Ray Train worker (default: the cluster's CPUs split evenly).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling, --pretrained none).")] = 0,
-    timeout: Annotated[float, typer.Option(help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
+    timeout: Annotated[float, typer.Option(
+        parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
     post: Annotated[
         Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
     ] = None,

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import app
+from tvrpipe.cli.app import app, finite_float
 from tvrpipe.cli.train import (BatchSizeOption, EpochsOption, LrOption, MaxEpochsOption, PatienceOption, PostOption,
                                WeightDecayOption, _post)
 from tvrpipe.errors import ConfigError
@@ -45,9 +45,10 @@ def sweep(
         Optional[str], typer.Option(help="Ray cluster address (auto, HOST:PORT); default: RAY_ADDRESS, else Ray "
                                          "on this machine.")
     ] = None,
-    cpus_per_run: Annotated[float, typer.Option(help="Ray CPUs per run.")] = 1.0,
+    cpus_per_run: Annotated[float, typer.Option(parser=finite_float, help="Ray CPUs per run.")] = 1.0,
     gpus_per_run: Annotated[
-        float, typer.Option(help="Ray GPUs per run (a fraction such as 0.25 shares a GPU); > 0 trains on cuda.")
+        float, typer.Option(
+            parser=finite_float, help="Ray GPUs per run (a fraction such as 0.25 shares a GPU); > 0 trains on cuda.")
     ] = 0.0,
     epochs: EpochsOption = None,
     max_epochs: MaxEpochsOption = 60,

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import app
+from tvrpipe.cli.app import app, finite_float
 from tvrpipe.cli.manifest import print_counts
 from tvrpipe.errors import ConfigError
 
@@ -28,13 +28,16 @@ def synth(
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same manifest bytes and frames.")] = 0,
     size: Annotated[int, typer.Option(help="Frame width and height in pixels (even).")] = 64,
     fps: Annotated[int, typer.Option(help="Frames per second.")] = 8,
-    scene_seconds: Annotated[float, typer.Option(help="Length of one scene in seconds.")] = 2.0,
+    scene_seconds: Annotated[float, typer.Option(
+        parser=finite_float, help="Length of one scene in seconds.")] = 2.0,
     captions_per_video: Annotated[int, typer.Option(help="Paraphrased captions per video.")] = 3,
     multi_scene_fraction: Annotated[
-        float, typer.Option(help="Fraction of multi-scene videos whose captions describe one scene only.")
+        float, typer.Option(
+            parser=finite_float, help="Fraction of multi-scene videos whose captions describe one scene only.")
     ] = 0.3,
     distractor_fraction: Annotated[
-        float, typer.Option(help="Fraction of near-duplicate videos differing in one attribute from another.")
+        float, typer.Option(
+            parser=finite_float, help="Fraction of near-duplicate videos differing in one attribute from another.")
     ] = 0.3,
     features_only: Annotated[
         bool, typer.Option("--features-only", help="Write a generated feature store instead of videos: CLIP-like "

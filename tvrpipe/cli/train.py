@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import app
+from tvrpipe.cli.app import app, finite_float
 from tvrpipe.config import parse_fields
 from tvrpipe.errors import ConfigError
 
@@ -30,9 +30,9 @@ PatienceOption = Annotated[int, typer.Option(
          "epoch, patience, the 3 and --max-epochs scale up by the same factor, so that patience covers "
          "300 steps.")]
 BatchSizeOption = Annotated[int, typer.Option(help="Pairs per step (one caption per video).")]
-LrOption = Annotated[Optional[float], typer.Option(
+LrOption = Annotated[Optional[float], typer.Option(parser=finite_float,
     help="AdamW learning rate. Default: the head's, at the features' width D (`tvrpipe heads` lists them).")]
-WeightDecayOption = Annotated[float, typer.Option(help="AdamW weight decay.")]
+WeightDecayOption = Annotated[float, typer.Option(parser=finite_float, help="AdamW weight decay.")]
 PostOption = Annotated[Optional[list[str]], typer.Option(
     help="Also report test metrics after dsl or qbnorm (repeatable).")]
 

@@ -41,6 +41,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
+from tvrpipe.config import INFINITE_OK, check_finite
 from tvrpipe.errors import ConfigError
 
 Emb = dict[str, Tensor]
@@ -110,6 +111,14 @@ class HeadConfig:
     # the papers reuse CLIP's learned scale: train-head and finetune set it from the features' CLIP
     # (clip_head_config)
     logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init, where no CLIP's scale is known
+
+    def __post_init__(self) -> None:
+        # NaN passes every range check a head makes (nan > 0 and nan < 0 are both False) and would then
+        # turn a loss term off silently or the run into NaNs; an infinity only where a field says it means
+        # something (a softmax temperature's hard max)
+        for f in dataclasses.fields(self):
+            check_finite(getattr(self, f.name), f"{type(self).__qualname__}.{f.name}={getattr(self, f.name)!r}",
+                         bool(f.metadata.get(INFINITE_OK)))
 
 
 class Head(nn.Module):

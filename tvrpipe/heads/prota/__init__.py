@@ -101,12 +101,13 @@ Ablations (Tab. 1): LdA ``intra=False inter=False probabilistic=False kl_weight=
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tvrpipe.config import ALLOWS_INFINITY
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean
@@ -151,8 +152,8 @@ class Config(HeadConfig):
     ln_eps: float = 1e-12  # CLIP4Clip code module_cross.LayerNorm (TF style)
     zero_init: bool = True  # choice: as seqtransf, identity temporal transformer at the start (no CLIP weights)
     drop_sot: bool = False  # ProTA Sec. 3: f_t = {t_SOS, t_1, ..., t_EOS}, SOS included
-    lam: float = 100.0  # lambda, ProTA Sec. 4.1 / Tab. 10: Eq. 2 temperature (inf = Tab. 10 "max")
-    xi: float = 100.0  # xi, ProTA Sec. 4.1 / Tab. 10: Eq. 6 temperature (inf = Tab. 10 "max")
+    lam: float = field(default=100.0, metadata=ALLOWS_INFINITY)  # lambda, ProTA Sec. 4.1, Tab. 10: Eq. 2 (inf: "max")
+    xi: float = field(default=100.0, metadata=ALLOWS_INFINITY)  # xi, ProTA Sec. 4.1, Tab. 10: Eq. 6 (inf: "max")
     num_kernels: int = 5  # R, ProTA Sec. 4.1 / Tab. 11
     kernel_sigma2: float = 1.0  # choice: middle bandwidth s^2 (2 s^2 = squared distance of orthogonal unit vectors)
     kernel_mul: float = 2.0  # choice: bandwidth ratio between kernels (multi-kernel MMD family)
