@@ -240,6 +240,18 @@ def _small(tmp_path, n=30):
     return tmp_path / "d"
 
 
+def test_a_batch_larger_than_the_training_set_writes_nothing(tmp_path, cli):
+    d = _small(tmp_path)
+    out = tmp_path / "run"
+    args = ["finetune", "--end-to-end", "--method", "meanpool", "--manifest", d / "manifest", "--video-root",
+            d / "videos", "--out", out, "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "1",
+            "--epoch-pairs", "videos", "--loader-workers", "0"]
+    r = cli(*args, "--batch-size", "512")
+    assert r.exit_code == 1 and "--batch-size 512 exceeds the" in r.output and not out.exists(), r.output
+    r = cli(*args, "--batch-size", "4")
+    assert r.exit_code == 0, r.output
+
+
 def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
     import tvrpipe.training.finetune as ft
 

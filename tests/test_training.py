@@ -259,6 +259,18 @@ def test_other_config_in_same_run_dir_is_refused(store, tmp_path):
         fit(store, "meanpool", tmp_path / "r", TrainConfig(epochs=2, batch_size=32), progress=False)
 
 
+def test_a_value_the_head_refuses_writes_nothing_and_the_corrected_command_runs(store, tmp_path, cli):
+    """The head's own checks run before the run directory is written: no config.yaml is left behind
+    to refuse the corrected command as "another configuration"."""
+    out = tmp_path / "r"
+    r = cli("train-head", "--features", store, "--method", "xpool", "--out", out, "--epochs", "1",
+            "--set", "dropout=1.5")
+    assert r.exit_code == 1 and "dropout" in r.output and not out.exists(), r.output
+    r = cli("train-head", "--features", store, "--method", "xpool", "--out", out, "--epochs", "1",
+            "--set", "dropout=0.2")
+    assert r.exit_code == 0, r.output
+
+
 def test_train_head_cli(store, tmp_path, cli):
     r = cli("train-head", "--features", store, "--method", "meanpool", "--out", tmp_path / "c", "--epochs", "1",
             "--batch-size", "32", "--set", "embed_dim=32")

@@ -301,11 +301,19 @@ def clip_head_config(name: str, embed_dim: int, logit_scale: float | None,
     heads reuse CLIP's scale (log 100 for OpenAI's weights), so it is every head's ``logit_scale_init``.
     None (a generated store, or one extracted before the scale was recorded) keeps CLIP's initial
     log(1/0.07).
+
+    Raises:
+        ConfigError: an unknown key, or a value the config or the head refuses.
     """
     from_clip: dict[str, Any] = {"embed_dim": int(embed_dim)}
     if logit_scale is not None:
         from_clip["logit_scale_init"] = float(logit_scale)
-    return make_config(name, **{**from_clip, **(overrides or {})})
+    config = make_config(name, **{**from_clip, **(overrides or {})})
+    # the head's own checks (e.g. a dropout outside [0, 1)) run as it is built: build it once here, so that
+    # a command refuses a bad value before it writes anything; the random stream is left as it was
+    with torch.random.fork_rng(devices=[]):
+        head_class(name)(config)
+    return config
 
 
 def create_head(name: str, **overrides: Any) -> Head:

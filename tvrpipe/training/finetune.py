@@ -432,13 +432,11 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
         eval_sampler.plan = plan
         return iter(eval_loader)
 
-    pairs = TrainPairs.build(job.train_videos, job.train_texts, job.text_video[job.train_texts])
+    pairs = _train_pairs(job)
     G = cfg.batch_size
     steps_per_epoch = epoch_steps(pairs, G, cfg.epoch_pairs)
     if cfg.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps)
-    if (G > len(pairs.videos) or steps_per_epoch == 0) and cfg.epochs > 0:  # a batch holds no video twice
-        raise ConfigError(f"--batch-size {G} exceeds the {len(pairs.videos)} training videos; lower it")
     total = steps_per_epoch * cfg.epochs
     warmup = max(1, int(cfg.warmup_fraction * total))
 
@@ -546,6 +544,20 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
 
 
 PROGRESS_FILE = ".progress.json"
+
+
+def _train_pairs(job: _Job) -> TrainPairs:
+    """The (video, caption) pairs an epoch draws from.
+
+    Raises:
+        ConfigError: ``--batch-size`` exceeds the training videos (a batch holds no video twice).
+    """
+    cfg = job.cfg
+    pairs = TrainPairs.build(job.train_videos, job.train_texts, job.text_video[job.train_texts])
+    if (cfg.batch_size > len(pairs.videos) or epoch_steps(pairs, cfg.batch_size, cfg.epoch_pairs) == 0) \
+            and cfg.epochs > 0:
+        raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(pairs.videos)} training videos; lower it")
+    return pairs
 
 
 def _report_progress(out: Path, done: int, total: int, info: str, every_s: float = 1.0) -> None:
@@ -721,6 +733,7 @@ def finetune(
                val=(rows.val_videos, rows.val_texts), test=(rows.test_videos, rows.test_texts),
                video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
                val_source=rows.val_source, post=post, progress=progress)
+    _train_pairs(job)  # the batch fits the training set: checked before the run directory is written
     settings = dataclasses.asdict(cfg)
     config = {
         "method": method,
