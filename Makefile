@@ -35,7 +35,7 @@ help:
 
 $(UV):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tvrpipe needs Python >= 3.11, found " + sys.version'
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv==$(UV_VERSION)
+	$(PYTHON) -m pip install -qq --disable-pip-version-check --root-user-action=ignore --target $(UV_HOME) uv==$(UV_VERSION)
 
 $(STAMP): pyproject.toml uv.lock | $(UV)
 	# --locked: install exactly uv.lock, and stop if pyproject.toml asks for something it lacks (run
