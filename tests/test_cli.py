@@ -207,3 +207,65 @@ def test_nan_and_infinities_are_refused_wherever_a_finite_number_is_meant(cli, t
     assert r.exit_code == 1 and "error: --set lam=nan: NaN is not a value" in " ".join(r.output.split())
     r = cli("sweep", "--features", nowhere, "--methods", "tmass", "--out", tmp_path / "w", "--set", "train.lr=1e-3,nan")
     assert r.exit_code == 1 and "--set lr=nan: it must be a finite number" in " ".join(r.output.split()), r.output
+
+
+def _build_custom(cli, table, out):
+    r = cli("manifest", "build", "--dataset", "custom", "--annotations", table, "--out", out)
+    return r, " ".join(r.output.split())
+
+
+def test_custom_csv_is_read_strictly(cli, tmp_path):
+    """A row with a field more than the header (an unquoted comma in a caption) is an error naming the
+    line, never columns shifted by one; a UTF-8 BOM is read as such; invisible-only captions are empty."""
+    bad = tmp_path / "bad.csv"
+    bad.write_text("path,caption,split\na.mp4,a cat,train\nb.mp4,a red, round ball,test\n")
+    r, text = _build_custom(cli, bad, tmp_path / "m")
+    assert r.exit_code == 1 and f"{bad} line 3: 4 fields, but the header has 3 (path, caption, split); a field " \
+        "that holds the delimiter (',') must be quoted" in text, r.output
+    assert not (tmp_path / "m").exists()
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes('path,caption,split\na.mp4,a cat,train\nb.mp4,"a red, round ball",test\n'.encode("utf-8-sig"))
+    r, _ = _build_custom(cli, bom, tmp_path / "m")
+    assert r.exit_code == 0, r.output
+    captions = pd.read_parquet(tmp_path / "m" / "captions.parquet")
+    assert list(captions.text) == ["a cat", "a red, round ball"]
+    ghost = tmp_path / "ghost.csv"
+    ghost.write_text("path,caption,split\na.mp4,a cat,train\nb.mp4,\u200b \u200d\ufeff,test\n")
+    r, text = _build_custom(cli, ghost, tmp_path / "g")
+    assert r.exit_code == 1 and f"{ghost} line 3: empty caption (only invisible characters)" in text, r.output
+    clip = tmp_path / "clip.csv"
+    clip.write_text("path,caption,split,start_s,end_s\na.mp4,a cat,train,0,abc\nb.mp4,a dog,test,,\n")
+    r, text = _build_custom(cli, clip, tmp_path / "c")
+    assert r.exit_code == 1 and f"{clip} line 2: end_s 'abc' is not a number of seconds" in text, r.output
+
+
+def test_custom_parquet_values_of_the_wrong_kind_are_refused_not_coerced(cli, tmp_path):
+    base = {"path": ["a.mp4", "b.mp4"], "caption": ["a cat", "a dog"], "split": ["train", "test"]}
+    for change, message in (({"caption": ["a cat", None]}, "row 1: empty caption"),
+                            ({"caption": [1.5, 2.5]}, "column 'caption' holds numbers (double), not text"),
+                            ({"caption": [["a", "b"], ["c"]]}, "column 'caption' holds lists (list<"),
+                            ({"start_s": ["0", "x"], "end_s": [1.0, 2.0]}, "column 'start_s' holds text, not numbers of seconds")):
+        table = tmp_path / "t.parquet"
+        pd.DataFrame({**base, **change}).to_parquet(table)
+        r, text = _build_custom(cli, table, tmp_path / "m")
+        assert r.exit_code == 1 and message in text, (change, r.output)
+        assert not (tmp_path / "m").exists()
+    pd.DataFrame({**base, "video_id": ["first", None], "start_s": [0.0, float("nan")],
+                  "end_s": [2.0, float("nan")]}).to_parquet(tmp_path / "t.parquet")
+    r, _ = _build_custom(cli, tmp_path / "t.parquet", tmp_path / "m")
+    assert r.exit_code == 0, r.output
+    videos = pd.read_parquet(tmp_path / "m" / "videos.parquet").set_index("video_id")
+    assert list(videos.index) == ["first", "b"]  # a null id is the documented default, the path's stem
+    assert videos.loc["first", "end_s"] == 2.0 and pd.isna(videos.loc["b", "start_s"])
+
+
+def test_manifest_paths_stay_inside_the_video_root(cli, tmp_path):
+    for path in ("../../etc/passwd", "/etc/passwd", "a/../../x.mp4"):
+        table = tmp_path / "t.csv"
+        pd.DataFrame({"path": ["ok/a.mp4", path], "caption": ["a cat", "a dog"],
+                      "split": ["train", "test"]}).to_csv(table, index=False)
+        r, text = _build_custom(cli, table, tmp_path / "m")
+        assert r.exit_code == 1 and f"leaves the video root ({path!r})" in text, (path, r.output)
+    pd.DataFrame({"path": ["ok/a.mp4", "ok/../b.mp4"], "caption": ["a cat", "a dog"],
+                  "split": ["train", "test"]}).to_csv(table, index=False)
+    assert _build_custom(cli, table, tmp_path / "m")[0].exit_code == 0

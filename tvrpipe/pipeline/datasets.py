@@ -10,7 +10,9 @@ function. See docs/datasets.md for the formats and the counts each standard spli
 from __future__ import annotations
 
 import csv
+import io
 import json
+import math
 import logging
 import os
 from collections import defaultdict
@@ -24,7 +26,15 @@ import pandas as pd
 import yaml
 
 from tvrpipe.errors import ConfigError, ManifestError
-from tvrpipe.pipeline.manifest import SPLITS, Manifest, isin_mask, make_tables, resolve_paths, write_manifest
+from tvrpipe.pipeline.manifest import (
+    SPLITS,
+    Manifest,
+    isin_mask,
+    make_tables,
+    resolve_paths,
+    visible,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -439,16 +449,98 @@ def read_charades_csv(ctx: ReadContext, args: dict[str, Any]) -> Rows:
     return _collect(parts)
 
 
-def _read_custom_table(path: Path) -> pd.DataFrame:
+_TEXT_COLUMNS = ("path", "caption", "split", "video_id")  # text, or missing (null / empty)
+_SECONDS_COLUMNS = ("start_s", "end_s")  # numbers of seconds, or missing
+
+
+def _read_custom_table(path: Path) -> tuple[list[str], list[tuple[str, dict[str, Any]]]]:
+    """The header and rows of a custom table, each row as ``(where, {column: value})`` with
+    ``where`` naming its CSV line or Parquet row; a missing value is None.
+
+    One strict reader, for both formats: a CSV row with more or fewer fields than the header (an
+    unquoted delimiter in a caption) and a Parquet column of the wrong type are errors naming the
+    line or column, never shifted or coerced (pandas would make an extra first field the index, and
+    turn a null caption into the text "nan"). A UTF-8 byte order mark (Excel's "CSV UTF-8") is read
+    as such, not as part of the first column's name.
+
+    Raises:
+        ManifestError: the file cannot be read, or a row or column is malformed.
+    """
     if path.suffix.lower() == ".parquet":
-        try:
-            return pd.read_parquet(path)
-        except Exception as e:  # pyarrow raises several types for a bad file
-            raise ManifestError(f"{path}: cannot read Parquet ({e})") from e
+        return _read_custom_parquet(path)
     try:
-        return pd.read_csv(path, dtype=str, keep_default_na=False, sep=None, engine="python")
-    except (pd.errors.ParserError, UnicodeDecodeError, csv.Error) as e:
-        raise ManifestError(f"{path}: cannot read CSV ({e})") from e
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the table as UTF-8") from None
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    try:
+        dialect = csv.Sniffer().sniff(first, delimiters=",\t;|")
+    except csv.Error:
+        raise ManifestError(f"{path}: cannot tell the delimiter from the header {first[:80]!r}; separate the "
+                            "columns path, caption, split with commas or tabs") from None
+    reader = csv.reader(io.StringIO(text), delimiter=dialect.delimiter, quotechar='"', doublequote=True)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    header: list[str] | None = None
+    try:
+        for fields in reader:
+            if not any(f.strip() for f in fields):
+                continue  # a blank line
+            if header is None:
+                header = [f.strip() for f in fields]
+                dup = sorted({h for h in header if header.count(h) > 1})
+                if dup:
+                    raise ManifestError(f"{path}: the header names column(s) {dup} twice")
+                continue
+            where = f"{path} line {reader.line_num}"
+            if len(fields) != len(header):
+                delim = "tab" if dialect.delimiter == "\t" else repr(dialect.delimiter)
+                raise ManifestError(
+                    f"{where}: {len(fields)} fields, but the header has {len(header)} ({', '.join(header)}); "
+                    f"a field that holds the delimiter ({delim}) must be quoted, e.g. \"a red, round ball\"")
+            rows.append((where, {h: (f if f.strip() else None) for h, f in zip(header, fields)}))
+    except csv.Error as e:
+        raise ManifestError(f"{path} line {reader.line_num}: cannot read CSV ({e})") from None
+    return header or [], rows
+
+
+def _read_custom_parquet(path: Path) -> tuple[list[str], list[tuple[str, dict[str, Any]]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a bad file
+        raise ManifestError(f"{path}: cannot read Parquet ({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+    def words(kind: pa.DataType) -> str:
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            return "text"
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+            return f"numbers ({kind})"
+        return f"lists ({kind})" if pa.types.is_list(kind) or pa.types.is_large_list(kind) else f"{kind} values"
+
+    for name, kind in zip(table.column_names, table.schema.types):
+        if name in _TEXT_COLUMNS and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                                          or pa.types.is_null(kind)):
+            raise ManifestError(f"{path}: column {name!r} holds {words(kind)}, not text; write it as strings")
+        if name in _SECONDS_COLUMNS and not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
+                                             or pa.types.is_null(kind)):
+            raise ManifestError(f"{path}: column {name!r} holds {words(kind)}, not numbers of seconds")
+    return table.column_names, [(f"{path} row {i}", r) for i, r in enumerate(table.to_pylist())]
+
+
+def _seconds(value: Any, column: str, where: str) -> float | None:
+    """A clip bound in seconds; None when missing (empty, null, or NaN in a numeric Parquet column)."""
+    if value is None:
+        return None
+    try:
+        x = float(value)
+    except ValueError:
+        raise ManifestError(f"{where}: {column} {value!r} is not a number of seconds") from None
+    if x != x and not isinstance(value, str):
+        return None  # NaN: how pandas writes a missing number
+    if not math.isfinite(x):
+        raise ManifestError(f"{where}: {column} {value!r} is not a finite number of seconds")
+    return x
 
 
 @register_reader("custom_table")
@@ -457,7 +549,8 @@ def read_custom_table(ctx: ReadContext, args: dict[str, Any]) -> Rows:
 
     Optional columns: ``video_id`` (default: the path without its extension), ``start_s`` and
     ``end_s``. Several rows with the same video give several captions. ``--annotations`` is the
-    table itself, or a directory holding exactly one ``.csv``/``.parquet``.
+    table itself, or a directory holding exactly one ``.csv``/``.parquet``. Rows are read strictly
+    (:func:`_read_custom_table`).
     """
     path = ctx.annotations
     if path.is_dir():
@@ -468,28 +561,24 @@ def read_custom_table(ctx: ReadContext, args: dict[str, Any]) -> Rows:
     elif not path.is_file():
         raise ManifestError(f"custom: annotation table not found: {path}")
     ctx.used_files.append(path)
-    df = _read_custom_table(path)
-    missing = [c for c in ("path", "caption", "split") if c not in df.columns]
+    columns, records = _read_custom_table(path)
+    missing = [c for c in ("path", "caption", "split") if c not in columns]
     if missing:
-        raise ManifestError(f"{path}: missing column(s) {missing} (has: {list(df.columns)})")
-    row0 = 2 if path.suffix.lower() != ".parquet" else 0  # CSV line of the first data row
-    where = "line" if row0 else "row"
+        raise ManifestError(f"{path}: missing column(s) {missing} (has: {columns})")
     videos: dict[str, dict[str, Any]] = {}
     captions: list[dict[str, Any]] = []
     counts: dict[str, int] = defaultdict(int)
-    for i, r in enumerate(df.to_dict("records")):
-        at = f"{path} {where} {i + row0}"
-        vpath = str(r["path"]).strip()
-        text, split = _text(r["caption"]), str(r["split"]).strip()
+    for at, r in records:
+        vpath = (r["path"] or "").strip()
+        text, split = _text(r["caption"]), (r["split"] or "").strip()
         if not vpath:
             raise ManifestError(f"{at}: empty path")
-        if not text:
-            raise ManifestError(f"{at}: empty caption")
+        if not visible(text):
+            raise ManifestError(f"{at}: empty caption" + (" (only invisible characters)" if text else ""))
         if split not in SPLITS:
             raise ManifestError(f"{at}: split {split!r} is not one of {', '.join(SPLITS)}")
-        vid = str(r.get("video_id") or "").strip() or Path(vpath).with_suffix("").as_posix()
-        clip = {k: (float(r[k]) if str(r.get(k, "")).strip() not in ("", "nan", "None") else None)
-                for k in ("start_s", "end_s")}
+        vid = (r.get("video_id") or "").strip() or Path(vpath).with_suffix("").as_posix()
+        clip = {k: _seconds(r.get(k), k, at) for k in _SECONDS_COLUMNS}
         row = ctx.video(vid, split, path=vpath, **clip)
         prev = videos.setdefault(vid, row)
         if prev != row:

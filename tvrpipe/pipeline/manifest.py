@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,26 @@ def make_tables(
     return v, c
 
 
+def visible(text: str) -> bool:
+    """Whether ``text`` holds a character that shows: not only white space and invisible format
+    characters (zero-width spaces and joiners, byte order marks, ...: Unicode category Cf)."""
+    return any(not (ch.isspace() or unicodedata.category(ch) == "Cf") for ch in text)
+
+
+def outside_root(path: str) -> bool:
+    """Whether a manifest path would leave the video root: absolute, or climbing out with ``..``. A
+    manifest made elsewhere must not make extract open arbitrary files of this machine."""
+    p = PurePosixPath(path.replace("\\", "/"))
+    if p.is_absolute() or PureWindowsPath(path).drive:
+        return True
+    depth = 0
+    for part in p.parts:
+        depth += -1 if part == ".." else (0 if part == "." else 1)
+        if depth < 0:
+            return True
+    return False
+
+
 def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manifest") -> None:
     """Check the manifest contract; raise :class:`ManifestError` naming the offending rows.
 
@@ -152,6 +173,13 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
     nul = videos.loc[videos["path"].astype(str).str.contains("\x00", regex=False)]
     if len(nul):  # no file system has such a name; opening it would raise, not fail the one video
         raise ManifestError(f"{source}: a NUL character in the path of video(s) {_name_some(nul['video_id'])}")
+    outside = videos.loc[[outside_root(str(p)) for p in videos["path"]]]
+    if len(outside):
+        first = outside.iloc[0]
+        raise ManifestError(
+            f"{source}: the path of video(s) {_name_some(outside['video_id'])} leaves the video root "
+            f"({first['path']!r}); paths are relative to --video-root and stay inside it: set --video-root "
+            "to a folder that holds every video")
     clipped = videos.dropna(subset=["start_s", "end_s"])
     bad_clip = clipped.loc[~(clipped["start_s"] < clipped["end_s"]) | (clipped["start_s"] < 0)]
     if len(bad_clip):
@@ -159,7 +187,11 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
             f"{source}: video(s) {_name_some(bad_clip['video_id'])} need 0 <= start_s < end_s"
         )
 
-    empty = captions.loc[captions["text"].isna() | (captions["text"].astype(str).str.strip() == "")]
+    text = captions["text"].astype(str)
+    wordless = ~text.str.contains(r"\w", regex=True)  # a caption with a letter or digit shows: only the rest is looked at
+    invisible = pd.Series(False, index=captions.index)
+    invisible[wordless] = ~text[wordless].map(visible).astype(bool)
+    empty = captions.loc[captions["text"].isna() | invisible]
     if len(empty):
         raise ManifestError(f"{source}: empty text in caption(s) {_name_some(empty['caption_id'])}")
     split_of = videos.set_index("video_id")["split"]
