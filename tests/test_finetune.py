@@ -252,6 +252,47 @@ def test_a_batch_larger_than_the_training_set_writes_nothing(tmp_path, cli):
     assert r.exit_code == 0, r.output
 
 
+def test_missing_or_undecodable_videos_stop_the_run_with_nothing_lost(tmp_path, cli):
+    """finetune has extract's failed-fraction limit: a wrong --video-root is refused before anything is
+    written; training videos that all fail to decode stop the run after the epoch (kept), never a run
+    that exits 0 with untrained weights; test videos that all fail stop it before metrics.json, where
+    an evaluation batch without one decoded frame used to crash."""
+    d = _small(tmp_path)
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    args = ["finetune", "--end-to-end", "--method", "meanpool", "--manifest", d / "manifest", "--model", "tvrpipe-tiny",
+            "--pretrained", "none", "--epochs", "2", "--batch-size", "4", "--epoch-pairs", "videos",
+            "--loader-workers", "0"]
+    r = cli(*args, "--video-root", empty, "--out", tmp_path / "a")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"training videos are not files under --video-root {empty} (100.0 % > " \
+        "--max-failed-fraction 0.1): missing:" in text and "nothing was written" in text, r.output
+    assert not (tmp_path / "a").exists()
+
+    videos = pd.read_parquet(d / "manifest" / "videos.parquet")
+    for split, out in (("train", tmp_path / "b"), ("test", tmp_path / "c")):
+        root = tmp_path / f"videos-{split}"
+        shutil.copytree(d / "videos", root)
+        for p in videos.loc[videos.split == split, "path"]:
+            (root / p).write_bytes(b"")  # zero bytes: undecodable
+        r = cli(*args, "--video-root", root, "--out", out)
+        text = " ".join(r.output.split())
+        n = int((videos.split == split).sum())
+        what = "training" if split == "train" else "test"
+        # an epoch of whole batches (4) draws 20 of the 21 training videos; every test video is evaluated
+        seen = n - n % 4 if split == "train" else n
+        assert r.exit_code == 1 and f"{seen} of {n} {what} videos failed to decode ({100 * seen / n:.1f} % > " \
+            "--max-failed-fraction 0.1): empty:" in text, r.output
+        assert "--max-failed-fraction" in text and (out / "failures.csv").is_file()
+        assert not (out / "metrics.json").exists()
+        if split == "train":
+            assert "training stopped after epoch 1, which is kept" in text
+            assert pd.read_csv(out / "epochs.csv")["epoch"].tolist() == [1]
+        else:
+            assert "no test metrics were written (the training is kept)" in text
+            assert pd.read_csv(out / "epochs.csv")["epoch"].tolist() == [1, 2]
+
+
 def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
     import tvrpipe.training.finetune as ft
 
@@ -329,7 +370,8 @@ def test_a_step_whose_videos_all_fail_to_decode_is_skipped(tmp_path):
     train = videos[videos["split"] == "train"]
     for path in train["path"]:
         (d / "videos" / path).write_bytes(b"not a video" * 40)
-    cfg = FinetuneConfig(epochs=1, batch_size=4, max_steps=2, epoch_pairs="videos", **TINY)
+    # every training video fails: accepted here (the default limit stops such a run, tested above)
+    cfg = FinetuneConfig(epochs=1, batch_size=4, max_steps=2, epoch_pairs="videos", max_failed_fraction=1.0, **TINY)
     m = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "run", cfg, progress=False)
     rows = pd.read_csv(tmp_path / "run" / "epochs.csv")
     assert np.isnan(rows["loss"][0]) and rows["failed_videos"][0] == m["failed_videos"] == 8  # 2 steps x 4
@@ -356,7 +398,7 @@ def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):
     out = tmp_path / "run"
     res = cli("finetune", "--method", "xpool", "--manifest", d / "manifest", "--video-root", d / "videos",
               "--out", out, "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "2", "--batch-size", "8",
-              "--head-lr", "1e-3", "--loader-workers", "1")
+              "--head-lr", "1e-3", "--loader-workers", "1", "--max-failed-fraction", "0.2")  # 1 of 8 test videos
     assert res.exit_code == 0, res.output
     assert "2 videos failed to decode" in res.output and "t2v" in res.output
     failed = pd.read_csv(out / "failures.csv")

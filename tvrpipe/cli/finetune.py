@@ -70,6 +70,10 @@ def finetune_cmd(
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling, --pretrained none).")] = 0,
     timeout: Annotated[float, typer.Option(
         parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
+    max_failed_fraction: Annotated[float, typer.Option(
+        parser=finite_float, help="Exit 1 if more than this fraction of the training (or test) videos is missing "
+                                  "or fails to decode: before anything is written when the files are not there, "
+                                  "else after the epoch that found them (it is kept; rerun to resume).")] = 0.1,
     post: Annotated[
         Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
     ] = None,
@@ -87,7 +91,7 @@ def finetune_cmd(
                          weight_decay=weight_decay, grad_clip=grad_clip, precision=precision,
                          grad_checkpointing=grad_checkpointing, num_workers=num_workers, use_gpu=use_gpu,
                          address=address, cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed,
-                         timeout_s=timeout)
+                         timeout_s=timeout, max_failed_fraction=max_failed_fraction)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, _post(post or []))
     tr = metrics["train"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']}"

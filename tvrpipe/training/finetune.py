@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,7 @@ class FinetuneConfig:
     eval_batch: int = 32  # videos per encoder call at evaluation
     block_texts: int = 256  # texts per similarity block at evaluation
     timeout_s: float = 60.0  # per-video decode wall clock
+    max_failed_fraction: float = 0.1  # choice: as extract's; more failed training or test videos stop the run
     max_steps: int | None = None  # cap on steps per epoch (benchmarks, tests)
 
     def validate(self) -> None:
@@ -141,6 +143,8 @@ class FinetuneConfig:
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN too; the decoder waits in whole milliseconds (a C int)
             raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got "
                               f"{self.timeout_s}")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ConfigError(f"--max-failed-fraction must be between 0 and 1, got {self.max_failed_fraction}")
         if self.epoch_pairs not in EPOCH_PAIRS:
             raise ConfigError(f"--epoch-pairs must be one of {', '.join(EPOCH_PAIRS)}, got {self.epoch_pairs!r}")
         if self.precision not in PRECISIONS:
@@ -279,6 +283,8 @@ class LiveModel(nn.Module):
 
         frame_mask = frame_mask.to(self._bundle.device)
         B, F = frame_mask.shape
+        if not frame_mask.any():  # every video of the batch failed to decode: nothing to encode
+            return VideoBatch(torch.zeros(B, F, self._bundle.embed_dim, device=self._bundle.device), frame_mask)
         with self._grad(), self.autocast():
             emb = image_features(self._bundle, frames[frame_mask.cpu()], self.clip).float()  # (n_real, D)
         video = emb.new_zeros(B * F, emb.shape[-1]).index_copy(
@@ -538,6 +544,12 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 if failures:
                     _write_failures(failures, out)
             _barrier(world)
+            train_failed = {str(job.video_ids[v]): failures[str(job.video_ids[v])] for v in job.train_videos
+                            if str(job.video_ids[v]) in failures}
+            message = _too_many_failed(train_failed, len(job.train_videos), "training", job,
+                                       f"training stopped after epoch {epoch + 1}, which is kept.")
+            if message:
+                raise RunError(message)
     if rank != 0:
         return None
     return _finish(model, loader_for, job, best, rows, failures)
@@ -599,6 +611,37 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+def _too_many_failed(failed: dict[str, str], total: int, what: str, job: _Job, after: str) -> str | None:
+    """The error for ``failed`` ({video id: error}) of ``total`` videos of one kind (``what``: "training",
+    "test") when more than ``--max-failed-fraction`` of them failed; None otherwise."""
+    limit = job.cfg.max_failed_fraction
+    if total == 0 or len(failed) / total <= limit:  # "more than this fraction", as extract
+        return None
+    kinds = Counter(str(e).split(":", 1)[0] for e in failed.values())
+    example = next(iter(sorted(failed)))
+    accept = math.ceil(round(100 * len(failed) / total, 9)) / 100
+    return (f"{len(failed)} of {total} {what} videos failed to decode ({100 * len(failed) / total:.1f} % > "
+            f"--max-failed-fraction {limit:g}): {', '.join(f'{k}: {n}' for k, n in kinds.most_common())} (e.g. "
+            f"{example}: {failed[example]}); {after} Fix them (check --video-root) and rerun the same command, "
+            f"or accept the failures with --max-failed-fraction {accept:.2f}; the list is in "
+            f"{Path(job.out) / 'failures.csv'}")
+
+
+def _check_files(job: _Job, root: Path) -> None:
+    """Before anything is written: the training and test videos that are not files under the video root
+    (a wrong --video-root) count as failed, against --max-failed-fraction.
+
+    Raises:
+        ConfigError: more than the fraction of either is missing.
+    """
+    for what, rows in (("training", job.train_videos), ("test", job.test[0])):
+        missing = {str(job.video_ids[v]): f"missing: {job.table.paths[v]}" for v in rows
+                   if not Path(job.table.paths[v]).is_file()}
+        message = _too_many_failed(missing, len(rows), what, job, "nothing was written.")
+        if message:
+            raise ConfigError(message.replace("failed to decode", f"are not files under --video-root {root}"))
+
+
 def _write_failures(failures: dict[str, str], out: Path) -> None:
     lines = ["video_id,error"] + [f"{v},{json.dumps(e)}" for v, e in sorted(failures.items())]
     atomic_write_text(out / "failures.csv", "\n".join(lines) + "\n")
@@ -623,6 +666,14 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
     model.clip.load_state_dict(load_file(str(ckpt / "clip_best.safetensors")))
     model.head.load_state_dict(load_head(ckpt / "best.safetensors").state_dict())
     test = _evaluate(model, loader_for, job.test, job, failures, post=job.post)
+    test_failed = {str(job.video_ids[v]): failures[str(job.video_ids[v])] for v in job.test[0]
+                   if str(job.video_ids[v]) in failures}
+    message = _too_many_failed(test_failed, len(job.test[0]), "test", job,
+                               "no test metrics were written (the training is kept).")
+    if message:
+        if failures:
+            _write_failures(failures, out)
+        raise RunError(message)
     if cfg.end_to_end:
         _adopt_head_scale(model.clip, model.head)
     provenance = {"weights_sha256": _state_dict_sha256(model.clip), "model": _extract_model_name(model._bundle)}
@@ -672,7 +723,8 @@ def _extract_model_name(bundle) -> str:
 # ----------------------------------------------------------------------------- driver
 
 # Settings that decide how a run executes, not what it computes: a rerun may change them and resume.
-_EXECUTION = ("num_workers", "use_gpu", "address", "cpus_per_worker", "loader_workers", "eval_batch", "timeout_s")
+_EXECUTION = ("num_workers", "use_gpu", "address", "cpus_per_worker", "loader_workers", "eval_batch", "timeout_s",
+              "max_failed_fraction")
 
 
 def finetune(
@@ -734,6 +786,7 @@ def finetune(
                video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
                val_source=rows.val_source, post=post, progress=progress)
     _train_pairs(job)  # the batch fits the training set: checked before the run directory is written
+    _check_files(job, root)
     settings = dataclasses.asdict(cfg)
     config = {
         "method": method,
