@@ -269,3 +269,22 @@ def test_manifest_paths_stay_inside_the_video_root(cli, tmp_path):
     pd.DataFrame({"path": ["ok/a.mp4", "ok/../b.mp4"], "caption": ["a cat", "a dog"],
                   "split": ["train", "test"]}).to_csv(table, index=False)
     assert _build_custom(cli, table, tmp_path / "m")[0].exit_code == 0
+
+
+def test_export_into_its_own_store_is_refused_and_repair_hints_name_a_command(cli, tmp_path):
+    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+    from tvrpipe.pipeline.store import open_store
+
+    store = generate_store(tmp_path / "s", GenSpec(train_videos=8, test_videos=4, frames=4, max_words=6,
+                                                   embed_dim=8, seed=0))
+    before = (store / "videos.parquet").read_bytes()
+    for inside in (store / "videos.parquet", store / "features.zarr" / "x.h5", store / "sub" / "f.h5"):
+        r = cli("export", "--features", store, "--out", inside)
+        text = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"--out {inside} is inside the feature store {store}" in text, r.output
+    assert (store / "videos.parquet").read_bytes() == before and not (store / "sub").exists()
+    open_store(store)  # still whole
+    (store / "features.zarr" / "videos" / "frames" / "c" / "0" / "0" / "0").unlink()
+    r = cli("features", "show", store)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and "repair it by running `tvrpipe synth --features-only` again" in text, r.output

@@ -33,6 +33,9 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     """
     store = open_store(features_dir)
     out = Path(out_file)
+    if out.resolve().is_relative_to(store.dir.resolve()):
+        raise ConfigError(f"--out {out} is inside the feature store {store.dir}: the export would overwrite or add "
+                          "to the store's own files; write it outside the store's directory")
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as features.h5")
     check_writable(out.parent, "--out")

@@ -68,7 +68,7 @@ DATASET = "synthetic-features"
 SPLIT_SET = "generated"
 LATENT_VIDEOS = "latent_videos.parquet"
 LATENT_TEXTS = "latent_texts.parquet"
-MADE_BY = "generate_store (tvrpipe.pipeline.genstore)"
+MADE_BY = "tvrpipe synth --features-only"  # the command that repairs the store (the repair hints name it)
 
 BLOCK = 64  # rows per random stream (choice: independent of shard sizes)
 NOISE_UNIT = 0.375  # per-coordinate noise std at noise=1 (choice: calibrated, see module doc)

@@ -269,8 +269,18 @@ class _Layout:
         return out
 
 
+# what stores written by an earlier tvrpipe recorded as their maker, and the command that repairs them
+_MAKERS = {"generate_store (tvrpipe.pipeline.genstore)": "tvrpipe synth --features-only"}
+
+
+def maker_command(made_by: str | None) -> str:
+    """The command that made (and so repairs) a store, from its ``made_by`` attribute."""
+    made_by = str(made_by or "tvrpipe extract")
+    return _MAKERS.get(made_by, made_by)
+
+
 def _again(made_by: str) -> str:
-    return f"`{made_by}` again with the same options and --out"
+    return f"`{maker_command(made_by)}` again with the same options and --out"
 
 
 def _damage_message(d: Path, damage: list[Damage], made_by: str) -> str:
@@ -539,7 +549,7 @@ class FeatureStore:
     @property
     def made_by(self) -> str:
         """The command that made the store (it also repairs it)."""
-        return str(self.provenance.get("made_by") or "tvrpipe extract")
+        return maker_command(self.provenance.get("made_by"))
 
     def shard_of(self, name: str, row: int) -> Shard:
         """The shard holding ``row`` of the array ``name`` (e.g. ``videos/frames``)."""
@@ -679,7 +689,7 @@ def verify_store(features_dir: str | os.PathLike[str]) -> VerifyReport:
     d = Path(features_dir)
     group, prov = _open_checked(d)
     layout = _Layout(d, group)
-    report = VerifyReport(d, complete=bool(prov.get("complete")), made_by=str(prov.get("made_by") or "tvrpipe extract"))
+    report = VerifyReport(d, complete=bool(prov.get("complete")), made_by=maker_command(prov.get("made_by")))
     for kind in KINDS:
         for shard in layout.shards(kind):
             problem = layout.check(shard, checksums=True, scan=report.nonfinite)
