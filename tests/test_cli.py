@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 
 import pandas as pd
+import pytest
 
 
 def test_help_lists_command_groups(cli):
@@ -288,3 +290,32 @@ def test_export_into_its_own_store_is_refused_and_repair_hints_name_a_command(cl
     r = cli("features", "show", store)
     text = " ".join(r.output.split())
     assert r.exit_code == 1 and "repair it by running `tvrpipe synth --features-only` again" in text, r.output
+
+
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_says_so_and_the_same_command_resumes(tmp_path, sig, code, word):
+    """Ctrl-C or SIGTERM (a scheduler's preemption): one line saying what to do, the conventional exit code,
+    and the same command resumes from the last finished epoch."""
+    import time
+
+    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+
+    store = generate_store(tmp_path / "s", GenSpec(train_videos=64, test_videos=8, frames=4, max_words=6,
+                                                   embed_dim=16, seed=0))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tvrpipe", "train-head", "--features", str(store), "--method", "meanpool",
+           "--out", str(run), "--epochs", "60", "--batch-size", "8"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "epochs.csv").is_file() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == code, (p.returncode, err)
+    assert f"{word}" in err and "what was finished is kept; rerun the same command to resume" in " ".join(err.split())
+    assert "Traceback" not in err
+    done = len(pd.read_csv(run / "epochs.csv"))
+    assert 1 <= done < 60
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(pd.read_csv(run / "epochs.csv")) == 60

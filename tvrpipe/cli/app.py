@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 from typing import Annotated, Any
 
 import click
@@ -33,12 +35,26 @@ class _ErrorsAsMessages(TyperGroup):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): every output is resumable
+            how, code = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+            err_console.print(f"[bold yellow]{how}:[/] what was finished is kept; rerun the same command to "
+                              "resume", highlight=False, soft_wrap=True)
+            raise typer.Exit(code) from None
         except TvrpipeError as e:
             _one_line(str(e))
         except OSError as e:
             logging.getLogger("tvrpipe").debug("traceback", exc_info=True)
             where = f"{e.filename}: " if e.filename else ""
             _one_line(f"{where}{e.strerror or e} (check that the path exists, is writable and the disk has room)")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, ``kill``), raised where the process is, as Ctrl-C would be:
+    every command already leaves its outputs resumable on a KeyboardInterrupt."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 def finite_float(value: str | float) -> float:
@@ -90,6 +106,8 @@ def _root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+        signal.signal(signal.SIGTERM, _terminate)
     level = logging.WARNING - 10 * min(verbose, 2)
     handler = RichHandler(console=err_console, show_path=False)
     if not verbose:  # open_clip logs to the root logger (e.g. "No pretrained weights loaded" for 'none')
