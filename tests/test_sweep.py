@@ -219,3 +219,20 @@ def test_sweep_names_an_unreachable_cluster(tmp_path):
                 "--address", f"127.0.0.1:{_free_port()}", "--out", tmp_path / "o"], env)
     assert r.returncode == 1
     assert "--address 127.0.0.1:" in r.stderr and "cannot connect to the Ray cluster" in r.stderr, r.stderr
+
+
+def test_a_second_sweep_into_the_same_out_is_refused_while_the_first_runs(tmp_path, cli):
+    """The sweep holds its --out's lock, as stores and runs do: two sweeps cannot fail each other's runs or
+    overwrite each other's runs.csv. Nothing is started (no Ray) when the lock is held."""
+    from tvrpipe.lock import DirLock
+
+    store = generate_store(tmp_path / "s", GenSpec(train_videos=8, test_videos=4, frames=4, max_words=6,
+                                                   embed_dim=8, seed=0))
+    first = DirLock(tmp_path / "w", "--out")  # the first sweep, holding its --out
+    try:
+        r = cli("sweep", "--features", store, "--methods", "meanpool", "--seeds", "0", "--out", tmp_path / "w")
+        text = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"{tmp_path / 'w'} is being written by" in text and "another --out" in text, r.output
+        assert not (tmp_path / "w" / "runs.csv").exists() and not (tmp_path / "w" / "meanpool__seed0").exists()
+    finally:
+        first.release()

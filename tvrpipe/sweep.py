@@ -39,6 +39,7 @@ import pandas as pd
 
 from tvrpipe.config import field_types, parse_value, split_item
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
+from tvrpipe.lock import locked
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +257,8 @@ def run_sweep(
         >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
     """
     from tvrpipe.lock import check_writable
-    from tvrpipe.pipeline.extract import _ray_init, require_gpus
     from tvrpipe.pipeline.store import open_store, store_identity
-    from tvrpipe.training.fit import TrainConfig, store_head_config
+    from tvrpipe.training.fit import TrainConfig
 
     base = train or TrainConfig()
     if not cpus_per_run > 0 or not math.isfinite(cpus_per_run):
@@ -276,6 +276,16 @@ def run_sweep(
     features = Path(features).resolve()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    with locked(out, "--out"):  # a second sweep into this --out is refused while this one runs
+        return _sweep(runs, out, base, store, identity, features, post, address, cpus_per_run, gpus_per_run, progress)
+
+
+def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity: dict[str, Any], features: Path,
+           post: tuple[str, ...], address: str | None, cpus_per_run: float, gpus_per_run: float,
+           progress: bool) -> SweepResult:
+    """:func:`run_sweep` with its options checked and ``out`` locked."""
+    from tvrpipe.pipeline.extract import _ray_init, require_gpus
+    from tvrpipe.training.fit import store_head_config
 
     rows: dict[str, dict[str, Any]] = {}
     todo: list[tuple[SweepRun, dict[str, Any]]] = []
