@@ -379,3 +379,17 @@ def test_gallery_skipped_when_videos_are_unreachable(video_run, tmp_path):
     assert f"gallery: videos not reachable under {tmp_path / 'elsewhere'}" in md
     md = write_report([root / "runs"], tmp_path / "rep2").read_text()  # no manifest, no --video-root
     assert "gallery: no video root: pass --video-root" in md
+
+
+def test_a_copied_run_directory_is_not_a_second_seed(runs, tmp_path, cli):
+    """The same configuration, seed and store is one run wherever its directory is: a copy is listed as
+    skipped, and the row keeps the seeds it really has."""
+    shutil.copytree(runs / "xpool" / "seed0", tmp_path / "copy" / "seed0-again")
+    found, skipped = find_runs([runs, tmp_path / "copy"])
+    assert sorted(r.seed for r in found if r.method == "xpool") == [0, 1]
+    [dup] = skipped
+    assert dup.dir == tmp_path / "copy" / "seed0-again" and "the same run as" in dup.reason
+    r = cli("report", runs, tmp_path / "copy", "--out", tmp_path / "rep")
+    assert r.exit_code == 0, r.output
+    s = _tables((tmp_path / "rep" / "report.md").read_text())["synthetic-features (split set generated)"]
+    assert _row(s["Text-to-video, raw scores"], "xpool")[1] == "2"

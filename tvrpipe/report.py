@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tvrpipe.environment import versions_text
+from tvrpipe.environment import ENVIRONMENT_KEYS, versions_text
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
 
 log = logging.getLogger(__name__)
@@ -242,6 +242,7 @@ def find_runs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[RunRecord],
     runs: list[RunRecord] = []
     skipped: list[Skipped] = []
     seen: set[Path] = set()
+    identities: dict[str, Path] = {}  # run identity -> the first run found with it
     for p in map(Path, paths):
         if not p.exists():
             raise ConfigError(f"{p}: no such run directory")
@@ -266,12 +267,24 @@ def find_runs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[RunRecord],
                 continue
             seen.add(here.resolve())
             record = _read_run(here, config)
+            if isinstance(record, RunRecord):
+                same = identities.setdefault(_run_identity(record), here)
+                if same != here:  # a copied run directory is not a second seed
+                    record = Skipped(here, f"the same run as {same} (the same configuration, seed and store): "
+                                           "counted once")
             (runs if isinstance(record, RunRecord) else skipped).append(record)
         if not found:
             raise ConfigError(f"{p}: no runs here (no directory with config.yaml and metrics.json at any depth); "
                               "pass run directories written by `tvrpipe train-head`, `tvrpipe finetune` or a "
                               "sweep, or a folder that holds them")
     return runs, skipped
+
+
+def _run_identity(run: RunRecord) -> str:
+    """What makes a run the same run wherever its directory is: its whole configuration, seed and store
+    included (not the versions it ran with). A copy of a run directory has it; two seeds, or two runs
+    reporting different post-processing of one training, do not."""
+    return json.dumps({k: v for k, v in run.config.items() if k not in ENVIRONMENT_KEYS}, sort_keys=True, default=str)
 
 
 def _looks_like_run(d: Path) -> bool:
