@@ -319,3 +319,52 @@ def test_a_signal_says_so_and_the_same_command_resumes(tmp_path, sig, code, word
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(pd.read_csv(run / "epochs.csv")) == 60
+
+
+@pytest.mark.parametrize("where, error", [
+    ("save_file", Exception('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                            '"No space left on device" })')),  # safetensors' SafetensorError on a full disk
+    ("torch_save", RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing "
+                                "file data/0: file write failed")),  # torch.save's on a full disk
+])
+def test_a_full_disk_is_one_line_naming_the_file(cli, tmp_path, monkeypatch, where, error):
+    """Whatever a library raises when the disk fills becomes one line naming the file, never a traceback."""
+    import torch
+
+    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+    from tvrpipe.training import fit as fit_module
+
+    store = generate_store(tmp_path / "s", GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6,
+                                                   embed_dim=8, seed=0))
+
+    def full(*a, **k):
+        raise error
+
+    if where == "save_file":
+        monkeypatch.setattr(fit_module, "save_file", full)
+        name = "last.safetensors"
+    else:
+        monkeypatch.setattr(torch, "save", full)
+        name = "state.pt"
+    r = cli("train-head", "--features", store, "--method", "meanpool", "--out", tmp_path / "run", "--epochs", "1")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    # the file named is the one being written (a checkpoint is staged as .NAME.next, then committed)
+    assert re.search(rf"{re.escape(str(tmp_path / 'run' / 'checkpoints'))}/\.?{re.escape(name)}(\.next)?: cannot write "
+                     r"it \(no space left on the device\); make room on the disk", text), r.output
+
+
+def test_export_checks_the_room_it_needs_before_writing(cli, tmp_path, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+
+    store = generate_store(tmp_path / "s", GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6,
+                                                   embed_dim=8, seed=0))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10 << 20, 10 << 20, 1 << 20))
+    r = cli("export", "--features", store, "--out", tmp_path / "f.h5")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"--out {tmp_path / 'f.h5'}: the export needs about 0.02 GB and" in text, r.output
+    assert "0.00 GB free" in text and not list(tmp_path.glob("*f.h5*"))

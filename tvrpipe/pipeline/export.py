@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, writing
 from tvrpipe.lock import check_writable
 from tvrpipe.pipeline.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.pipeline.store import open_store
@@ -39,6 +40,15 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as features.h5")
     check_writable(out.parent, "--out")
+    # h5py crashes the process (not an exception) when the disk fills as it closes a file: check the room first
+    need = sum(store.array(name).nbytes for name in ARRAYS) * 1.02 + (16 << 20)  # + ids, attributes, headers
+    ancestor = out.parent.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    free = shutil.disk_usage(ancestor).free
+    if free < need:
+        raise ConfigError(f"--out {out}: the export needs about {need / 1e9:.2f} GB and {ancestor} has "
+                          f"{free / 1e9:.2f} GB free; make room or write it elsewhere")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -46,7 +56,7 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}); choose a writable path") from None
     try:
-        with h5:
+        with writing(out), h5:
             for name in ARRAYS:
                 src = store.array(name)
                 dst = h5.create_dataset(name, shape=src.shape, dtype=src.dtype, chunks=src.chunks)
@@ -63,6 +73,7 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
             h5.create_dataset("ids/texts/video_row", data=store.texts["video_row"].to_numpy(np.int64))
             for k, v in store.provenance.items():
                 h5.attrs[k] = json.dumps(v)
+            h5.flush()
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

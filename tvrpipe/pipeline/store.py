@@ -50,7 +50,7 @@ import pandas as pd
 import zarr
 
 from tvrpipe.environment import resumed_versions
-from tvrpipe.errors import TvrpipeError
+from tvrpipe.errors import TvrpipeError, writing
 from tvrpipe.lock import DirLock
 
 log = logging.getLogger(__name__)
@@ -129,14 +129,16 @@ def file_sha256(path: Path) -> str:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with writing(path):
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def _atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    with writing(path):
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
 
 
 def nonfinite_rows(block: np.ndarray) -> np.ndarray:
@@ -482,7 +484,8 @@ class StoreWriter:
         chunks = {}
         with zarr.config.set({"array.write_empty_chunks": True}):  # a missing chunk is then always damage
             for name, values in arrays.items():
-                self.root[f"{shard.kind}/{name}"][shard.start : shard.stop] = values
+                with writing(self._layout.chunk_path(shard, name)):
+                    self.root[f"{shard.kind}/{name}"][shard.start : shard.stop] = values
                 data = self._layout.chunk_path(shard, name).read_bytes()
                 chunks[name] = {"key": self._layout.chunk_key(shard, name), "bytes": len(data),
                                 "crc32": zlib.crc32(data)}

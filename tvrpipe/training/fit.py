@@ -43,7 +43,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
-from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
+from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError, writing
 from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, create_head, head_class
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.pipeline.store import atomic_write_text, file_sha256, open_store, store_identity
@@ -211,12 +211,21 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: Path, metadata: d
     Raises:
         NonFiniteError: a weight is NaN or infinite (such a state is never written); ``what``
             names the model in the message.
+        WriteError: the file cannot be written (a full disk, ...), naming ``path``.
     """
     state = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise NonFiniteError(f"{what}: weights {', '.join(bad[:5])} are NaN or infinite; not saved to {path}")
     tmp = path.with_name(f".{path.name}.tmp")
+    with writing(path):
+        _write_safetensors(state, tmp, metadata)
+        os.replace(tmp, path)
+    return file_sha256(path)
+
+
+def _write_safetensors(state: Mapping[str, torch.Tensor], tmp: Path, metadata: dict[str, str]) -> None:
+    """safetensors' file, its metadata keys rewritten in sorted order (:func:`save_weights`)."""
     save_file(state, str(tmp), metadata=metadata)
     with open(tmp, "r+b") as f:
         n = int.from_bytes(f.read(8), "little")
@@ -227,8 +236,6 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: Path, metadata: d
             if len(text) <= n:  # the same keys and values: the same length, or less with padding dropped
                 f.seek(8)
                 f.write(text.ljust(n))  # safetensors pads its header with spaces too
-    os.replace(tmp, path)
-    return file_sha256(path)
 
 
 def _save_checkpoint(head: Head, path: Path) -> str:
@@ -390,8 +397,9 @@ class Checkpoints:
         this epoch's staged files into place."""
         files = {**self.files, **self._staged}
         tmp = self.folder / f".{self.STATE}.tmp"
-        torch.save({**state, "files": files}, tmp)
-        os.replace(tmp, self.folder / self.STATE)
+        with writing(self.folder / self.STATE):
+            torch.save({**state, "files": files}, tmp)
+            os.replace(tmp, self.folder / self.STATE)
         for name in self._staged:
             os.replace(self._next(name), self.folder / name)
         self.files, self._staged = files, {}
