@@ -5,6 +5,7 @@ refusal, HDF5 export. Ray is started once for the module (start-up is the slow p
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
+from tvrpipe.errors import ConfigError
 from tvrpipe.pipeline.clip import TINY_MODEL, encode_frames, encode_text_tokens, load_clip, tokenize
 from tvrpipe.pipeline.decode import decode_video
 from tvrpipe.pipeline.extract import ExtractConfig, extract
@@ -437,3 +439,27 @@ def test_gpus_are_checked_per_node_as_well(monkeypatch):
         require_gpus(2, "--gpus-per-run 2", "use --gpus-per-run 0")
     with pytest.raises(ConfigError, match=r"needs 3 GPUs, and the Ray cluster has 2"):
         require_gpus(3, "--use-gpu with --num-workers 3", "drop --use-gpu", per_task=1)
+
+
+def test_every_form_of_address_is_checked_before_ray_waits(monkeypatch):
+    """HOST:PORT, ray://HOST:PORT and auto (Ray resolves auto to the last cluster started on this machine,
+    whose address outlives it, and then retried forever): a stopped cluster is one line naming the option."""
+    import socket
+
+    import ray._private.services as services
+
+    from tvrpipe.pipeline.extract import _check_reachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ConfigError, match=rf"--address {re.escape(address)}: cannot connect to the Ray cluster"):
+            _check_reachable(address, timeout=2)
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda addr, temp_dir=None: f"127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=rf"RAY_ADDRESS auto \(auto: the last cluster started on this machine, at "
+                                          rf"127\.0\.0\.1:{port}\): cannot connect .*that cluster has stopped"):
+        _check_reachable("auto", timeout=2, option="RAY_ADDRESS")
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda addr, temp_dir=None: None)
+    with pytest.raises(ConfigError, match=r"--address auto: no Ray cluster was started on this machine"):
+        _check_reachable("auto")

@@ -287,10 +287,11 @@ def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
     quiet = logging.getLogger().getEffectiveLevel() > logging.INFO
     if quiet:
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # the driver's C++ lines on stderr
+    option = "--address" if address else "RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS")
     with _stderr_held(quiet):  # the token-authentication notice is printed by Ray's C++ start-up
         if address:
-            _check_reachable(address)
+            _check_reachable(address, option=option)
             try:
                 ray.init(address=address, log_to_driver=False,
                          logging_level=logging.WARNING if quiet else logging.INFO)
@@ -334,7 +335,7 @@ def _check_device(cfg: ExtractConfig) -> None:
 
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        _check_reachable(address)
+        _check_reachable(address, option="--address" if cfg.address else "RAY_ADDRESS")
     if cfg.device != "cuda":
         return
     joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()
@@ -368,21 +369,36 @@ def require_gpus(need: float, option: str, instead: str, per_task: float | None 
                           f"{instead}, or run on nodes with more GPUs")
 
 
-def _check_reachable(address: str, timeout: float = 10.0) -> None:
-    """Fail fast, naming ``--address``, when nothing listens at a ``HOST:PORT`` address: Ray itself
-    retries such a connection for minutes. Other forms (``auto``, ``ray://...``) are Ray's to resolve."""
+def _check_reachable(address: str, timeout: float = 10.0, option: str = "--address") -> None:
+    """Fail fast, naming ``option``, when nothing listens where ``address`` points: Ray itself retries such
+    a connection for minutes, and forever for ``auto`` whose cluster has stopped (it reads the address of
+    the last cluster started on this machine, which outlives the cluster). Every form is checked:
+    ``HOST:PORT``, ``ray://HOST:PORT`` and ``auto``."""
     import re
     import socket
 
-    m = re.fullmatch(r"\[?([^\[\]/]+?)\]?:(\d+)", address)
+    target, how = address, ""
+    if address == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address("auto")
+        except Exception:  # Ray's own lookup failed, or its private API moved: leave it to ray.init
+            return
+        if target is None:
+            raise ConfigError(f"{option} auto: no Ray cluster was started on this machine; start one with "
+                              "`ray start --head`, or leave the option out to run here; see docs/cluster.md")
+        how = f" (auto: the last cluster started on this machine, at {target})"
+    m = re.fullmatch(r"(?:ray://)?\[?([^\[\]/]+?)\]?:(\d+)", target)
     if not m:
         return
     try:
         socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout).close()
     except OSError as e:
-        raise ConfigError(f"--address {address}: cannot connect to the Ray cluster (nothing answers there: "
-                          f"{e.strerror or e}); start it with `ray start --head --port {m.group(2)}` or check the "
-                          "address (`ray status` on the head node prints it); see docs/cluster.md") from None
+        stopped = "; that cluster has stopped" if how else ""
+        raise ConfigError(f"{option} {address}{how}: cannot connect to the Ray cluster (nothing answers there: "
+                          f"{e.strerror or e}){stopped}; start it with `ray start --head --port {m.group(2)}` or "
+                          "check the address (`ray status` on the head node prints it); see docs/cluster.md") from None
 
 
 @contextmanager
