@@ -142,3 +142,23 @@ def test_store_records_its_versions_and_a_resume_in_another_environment(tmp_path
     monkeypatch.setattr(environment, "versions", lambda: {**first, "numpy": "0.0"})
     StoreWriter(tmp_path, v, t, _prov()).close()  # complete: no row is written in this environment
     assert open_store(tmp_path).provenance["resumed_with"] == [upgraded]
+
+
+def test_a_full_disk_while_writing_a_shard_names_its_chunk(tmp_path, monkeypatch):
+    """extract's writes (in the driver) name the file the disk refused, and the shard stays pending."""
+    import errno
+
+    from tvrpipe.errors import WriteError
+
+    v, t = _tables()
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        def full(self, key, value):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(zarr.Array, "__setitem__", full)
+        s = w.shards("videos")[1]
+        with pytest.raises(WriteError, match=rf"{tmp_path}/features\.zarr/videos/frames/c/1/0/0: cannot write it "
+                                             r"\(No space left on device\); make room on the disk"):
+            w.write_videos(s, np.zeros((3, F, D)), np.ones((3, F), bool), np.zeros((3, F)), [])
+        monkeypatch.undo()
+        assert 1 in [p.index for p in w.pending("videos")]
