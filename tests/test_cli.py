@@ -19,6 +19,19 @@ def test_help_lists_command_groups(cli):
         assert group in r.output
 
 
+def test_help_shows_the_main_path_first_then_papers_tools_and_benchmarks(cli):
+    r = cli("--help")
+    text = " ".join(r.output.split())
+    panels = ["Main path: manifest -> extract -> train-head -> evaluate / report", "Full papers and grids", "Tools",
+              "Benchmarks"]
+    assert r.exit_code == 0 and all(p in text for p in panels), r.output
+    assert [text.index(p) for p in panels] == sorted(text.index(p) for p in panels)
+    order = ["│ manifest ", "│ extract ", "│ train-head ", "│ evaluate ", "│ report ", "│ finetune ", "│ sweep ",
+             "│ features ", "│ export ", "│ heads ", "│ synth ", "│ quickstart ", "│ bench "]
+    at = [r.output.index(c) for c in order]
+    assert at == sorted(at), r.output
+
+
 def test_version(cli):
     from tvrpipe import __version__
 

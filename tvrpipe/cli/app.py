@@ -24,6 +24,16 @@ from tvrpipe.errors import TvrpipeError
 err_console = Console(stderr=True)
 
 
+# `tvrpipe --help` shows the commands in the order of the work: the main path first, then the full
+# papers and grids, then tools, then benchmarks (each command names its panel where it is declared)
+MAIN_PATH = "Main path: manifest -> extract -> train-head -> evaluate / report"
+PAPERS = "Full papers and grids"
+TOOLS = "Tools"
+BENCHMARKS = "Benchmarks"
+COMMAND_ORDER = ("manifest", "extract", "train-head", "evaluate", "report", "finetune", "sweep", "features",
+                 "export", "heads", "synth", "quickstart", "bench")
+
+
 class _ErrorsAsMessages(TyperGroup):
     """A command group that reports :class:`TvrpipeError` (and file-system errors) as one line, exit 1.
 
@@ -31,6 +41,11 @@ class _ErrorsAsMessages(TyperGroup):
     folder that became read-only mid-run) names its file and what the system said; ``-vv`` logs
     its traceback.
     """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        rank = {n: i for i, n in enumerate(COMMAND_ORDER)}
+        return sorted(names, key=lambda n: rank.get(n, len(COMMAND_ORDER)))  # stable: the rest keep their order
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import app, finite_float, new_app
+from tvrpipe.cli.app import BENCHMARKS, app, finite_float, new_app
 
 console = Console()
 
@@ -45,7 +45,7 @@ def _write_json(path: Optional[Path], data) -> None:
 
 
 bench_app = new_app(help="Benchmarks: throughput ratios measured in one run (see docs/performance.md).")
-app.add_typer(bench_app, name="bench")
+app.add_typer(bench_app, name="bench", rich_help_panel=BENCHMARKS)
 
 
 @bench_app.command("extract")

@@ -9,15 +9,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import app, finite_float, new_app
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, finite_float, new_app
 from tvrpipe.errors import ConfigError
 
 console = Console()
 features_app = new_app(help="Inspect feature stores.")
-app.add_typer(features_app, name="features")
+app.add_typer(features_app, name="features", rich_help_panel=TOOLS)
 
 
-@app.command("extract")
+@app.command("extract", rich_help_panel=MAIN_PATH)
 def extract_cmd(
     manifest: Annotated[Path, typer.Option(help="Manifest directory (videos.parquet, captions.parquet).")],
     video_root: Annotated[Path, typer.Option(help="Folder the manifest's video paths are relative to.")],
@@ -81,7 +81,7 @@ def extract_cmd(
         console.print(line, highlight=False)
 
 
-@app.command("export")
+@app.command("export", rich_help_panel=TOOLS)
 def export_cmd(
     features: Annotated[Path, typer.Option(help="A complete feature store directory.")],
     out: Annotated[Path, typer.Option(help="Output file, e.g. features.h5.")],

@@ -8,13 +8,13 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import app, finite_float
+from tvrpipe.cli.app import PAPERS, app, finite_float
 from tvrpipe.cli.train import _post, _print_metrics, parse_overrides
 
 console = Console()
 
 
-@app.command("finetune")
+@app.command("finetune", rich_help_panel=PAPERS)
 def finetune_cmd(
     method: Annotated[str, typer.Option(help="Head to train (see `tvrpipe heads`).")],
     manifest: Annotated[Path, typer.Option(help="Manifest directory (tvrpipe manifest build / synth).")],

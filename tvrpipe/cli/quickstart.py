@@ -10,12 +10,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import app
+from tvrpipe.cli.app import TOOLS, app
 
 console = Console()
 
 
-@app.command("quickstart")
+@app.command("quickstart", rich_help_panel=TOOLS)
 def quickstart(
     out: Annotated[Path, typer.Option(help="Working directory for the generated data, features and runs.")] = Path(
         "quickstart"

@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import app
+from tvrpipe.cli.app import MAIN_PATH, app
 
 console = Console()
 
 
-@app.command("report")
+@app.command("report", rich_help_panel=MAIN_PATH)
 def report(
     runs: Annotated[list[Path], typer.Argument(
         help="Run directories (train-head, finetune), or folders holding runs at any depth (a sweep's --out).",

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import app, finite_float
+from tvrpipe.cli.app import PAPERS, app, finite_float
 from tvrpipe.cli.train import (BatchSizeOption, EpochsOption, LrOption, MaxEpochsOption, PatienceOption, PostOption,
                                WeightDecayOption, _post)
 from tvrpipe.errors import ConfigError
@@ -25,7 +25,7 @@ def _ints(option: str, text: str) -> list[int]:
         raise ConfigError(f"{option} expects comma-separated integers, e.g. 0,1,2; got {text!r}") from None
 
 
-@app.command("sweep")
+@app.command("sweep", rich_help_panel=PAPERS)
 def sweep(
     features: Annotated[Path, typer.Option(help="A complete feature store, at this path on every node.")],
     methods: Annotated[

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import app, finite_float
+from tvrpipe.cli.app import TOOLS, app, finite_float
 from tvrpipe.cli.manifest import print_counts
 from tvrpipe.errors import ConfigError
 
@@ -19,7 +19,7 @@ _VIDEO_OPTIONS = ("videos", "size", "fps", "scene_seconds", "captions_per_video"
                   "distractor_fraction")
 
 
-@app.command("synth")
+@app.command("synth", rich_help_panel=TOOLS)
 def synth(
     ctx: typer.Context,
     out: Annotated[Path, typer.Option(help="Output directory: videos/, manifest/, attributes.parquet (or, with "

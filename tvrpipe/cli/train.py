@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import app, finite_float
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, finite_float
 from tvrpipe.config import parse_fields
 from tvrpipe.errors import ConfigError
 
@@ -66,7 +66,7 @@ def _print_metrics(title: str, metrics: dict) -> None:
         console.print(f"readout {name}: {values}")
 
 
-@app.command("train-head")
+@app.command("train-head", rich_help_panel=MAIN_PATH)
 def train_head(
     features: Annotated[Path, typer.Option(help="A complete feature store (tvrpipe extract).")],
     method: Annotated[str, typer.Option(help="Head to train (see `tvrpipe heads`).")],
@@ -102,7 +102,7 @@ def train_head(
     _print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
 
 
-@app.command("evaluate")
+@app.command("evaluate", rich_help_panel=MAIN_PATH)
 def evaluate(
     run: Annotated[Path, typer.Option(help="A run directory (tvrpipe train-head, or tvrpipe finetune with --features "
                                            "of a store extracted by its CLIP).")],
@@ -119,7 +119,7 @@ def evaluate(
     _print_metrics(f"{run}: {split} ({run / f'eval_{split}.json'})", metrics)
 
 
-@app.command("heads")
+@app.command("heads", rich_help_panel=TOOLS)
 def heads() -> None:
     """List the retrieval heads and their config fields with defaults."""
     from tvrpipe.heads.base import head_class, list_heads
