@@ -182,9 +182,8 @@ class SeqTransf(Head):
     """CLIP4Clip seqTransf: temporal transformer + residual, then mean pooling and cosine."""
 
     uses_tokens = False  # reads the sentence embedding only
-    # choice: the open-ended schedule at 1e-4 is within 0.5 of the grid's best validation R@1 on the D = 64
-    # generated stores (small 40.0 = 40.0, medium 37.0 vs 37.5) and the best measured at MSR-VTT 9k size
-    # with D = 512 (24.4; 21.8 at 3e-4, 23.9 in 5 epochs at 1e-4) (docs/training.md)
+    # choice: chosen on validation curves at D = 64 and D = 512 (`tvrpipe bench convergence`); the runs
+    # and their figures are in docs/training.md, "Schedule"
     default_lr = 1e-4
 
     Config = Config

@@ -136,10 +136,8 @@ class UATVR(Head):
     """UATVR: Eq. 8 token-wise score over DSA-enlarged sequences; DUA and KL in training."""
 
     Config = Config
-    # choice, per width (docs/training.md): at D = 64 the open-ended schedule at 3e-3 came closest to
-    # the grid's best validation R@1 over both generated stores (medium 20.0 vs the grid's 19.0, small
-    # 24.0 vs 26.0; at 1e-3 16.5 and 25.0); at D = 512 (MSR-VTT 9k-size store) 3e-3 was at 2.7 after
-    # three epochs and 3e-4 at 24.2 by epoch 15
+    # choice, per width: the validation curves at D = 64 and D = 512 disagree (`tvrpipe bench convergence`);
+    # the runs and their figures are in docs/training.md, "Schedule"
     default_lr = {64: 3e-3, 512: 3e-4}
 
     def __init__(self, config: Config) -> None:

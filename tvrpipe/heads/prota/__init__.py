@@ -204,10 +204,8 @@ class ProTA(Head):
     """ProTA: S^p of Eq. 11 (or S of Eq. 8), trained with Eq. 16."""
 
     Config = Config
-    # choice, per width (docs/training.md): at D = 64 the open-ended schedule at 3e-4 reached the grid's
-    # best validation R@1 on both generated stores (small 29.0 vs 28.0, medium 28.0 = 28.0; at 1e-3 it
-    # peaks early and falls, 27.0 and 25.5); at D = 512 (MSR-VTT 9k-size store) the open-ended runs
-    # reached 15.7 at 3e-4, 22.0 at 1e-3 and 27.6 at 3e-3
+    # choice, per width: the validation curves at D = 64 and D = 512 disagree (`tvrpipe bench convergence`);
+    # the runs and their figures are in docs/training.md, "Schedule"
     default_lr = {64: 3e-4, 512: 3e-3}
 
     def __init__(self, config: Config) -> None:
