@@ -136,6 +136,14 @@ def locked(directory: str | os.PathLike[str], option: str = "--out") -> Iterator
         lock.release()
 
 
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """``path`` made absolute, or its nearest ancestor that exists: where it would be created."""
+    ancestor = Path(path).absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    return ancestor
+
+
 def check_writable(path: str | os.PathLike[str], option: str = "--out") -> None:
     """Raise :class:`ConfigError` if the directory ``path`` could not be created or written.
 
@@ -145,9 +153,7 @@ def check_writable(path: str | os.PathLike[str], option: str = "--out") -> None:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{option} {p}: is a file, not a directory")
-    ancestor = p.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = nearest_existing(p)
     if not ancestor.is_dir():
         raise ConfigError(f"{option} {p}: {ancestor} is a file, so the directory cannot be created")
     if not os.access(ancestor, os.W_OK | os.X_OK):

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from tvrpipe.errors import ConfigError, writing
-from tvrpipe.lock import check_writable
+from tvrpipe.lock import check_writable, nearest_existing
 from tvrpipe.pipeline.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.pipeline.store import open_store
 
@@ -42,9 +42,7 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     check_writable(out.parent, "--out")
     # h5py crashes the process (not an exception) when the disk fills as it closes a file: check the room first
     need = sum(store.array(name).nbytes for name in ARRAYS) * 1.02 + (16 << 20)  # + ids, attributes, headers
-    ancestor = out.parent.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = nearest_existing(out.parent)
     free = shutil.disk_usage(ancestor).free
     if free < need:
         raise ConfigError(f"--out {out}: the export needs about {need / 1e9:.2f} GB and {ancestor} has "

@@ -147,23 +147,50 @@ _HINTS = {
 }
 
 
+@dataclass(frozen=True)
+class FailureCount:
+    """More than ``--max-failed-fraction`` of some videos failed (:func:`over_failure_limit`).
+
+    Attributes:
+        kinds: ``[(kind, count)]``, the errors' kinds (the text before their first ``:``), most
+            frequent first, then by name.
+        text: how many of how many, the percentage and the limit, then the kinds
+            (``3 of 16 videos failed (18.8 % > --max-failed-fraction 0.1): missing: 2, empty: 1``).
+        accept: the fraction that would accept these failures, rounded up to a percent.
+    """
+
+    kinds: list[tuple[str, int]]
+    text: str
+    accept: float
+
+
+def over_failure_limit(errors: list[str], total: int, limit: float, what: str = "videos failed") -> FailureCount | None:
+    """``errors`` (one per failed video, ``"kind: detail"``) of ``total`` videos against ``--max-failed-fraction``
+    ``limit``: None when at most that fraction failed, else what to say. Shared by extract and finetune."""
+    n = len(errors)
+    if total == 0 or n / total <= limit:  # "more than this fraction"; n <= frac * total rounds (29 of 100)
+        return None
+    kinds = sorted(Counter(str(e).split(":", 1)[0] for e in errors).items(), key=lambda kv: (-kv[1], kv[0]))
+    accept = math.ceil(round(100 * n / total, 9)) / 100  # rounded up: the advised value lets the run pass
+    text = (f"{n} of {total} {what} ({100 * n / total:.1f} % > --max-failed-fraction {limit:g}): "
+            f"{', '.join(f'{k}: {c}' for k, c in kinds)}")
+    return FailureCount(kinds, text, accept)
+
+
 def _too_many_failures(failures: pd.DataFrame, videos: pd.DataFrame, root: Path, out: Path,
                        cfg: ExtractConfig) -> str | None:
-    n, total = len(failures), len(videos)
-    if n / total <= cfg.max_failed_fraction:  # "more than this fraction"; n <= frac * total rounds (29 of 100)
+    over = over_failure_limit(list(failures["error"]), len(videos), cfg.max_failed_fraction)
+    if over is None:
         return None
+    top = over.kinds[0][0]
     kind = failures["error"].str.split(":", n=1).str[0]
-    kinds = sorted(Counter(kind).items(), key=lambda kv: (-kv[1], kv[0]))
-    top = kinds[0][0]
     path = videos.set_index("video_id").loc[failures["video_id"][(kind == top).to_numpy()].iloc[0], "path"]
     hint = _HINTS.get(top, "see the errors").format(root=root, example=root / path, timeout=cfg.timeout_s)
-    accept = math.ceil(round(100 * n / total, 9)) / 100  # rounded up: the advised value lets the run pass
     return (
-        f"{n} of {total} videos failed ({100 * n / total:.1f} % > --max-failed-fraction "
-        f"{cfg.max_failed_fraction:g}): {', '.join(f'{k}: {c}' for k, c in kinds)}; {hint}. "
+        f"{over.text}; {hint}. "
         f"The store in {out} is kept but not marked complete: fix the cause and rerun the same command (it "
         f"retries the failed videos and keeps the rest), or accept the failures with --max-failed-fraction "
-        f"{accept:.2f}; details in {out / 'failures.parquet'}"
+        f"{over.accept:.2f}; details in {out / 'failures.parquet'}"
     )
 
 
@@ -287,8 +314,7 @@ def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
     quiet = logging.getLogger().getEffectiveLevel() > logging.INFO
     if quiet:
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # the driver's C++ lines on stderr
-    option = "--address" if address else "RAY_ADDRESS"
-    address = address or os.environ.get("RAY_ADDRESS")
+    address, option = _ray_address(address)
     with _stderr_held(quiet):  # the token-authentication notice is printed by Ray's C++ start-up
         if address:
             _check_reachable(address, option=option)
@@ -333,9 +359,9 @@ def _check_device(cfg: ExtractConfig) -> None:
     to place the encoders); an ``--address`` where nothing answers fails here too."""
     import sys
 
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    address, option = _ray_address(cfg.address)
     if address:
-        _check_reachable(address, option="--address" if cfg.address else "RAY_ADDRESS")
+        _check_reachable(address, option=option)
     if cfg.device != "cuda":
         return
     joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()
@@ -367,6 +393,14 @@ def require_gpus(need: float, option: str, instead: str, per_task: float | None 
     if node < one:
         raise ConfigError(f"{option}: a task needs {one:g} GPUs on one node, and the largest node has {node:g}; "
                           f"{instead}, or run on nodes with more GPUs")
+
+
+def _ray_address(address: str | None) -> tuple[str | None, str]:
+    """The cluster to join, ``address`` or else ``RAY_ADDRESS`` (None: a local instance), and the option
+    that named it, for messages."""
+    if address:
+        return address, "--address"
+    return os.environ.get("RAY_ADDRESS") or None, "RAY_ADDRESS"
 
 
 def _check_reachable(address: str, timeout: float = 10.0, option: str = "--address") -> None:

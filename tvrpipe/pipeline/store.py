@@ -49,7 +49,7 @@ import numpy as np
 import pandas as pd
 import zarr
 
-from tvrpipe.environment import resumed_versions
+from tvrpipe.environment import resumed_versions, versions
 from tvrpipe.errors import TvrpipeError, writing
 from tvrpipe.lock import DirLock
 
@@ -94,7 +94,6 @@ def manifest_sha256(videos: pd.DataFrame, captions: pd.DataFrame) -> str:
 def make_provenance(**fields: Any) -> dict[str, Any]:
     """Provenance attrs: the identity keys plus anything else worth recording."""
     from tvrpipe import __version__
-    from tvrpipe.environment import versions
 
     missing = [k for k in IDENTITY_KEYS if k not in fields and k not in ("schema_version", "dtype")]
     if missing:

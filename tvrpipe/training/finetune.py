@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -544,9 +543,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 if failures:
                     _write_failures(failures, out)
             _barrier(world)
-            train_failed = {str(job.video_ids[v]): failures[str(job.video_ids[v])] for v in job.train_videos
-                            if str(job.video_ids[v]) in failures}
-            message = _too_many_failed(train_failed, len(job.train_videos), "training", job,
+            message = _too_many_failed(failures, job.train_videos, "training videos failed to decode", job,
                                        f"training stopped after epoch {epoch + 1}, which is kept.")
             if message:
                 raise RunError(message)
@@ -611,20 +608,20 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _too_many_failed(failed: dict[str, str], total: int, what: str, job: _Job, after: str) -> str | None:
-    """The error for ``failed`` ({video id: error}) of ``total`` videos of one kind (``what``: "training",
-    "test") when more than ``--max-failed-fraction`` of them failed; None otherwise."""
-    limit = job.cfg.max_failed_fraction
-    if total == 0 or len(failed) / total <= limit:  # "more than this fraction", as extract
+def _too_many_failed(failures: dict[str, str], rows: np.ndarray, what: str, job: _Job, after: str) -> str | None:
+    """The error when more than ``--max-failed-fraction`` of the videos ``rows`` (row numbers of the
+    manifest) are in ``failures`` ({video id: error}); None otherwise. ``what`` says what happened to them
+    ("training videos failed to decode"), ``after`` what became of the run."""
+    from tvrpipe.pipeline.extract import over_failure_limit
+
+    failed = {vid: failures[vid] for vid in (str(job.video_ids[v]) for v in rows) if vid in failures}
+    over = over_failure_limit(list(failed.values()), len(rows), job.cfg.max_failed_fraction, what)
+    if over is None:
         return None
-    kinds = Counter(str(e).split(":", 1)[0] for e in failed.values())
-    example = next(iter(sorted(failed)))
-    accept = math.ceil(round(100 * len(failed) / total, 9)) / 100
-    return (f"{len(failed)} of {total} {what} videos failed to decode ({100 * len(failed) / total:.1f} % > "
-            f"--max-failed-fraction {limit:g}): {', '.join(f'{k}: {n}' for k, n in kinds.most_common())} (e.g. "
-            f"{example}: {failed[example]}); {after} Fix them (check --video-root) and rerun the same command, "
-            f"or accept the failures with --max-failed-fraction {accept:.2f}; the list is in "
-            f"{Path(job.out) / 'failures.csv'}")
+    example = min(failed)
+    return (f"{over.text} (e.g. {example}: {failed[example]}); {after} Fix them (check --video-root) and rerun "
+            f"the same command, or accept the failures with --max-failed-fraction {over.accept:.2f}; the list is "
+            f"in {Path(job.out) / 'failures.csv'}")
 
 
 def _check_files(job: _Job, root: Path) -> None:
@@ -637,9 +634,10 @@ def _check_files(job: _Job, root: Path) -> None:
     for what, rows in (("training", job.train_videos), ("test", job.test[0])):
         missing = {str(job.video_ids[v]): f"missing: {job.table.paths[v]}" for v in rows
                    if not Path(job.table.paths[v]).is_file()}
-        message = _too_many_failed(missing, len(rows), what, job, "nothing was written.")
+        message = _too_many_failed(missing, rows, f"{what} videos are not files under --video-root {root}", job,
+                                   "nothing was written.")
         if message:
-            raise ConfigError(message.replace("failed to decode", f"are not files under --video-root {root}"))
+            raise ConfigError(message)
 
 
 def _write_failures(failures: dict[str, str], out: Path) -> None:
@@ -666,9 +664,7 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
     model.clip.load_state_dict(load_file(str(ckpt / "clip_best.safetensors")))
     model.head.load_state_dict(load_head(ckpt / "best.safetensors").state_dict())
     test = _evaluate(model, loader_for, job.test, job, failures, post=job.post)
-    test_failed = {str(job.video_ids[v]): failures[str(job.video_ids[v])] for v in job.test[0]
-                   if str(job.video_ids[v]) in failures}
-    message = _too_many_failed(test_failed, len(job.test[0]), "test", job,
+    message = _too_many_failed(failures, job.test[0], "test videos failed to decode", job,
                                "no test metrics were written (the training is kept).")
     if message:
         if failures:
