@@ -115,7 +115,7 @@ def test_synth_bad_option_names_it(cli, tmp_path):
 def test_quickstart_end_to_end(tmp_path):
     """The README's main command, as a user runs it (a process of its own, Ray included), --fast."""
     from tvrpipe.heads.base import list_heads
-    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.features.store import open_store
 
     r = subprocess.run([sys.executable, "-m", "tvrpipe", "quickstart", "--out", str(tmp_path / "q"), "--fast",
                         "--videos", "40"], capture_output=True, text=True, timeout=900)
@@ -287,8 +287,8 @@ def test_manifest_paths_stay_inside_the_video_root(cli, tmp_path):
 
 
 def test_export_into_its_own_store_is_refused_and_repair_hints_name_a_command(cli, tmp_path):
-    from tvrpipe.pipeline.genstore import GenSpec, generate_store
-    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.features.store import open_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=8, test_videos=4, frames=4, max_words=6,
                                                    embed_dim=8, seed=0))
@@ -311,7 +311,7 @@ def test_a_signal_says_so_and_the_same_command_resumes(tmp_path, sig, code, word
     and the same command resumes from the last finished epoch."""
     import time
 
-    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+    from tvrpipe.features.genstore import GenSpec, generate_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=64, test_videos=8, frames=4, max_words=6,
                                                    embed_dim=16, seed=0))
@@ -344,7 +344,7 @@ def test_a_full_disk_is_one_line_naming_the_file(cli, tmp_path, monkeypatch, whe
     """Whatever a library raises when the disk fills becomes one line naming the file, never a traceback."""
     import torch
 
-    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+    from tvrpipe.features.genstore import GenSpec, generate_store
     from tvrpipe.training import fit as fit_module
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6,
@@ -371,7 +371,7 @@ def test_export_checks_the_room_it_needs_before_writing(cli, tmp_path, monkeypat
     import shutil as sh
     from collections import namedtuple
 
-    from tvrpipe.pipeline.genstore import GenSpec, generate_store
+    from tvrpipe.features.genstore import GenSpec, generate_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6,
                                                    embed_dim=8, seed=0))

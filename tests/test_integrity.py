@@ -1,6 +1,6 @@
 """No silent corruption: damaged chunks, non-finite numbers, locks, option checks, broken runs,
 unwritable outputs. Stores here are generated (no Ray, no videos); the extraction-level cases
-(retry after a wrong root, repair by re-extraction) are in test_extract.py."""
+(retry after a wrong root, repair by re-extraction) are in features/test_extract.py."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 
 from tvrpipe.errors import LockError, NonFiniteError, RunError
 from tvrpipe.lock import LOCK_NAME, DirLock
-from tvrpipe.pipeline.genstore import GenSpec, generate_store
-from tvrpipe.pipeline.store import (ARRAYS, PROGRESS, STORE_NAME, StoreError, nonfinite_rows, open_store,
+from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.features.store import (ARRAYS, PROGRESS, STORE_NAME, StoreError, nonfinite_rows, open_store,
                                     verify_store)
 from tvrpipe.training import fit as fit_module
 from tvrpipe.training.fit import TrainConfig, fit
@@ -175,7 +175,7 @@ def test_damaged_store_refused_by_every_reader_cli(store, tmp_path, cli):
 
 def test_nonfinite_features_with_valid_checksums_are_reported(tmp_path, monkeypatch):
     """A store whose writer stored NaN (checksums fine): verify names the rows, training stops."""
-    from tvrpipe.pipeline import genstore
+    from tvrpipe.features import genstore
 
     real = genstore._text_shard
 
@@ -367,8 +367,8 @@ def test_lock_leaves_nothing_behind_in_a_directory_it_created(tmp_path):
 @pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
 def test_two_extract_processes_one_refused(tmp_path):
     """Two real `tvrpipe extract` processes on one --out: the second exits 1 naming the first."""
-    from tvrpipe.pipeline.clip import TINY_MODEL
-    from tvrpipe.pipeline.synth import synthesize
+    from tvrpipe.features.clip import TINY_MODEL
+    from tvrpipe.data.synth import synthesize
 
     synthesize(tmp_path / "s", 4, seed=1, progress=False)
     d = tmp_path / "s"
@@ -498,7 +498,7 @@ def test_unwritable_outputs_are_one_line(pristine, unwritable, tmp_path, cli):
 
 
 def test_extract_unwritable_out_is_one_line(unwritable, tmp_path, cli):
-    from tvrpipe.pipeline.clip import TINY_MODEL
+    from tvrpipe.features.clip import TINY_MODEL
 
     cli("synth", "--out", tmp_path / "s", "--videos", "2")
     r = cli("extract", "--manifest", tmp_path / "s" / "manifest", "--video-root", tmp_path / "s" / "videos",
@@ -508,7 +508,7 @@ def test_extract_unwritable_out_is_one_line(unwritable, tmp_path, cli):
 
 
 def test_os_errors_become_one_line_in_the_cli(monkeypatch, cli, pristine):
-    from tvrpipe.pipeline import store as store_module
+    from tvrpipe.features import store as store_module
 
     def disk_full(*a, **kw):
         raise OSError(28, "No space left on device", "/data/features.zarr/c/0/0")

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.pipeline.genstore import GenSpec, generate_store
+from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.sweep import plan_sweep, summarize
 
 BIN = Path(sys.executable).parent
@@ -121,7 +121,7 @@ def test_a_run_at_an_earlier_default_lr_or_on_a_replaced_store_is_not_complete(t
     import dataclasses
 
     from tvrpipe.heads.base import head_class
-    from tvrpipe.pipeline.store import IDENTITY_KEYS, open_store
+    from tvrpipe.features.store import IDENTITY_KEYS, open_store
     from tvrpipe.sweep import _is_complete
     from tvrpipe.training.fit import TrainConfig, fit, store_head_config
 

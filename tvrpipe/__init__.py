@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "create_head": ("tvrpipe.heads.base", "create_head"),
     "list_heads": ("tvrpipe.heads.base", "list_heads"),
-    "extract": ("tvrpipe.pipeline.extract", "extract"),
+    "extract": ("tvrpipe.features.extract", "extract"),
     "fit": ("tvrpipe.training.fit", "fit"),
     "evaluate": ("tvrpipe.training.fit", "evaluate_run"),
 }

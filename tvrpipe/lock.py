@@ -7,7 +7,7 @@ text names the holder (pid, host, start time, command) for the message a second 
 Linux emulates ``flock`` with POSIX record locks on NFS, so the lock also holds between the nodes
 of a cluster that share the filesystem.
 
-Writers that take it: :class:`~tvrpipe.pipeline.store.StoreWriter` (``tvrpipe extract`` and
+Writers that take it: :class:`~tvrpipe.features.store.StoreWriter` (``tvrpipe extract`` and
 generated stores) and the training run directory (``tvrpipe train-head``, ``tvrpipe evaluate``).
 ``tvrpipe bench convergence`` waits for its stores' locks instead of being refused (``wait=True``),
 and holds its own directory's lock only while it rereads and rewrites its tables.

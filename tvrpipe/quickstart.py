@@ -86,10 +86,10 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     import pandas as pd
 
     from tvrpipe.heads.base import list_heads
-    from tvrpipe.pipeline.clip import TINY_MODEL
-    from tvrpipe.pipeline.extract import ExtractConfig, extract
-    from tvrpipe.pipeline.store import open_store
-    from tvrpipe.pipeline.synth import ATTRIBUTES_FILE, synthesize
+    from tvrpipe.features.clip import TINY_MODEL
+    from tvrpipe.features.extract import ExtractConfig, extract
+    from tvrpipe.features.store import open_store
+    from tvrpipe.data.synth import ATTRIBUTES_FILE, synthesize
     from tvrpipe.report import write_report
     from tvrpipe.training.data import load_split
     from tvrpipe.training.finetune import FinetuneConfig, finetune

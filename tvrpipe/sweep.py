@@ -257,7 +257,7 @@ def run_sweep(
         >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
     """
     from tvrpipe.lock import check_writable
-    from tvrpipe.pipeline.store import open_store, store_identity
+    from tvrpipe.features.store import open_store, store_identity
     from tvrpipe.training.fit import TrainConfig
 
     base = train or TrainConfig()
@@ -284,7 +284,7 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
            post: tuple[str, ...], address: str | None, cpus_per_run: float, gpus_per_run: float,
            progress: bool) -> SweepResult:
     """:func:`run_sweep` with its options checked and ``out`` locked."""
-    from tvrpipe.pipeline.extract import _ray_init, require_gpus
+    from tvrpipe.features.extract import _ray_init, require_gpus
     from tvrpipe.training.fit import store_head_config
 
     rows: dict[str, dict[str, Any]] = {}
@@ -378,7 +378,7 @@ def summarize(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _write_tables(table: pd.DataFrame, results: pd.DataFrame, out: Path) -> None:
-    from tvrpipe.pipeline.store import _atomic_write_parquet, atomic_write_text
+    from tvrpipe.features.store import _atomic_write_parquet, atomic_write_text
 
     for df, name in ((table, "runs"), (results, "results")):
         df = df.copy()

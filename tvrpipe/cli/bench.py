@@ -39,7 +39,7 @@ JsonOut = Annotated[Optional[Path], typer.Option(
 
 def _write_json(path: Optional[Path], data) -> None:
     if path is not None:
-        from tvrpipe.pipeline.store import atomic_write_text
+        from tvrpipe.features.store import atomic_write_text
 
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
@@ -64,7 +64,7 @@ def bench_extract_cmd(
     json_out: JsonOut = None,
 ) -> None:
     """Measure decode-only, encode-only, pipeline and naive-loop extraction throughput."""
-    from tvrpipe.pipeline.bench import BenchVideos, bench_extract
+    from tvrpipe.bench.extract import BenchVideos, bench_extract
 
     r = bench_extract(out, BenchVideos(count=videos, width=width, height=height, seconds=seconds, fps=fps),
                       model=model, device=device, batch_size=batch_size)
@@ -87,7 +87,7 @@ def bench_train_head_cmd(
     """Per head at MSR-VTT 9k/1k-A scale: samples/s, data share, test evaluation time and memory."""
     from rich.table import Table
 
-    from tvrpipe.training.bench import XPOOL_OFFICIAL, bench_train_head
+    from tvrpipe.bench.heads import XPOOL_OFFICIAL, bench_train_head
 
     rows = bench_train_head(out, method, steps, batch_size, prefetch=prefetch)
     table = Table(title="train-head at MSR-VTT 9k / 1k-A scale")
@@ -125,8 +125,8 @@ def bench_finetune_cmd(
     json_out: JsonOut = None,
 ) -> None:
     """End-to-end finetuning: clips/s, data-loading share of step time and peak memory."""
-    from tvrpipe.pipeline.bench import BenchVideos
-    from tvrpipe.training.bench_finetune import MSRVTT_LIKE, bench_finetune
+    from tvrpipe.bench.extract import BenchVideos
+    from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
 
     videos = BenchVideos(**{**asdict(MSRVTT_LIKE), "width": width, "height": height, "seconds": seconds})
     r = bench_finetune(out, model, method, device, precision, batch_size, frames, steps, videos,
@@ -158,7 +158,7 @@ def bench_convergence_cmd(
     """Does train-head's default schedule reach the best validation R@1 of a grid of lrs x epochs?"""
     from rich.table import Table
 
-    from tvrpipe.training.convergence import EPOCHS, LRS, bench_convergence
+    from tvrpipe.bench.convergence import EPOCHS, LRS, bench_convergence
 
     rows = bench_convergence(out, size, method, tuple(lr or LRS), tuple(epochs or EPOCHS),
                              only_default=only_default, no_grid=no_grid)
@@ -188,7 +188,7 @@ def bench_eval_cmd(
     """Per head: evaluation time and memory on random features of the MSR-VTT 1k-A and MSVD test sizes."""
     from rich.table import Table
 
-    from tvrpipe.training.bench import bench_eval
+    from tvrpipe.bench.heads import bench_eval
 
     rows = bench_eval(method, size, dim=dim)
     table = Table(title="evaluation through the block engine (random features, F = 12, L = 32)")
@@ -214,7 +214,7 @@ def bench_allocator_cmd(
     """Per head: training step time with train-head's malloc tuning vs glibc's defaults (fresh processes)."""
     from rich.table import Table
 
-    from tvrpipe.training.bench import bench_allocator
+    from tvrpipe.bench.heads import bench_allocator
 
     if steps < 1 or batch_size < 2 or dim < 1:
         raise typer.BadParameter("--steps must be >= 1, --batch-size >= 2 and --dim >= 1")

@@ -59,8 +59,8 @@ def extract_cmd(
 
     Rerun the same command to resume an interrupted run, re-extract damaged shards and retry failed videos.
     """
-    from tvrpipe.pipeline.extract import ExtractConfig, ExtractionError, extract
-    from tvrpipe.pipeline.manifest import read_manifest
+    from tvrpipe.features.extract import ExtractConfig, ExtractionError, extract
+    from tvrpipe.data.manifest import read_manifest
 
     if dataset is not None:
         have = read_manifest(manifest).meta.get("dataset")
@@ -88,7 +88,7 @@ def export_cmd(
     format: Annotated[str, typer.Option(help="Output format (hdf5).")] = "hdf5",
 ) -> None:
     """Export a feature store's arrays, ids and provenance to one file."""
-    from tvrpipe.pipeline.export import export_hdf5
+    from tvrpipe.features.export import export_hdf5
 
     if format != "hdf5":
         raise ConfigError(f"--format {format!r} is not supported; use hdf5")
@@ -98,13 +98,13 @@ def export_cmd(
 @features_app.command("show")
 def show(features: Annotated[Path, typer.Argument(help="A feature store directory.")]) -> None:
     """Print a feature store's array shapes, provenance and failures."""
-    from tvrpipe.pipeline.store import open_store
+    from tvrpipe.features.store import open_store
 
     store = open_store(features)
     table = Table(title=str(features))
     for col in ("array", "shape", "dtype"):
         table.add_column(col)
-    from tvrpipe.pipeline.export import ARRAYS
+    from tvrpipe.features.export import ARRAYS
 
     for name in ARRAYS:
         a = store.array(name)
@@ -126,7 +126,7 @@ def show(features: Annotated[Path, typer.Argument(help="A feature store director
 def verify(features: Annotated[Path, typer.Argument(help="A feature store directory.")]) -> None:
     """Check every chunk of a store against its checksum and scan the embeddings for NaN/inf."""
     from tvrpipe.errors import NonFiniteError
-    from tvrpipe.pipeline.store import StoreError, open_store, verify_store
+    from tvrpipe.features.store import StoreError, open_store, verify_store
 
     report = verify_store(features)
     console.print(f"{features}: {report.shards} shards, {report.bytes / 1e9:.3f} GB checked in "

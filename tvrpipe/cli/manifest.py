@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import MAIN_PATH, app, new_app
-from tvrpipe.pipeline.datasets import build_manifest, list_datasets, load_spec
-from tvrpipe.pipeline.manifest import Manifest, read_manifest
+from tvrpipe.data.datasets import build_manifest, list_datasets, load_spec
+from tvrpipe.data.manifest import Manifest, read_manifest
 
 manifest_app = new_app(help="Build and inspect dataset manifests (videos.parquet + captions.parquet).")
 app.add_typer(manifest_app, name="manifest", rich_help_panel=MAIN_PATH)

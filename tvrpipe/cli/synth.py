@@ -68,7 +68,7 @@ def synth(
         return
     if preset is not None or set_ or overwrite:
         raise ConfigError("--preset, --set and --overwrite apply with --features-only")
-    from tvrpipe.pipeline.synth import synthesize
+    from tvrpipe.data.synth import synthesize
 
     m = synthesize(
         out, videos, seed, size=size, fps=fps, scene_seconds=scene_seconds,
@@ -82,9 +82,9 @@ def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrit
     import dataclasses
 
     from tvrpipe.config import parse_fields
-    from tvrpipe.pipeline.genstore import GenSpec, generate_store
-    from tvrpipe.pipeline.store import open_store
-    from tvrpipe.training.convergence import SIZES
+    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.features.store import open_store
+    from tvrpipe.bench.convergence import SIZES
 
     if preset not in SIZES:
         raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(SIZES)}")

@@ -297,7 +297,7 @@ def clip_head_config(name: str, embed_dim: int, logit_scale: float | None,
     user's ``overrides`` (``--set``; they always win, and unknown keys fail).
 
     ``embed_dim`` is D; ``logit_scale`` is CLIP's learned scale as its parameter stores it (a store's
-    ``logit_scale`` provenance, :attr:`tvrpipe.pipeline.clip.ClipBundle.logit_scale`): the papers'
+    ``logit_scale`` provenance, :attr:`tvrpipe.features.clip.ClipBundle.logit_scale`): the papers'
     heads reuse CLIP's scale (log 100 for OpenAI's weights), so it is every head's ``logit_scale_init``.
     None (a generated store, or one extracted before the scale was recorded) keeps CLIP's initial
     log(1/0.07).

@@ -167,7 +167,7 @@ def attention_block_mean(block: ResidualAttentionBlock, x: Tensor, mask: Tensor)
     mean(x) + W_o (W_v sum_k abar_k y_k + b_v) + b_o, abar_k = mean_q a_qk per head, y = LN(x). So
     only the query and key projections run per token (2 D^2 instead of 4 D^2 multiply-adds), the
     value and output projections once per item. Equal to the block's output up to float rounding
-    (tests/test_duq.py); used in training and evaluation alike.
+    (tests/heads/test_duq.py); used in training and evaluation alike.
     """
     b, n, d = x.shape
     h = block.heads

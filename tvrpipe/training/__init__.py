@@ -1,1 +1,2 @@
-"""tvrpipe.training: see ../DESIGN.md; filled in by later stages."""
+"""Training: ``fit`` trains a head on a cached feature store, ``finetune`` trains it on live CLIP
+features (end-to-end or frozen)."""

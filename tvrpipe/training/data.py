@@ -27,7 +27,7 @@ import zarr
 
 from tvrpipe.errors import ConfigError, NonFiniteError
 from tvrpipe.heads.base import TextBatch, VideoBatch
-from tvrpipe.pipeline.store import FeatureStore, nonfinite_rows
+from tvrpipe.features.store import FeatureStore, nonfinite_rows
 
 CARVE_SEED = 20240501  # fixed: the carved validation set does not depend on the training seed
 

@@ -7,7 +7,7 @@ CLIP stays frozen and the head trains on live features with training-time frame 
 The loop reads top to bottom: data, model, optimiser, schedule, loop, validation, checkpoint.
 
 - **Same head inputs**: the live CLIP yields ``TextBatch`` / ``VideoBatch`` through extraction's
-  own functions (:func:`~tvrpipe.pipeline.clip.image_features`, :func:`~tvrpipe.pipeline.clip.text_features`),
+  own functions (:func:`~tvrpipe.features.clip.image_features`, :func:`~tvrpipe.features.clip.text_features`),
   so every registered head trains unchanged and a head never knows whether it reads a store.
 - **Data** (:mod:`tvrpipe.training.videodata`): DataLoader workers decode with extraction's
   decoder; random frame offsets within uniform segments in training, segment centres at
@@ -55,8 +55,8 @@ from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
-from tvrpipe.pipeline.decode import MAX_TIMEOUT_S
-from tvrpipe.pipeline.store import atomic_write_text, file_sha256
+from tvrpipe.features.decode import MAX_TIMEOUT_S
+from tvrpipe.features.store import atomic_write_text, file_sha256
 from tvrpipe.training.fit import (
     Checkpoints,
     _flat_readouts,
@@ -278,7 +278,7 @@ class LiveModel(nn.Module):
 
     def encode_videos(self, frames: torch.Tensor, frame_mask: torch.Tensor) -> VideoBatch:
         """Frame [CLS] projections of uint8 frames (B, F, S, S, 3), zero where the mask is False."""
-        from tvrpipe.pipeline.clip import image_features
+        from tvrpipe.features.clip import image_features
 
         frame_mask = frame_mask.to(self._bundle.device)
         B, F = frame_mask.shape
@@ -292,7 +292,7 @@ class LiveModel(nn.Module):
 
     def encode_texts(self, texts: list[str], max_words: int) -> TextBatch:
         """Word tokens (zero after EOS), their mask and the EOS sentence of captions."""
-        from tvrpipe.pipeline.clip import text_features, tokenize
+        from tvrpipe.features.clip import text_features, tokenize
 
         ids, mask = tokenize(self._bundle, texts, max_words)
         with self._grad(), self.autocast():
@@ -385,7 +385,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
             cpus: int | None = None) -> dict | None:
     """The training loop of one process (rank ``rank`` of ``world``, ``cpus`` CPUs: default all this
     process may use); rank 0 returns the metrics."""
-    from tvrpipe.pipeline.clip import load_clip
+    from tvrpipe.features.clip import load_clip
 
     cfg, out = job.cfg, Path(job.out)
     ckpt = out / "checkpoints"
@@ -612,7 +612,7 @@ def _too_many_failed(failures: dict[str, str], rows: np.ndarray, what: str, job:
     """The error when more than ``--max-failed-fraction`` of the videos ``rows`` (row numbers of the
     manifest) are in ``failures`` ({video id: error}); None otherwise. ``what`` says what happened to them
     ("training videos failed to decode"), ``after`` what became of the run."""
-    from tvrpipe.pipeline.extract import over_failure_limit
+    from tvrpipe.features.extract import over_failure_limit
 
     failed = {vid: failures[vid] for vid in (str(job.video_ids[v]) for v in rows) if vid in failures}
     over = over_failure_limit(list(failed.values()), len(rows), job.cfg.max_failed_fraction, what)
@@ -650,7 +650,7 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
     """Rank 0: test evaluation of the selected epoch, export, metrics.json and plots."""
     from safetensors.torch import load_file
 
-    from tvrpipe.pipeline.clip import _state_dict_sha256
+    from tvrpipe.features.clip import _state_dict_sha256
 
     cfg, out = job.cfg, Path(job.out)
     ckpt = out / "checkpoints"
@@ -754,10 +754,10 @@ def finetune(
         ...          FinetuneConfig(end_to_end=True, use_gpu=True, precision="fp16"))  # doctest: +SKIP
     """
     from tvrpipe.evaluation.engine import _check_post
-    from tvrpipe.pipeline.clip import preprocess_description
-    from tvrpipe.pipeline.decode import FRAME_SAMPLING
-    from tvrpipe.pipeline.extract import open_inputs
-    from tvrpipe.pipeline.store import manifest_sha256
+    from tvrpipe.features.clip import preprocess_description
+    from tvrpipe.features.decode import FRAME_SAMPLING
+    from tvrpipe.features.extract import open_inputs
+    from tvrpipe.features.store import manifest_sha256
     from tvrpipe.training.data import split_rows
 
     # ---- options, manifest and weights are checked before anything is written or Ray starts
@@ -824,7 +824,7 @@ def _ray_train(job: _Job) -> dict:
     from ray.train.torch import TorchTrainer
 
     from tvrpipe.errors import TvrpipeError
-    from tvrpipe.pipeline.extract import _ray_init, require_gpus
+    from tvrpipe.features.extract import _ray_init, require_gpus
 
     cfg = job.cfg
     _ray_init(cfg.address)

@@ -46,7 +46,7 @@ from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError, writing
 from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, create_head, head_class
 from tvrpipe.lock import check_writable, locked
-from tvrpipe.pipeline.store import atomic_write_text, file_sha256, open_store, store_identity
+from tvrpipe.features.store import atomic_write_text, file_sha256, open_store, store_identity
 from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.data import SplitData, Splits, load_split, load_splits, store_split_rows
 

@@ -1,6 +1,6 @@
 """Decoded video-caption batches for ``tvrpipe finetune``.
 
-DataLoader workers decode with extraction's decoder (:class:`~tvrpipe.pipeline.decode.DecodeWorker`:
+DataLoader workers decode with extraction's decoder (:class:`~tvrpipe.features.decode.DecodeWorker`:
 decord then PyAV, resize at decode, a killable child process with a per-video timeout), so a
 finetuned model sees frames prepared exactly as ``extract`` prepares them.
 
@@ -65,7 +65,7 @@ class DecodedClips(Dataset):
         return len(self.table.paths)
 
     def __getitem__(self, key: Key) -> dict:
-        from tvrpipe.pipeline.decode import DecodeFailure, DecodeWorker
+        from tvrpipe.features.decode import DecodeFailure, DecodeWorker
 
         video, caption, epoch = key
         if self._pid != os.getpid():  # a fork copied the parent's decoder handle: start our own

@@ -1,0 +1,459 @@
+"""``tvrpipe bench extract`` runs end to end (tiny model and videos) and reports sane numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+
+import pytest
+
+# the bench-convergence tests' store (64 train videos, D = 16) and trainer (stops within 6 epochs)
+TINY_STORE = dict(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                  max_words=6, embed_dim=16, seed=2)
+TINY_TRAINER = dict(batch_size=32, min_steps=4, patience=2, max_epochs=6)
+
+
+def test_bench_extract_cli(tmp_path):
+    out = tmp_path / "b"
+    r = subprocess.run(
+        [sys.executable, "-m", "tvrpipe", "bench", "extract", "--out", str(out), "--videos", "4",
+         "--width", "96", "--height", "64", "--seconds", "1", "--fps", "12", "--model", "tvrpipe-tiny",
+         "--batch-size", "1", "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "r.json").read_text())
+    for key in ("decode", "encode", "bound", "naive"):
+        assert res[key] > 0, key
+    # 4 tiny videos are too little work for a marginal rate to rise above Ray's noise: the bench
+    # reports either a positive rate or NaN (said so in its output), never a negative one.
+    assert res["pipeline"] > 0 or (res["pipeline"] != res["pipeline"] and "too little work" in r.stdout)
+    # the shared-CPU bound is below both stages and equals its formula
+    assert res["bound"] < min(res["decode"], res["encode"])
+    assert abs(1 / res["bound"] - (1 / res["decode"] + 1 / res["encode"])) < 1e-9
+    if res["pipeline"] > 0:
+        assert abs(res["vs_bound"] - res["pipeline"] / res["bound"]) < 1e-9
+    assert "pipeline / bound" in r.stdout and "pipeline / naive" in r.stdout
+    assert len(list((out / "videos").glob("bench_*.mp4"))) == 4
+    assert not (out / "features").exists()  # measurement stores are removed
+
+
+def test_bench_rejects_too_few_videos(cli, tmp_path):
+    r = cli("bench", "extract", "--out", tmp_path, "--videos", "3", "--batch-size", "4")
+    assert r.exit_code == 1 and "--videos must be at least 2 x --batch-size (8), got 3" in r.output
+
+
+def test_bench_convergence_tables_and_curves(tmp_path):
+    import csv
+
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.bench.convergence import bench_convergence
+
+    spec = GenSpec(train_videos=96, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+                   max_words=6, embed_dim=16, seed=1)
+    from tvrpipe.heads.base import head_class
+
+    lr0 = head_class("xpool").default_lr
+    lrs = (lr0, lr0 * 10)
+    from tvrpipe.training.fit import TrainConfig
+
+    base = TrainConfig(batch_size=32, min_steps=10, patience=3, max_epochs=12)  # small: seconds, not minutes
+    rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, epochs=(2,), progress=False, train=base)
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["schedule"], float(r["lr"])) for r in runs] == [
+        ("epochs=2", lrs[0]), ("epochs=2", lrs[1]), ("open", lrs[0]), ("open", lrs[1]), ("default", lr0)]
+    grid = max(float(r["val_r1"]) for r in runs if r["schedule"] == "epochs=2")
+    default = next(r for r in runs if r["schedule"] == "default")
+    assert rows[0]["grid_best_r1"] == grid and rows[0]["default_r1"] == float(default["val_r1"])
+    assert rows[0]["gap"] == grid - float(default["val_r1"])
+    # the default run is the open-ended run at the head's default lr (same configuration and seed)
+    same = next(r for r in runs if r["schedule"] == "open" and float(r["lr"]) == lr0)
+    assert same["val_r1"] == default["val_r1"] and same["epochs_run"] == default["epochs_run"]
+    with open(tmp_path / "curves.csv") as f:
+        curves = list(csv.DictReader(f))
+    assert sum(r["schedule"] == "epochs=2" for r in curves) == 4  # two runs x two epochs
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    # a second bench in the same directory reuses the recorded runs (a long bench resumes)
+    again = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, epochs=(2,), progress=False, train=base)
+    assert again == rows
+
+
+def test_bench_eval_cli_reports_time_and_memory_per_head(cli, tmp_path, monkeypatch):
+    """`tvrpipe bench eval` on a tiny size: each head evaluated in its own process through the
+    engine, on random features; untrained heads on random features sit near chance."""
+    import tvrpipe.bench.heads as tb
+
+    monkeypatch.setitem(tb.EVAL_SIZES, "tiny", (90, 30))  # 3 captions per video (multi-caption, as MSVD)
+    r = cli("bench", "eval", "--method", "tmass", "--method", "meanpool", "--size", "tiny", "--dim", "16",
+            "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [(x["size"], x["method"], x["n_texts"], x["n_videos"]) for x in rows] == [
+        ("tiny", "tmass", 90, 30), ("tiny", "meanpool", 90, 30)]
+    for x in rows:
+        assert x["seconds"] > 0 and x["extra_gb"] >= 0
+        assert x["scores_gb"] == 90 * 30 * 4 / 2**30
+        assert 0 <= x["t2v_R@1"] <= 40  # chance is 1/30: no signal in random features
+    assert rows[0]["official_seconds"] is None  # the official figures are for the 1k-A size only
+
+
+def test_bench_eval_rejects_unknown_size(cli):
+    r = cli("bench", "eval", "--size", "huge")
+    assert r.exit_code == 1 and "--size 'huge' is not one of: msrvtt1k, msvd" in r.output
+
+
+def test_bench_allocator_cli_times_a_step_with_and_without_the_tuning(cli, tmp_path):
+    """`tvrpipe bench allocator`: each head steps in two fresh processes, one tuned as train-head
+    tunes it and one on glibc's defaults; with the defaults, X-Pool's (B, B, D) temporaries (4 MiB
+    at D = 64) are faulted in afresh every step, tuned they are reused."""
+    r = cli("bench", "allocator", "--method", "xpool", "--dim", "64", "--steps", "3",
+            "--json", tmp_path / "new" / "a.json")  # --json's folder is created
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((tmp_path / "new" / "a.json").read_text())
+    assert (row["method"], row["dim"], row["batch_size"]) == ("xpool", 64, 128)
+    assert row["speedup"] == pytest.approx(row["step_seconds_default"] / row["step_seconds_tuned"])
+    assert row["peak_rss_gb_tuned"] > 0 and row["peak_rss_gb_default"] > 0
+    if platform.libc_ver()[0] == "glibc":
+        assert row["allocator"].startswith("glibc: blocks up to")
+        assert row["faults_per_step_default"] > max(1024, 4 * row["faults_per_step_tuned"]), row  # 1,024 pages a block
+    assert "xpool" in r.output and f"{row['speedup']:.2f}x" in r.output
+    r = cli("bench", "allocator", "--steps", "0")
+    assert r.exit_code == 2 and "--steps must be >= 1" in r.output
+
+
+def _killed(_):
+    os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer does
+
+
+def test_a_benchmarks_process_answers_raises_or_is_reported_dead():
+    """in_fresh_process: the result; the child's own exception; a child killed (as by the OOM
+    killer) is a WorkerDiedError naming the measurement, where multiprocessing.Pool hung forever."""
+    import math
+
+    from tvrpipe.errors import WorkerDiedError
+    from tvrpipe.bench.extract import in_fresh_process
+
+    assert in_fresh_process(math.sqrt, 16.0, "sqrt") == 4.0
+    with pytest.raises(ValueError, match="math domain error"):
+        in_fresh_process(math.sqrt, -1.0, "sqrt")
+    with pytest.raises(WorkerDiedError, match=r"^prota at msvd size: its process ended without an answer "
+                                              r"\(killed by SIGKILL; the kernel's out-of-memory killer"):
+        in_fresh_process(_killed, None, "prota at msvd size")
+    with pytest.raises(WorkerDiedError, match=r"^exit: its process ended without an answer \(exit code 3\)"):
+        in_fresh_process(os._exit, 3, "exit")
+
+
+@pytest.mark.parametrize("command", ["extract", "train-head", "finetune", "eval", "allocator"])
+def test_bench_json_is_checked_before_the_measurement(cli, tmp_path, command, monkeypatch):
+    import tvrpipe.bench.extract
+    import tvrpipe.bench.heads
+    import tvrpipe.bench.finetune
+
+    def measured(*a, **k):
+        raise AssertionError("measured before --json was checked")
+
+    for module, name in ((tvrpipe.bench.extract, "bench_extract"), (tvrpipe.bench.heads, "bench_train_head"),
+                         (tvrpipe.bench.finetune, "bench_finetune"), (tvrpipe.bench.heads, "bench_eval"),
+                         (tvrpipe.bench.heads, "bench_allocator")):
+        monkeypatch.setattr(module, name, measured)
+    def said(r):  # the message without rich's box and line breaks
+        return " ".join(r.output.replace("\u2502", " ").split())
+
+    r = cli("bench", command, "--json", tmp_path)
+    assert r.exit_code == 2 and "is a folder; give a file name" in said(r), r.output
+    (tmp_path / "a-file").write_text("")
+    r = cli("bench", command, "--json", tmp_path / "a-file" / "r.json")
+    assert r.exit_code == 2 and "cannot create the folder" in said(r) and "a-file" in said(r), r.output
+
+
+def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path, caplog):
+    import csv
+
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
+    with caplog.at_level("WARNING", logger="tvrpipe.bench.convergence"):
+        rows = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
+                                 only_default=True)
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["method"], r["schedule"]) for r in runs] == [("meanpool", "default"), ("xpool", "default")]
+    with open(tmp_path / "runs" / "tiny" / "xpool" / "default-0.001" / "epochs.csv") as f:
+        epochs = list(csv.DictReader(f))
+    lines = [r.getMessage() for r in caplog.records if ": epoch " in r.getMessage() and " xpool " in r.getMessage()]
+    assert lines == [f"tiny xpool default lr 0.001: epoch {e['epoch']}, val R@1 {float(e['val_t2v_R@1']):.1f} "
+                     f"({float(e['seconds']):.0f} s)" for e in epochs]  # one progress line per epoch
+    assert all(r["grid_best_r1"] is None and r["gap"] is None for r in rows)
+    assert 1 <= rows[1]["default_selected_epoch"] <= rows[1]["default_epochs_run"] <= 6
+    assert bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], progress=False, train=base,
+                             only_default=True) == rows  # recorded runs are reused, not retrained
+
+
+@pytest.fixture
+def tiny_convergence_size(monkeypatch):
+    """`bench convergence --size tiny`: a store of 64 train videos, D = 16, and a trainer that stops
+    within 6 epochs, so the command runs end to end in seconds."""
+    import functools
+
+    import tvrpipe.bench.convergence as conv
+    import tvrpipe.training.fit as fit_module
+    from tvrpipe.features.genstore import GenSpec
+
+    monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(**TINY_STORE))
+    monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, **TINY_TRAINER))
+
+
+def test_bench_convergence_cli_only_default_prints_the_default_run(cli, tmp_path, tiny_convergence_size):
+    """`tvrpipe bench convergence --only-default` end to end on a tiny store: one default run per
+    head, no grid, tables written and the default's row printed."""
+    import csv
+
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--method", "meanpool", "--only-default")
+    assert r.exit_code == 0, r.output
+    with open(tmp_path / "results.csv") as f:
+        assert [(x["store"], x["method"], x["schedule"]) for x in csv.DictReader(f)] == [("tiny", "meanpool", "default")]
+    assert "meanpool" in r.output and (tmp_path / "summary.csv").is_file()
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "huge", "--only-default")
+    assert r.exit_code == 1 and "--size 'huge' is not one of: small, medium, msrvtt9k" in r.output
+    r = cli("bench", "convergence", "--out", tmp_path / "new", "--size", "tiny", "--method", "nope")
+    assert r.exit_code == 1 and "unknown method 'nope'; known: duq, meanpool" in r.output, r.output
+    assert "from scratch" not in r.output and not (tmp_path / "new").exists()  # refused before any store
+
+
+def test_bench_convergence_cli_no_grid_runs_open_ended_lrs(cli, tmp_path, tiny_convergence_size):
+    """`tvrpipe bench convergence --no-grid --lr X`: the open-ended run at X and the default, no
+    fixed-epoch run; the printed table names the best open lr; --only-default with it is refused."""
+    import csv
+
+    from tvrpipe.heads.base import head_class
+
+    default_lr = head_class("xpool").default_lr
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--method", "xpool", "--no-grid",
+            "--lr", str(default_lr / 10))
+    assert r.exit_code == 0, r.output
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert sorted((x["schedule"], float(x["lr"])) for x in runs) == [
+        ("default", default_lr), ("open", default_lr / 10)]
+    best = max(runs, key=lambda x: float(x["val_r1"]))  # the default is the open-ended run at its own lr
+    with open(tmp_path / "summary.csv") as f:
+        (summary,) = list(csv.DictReader(f))
+    assert summary["grid_best"] == f"open lr {float(best['lr']):g}" and "open lr" in r.output
+    default = next(x for x in runs if x["schedule"] == "default")
+    assert float(summary["gap"]) == pytest.approx(float(best["val_r1"]) - float(default["val_r1"]), abs=0.06)
+    assert float(summary["gap"]) >= 0
+    r = cli("bench", "convergence", "--out", tmp_path, "--size", "tiny", "--no-grid", "--only-default")
+    assert r.exit_code == 1 and "--only-default and --no-grid exclude each other" in r.output
+
+
+def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_tables(tmp_path):
+    """A bench of one head in a directory keeps the other heads' rows; completed run directories
+    missing from the tables (lost by an older bench) are reused, not retrained."""
+    import csv
+
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.bench.convergence import bench_convergence
+
+    spec = GenSpec(**TINY_STORE)
+    from tvrpipe.training.fit import TrainConfig
+
+    base = TrainConfig(**TINY_TRAINER)
+    both = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], lrs=(1e-3,), epochs=(2,),
+                             progress=False, train=base)
+    assert bench_convergence(tmp_path, {"tiny": spec}, ["meanpool"], lrs=(1e-3,), epochs=(2,), progress=False,
+                             train=base) == both[:1]
+    with open(tmp_path / "results.csv") as f:
+        assert {r["method"] for r in csv.DictReader(f)} == {"meanpool", "xpool"}
+    with open(tmp_path / "summary.csv") as f:
+        assert [r["method"] for r in csv.DictReader(f)] == ["meanpool", "xpool"]
+    # the tables lost, the run directories kept: every grid and open run is rebuilt from them
+    stamp = {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")}
+    (tmp_path / "results.csv").unlink()
+    (tmp_path / "curves.csv").unlink()
+    again = bench_convergence(tmp_path, {"tiny": spec}, ["meanpool", "xpool"], lrs=(1e-3,), epochs=(2,),
+                              progress=False, train=base)
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp  # nothing retrained
+    for a, b in zip(again, both):
+        assert {k: v for k, v in a.items() if k != "default_seconds"} == \
+            {k: v for k, v in b.items() if k != "default_seconds"}
+
+
+def test_bench_convergence_keeps_the_rows_of_a_bench_running_beside_it(tmp_path, monkeypatch):
+    """Two benches of different heads in one --out (two terminals): the runs the other one finishes
+    while this one trains are in the tables this one writes (they are read again at each write)."""
+    import csv
+    import shutil
+
+    import tvrpipe.bench.convergence as conv
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
+    other = conv.bench_convergence(tmp_path / "other", {"tiny": spec}, ["meanpool"], progress=False, train=base,
+                                   only_default=True)
+    out = tmp_path / "shared"
+    run = conv._run
+
+    def run_while_the_other_bench_finishes(*args, **kwargs):  # its run lands after this bench read the tables
+        shutil.copytree(tmp_path / "other" / "runs", out / "runs", dirs_exist_ok=True)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(conv, "_run", run_while_the_other_bench_finishes)
+    mine = conv.bench_convergence(out, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
+    with open(out / "results.csv") as f:
+        assert sorted(r["method"] for r in csv.DictReader(f)) == ["meanpool", "xpool"]
+    with open(out / "summary.csv") as f:
+        assert sorted(r["method"] for r in csv.DictReader(f)) == ["meanpool", "xpool"]
+    assert [r["method"] for r in mine] == ["xpool"] and other[0]["method"] == "meanpool"
+
+
+def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
+    """After a head's default_lr changes, the recorded default is no longer the default: the open-ended
+    run at the new lr (already measured) becomes it, or a default run at the new lr is trained in a
+    folder named by its lr; the old default's row leaves the tables."""
+    import csv
+
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
+    xpool = head_class("xpool")
+    old, new, newer = xpool.default_lr, xpool.default_lr * 3, xpool.default_lr / 3
+
+    def bench(**kw):
+        bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=(old, new), epochs=(2,), progress=False,
+                          train=base, **kw)
+        with open(tmp_path / "results.csv") as f:
+            return {(r["schedule"], float(r["lr"])): r for r in csv.DictReader(f)}
+
+    first = bench()
+    assert ("default", old) in first
+    monkeypatch.setattr(xpool, "default_lr", new)
+    stamp = {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")}
+    second = bench(only_default=True)
+    assert ("default", old) not in second
+    assert second[("default", new)]["val_r1"] == first[("open", new)]["val_r1"]
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp  # none retrained
+    monkeypatch.setattr(xpool, "default_lr", newer)  # no run at this lr yet: trained beside the old default
+    third = bench(only_default=True)
+    assert sorted(k for k in third if k[0] == "default") == [("default", newer)]
+    assert json.loads((tmp_path / "runs" / "tiny" / "xpool" / f"default-{newer}" / "metrics.json").read_text(
+    ))["schedule"]["lr"] == newer
+    folders = sorted(p.name for p in (tmp_path / "runs" / "tiny" / "xpool").glob("default-*"))
+    assert folders == [f"default-{newer}"]
+
+
+def test_bench_convergence_reads_a_per_width_default_lr_at_each_stores_width(tmp_path, monkeypatch):
+    """With a {D: lr} default_lr, each store's default run trains at its own width's lr, and a rerun
+    keeps both as the current defaults (nothing retrained)."""
+    import csv
+
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 2e-3, 32: 5e-4})
+    sizes = {"d16": GenSpec(**TINY_STORE), "d32": GenSpec(**{**TINY_STORE, "embed_dim": 32})}
+
+    def bench():
+        bench_convergence(tmp_path, sizes, ["xpool"], progress=False, train=TrainConfig(**TINY_TRAINER),
+                          only_default=True)
+        with open(tmp_path / "results.csv") as f:
+            return {r["store"]: float(r["lr"]) for r in csv.DictReader(f) if r["schedule"] == "default"}
+
+    assert bench() == {"d16": 2e-3, "d32": 5e-4}
+    for store, lr in (("d16", 2e-3), ("d32", 5e-4)):
+        m = json.loads((tmp_path / "runs" / store / "xpool" / f"default-{lr}" / "metrics.json").read_text())
+        assert (m["schedule"]["lr"], m["schedule"]["lr_source"]) == (lr, f"xpool.default_lr at D={store[1:]}")
+    stamp = {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")}
+    assert bench() == {"d16": 2e-3, "d32": 5e-4}
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp
+
+
+def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
+    r = cli("bench", "finetune", "--out", tmp_path / "b", "--model", "tvrpipe-tiny", "--method", "meanpool",
+            "--steps", "3", "--batch-size", "2", "--frames", "4", "--width", "96", "--height", "64",
+            "--seconds", "1", "--loader-workers", "1", "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["clips_per_s"] > 0 and res["clips_per_s_epoch"] > 0
+    assert 0 <= res["data_share"] <= 1 and 0 <= res["data_share_epoch"] <= 1
+    assert 0.1 < res["peak_rss_gb"] < 24 and res["peak_gpu_gb"] is None
+    assert res["videos"]["count"] == 2 * 3 + 4 and res["steps"] == 3
+    assert "clips/s" in r.output and "data share" in r.output and "peak resident memory" in r.output
+    import pandas as pd
+
+    row = pd.read_csv(tmp_path / "b" / "run" / "epochs.csv").iloc[-1]
+    assert res["clips_per_s"] == row["clips_per_s_steady"]  # the bench reports the run's own measurement
+
+
+def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_path, interrupt_call):
+    """A bench interrupted inside a run resumes that run from its last epoch (the epochs already
+    trained are kept, not retrained) and reports the wall time of all its epochs."""
+    import csv
+
+    import tvrpipe.training.fit as fit_module
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
+    restore = interrupt_call(fit_module, "_evaluate", 3)  # Ctrl-C during the third epoch's validation
+    with pytest.raises(KeyboardInterrupt):
+        bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
+    run = next((tmp_path / "runs" / "tiny" / "xpool").glob("default-*"))
+    with open(run / "epochs.csv") as f:
+        before = list(csv.DictReader(f))
+    assert [r["epoch"] for r in before] == ["1", "2"] and not (run / "metrics.json").exists()
+
+    restore()
+    rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
+    with open(run / "epochs.csv") as f:
+        after = list(csv.DictReader(f))
+    assert after[:2] == before  # resumed: the first two epochs (and their seconds) are not retrained
+    assert len(after) == rows[0]["default_epochs_run"] > 2
+    assert rows[0]["default_seconds"] == pytest.approx(sum(float(r["seconds"]) for r in after), abs=0.06)
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["train"]["seconds"] == pytest.approx(sum(float(r["seconds"]) for r in after))
+
+
+def test_bench_convergence_no_grid_compares_open_ended_lrs(tmp_path):
+    """--no-grid: the open-ended run at each lr and the default, no fixed-epoch run; the summary's
+    target is then the best open-ended run, and the gap is measured against it."""
+    import csv
+
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.training.fit import TrainConfig
+
+    spec = GenSpec(**TINY_STORE)
+    base = TrainConfig(**TINY_TRAINER)
+    default_lr = head_class("xpool").default_lr
+    lrs = (default_lr / 10, default_lr)
+    rows = bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], lrs=lrs, progress=False, train=base, no_grid=True)
+    with open(tmp_path / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert sorted((r["schedule"], float(r["lr"])) for r in runs) == [
+        ("default", default_lr), ("open", default_lr / 10), ("open", default_lr)]
+    best = max((r for r in runs if r["schedule"] == "open"), key=lambda r: float(r["val_r1"]))
+    default = next(r for r in runs if r["schedule"] == "default")
+    assert default["val_r1"] == next(r["val_r1"] for r in runs if (r["schedule"], float(r["lr"])) ==
+                                     ("open", default_lr))  # the same run, reused
+    assert rows[0]["grid_best"] == f"open lr {float(best['lr']):g}"
+    assert rows[0]["gap"] == pytest.approx(float(best["val_r1"]) - float(default["val_r1"]))
+    assert len(list((tmp_path / "runs" / "tiny" / "xpool").iterdir())) == 2  # no fixed-epoch run

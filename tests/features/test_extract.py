@@ -1,0 +1,465 @@
+"""Extraction end to end on generated videos with the tiny model: the store against a sequential
+reference, failures recorded, determinism across worker counts, resume after a kill, provenance
+refusal, HDF5 export. Ray is started once for the module (start-up is the slow part here)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.features.clip import TINY_MODEL, encode_frames, encode_text_tokens, load_clip, tokenize
+from tvrpipe.features.decode import decode_video
+from tvrpipe.features.extract import ExtractConfig, extract
+from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
+from tvrpipe.features.store import StoreError, open_store
+from tvrpipe.data.synth import synthesize
+
+N_VIDEOS = 14
+
+
+def _free_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from tvrpipe.features.extract import _ray_init
+
+    _ray_init(None, num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Synthetic videos plus a corrupt and a zero-byte video in the manifest."""
+    d = tmp_path_factory.mktemp("data")
+    synthesize(d, N_VIDEOS, seed=5, progress=False)
+    root = d / "videos"
+    (root / "zero.mp4").write_bytes(b"")
+    good = sorted(root.glob("synth_*.mp4"))[0].read_bytes()
+    (root / "corrupt.mp4").write_bytes(good[:200] + bytes(range(256)) * 4)  # header, then garbage
+    m = read_manifest(d / "manifest")
+    extra_v = [{"video_id": v, "path": f"{v}.mp4", "split": "test"} for v in ("zero", "corrupt")]
+    extra_c = [{"caption_id": f"{v}#0", "video_id": v, "text": f"a broken {v} video", "split": "test"}
+               for v in ("zero", "corrupt")]
+    v, c = make_tables(m.videos.to_dict("records") + extra_v, m.captions.to_dict("records") + extra_c)
+    write_manifest(d / "manifest", v, c, m.meta)
+    return d
+
+
+def _cfg(**kw) -> ExtractConfig:
+    # 2 broken videos of 16 (12.5 %) are over the default 10 % failure limit: allow them here
+    base = dict(model=TINY_MODEL, pretrained="none", video_shard=4, text_shard=16, batch_size=3,
+                progress=False, timeout_s=30.0, max_failed_fraction=0.2)
+    return ExtractConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def store_dir(ray_session, data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("feat")
+    summary = extract(data / "manifest", data / "videos", out, _cfg())
+    assert (summary.videos_done, summary.videos_skipped, summary.failed) == (N_VIDEOS, 0, 2)
+    assert summary.failure_kinds == {"empty": 1, "unreadable": 1}
+    return out
+
+
+def test_store_equals_sequential_reference(store_dir, data):
+    store = open_store(store_dir)
+    m = read_manifest(data / "manifest")
+    bundle = load_clip(TINY_MODEL, "none")
+    F, L, D = store.provenance["frames"], store.provenance["max_words"], store.provenance["embed_dim"]
+    frames = store.array("videos/frames")[:]
+    mask = store.array("videos/frame_mask")[:]
+    stamps = store.array("videos/timestamps")[:]
+    assert frames.shape == (N_VIDEOS + 2, F, D) and frames.dtype == np.float16
+    # rows follow the manifest's order
+    assert list(store.videos.video_id) == list(m.videos.video_id)
+    for row, r in enumerate(m.videos.itertuples()):
+        if r.video_id in ("zero", "corrupt"):
+            assert not mask[row].any() and not frames[row].any()
+            continue
+        d = decode_video(data / "videos" / r.path, F, store.provenance["image_size"])
+        ref = encode_frames(bundle, d.frames[d.mask]).numpy()
+        np.testing.assert_array_equal(mask[row], d.mask)
+        np.testing.assert_allclose(frames[row][mask[row]].astype(np.float32), ref, rtol=1e-2, atol=2e-3)
+        np.testing.assert_allclose(stamps[row][mask[row]], d.timestamps[d.mask], atol=1e-6)
+    # texts: same rows as the manifest's captions, tokens and EOS sentence as encode_text
+    assert list(store.texts.caption_id) == list(m.captions.caption_id)
+    ids, tmask = tokenize(bundle, list(m.captions.text), L)
+    tok, sent = encode_text_tokens(bundle, ids)
+    np.testing.assert_array_equal(store.array("texts/token_mask")[:], tmask.numpy())
+    np.testing.assert_allclose(store.array("texts/sentence")[:].astype(np.float32), sent.numpy(), rtol=1e-2, atol=2e-3)
+    np.testing.assert_allclose(store.array("texts/tokens")[:].astype(np.float32), tok.numpy(), rtol=1e-2, atol=2e-3)
+    vrow = store.texts.video_row.to_numpy()
+    assert (store.videos.video_id.to_numpy()[vrow] == store.texts.video_id.to_numpy()).all()
+
+
+def test_failures_recorded(store_dir):
+    f = open_store(store_dir).failures.set_index("video_id")
+    assert sorted(f.index) == ["corrupt", "zero"]
+    assert f.loc["zero", "error"].startswith("empty:")
+    assert f.loc["corrupt", "error"].startswith("unreadable:")
+    assert (f.stage == "decode").all()
+
+
+def test_provenance_recorded_and_mismatch_refused(store_dir, data, tmp_path):
+    prov = open_store(store_dir).provenance
+    assert prov["model"] == TINY_MODEL and prov["pretrained"] == "none" and prov["frames"] == 12
+    assert prov["max_words"] == 32 and prov["dtype"] == "float16" and len(prov["weights_sha256"]) == 64
+    assert prov["frame_sampling"] == "uniform-segment-centre" and prov["complete"] is True
+    with pytest.raises(StoreError, match=r"frames: store has 12, expected 8"):
+        open_store(store_dir, expect={"frames": 8})
+    with pytest.raises(StoreError, match=r"weights_sha256: store has"):
+        open_store(store_dir, expect={"weights_sha256": "0" * 64})
+    # extracting into the same folder with another seed (other weights) is refused
+    with pytest.raises(StoreError, match=r"other settings \(weights_sha256.*--overwrite"):
+        extract(data / "manifest", data / "videos", store_dir, _cfg(seed=1))
+
+
+def test_rerun_skips_everything_but_retries_failures(store_dir, data):
+    before = {a: open_store(store_dir).array(a)[:] for a in ("videos/frames", "videos/frame_mask", "texts/tokens")}
+    s = extract(data / "manifest", data / "videos", store_dir, _cfg())
+    # the two broken videos are retried (and fail again); counts are disjoint and add up
+    assert (s.videos_done, s.videos_skipped, s.failed, s.retried, s.recovered) == (0, N_VIDEOS, 2, 2, 0)
+    assert s.texts_done == 0 and s.texts_skipped == s.texts_total and s.repaired == 0
+    assert "0 extracted, 14 already done, 2 failed (16 in all; 2 retried, 0 recovered)" in s.lines()[0]
+    s = extract(data / "manifest", data / "videos", store_dir, _cfg(retry_failed=False))
+    assert (s.videos_done, s.videos_skipped, s.failed, s.retried) == (0, N_VIDEOS, 2, 0)
+    for name, values in before.items():
+        np.testing.assert_array_equal(open_store(store_dir).array(name)[:], values)
+
+
+def assert_same_rows(a, b, name: str) -> None:
+    """Two stores hold the same rows of ``name``: masks and timestamps exactly; embeddings to one float16
+    ulp. An embedding is encoded in a batch of other size and neighbours when a run is resumed or
+    repaired, or runs with other workers; the CLIP's float32 matmuls then sum in another order (a few
+    ulps), and the float16 rounding of the store can turn that into one float16 ulp (2^-10 relative)."""
+    x, y = a.array(name)[:], b.array(name)[:]
+    if x.dtype != np.float16:
+        np.testing.assert_array_equal(x, y, err_msg=name)
+        return
+    np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=2.0 ** -10, atol=2.0 ** -24,
+                               err_msg=name)
+
+
+@pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
+def test_same_rows_with_other_worker_counts(store_dir, data, tmp_path):
+    extract(data / "manifest", data / "videos", tmp_path / "b", _cfg(decoders=1, batch_size=5, video_shard=6))
+    a, b = open_store(store_dir), open_store(tmp_path / "b")
+    for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
+        assert_same_rows(a, b, name)
+    pd.testing.assert_frame_equal(a.videos, b.videos)
+
+
+def test_export_hdf5(store_dir, tmp_path, cli):
+    r = cli("export", "--features", store_dir, "--format", "hdf5", "--out", tmp_path / "f.h5")
+    assert r.exit_code == 0, r.output
+    store = open_store(store_dir)
+    with h5py.File(tmp_path / "f.h5") as h5:
+        for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/token_mask", "texts/sentence"):
+            np.testing.assert_array_equal(h5[name][:], store.array(name)[:])
+        assert [x.decode() for x in h5["ids/videos/video_id"][:]] == list(store.videos.video_id)
+        assert '"tvrpipe-tiny"' == h5.attrs["model"]
+    r = cli("export", "--features", store_dir, "--format", "npz", "--out", tmp_path / "f.npz")
+    assert r.exit_code == 1 and "--format 'npz' is not supported" in r.output
+
+
+def test_features_show(store_dir, cli):
+    r = cli("features", "show", store_dir)
+    assert r.exit_code == 0
+    assert "16 x 12 x 64" in r.output and "weights_sha256" in r.output and "failed videos: 2" in r.output
+    import torch
+
+    from tvrpipe import __version__
+    assert f"versions: tvrpipe {__version__}, torch {torch.__version__}," in r.output
+
+
+def test_incomplete_store_is_refused(tmp_path, cli):
+    r = cli("features", "show", tmp_path)
+    assert r.exit_code == 1 and "no feature store here" in r.output
+
+
+def test_resume_after_kill(data, tmp_path):
+    """Kill a CLI extraction after its first shard lands; the rerun finishes and matches."""
+    out = tmp_path / "k"
+    cmd = [sys.executable, "-m", "tvrpipe", "extract", "--manifest", str(data / "manifest"),
+           "--video-root", str(data / "videos"), "--out", str(out), "--model", TINY_MODEL,
+           "--pretrained", "none", "--batch-size", "1", "--decoders", "1", "--video-shard", "1",
+           "--max-failed-fraction", "0.2"]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    markers = out / "_progress" / "videos"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if markers.is_dir() and any(markers.iterdir()):
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(markers.iterdir()))
+    assert 0 < done_before < N_VIDEOS + 2, done_before
+    with pytest.raises(StoreError, match="has not finished"):
+        open_store(out)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{N_VIDEOS + 2 - done_before - 2} extracted, {done_before} already done, 2 failed" in r.stdout
+    store = open_store(out)
+    ref = _reference_frames(data)
+    np.testing.assert_allclose(store.array("videos/frames")[:].astype(np.float32), ref, rtol=1e-2, atol=2e-3)
+
+
+def _reference_frames(data: Path) -> np.ndarray:
+    m = read_manifest(data / "manifest")
+    bundle = load_clip(TINY_MODEL, "none")
+    out = np.zeros((len(m.videos), 12, bundle.embed_dim), np.float32)
+    for row, r in enumerate(m.videos.itertuples()):
+        if r.video_id in ("zero", "corrupt"):
+            continue
+        d = decode_video(data / "videos" / r.path, 12, bundle.image_size)
+        out[row][d.mask] = encode_frames(bundle, d.frames[d.mask]).numpy()
+    return out
+
+
+# ------------------------------------------------------------------ failures, retries, repair
+
+
+@pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
+def test_wrong_video_root_fails_the_run_then_the_right_one_retries(store_dir, data, tmp_path, cli):
+    """All videos missing: exit 1 with counts and a hint, store kept incomplete; the rerun with the
+    right root retries them (no --overwrite) and gives the same store as a clean run."""
+    from tvrpipe.features.extract import ExtractionError
+
+    out, wrong = tmp_path / "f", tmp_path / "empty"
+    wrong.mkdir()
+    with pytest.raises(ExtractionError) as e:
+        extract(data / "manifest", wrong, out, _cfg())
+    msg = str(e.value)
+    assert msg.startswith(f"{N_VIDEOS + 2} of {N_VIDEOS + 2} videos failed (100.0 % > --max-failed-fraction 0.2)")
+    assert f"missing: {N_VIDEOS + 2}" in msg and f"check --video-root {wrong}" in msg and "failures.parquet" in msg
+    s = e.value.summary
+    assert (s.videos_done, s.videos_skipped, s.failed) == (0, 0, N_VIDEOS + 2)
+    with pytest.raises(StoreError, match=f"{N_VIDEOS + 2} of {N_VIDEOS + 2} videos failed"):
+        open_store(out)  # not complete: nothing reads it as if it were whole
+    r = cli("train-head", "--features", out, "--method", "meanpool", "--out", tmp_path / "run")
+    assert r.exit_code == 1 and "videos failed" in r.output
+    s = extract(data / "manifest", data / "videos", out, _cfg())
+    assert (s.videos_done, s.videos_skipped, s.failed, s.retried, s.recovered) == (N_VIDEOS, 0, 2, N_VIDEOS + 2, N_VIDEOS)
+    assert s.texts_done == 0  # texts were done by the failed run and kept
+    a, b = open_store(out), open_store(store_dir)
+    for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
+        assert_same_rows(a, b, name)
+    assert sorted(a.failures.video_id) == ["corrupt", "zero"]
+
+
+def test_failure_limit_exit_code_and_summary_via_cli(data, tmp_path, cli):
+    """The CLI prints the summary, then one error line, and exits 1 (default limit 10 %: 2 of 16 fail)."""
+    out = tmp_path / "f"
+    r = cli("extract", "--manifest", data / "manifest", "--video-root", data / "videos", "--out", out,
+            "--model", TINY_MODEL, "--pretrained", "none", "--video-shard", "8")
+    assert r.exit_code == 1, r.output
+    text = " ".join(r.output.split())
+    assert f"{N_VIDEOS} extracted, 0 already done, 2 failed ({N_VIDEOS + 2} in all)" in text
+    assert "error: 2 of 16 videos failed (12.5 % > --max-failed-fraction 0.1): empty: 1, unreadable: 1" in text
+    assert "--max-failed-fraction 0.13" in text  # 0.125 rounded up: the advised value lets the run pass
+    r = cli("extract", "--manifest", data / "manifest", "--video-root", data / "videos", "--out", out,
+            "--model", TINY_MODEL, "--pretrained", "none", "--no-retry-failed", "--max-failed-fraction", "0.13")
+    assert r.exit_code == 0, r.output
+    assert f"0 extracted, {N_VIDEOS} already done, 2 failed" in " ".join(r.output.split())
+    assert open_store(out).provenance["complete"] is True
+
+
+def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(store_dir, d)
+    (d / ".tvrpipe.lock").unlink(missing_ok=True)
+    zarr_dir = d / "features.zarr"
+    (zarr_dir / "videos" / "frames" / "c" / "1" / "0" / "0").unlink()
+    tok = zarr_dir / "texts" / "tokens" / "c" / "0" / "0" / "0"
+    tok.write_bytes(np.random.default_rng(0).bytes(tok.stat().st_size))
+    with pytest.raises(StoreError, match="videos/frames chunk c/1/0/0 is missing"):
+        open_store(d)
+    markers = {p.relative_to(d).as_posix(): p.stat().st_mtime_ns for p in (d / "_progress").rglob("*.json")}
+    s = extract(data / "manifest", data / "videos", d, _cfg(retry_failed=False))
+    assert s.repaired == 2 and s.videos_done == 4 and s.texts_done == 16, s.lines()
+    changed = sorted(k for k, t in markers.items() if (d / k).stat().st_mtime_ns != t)
+    assert changed == ["_progress/texts/000000.json", "_progress/videos/000001.json"]
+    a, b = open_store(d), open_store(store_dir)
+    for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
+        assert_same_rows(a, b, name)
+
+
+def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch):
+    """Invalid values never become defaults, and nothing (no Ray, no model, no directory) starts."""
+    from tvrpipe.errors import ConfigError, ManifestError
+    from tvrpipe.features import clip, extract as extract_module
+
+    def forbidden(*a, **kw):
+        raise AssertionError("started before the options were checked")
+
+    monkeypatch.setattr(extract_module, "_ray_init", forbidden)
+    monkeypatch.setattr(clip, "load_clip", forbidden)
+    out = tmp_path / "f"
+    for kw, message in [({"frames": -1}, "--frames must be >= 1, got -1"), ({"frames": 0}, "--frames must be >= 1"),
+                        ({"max_words": 0}, "--max-words must be >= 2, got 0"),
+                        ({"max_words": 1}, "--max-words must be >= 2, got 1"),
+                        ({"decoders": 0}, "--decoders must be >= 1, got 0"),
+                        ({"timeout_s": 0.0}, "--timeout must be > 0"),
+                        ({"timeout_s": 1e7}, r"--timeout must be > 0 and at most 2,000,000 seconds \(23 days\), "
+                                             "got 10000000.0"),  # it overflowed the decoder's wait
+                        ({"timeout_s": float("inf")}, "at most 2,000,000 seconds"),
+                        ({"max_failed_fraction": 1.5}, "--max-failed-fraction must be between 0 and 1")]:
+        with pytest.raises(ConfigError, match=message):
+            extract(data / "manifest", data / "videos", out, _cfg(**kw))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "videos.parquet").write_text("not parquet")
+    (bad / "captions.parquet").write_text("not parquet")
+    with pytest.raises(ManifestError):
+        extract(bad, data / "videos", out, _cfg())
+    assert not out.exists()
+
+
+def test_failure_message_example_advice_and_limit(tmp_path):
+    """The hint's example is a video of the most common kind; the advised --max-failed-fraction lets
+    the run pass; "more than the fraction" is exact (29 of 100 at 0.29 passes; n <= 0.29 * 100 did not)."""
+    from tvrpipe.features.extract import _too_many_failures
+
+    videos = pd.DataFrame({"video_id": [f"v{i}" for i in range(100)], "path": [f"v{i}.mp4" for i in range(100)]})
+
+    def failures(kinds):
+        return pd.DataFrame({"video_id": [f"v{i}" for i in range(len(kinds))],
+                             "error": [f"{k}: detail" for k in kinds]})
+
+    cfg = ExtractConfig(max_failed_fraction=0.29)
+    assert _too_many_failures(failures(["missing"] * 29), videos, tmp_path, tmp_path, cfg) is None
+    msg = _too_many_failures(failures(["timeout"] + ["missing"] * 29), videos, tmp_path, tmp_path, cfg)
+    assert msg.startswith("30 of 100 videos failed (30.0 % > --max-failed-fraction 0.29): missing: 29, timeout: 1")
+    assert f"check --video-root {tmp_path}: {tmp_path / 'v1.mp4'} does not exist" in msg  # v0 timed out
+    for n, total in [(2, 16), (1, 3), (1, 7), (13, 90), (57, 100), (3, 25)]:
+        msg = _too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path, tmp_path,
+                                 ExtractConfig(max_failed_fraction=0.0))
+        advice = float(msg.split("--max-failed-fraction ")[-1].split(";")[0])
+        assert advice >= n / total and _too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path,
+                                                          tmp_path, ExtractConfig(max_failed_fraction=advice)) is None
+
+
+def test_features_of_other_weights_are_refused():
+    """Each encoder batch carries the sha256 of the weights that encoded it; other weights than the
+    store records (a cluster node with another cache) stop the run before anything is written."""
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.features.extract import EncodeStage, TextStage, _check_weights
+
+    stage = TextStage(TINY_MODEL, "none", "cpu", seed=0, max_words=8, threads=1)
+    out = stage({"row": np.arange(2), "text": np.array(["a dog", "a cat"], dtype=object)})
+    sha = stage.bundle.weights_sha256
+    assert list(out["weights"]) == [sha, sha]
+    prov = {"weights_sha256": sha, "model": TINY_MODEL, "pretrained": "none"}
+    _check_weights(out, prov, "text")
+    other = EncodeStage(TINY_MODEL, "none", "cpu", seed=1, threads=1)  # another random init
+    size = other.bundle.image_size
+    batch = {"row": np.arange(1), "frames": np.zeros((1, 2, size, size, 3), np.uint8), "mask": np.ones((1, 2), bool),
+             "timestamps": np.zeros((1, 2), np.float32), "error": np.array([""], dtype=object)}
+    with pytest.raises(ConfigError, match=rf"an image encoder loaded weights with sha256 "
+                                          rf"{other.bundle.weights_sha256[:16]}\.\.\., but the store records "
+                                          rf"{sha[:16]}\.\.\. for {TINY_MODEL} / none: every process"):
+        _check_weights(other(batch), prov, "image")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a Ray cluster without GPUs")
+def test_gpu_work_on_a_cluster_without_gpus_fails_naming_the_option(ray_session):
+    """extract --device cuda on a cluster, finetune --use-gpu and sweep --gpus-per-run share this
+    check; without it Ray waited forever to place the work."""
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.features.extract import require_gpus
+
+    with pytest.raises(ConfigError, match=r"^--gpus-per-run 0.5: needs 0.5 GPU, and the Ray cluster has 0; "
+                                          r"use --gpus-per-run 0, or run on a cluster whose nodes have GPUs$"):
+        require_gpus(0.5, "--gpus-per-run 0.5", "use --gpus-per-run 0")
+    with pytest.raises(ConfigError, match=r"^--use-gpu with --num-workers 2: needs 2 GPUs, and the Ray cluster"):
+        require_gpus(2, "--use-gpu with --num-workers 2", "drop --use-gpu")
+    require_gpus(0, "--gpus-per-run 0", "")  # nothing needed, nothing refused
+
+
+def test_no_gpu_or_no_cluster_fails_before_the_store_is_created_and_not_when_nothing_is_left(data, store_dir,
+                                                                                             tmp_path):
+    """--device cuda without a GPU (Ray waited forever to place the encoders) and an --address where
+    nothing answers fail before the store exists; on a complete store, where a rerun does nothing,
+    neither is needed."""
+    from tvrpipe.errors import ConfigError
+
+    out = tmp_path / "f"
+    cases = [({"address": f"127.0.0.1:{_free_port()}"}, "--address 127.0.0.1:.*cannot connect")]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, "--device cuda: (this machine has no CUDA GPU|needs 1 GPU, and the Ray "
+                                          "cluster has 0)"))  # the latter where this process joined a Ray
+    for kw, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            extract(data / "manifest", data / "videos", out, _cfg(**kw))
+        assert not (out / "features.zarr").exists()
+        done = tmp_path / f"done-{len(kw)}-{next(iter(kw))}"
+        shutil.copytree(store_dir, done, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+        s = extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False, **kw))
+        assert (s.videos_done, s.texts_done) == (0, 0)
+
+
+def test_gpus_are_checked_per_node_as_well(monkeypatch):
+    """A task is placed on one node: two one-GPU nodes cannot run a 2-GPU sweep run, but can run two
+    one-GPU finetune workers."""
+    import ray
+
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.features.extract import require_gpus
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
+                                               {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
+                                               {"Alive": False, "Resources": {"GPU": 8.0}}])
+    require_gpus(2, "--use-gpu with --num-workers 2", "drop --use-gpu", per_task=1)
+    with pytest.raises(ConfigError, match=r"^--gpus-per-run 2: a task needs 2 GPUs on one node, and the largest "
+                                          r"node has 1; use --gpus-per-run 0, or run on nodes with more GPUs$"):
+        require_gpus(2, "--gpus-per-run 2", "use --gpus-per-run 0")
+    with pytest.raises(ConfigError, match=r"needs 3 GPUs, and the Ray cluster has 2"):
+        require_gpus(3, "--use-gpu with --num-workers 3", "drop --use-gpu", per_task=1)
+
+
+def test_every_form_of_address_is_checked_before_ray_waits(monkeypatch):
+    """HOST:PORT, ray://HOST:PORT and auto (Ray resolves auto to the last cluster started on this machine,
+    whose address outlives it, and then retried forever): a stopped cluster is one line naming the option."""
+    import socket
+
+    import ray._private.services as services
+
+    from tvrpipe.features.extract import _check_reachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ConfigError, match=rf"--address {re.escape(address)}: cannot connect to the Ray cluster"):
+            _check_reachable(address, timeout=2)
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda addr, temp_dir=None: f"127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=rf"RAY_ADDRESS auto \(auto: the last cluster started on this machine, at "
+                                          rf"127\.0\.0\.1:{port}\): cannot connect .*that cluster has stopped"):
+        _check_reachable("auto", timeout=2, option="RAY_ADDRESS")
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda addr, temp_dir=None: None)
+    with pytest.raises(ConfigError, match=r"--address auto: no Ray cluster was started on this machine"):
+        _check_reachable("auto")

@@ -1,0 +1,164 @@
+"""The Zarr feature store: layout, shards and markers, resume, provenance refusal (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import zarr
+
+from tvrpipe.features.store import STORE_NAME, StoreError, StoreWriter, make_provenance, open_store
+
+F, L, D = 3, 4, 5
+
+
+def _prov(**kw):
+    base = dict(model="m", pretrained="none", weights_sha256="a" * 64, frames=F, max_words=L, embed_dim=D,
+                frame_sampling="uniform-segment-centre", image_size=32, preprocessing="p", manifest_sha256="b" * 64)
+    return make_provenance(**{**base, **kw})
+
+
+def _tables(nv=7, nt=10):
+    videos = pd.DataFrame({"video_id": [f"v{i}" for i in range(nv)], "split": "test",
+                           "path": [f"v{i}.mp4" for i in range(nv)]})
+    texts = pd.DataFrame({"caption_id": [f"c{i}" for i in range(nt)], "video_id": [f"v{i % nv}" for i in range(nt)],
+                          "video_row": [i % nv for i in range(nt)], "split": "test"})
+    return videos, texts
+
+
+def _fill(w: StoreWriter, rng, only=None):
+    for s in w.pending("videos"):
+        if only is not None and s.index not in only:
+            continue
+        n = s.stop - s.start
+        fails = [{"video_id": f"v{s.start}", "stage": "decode", "error": "empty: x"}] if s.index == 0 else []
+        w.write_videos(s, rng.normal(size=(n, F, D)), np.ones((n, F), bool), np.zeros((n, F)), fails)
+    if only is None:
+        for s in w.pending("texts"):
+            n = s.stop - s.start
+            w.write_texts(s, rng.normal(size=(n, L, D)), np.ones((n, L), bool), rng.normal(size=(n, D)))
+
+
+def test_layout_dtypes_chunks_and_roundtrip(tmp_path):
+    v, t = _tables()
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        assert [(s.start, s.stop) for s in w.shards("videos")] == [(0, 3), (3, 6), (6, 7)]
+        rng = np.random.default_rng(0)
+        _fill(w, rng)
+        failures = w.finalize()
+    assert list(failures.video_id) == ["v0"]
+    store = open_store(tmp_path)
+    frames = store.array("videos/frames")
+    assert frames.shape == (7, F, D) and frames.dtype == np.float16 and frames.chunks == (3, F, D)
+    assert store.array("texts/tokens").shape == (10, L, D)
+    assert store.array("texts/sentence").dtype == np.float16
+    assert store.array("videos/frame_mask").dtype == bool
+    # uncompressed, as DESIGN.md asks (fp16 embeddings barely compress)
+    meta = json.loads((tmp_path / STORE_NAME / "videos" / "frames" / "zarr.json").read_text())
+    assert [c["name"] for c in meta["codecs"]] == ["bytes"]
+    assert store.provenance["complete"] is True and store.provenance["frames"] == F
+    pd.testing.assert_frame_equal(store.videos, v)
+    assert list(store.failures.columns) == ["video_id", "stage", "error"]
+
+
+def test_written_values_read_back(tmp_path):
+    v, t = _tables(nv=4, nt=4)
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=2, text_shard=2) as w:
+        x = np.arange(2 * F * D, dtype=np.float32).reshape(2, F, D) / 7
+        s = w.shards("videos")[1]
+        w.write_videos(s, x, np.array([[1, 1, 0], [1, 0, 0]], bool), np.full((2, F), 0.5), [])
+        g = zarr.open_group(tmp_path / STORE_NAME, mode="r")
+        np.testing.assert_array_equal(g["videos/frames"][2:4], x.astype(np.float16))
+        assert g["videos/frame_mask"][3].tolist() == [True, False, False]
+        assert [p.index for p in w.pending("videos")] == [0]
+
+
+def test_resume_reuses_completed_shards(tmp_path):
+    v, t = _tables()
+    rng = np.random.default_rng(1)
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        _fill(w, rng, only={0})
+        with pytest.raises(StoreError, match="not complete yet"):
+            w.finalize()
+    with pytest.raises(StoreError, match="has not finished.*resume"):
+        open_store(tmp_path)
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=99, text_shard=99) as w2:  # chunking: the store's
+        assert [s.index for s in w2.pending("videos")] == [1, 2]
+        _fill(w2, rng)
+        assert list(w2.finalize().video_id) == ["v0"]  # the first run's failure survives the resume
+
+
+def test_other_provenance_is_refused_unless_overwrite(tmp_path):
+    v, t = _tables()
+    StoreWriter(tmp_path, v, t, _prov()).close()
+    with pytest.raises(StoreError, match=r"other settings \(frames: store has 3, expected 8\).*--overwrite"):
+        StoreWriter(tmp_path, v, t, _prov(frames=8))
+    with StoreWriter(tmp_path, v, t, _prov(frames=8), overwrite=True) as w:
+        assert w.root["videos/frames"].shape == (7, 8, D)
+
+
+def test_reader_refuses_mismatch_and_missing(tmp_path):
+    v, t = _tables()
+    with StoreWriter(tmp_path / "s", v, t, _prov()) as w:
+        _fill(w, np.random.default_rng(2))
+        w.finalize()
+    with pytest.raises(StoreError, match=r"model: store has 'm', expected 'ViT-B-32'"):
+        open_store(tmp_path / "s", expect={"model": "ViT-B-32"})
+    assert open_store(tmp_path / "s", expect={"model": "m", "frames": F}).provenance["model"] == "m"
+    with pytest.raises(StoreError, match="no feature store here"):
+        open_store(tmp_path / "nothing")
+
+
+def test_store_records_its_versions_and_a_resume_in_another_environment(tmp_path, monkeypatch):
+    """The software that made the rows: ``versions`` when created; a resume that writes rows in another
+    environment adds it to ``resumed_with`` (once); reopening the complete store adds nothing."""
+    import importlib.metadata
+
+    import torch
+
+    import tvrpipe
+    from tvrpipe import environment
+
+    v, t = _tables()
+    rng = np.random.default_rng(3)
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        _fill(w, rng, only={0})
+    made = zarr.open_group(tmp_path / STORE_NAME, mode="r").attrs.asdict()
+    assert made["versions"]["torch"] == torch.__version__ and made["versions"]["tvrpipe"] == tvrpipe.__version__
+    assert made["versions"]["zarr"] == importlib.metadata.version("zarr") and "resumed_with" not in made
+    first = made["versions"]
+    upgraded = {**first, "torch": "9.9.9"}
+    monkeypatch.setattr(environment, "versions", lambda: upgraded)
+    for _ in range(2):
+        with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4):
+            pass
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        _fill(w, rng)
+        w.finalize()
+    prov = open_store(tmp_path).provenance
+    assert prov["versions"] == first and prov["resumed_with"] == [upgraded]
+    monkeypatch.setattr(environment, "versions", lambda: {**first, "numpy": "0.0"})
+    StoreWriter(tmp_path, v, t, _prov()).close()  # complete: no row is written in this environment
+    assert open_store(tmp_path).provenance["resumed_with"] == [upgraded]
+
+
+def test_a_full_disk_while_writing_a_shard_names_its_chunk(tmp_path, monkeypatch):
+    """extract's writes (in the driver) name the file the disk refused, and the shard stays pending."""
+    import errno
+
+    from tvrpipe.errors import WriteError
+
+    v, t = _tables()
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        def full(self, key, value):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(zarr.Array, "__setitem__", full)
+        s = w.shards("videos")[1]
+        with pytest.raises(WriteError, match=rf"{tmp_path}/features\.zarr/videos/frames/c/1/0/0: cannot write it "
+                                             r"\(No space left on device\); make room on the disk"):
+            w.write_videos(s, np.zeros((3, F, D)), np.ones((3, F), bool), np.zeros((3, F)), [])
+        monkeypatch.undo()
+        assert 1 in [p.index for p in w.pending("videos")]

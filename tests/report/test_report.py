@@ -1,0 +1,395 @@
+"""tvrpipe report: tables equal the runs' metrics, seeds aggregate, plots and the gallery are real."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from PIL import Image
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.evaluation.engine import evaluate_head
+from tvrpipe.evaluation.metrics import t2v_ranks
+from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.features.store import StoreWriter, make_provenance, manifest_sha256, open_store
+from tvrpipe.data.synth import synthesize
+from tvrpipe.report import find_runs, gallery_data, group_runs, write_report
+from tvrpipe.training.data import load_splits
+from tvrpipe.training.fit import TrainConfig, fit, load_head
+
+METRICS = ("R@1", "R@5", "R@10", "MdR", "MnR")
+GREEN = np.array([0x1A, 0x9E, 0x3A])  # the gallery's frame around the correct video
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """A sweep-like folder on a tiny generated store: xpool with seeds 0 and 1, a probabilistic head
+    (tmass: readouts), duq (a head re-ranking), all with DSL; an untrained meanpool without post."""
+    root = tmp_path_factory.mktemp("report")
+    spec = GenSpec(train_videos=40, test_videos=12, captions_per_train_video=2, frames=4, max_words=6,
+                   embed_dim=16, seed=0)
+    store = generate_store(root / "store", spec, video_shard=32, text_shard=64)
+    base = TrainConfig(epochs=2, batch_size=16)
+    for method, seed in (("xpool", 0), ("xpool", 1), ("tmass", 0), ("duq", 0)):
+        fit(store, method, root / "runs" / method / f"seed{seed}", dataclasses.replace(base, seed=seed),
+            post=("dsl",), progress=False)
+    fit(store, "meanpool", root / "runs" / "zero-shot", TrainConfig(epochs=0), progress=False)
+    return root / "runs"
+
+
+@pytest.fixture(scope="module")
+def report(runs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("out") / "report"
+    assert write_report([runs], out) == out / "report.md"
+    return out
+
+
+def _metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def _tables(md: str) -> dict[str, dict[str, list[list[str]]]]:
+    """``{## section: {### heading: [cells of each body row]}}`` of a report.md."""
+    out: dict[str, dict[str, list[list[str]]]] = {}
+    section = heading = None
+    for line in md.splitlines():
+        if line.startswith("## "):
+            section, heading = line[3:], None
+            out[section] = {}
+        elif line.startswith("### "):
+            heading = line[4:]
+            out[section][heading] = []
+        elif line.startswith("|") and heading and not line.startswith(("| Method", "|---")):
+            out[section][heading].append([c.strip().strip("*") for c in line.strip("|").split("|")])
+    return out
+
+
+def _row(table: list[list[str]], label: str) -> list[str]:
+    rows = [r for r in table if r[0] == label]
+    assert len(rows) == 1, (label, table)
+    return rows[0]
+
+
+def _section(report: Path) -> dict[str, list[list[str]]]:
+    tables = _tables((report / "report.md").read_text())
+    assert "synthetic-features (split set generated)" in tables, list(tables)
+    return tables["synthetic-features (split set generated)"]
+
+
+def test_single_run_rows_equal_metrics_json(report, runs):
+    s = _section(report)
+    for label, run in (("tmass", runs / "tmass" / "seed0"), ("duq", runs / "duq" / "seed0"),
+                       ("meanpool", runs / "zero-shot")):
+        test = _metrics(run)["test"]
+        for direction, name in (("t2v", "Text-to-video"), ("v2t", "Video-to-text")):
+            row = _row(s[f"{name}, raw scores"], label)
+            assert row[1] == "1"
+            assert row[2:] == [f"{test[direction][m]:.1f}" for m in METRICS], (label, direction)
+
+
+def test_seeds_form_one_row_with_mean_and_sample_std(report, runs):
+    s = _section(report)
+    per_seed = [_metrics(runs / "xpool" / f"seed{k}")["test"] for k in (0, 1)]
+    for direction, name in (("t2v", "Text-to-video"), ("v2t", "Video-to-text")):
+        row = _row(s[f"{name}, raw scores"], "xpool")
+        assert row[1] == "2"
+        for m, cell in zip(METRICS, row[2:]):
+            v = np.array([t[direction][m] for t in per_seed])
+            assert cell == f"{v.mean():.1f} ± {v.std(ddof=1):.1f}", (direction, m)
+    csv = pd.read_csv(report / "report.csv")
+    rec = csv[(csv["row"] == "xpool") & (csv["scores"] == "raw") & (csv["direction"] == "t2v")].iloc[0]
+    v = np.array([t["t2v"]["R@1"] for t in per_seed])
+    assert rec["seeds"] == 2 and rec["R@1"] == pytest.approx(v.mean())
+    assert rec["R@1 std"] == pytest.approx(v.std(ddof=1))
+    runs_table = s["Runs"]
+    assert sorted(r[1] for r in runs_table if r[0] == "xpool") == ["0", "1"]
+    assert _row(runs_table, "tmass")[2] == str(_metrics(runs / "tmass" / "seed0")["selected_epoch"])
+    # the software each run was trained with, as its config.yaml records it
+    from tvrpipe.environment import versions, versions_text
+    assert _row(runs_table, "tmass")[4] == versions_text(versions()).replace("|", "\\|")
+    assert rec["versions"] == versions_text(versions())
+
+
+def test_raw_dsl_and_rerank_tables_apart(report, runs):
+    s = _section(report)
+    headings = list(s)
+    raw = headings.index("Text-to-video, raw scores")
+    dsl = headings.index("Text-to-video, after DSL")
+    rerank = headings.index("Text-to-video, after the head's re-ranking")
+    assert raw < dsl < rerank
+    xpool = [_metrics(runs / "xpool" / f"seed{k}")["test"] for k in (0, 1)]
+    v = np.array([t["t2v_dsl"]["R@1"] for t in xpool])
+    assert _row(s[headings[dsl]], "xpool")[2] == f"{v.mean():.1f} ± {v.std(ddof=1):.1f}"
+    duq = _metrics(runs / "duq" / "seed0")["test"]
+    assert _row(s[headings[rerank]], "duq")[2:] == [f"{duq['t2v_rerank'][m]:.1f}" for m in METRICS]
+    assert [r[0] for r in s[headings[rerank]]] == ["duq"]  # only the head that re-ranks
+    # the untrained meanpool ran without --post: it is in the raw table only
+    assert "meanpool" in [r[0] for r in s[headings[raw]]]
+    assert "meanpool" not in [r[0] for r in s[headings[dsl]]]
+
+
+def test_readouts_of_probabilistic_heads(report, runs):
+    s = _section(report)
+    table = s["Uncertainty readouts (test split)"]
+    readouts = _metrics(runs / "tmass" / "seed0")["test"]["readouts"]
+    name, kinds = next(iter(readouts.items()))
+    kind, value = next(iter(kinds.items()))
+    assert [r[2] for r in table if r[0] == "tmass" and r[1] == f"{name} ({kind})"] == [f"{value:.4f}"]
+    assert not [r for r in table if r[0] in ("xpool", "meanpool")]
+
+
+def _image(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+@pytest.mark.parametrize("name", ["curves.png", "r1.png", "uncertainty.png"])
+def test_plots_are_real_images(report, name):
+    img = _image(report / name)
+    assert img.shape[0] >= 300 and img.shape[1] >= 400, img.shape
+    assert img.reshape(-1, 3).std(0).max() > 10  # not a blank canvas
+    assert f"![{name}]({name})" in (report / "report.md").read_text()
+
+
+def test_variants_copies_incomplete_and_plots_without_readouts(runs, tmp_path):
+    """Edited copies of a run: a num_heads=2 row, fixed metrics for the seed spread, an unfinished run."""
+    src = runs / "xpool" / "seed0"
+    for k, r1 in ((0, 10.0), (1, 13.0)):  # num_heads=2, seeds 0 and 1, with known test R@1
+        dst = tmp_path / "runs" / f"heads2-{k}"
+        shutil.copytree(src, dst)
+        cfg = yaml.safe_load((dst / "config.yaml").read_text())
+        cfg["head"]["num_heads"], cfg["train"]["seed"] = 2, k
+        (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+        m = _metrics(dst)
+        m["test"]["t2v"]["R@1"] = r1
+        (dst / "metrics.json").write_text(json.dumps(m))
+    shutil.copytree(src, tmp_path / "runs" / "default")
+    shutil.copytree(src, tmp_path / "runs" / "unfinished")
+    (tmp_path / "runs" / "unfinished" / "metrics.json").unlink()
+    (tmp_path / "runs" / "notes").mkdir()  # not a run: ignored
+
+    found, skipped = find_runs([tmp_path / "runs"])
+    assert len(found) == 3
+    assert [s.dir.name for s in skipped] == ["unfinished"] and "no metrics.json" in skipped[0].reason
+    [section] = group_runs(found)
+    assert [(r.label, len(r.runs)) for r in section.rows] == [("xpool (num_heads=1)", 1), ("xpool (num_heads=2)", 2)]
+
+    out = write_report([tmp_path / "runs"], tmp_path / "rep")
+    md = out.read_text()
+    row = _row(_tables(md)["synthetic-features (split set generated)"]["Text-to-video, raw scores"],
+               "xpool (num_heads=2)")
+    assert row[1:3] == ["2", f"11.5 ± {np.std([10.0, 13.0], ddof=1):.1f}"]  # sample std: 2.1, not 1.5
+    assert re.search(r"## Skipped\n\n- `[^`]*unfinished`: unfinished: no metrics.json", md)
+    assert not (tmp_path / "rep" / "uncertainty.png").exists()  # xpool logs no readouts
+    assert "uncertainty: no run logs uncertainty readouts" in md
+
+
+def test_finetune_run_shares_the_dataset_and_is_named_by_mode(runs, tmp_path):
+    """A finetune run (no store; its manifest names the dataset) sits beside train-head runs of the same
+    manifest, in the same section, as a row of its own."""
+    (tmp_path / "manifest").mkdir()
+    (tmp_path / "manifest" / "meta.json").write_text(json.dumps({"dataset": "synthetic-features",
+                                                                   "split_set": "generated"}))
+    dst = tmp_path / "runs" / "xpool-e2e"
+    shutil.copytree(runs / "xpool" / "seed0", dst)
+    cfg = yaml.safe_load((dst / "config.yaml").read_text())
+    cfg["finetune"] = {"end_to_end": True, "model": "ViT-B-32", "epochs": 5, "seed": 0}
+    del cfg["train"]
+    cfg.update(features=None, manifest=str(tmp_path / "manifest"), video_root=str(tmp_path / "videos"))
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+    found, _ = find_runs([tmp_path / "runs", runs / "xpool"])
+    [section] = group_runs(found)
+    assert section.title == "synthetic-features (split set generated)"
+    assert [(r.label, len(r.runs)) for r in section.rows] == [("xpool (finetune end-to-end)", 1),
+                                                               ("xpool (train-head)", 2)]
+
+
+def test_damaged_runs_other_default_lrs_and_replaced_stores(runs, tmp_path):
+    """Runs trained at two default lrs are two rows; a run whose raw metrics lost a number, or whose
+    epochs.csv is gone, is skipped with the reason (it was counted, then dropped from the raw tables
+    alone); a run whose store was replaced at its path does not take the new store's dataset; a
+    finetune run alone in its section still says it is one."""
+    from tvrpipe.report.runs import _dataset_of
+
+    src = runs / "xpool"
+    for name, seed in (("a", "seed0"), ("b", "seed1"), ("lost-r1", "seed0"), ("no-log", "seed0")):
+        shutil.copytree(src / seed, tmp_path / "runs" / name)
+    cfg = yaml.safe_load((tmp_path / "runs" / "b" / "config.yaml").read_text())
+    assert cfg["train"]["lr"] is None and cfg["resolved"]["lr"] == 1e-3
+    cfg["resolved"]["lr"] = 1e-2  # trained without --lr when xpool's default_lr was 1e-2
+    (tmp_path / "runs" / "b" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    m = _metrics(tmp_path / "runs" / "lost-r1")
+    del m["test"]["t2v"]["R@1"]
+    (tmp_path / "runs" / "lost-r1" / "metrics.json").write_text(json.dumps(m))
+    (tmp_path / "runs" / "no-log" / "epochs.csv").unlink()
+    found, skipped = find_runs([tmp_path / "runs"])
+    reasons = {s.dir.name: s.reason for s in skipped}
+    assert reasons["lost-r1"].endswith("metrics.json is damaged: no test t2v R@1")
+    assert "epochs.csv is missing" in reasons["no-log"] and "says 2 epochs ran" in reasons["no-log"]
+    [section] = group_runs(found)
+    assert [(r.label, len(r.runs)) for r in section.rows] == [("xpool (lr=0.001)", 1), ("xpool (lr=0.01)", 1)]
+
+    cfg = yaml.safe_load((src / "seed0" / "config.yaml").read_text())
+    assert _dataset_of(cfg) == ("synthetic-features", "generated")
+    cfg["provenance"]["manifest_sha256"] = "0" * 64  # trained on a store since replaced at that path
+    assert _dataset_of(cfg) == ("?", None)
+    from tvrpipe.data.manifest import make_tables, write_manifest
+    from tvrpipe.features.store import manifest_sha256
+
+    v, c = make_tables([{"video_id": "a", "path": "a.mp4", "split": "test"}],
+                       [{"caption_id": "a#0", "video_id": "a", "text": "x", "split": "test"}])
+    write_manifest(tmp_path / "manifest", v, c, {"dataset": "msvd", "split_set": "standard"})
+    finetuned = {"manifest": str(tmp_path / "manifest"), "provenance": {"manifest_sha256": manifest_sha256(v, c)}}
+    assert _dataset_of(finetuned) == ("msvd", "standard")  # a finetune run: the manifest names it
+    finetuned["provenance"]["manifest_sha256"] = "0" * 64  # the manifest was rewritten since
+    assert _dataset_of(finetuned) == ("?", None)
+
+    dst = tmp_path / "alone" / "e2e"
+    shutil.copytree(src / "seed0", dst)
+    cfg = yaml.safe_load((dst / "config.yaml").read_text())
+    cfg["finetune"] = {"end_to_end": True, "model": "ViT-B-32", "epochs": 5, "seed": 0}
+    del cfg["train"]
+    cfg.update(features=None, manifest=str(tmp_path / "nowhere"), video_root=str(tmp_path / "videos"))
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+    [section] = group_runs(find_runs([tmp_path / "alone"])[0])
+    assert [r.label for r in section.rows] == ["xpool (finetune end-to-end)"]
+
+
+def test_paths_without_runs_are_errors(tmp_path, runs):
+    (tmp_path / "empty" / "deeper").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"empty: no runs here"):
+        write_report([runs, tmp_path / "empty"], tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"missing: no such run directory"):
+        find_runs([tmp_path / "missing"])
+    only = tmp_path / "only-unfinished"
+    shutil.copytree(runs / "tmass" / "seed0", only)
+    (only / "metrics.json").unlink()
+    with pytest.raises(ConfigError, match=r"no finished runs under .*no metrics.json"):
+        write_report([only], tmp_path / "out")
+    assert not (tmp_path / "out" / "report.md").exists()
+
+
+def test_cli_end_to_end(cli, runs, tmp_path):
+    res = cli("report", runs / "xpool", runs / "zero-shot", "--out", tmp_path / "rep")
+    assert res.exit_code == 0, res.output
+    assert "report.md" in res.output and (tmp_path / "rep" / "report.csv").is_file()
+    csv = pd.read_csv(tmp_path / "rep" / "report.csv")
+    assert sorted(set(csv["row"])) == ["meanpool", "xpool"]
+    bad = cli("report", tmp_path / "nowhere")
+    assert bad.exit_code == 1 and "nowhere: no such run directory" in bad.output
+    assert "Traceback" not in bad.output
+    helptext = cli("report", "--help").output
+    for option in ("--out", "--video-root", "--manifest", "--gallery-run", "--queries", "--seed"):
+        assert option in helptext
+
+
+# ------------------------------------------------------------------------------------ the gallery
+
+F, L, D = 4, 6, 16
+
+
+def _store_for(manifest, out: Path) -> Path:
+    """A feature store over the synthetic videos' manifest: each caption's sentence embedding is its
+    video's latent plus noise, so a trained-for-nothing meanpool retrieves it near the top."""
+    rng = np.random.default_rng(0)
+    videos = manifest.videos[["video_id", "split", "path"]]
+    row = {v: i for i, v in enumerate(videos["video_id"])}
+    texts = manifest.captions.assign(video_row=manifest.captions["video_id"].map(row))
+    texts = texts[["caption_id", "video_id", "video_row", "split"]]
+    latent = rng.normal(size=(len(videos), D))
+    prov = make_provenance(dataset="synthetic", split_set="synthetic", model="test-features", pretrained="none",
+                           weights_sha256="0" * 64, frames=F, max_words=L, embed_dim=D, frame_sampling="test",
+                           image_size=0, preprocessing="test",
+                           manifest_sha256=manifest_sha256(manifest.videos, manifest.captions))
+    with StoreWriter(out, videos, texts, prov, video_shard=64, text_shard=256) as w:
+        for s in w.pending("videos"):
+            n = s.stop - s.start
+            frames = latent[s.start:s.stop, None, :] + 0.3 * rng.normal(size=(n, F, D))
+            w.write_videos(s, frames, np.ones((n, F), bool), np.zeros((n, F)), [])
+        for s in w.pending("texts"):
+            n = s.stop - s.start
+            sentence = latent[texts["video_row"].to_numpy()[s.start:s.stop]] + 0.6 * rng.normal(size=(n, D))
+            w.write_texts(s, rng.normal(size=(n, L, D)), np.ones((n, L), bool), sentence)
+        w.finalize()
+    return out
+
+
+@pytest.fixture(scope="module")
+def video_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gallery")
+    manifest = synthesize(root / "data", 20, seed=3, split_fractions=(0.5, 0.1, 0.4), progress=False)
+    store = _store_for(manifest, root / "features")
+    fit(store, "meanpool", root / "runs" / "meanpool", TrainConfig(epochs=0), progress=False)
+    return root, manifest
+
+
+def test_gallery_top5_is_the_ranking_of_the_similarity_matrix(video_run):
+    root, manifest = video_run
+    run = root / "runs" / "meanpool"
+    g = gallery_data(run, manifest=root / "data" / "manifest", queries=4, seed=0)
+    assert g.video_root == (root / "data" / "videos").resolve()  # found from the manifest's meta.json
+    # independently: the whole test split through the evaluation engine, ranked here
+    test = load_splits(open_store(root / "features")).test
+    head = load_head(run / "checkpoints" / "best.safetensors")
+    sim = evaluate_head(head, test.text_batches(64), test.video_batches(64), test.text_video,
+                        return_sim=True)["sim"].numpy()
+    ranks = t2v_ranks(sim, test.text_video)
+    texts = dict(zip(manifest.captions["caption_id"], manifest.captions["text"]))
+    assert len(g.queries) == 4 and len({q.caption_id for q in g.queries}) == 4
+    for q in g.queries:
+        i = list(test.caption_ids).index(q.caption_id)
+        order = np.argsort(-sim[i], kind="stable")[:5]
+        assert [v for v, _ in q.top] == [test.video_ids[j] for j in order]
+        assert [s for _, s in q.top] == pytest.approx(sim[i, order], abs=1e-5)
+        assert q.rank == ranks[i] and q.video_id == test.video_ids[test.text_video[i]]
+        assert q.score == pytest.approx(sim[i, test.text_video[i]], abs=1e-5)
+        assert q.text == texts[q.caption_id]
+    again = gallery_data(run, manifest=root / "data" / "manifest", queries=4, seed=0)
+    assert [q.caption_id for q in again.queries] == [q.caption_id for q in g.queries]
+    other = gallery_data(run, manifest=root / "data" / "manifest", queries=4, seed=1)
+    assert [q.caption_id for q in other.queries] != [q.caption_id for q in g.queries]
+    fewer = gallery_data(run, manifest=root / "data" / "manifest", queries=2, seed=0)
+    assert {q.caption_id for q in fewer.queries} < {q.caption_id for q in g.queries}
+
+
+def test_gallery_png_marks_the_correct_video(video_run, tmp_path):
+    root, _ = video_run
+    md = write_report([root / "runs"], tmp_path / "rep", manifest=root / "data" / "manifest", gallery_queries=3)
+    img = _image(tmp_path / "rep" / "gallery.png")
+    assert img.shape[0] >= 3 * 200 and img.shape[1] >= 800, img.shape
+    g = gallery_data(root / "runs" / "meanpool", manifest=root / "data" / "manifest", queries=3, seed=0)
+    assert any(q.rank <= 5 for q in g.queries)  # so a green frame must be drawn
+    green = (np.abs(img.astype(int) - GREEN).sum(-1) < 30).sum()
+    assert green > 500, green
+    assert "![gallery.png](gallery.png)" in md.read_text()
+
+
+def test_gallery_skipped_when_videos_are_unreachable(video_run, tmp_path):
+    root, _ = video_run
+    (tmp_path / "elsewhere").mkdir()
+    md = write_report([root / "runs"], tmp_path / "rep", video_root=tmp_path / "elsewhere").read_text()
+    assert not (tmp_path / "rep" / "gallery.png").exists()
+    assert f"gallery: videos not reachable under {tmp_path / 'elsewhere'}" in md
+    md = write_report([root / "runs"], tmp_path / "rep2").read_text()  # no manifest, no --video-root
+    assert "gallery: no video root: pass --video-root" in md
+
+
+def test_a_copied_run_directory_is_not_a_second_seed(runs, tmp_path, cli):
+    """The same configuration, seed and store is one run wherever its directory is: a copy is listed as
+    skipped, and the row keeps the seeds it really has."""
+    shutil.copytree(runs / "xpool" / "seed0", tmp_path / "copy" / "seed0-again")
+    found, skipped = find_runs([runs, tmp_path / "copy"])
+    assert sorted(r.seed for r in found if r.method == "xpool") == [0, 1]
+    [dup] = skipped
+    assert dup.dir == tmp_path / "copy" / "seed0-again" and "the same run as" in dup.reason
+    r = cli("report", runs, tmp_path / "copy", "--out", tmp_path / "rep")
+    assert r.exit_code == 0, r.output
+    s = _tables((tmp_path / "rep" / "report.md").read_text())["synthetic-features (split set generated)"]
+    assert _row(s["Text-to-video, raw scores"], "xpool")[1] == "2"

@@ -1,0 +1,354 @@
+"""``tvrpipe bench convergence``: does ``train-head``'s default schedule train every head to its
+validation optimum? The evidence for the trainer's defaults (issue 8, docs/training.md).
+
+For each generated store size and each head, three kinds of run, all selected on validation only:
+
+- the **grid**: the papers' schedule (warmup + cosine) for every learning rate in ``lrs`` and
+  every epoch count in ``epochs``; its best validation t2v R@1 is the target (a bench run with
+  ``no_grid``, for stores where a run costs hours, compares the open-ended runs alone and their
+  best is the target);
+- the **open-ended schedule at each learning rate** (no ``--epochs``: warmup, constant lr halved
+  on plateaus, early stopping): which learning rate it needs, i.e. the head's ``default_lr``;
+- the **default**: ``TrainConfig()`` as ``train-head`` runs it with no schedule option.
+
+Outputs in ``out_dir``: ``results.csv`` (one row per run: store, method, schedule, lr, best
+validation R@1/R@5, selected epoch, epochs run, seconds), ``curves.csv`` (validation R@1 per
+epoch of every run), ``curves.png`` (per store and head: the open-ended curves per learning rate,
+the default's, and the grid's best as a line) and ``summary.csv`` (per store and head: the grid's
+best and the default, the gap in R@1 points, the default's epochs and wall time). Nothing is
+chosen on the test split: each run's ``metrics.json`` has its test metrics (``fit`` evaluates the
+selected epoch on test once, at the end), but the bench reads validation only. Rerunning in the same directory reuses the runs already recorded there, in the
+tables or as completed run directories, and resumes a run it was interrupted in from its last epoch
+(a run's ``seconds`` then sum its epochs' wall times over the sessions); delete the directory after
+changing the trainer or a head. The tables keep the runs of other heads and sizes benched there earlier.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tvrpipe.lock import DirLock
+from tvrpipe.features.genstore import GenSpec, generate_store
+
+log = logging.getLogger(__name__)
+
+# The issue's generated stores: D = 64, 4 captions per train video, 10 % near-duplicates,
+# whole-video captions, noise 0.6, seed 4242; sizes differ in train and validation videos.
+BASE = GenSpec(train_videos=2000, val_videos=200, test_videos=200, captions_per_train_video=4,
+               near_duplicates=0.1, noise=0.6, embed_dim=64, intrinsic_dim=64, seed=4242)
+SIZES: dict[str, GenSpec] = {
+    "small": replace(BASE, train_videos=500, val_videos=100, test_videos=100),
+    "medium": BASE,
+    "msrvtt9k": GenSpec(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20,
+                        near_duplicates=0.1, noise=0.6, embed_dim=512, seed=4242),  # validation carved: 900
+}
+LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+EPOCHS = (5, 15, 40)
+
+
+@dataclass
+class Run:
+    """One training run of the bench."""
+
+    store: str
+    method: str
+    schedule: str  # "epochs=N" (grid), "open" (no --epochs) or "default"
+    lr: float
+    val_r1: float
+    val_r5: float
+    selected_epoch: int
+    epochs_run: int
+    seconds: float
+    curve: list[float]
+
+
+def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | None, lr_used: float,
+         epochs: int | None, run_dir: Path, base) -> Run:
+    """Train one run (``lr`` None: the head's default at the store's width, which is ``lr_used``)."""
+    from tvrpipe.errors import ConfigError, RunError
+    from tvrpipe.training.fit import fit
+
+    cfg = replace(base, epochs=epochs, lr=lr)
+    name = f"{store} {method} {schedule} lr {lr_used:g}"
+
+    def epoch_line(row: dict) -> None:  # a 9k run takes hours: one line per epoch shows where it is
+        log.warning("%s: epoch %d, val R@1 %.1f (%.0f s)", name, row["epoch"], row["val_t2v_R@1"], row["seconds"])
+
+    t = time.perf_counter()
+    try:  # a run interrupted by an earlier bench resumes from its last epoch
+        m = fit(store_dir, method, run_dir, cfg, progress=False, on_epoch=epoch_line)
+    except (ConfigError, RunError) as e:  # trained under another configuration, or damaged: from scratch
+        log.warning("%s: not resumed (%s); training it from scratch", run_dir, e)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        t = time.perf_counter()
+        m = fit(store_dir, method, run_dir, cfg, progress=False, on_epoch=epoch_line)
+    seconds = m["train"].get("seconds")  # summed over the sessions of a resumed run
+    if seconds is None:
+        seconds = time.perf_counter() - t
+    with open(run_dir / "epochs.csv") as f:
+        curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # keep the logs, not the weights
+    return Run(store, method, schedule, lr_used, m["val"]["t2v"]["R@1"],
+               m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve), seconds, curve)
+
+
+def bench_convergence(
+    out_dir: str | os.PathLike[str],
+    sizes: list[str] | dict[str, GenSpec] | None = None,
+    methods: list[str] | None = None,
+    lrs: tuple[float, ...] = LRS,
+    epochs: tuple[int, ...] = EPOCHS,
+    progress: bool = True,
+    train=None,
+    only_default: bool = False,
+    no_grid: bool = False,
+) -> list[dict]:
+    """Run the grid, the open-ended schedule per lr and the default; write tables and curves.
+
+    Args:
+        out_dir: working directory (stores are generated once and reused).
+        sizes: names of :data:`SIZES` (default: small and medium), or ``{name: GenSpec}``.
+        methods: heads (default: every registered head).
+        lrs: learning rates of the grid and of the open-ended runs.
+        epochs: epoch counts of the grid.
+        progress: progress bars while generating stores.
+        train: the trainer settings every run starts from (default ``TrainConfig()``, as
+            ``train-head`` runs); each run sets its own ``epochs`` and ``lr``.
+        only_default: run only the default (no grid, no open-ended runs per lr): what
+            ``train-head`` costs with no schedule option, on stores too large for the grid.
+        no_grid: run the open-ended schedule at each of ``lrs`` and the default, but not the
+            fixed-epoch grid: on a store where the grid costs hours per run (msrvtt9k), the
+            learning rates are compared by the open-ended runs alone, and the best of them (the
+            default's run, the open-ended schedule at the default lr, among them) is the target the
+            default is measured against. Excludes ``only_default``.
+
+    Returns:
+        The summary rows (per store and head: grid best, default, gap).
+
+    Example:
+        >>> bench_convergence("bench/convergence", ["small"], ["xpool"])  # doctest: +SKIP
+    """
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import head_class, list_heads
+    from tvrpipe.training.fit import TrainConfig
+
+    if only_default and no_grid:
+        raise ConfigError("--only-default and --no-grid exclude each other: --only-default runs the default "
+                          "alone, --no-grid the open-ended run at each --lr as well")
+    base = train or TrainConfig()
+
+    out = Path(out_dir)
+    if not isinstance(sizes, dict):
+        names = sizes or ["small", "medium"]
+        unknown = [s for s in names if s not in SIZES]
+        if unknown:
+            raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(SIZES)}")
+        sizes = {name: SIZES[name] for name in names}
+    methods = methods or list_heads()
+    for method in methods:  # an unknown head fails here, before hours of store generation
+        head_class(method)
+    with DirLock(out, wait=True):  # the tables are shared with benches of other heads in the same --out
+        done = _load(out)  # runs of an earlier, interrupted bench in the same directory are reused
+    runs: list[Run] = []
+    for size, spec in sizes.items():
+        # wait=True: benches of other heads started in parallel in the same --out share its stores
+        store_dir = generate_store(out / "stores" / size, spec, progress=progress, wait=True)
+        for method in methods:
+            plan = [] if only_default or no_grid else [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
+            plan += [] if only_default else [("open", lr, None) for lr in lrs]
+            plan += [("default", None, None)]
+            for schedule, lr, e in plan:
+                lr_used = head_class(method).lr_for(spec.embed_dim) if lr is None else lr
+                # the open-ended run at the default lr, of this bench or an earlier one
+                same = [r for r in [*runs, *done.values()] if (r.store, r.method, r.schedule, r.lr) ==
+                        (size, method, "open", lr_used)]
+                if schedule == "default" and same:  # the same configuration and seed: the same run
+                    run = replace(same[0], schedule="default")
+                elif (size, method, schedule, lr_used) in done:
+                    run = done[(size, method, schedule, lr_used)]
+                else:  # a default run's folder names its lr: a changed default_lr is a new run
+                    run = _run(store_dir, size, method, schedule, lr, lr_used, e,
+                               out / "runs" / size / method / f"{schedule}-{lr_used}", base)
+                runs.append(run)
+                log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
+                            run.lr, run.val_r1, run.selected_epoch, run.epochs_run, run.seconds)
+                _merge_tables(out, runs)
+    _merge_tables(out, runs, final=True)
+    return _summary(runs)
+
+
+def _merge_tables(out: Path, runs: list[Run], final: bool = False) -> None:
+    """Write ``runs`` and every run the directory already has (other heads and sizes, of earlier
+    benches or of one running beside this one: the tables are read again under ``out``'s lock, so a
+    parallel bench's rows are kept); ``final``: the summary tables and ``curves.png`` too."""
+    with DirLock(out, wait=True):
+        every = _with_earlier(runs, _load(out))
+        _write(out, every, _summary(every) if final else None)
+        if final:
+            _plot(out / "curves.png", every)
+
+
+def _with_earlier(runs: list[Run], done: dict[tuple[str, str, str, float], Run]) -> list[Run]:
+    mine = {(r.store, r.method, r.schedule, r.lr) for r in runs}
+    return runs + [r for key, r in done.items() if key not in mine]
+
+
+def _load(out: Path) -> dict[tuple[str, str, str, float], Run]:
+    """Runs recorded in ``results.csv`` / ``curves.csv`` by an earlier bench in ``out``, and runs
+    whose directory is complete but which the tables lack (see :func:`_recover`)."""
+    runs = _load_tables(out)
+    _recover(out, runs)
+    widths = {store: _store_width(out, store) for store, _, schedule, _ in runs if schedule == "default"}
+    return {key: r for key, r in runs.items()
+            if key[2] != "default" or _current_default(key[1], key[3], widths[key[0]])}
+
+
+def _store_width(out: Path, store: str) -> int | None:
+    """D of the bench's store ``store`` (its provenance), or None where it cannot be read (deleted)."""
+    from tvrpipe.features.store import StoreError, store_attributes
+
+    try:
+        return int(store_attributes(out / "stores" / store)["embed_dim"])
+    except (StoreError, KeyError):
+        return None
+
+
+def _current_default(method: str, lr: float, width: int | None) -> bool:
+    """A recorded default run is train-head's default only while ``lr`` is still the head's
+    ``default_lr`` at the store's ``width``; after a change it is an open-ended run at another lr,
+    and the default is rerun."""
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import head_class
+
+    if width is None:  # the store is gone: keep what was measured
+        return True
+    try:
+        return head_class(method).lr_for(width) == lr
+    except ConfigError:  # a head no longer registered: keep what was measured
+        return True
+
+
+def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
+    """Add the completed run directories (``runs/<store>/<method>/<schedule>-<lr>/metrics.json``)
+    missing from ``runs``: rebuilt from their metrics.json and epochs.csv (a bench that ran a subset
+    of the heads used to rewrite the tables with its own runs only). Their seconds are those
+    metrics.json records (older runs: the span between the config.yaml and metrics.json writes)."""
+    for metrics in sorted(out.glob("runs/*/*/*/metrics.json")):
+        run_dir = metrics.parent
+        schedule = run_dir.name.split("-", 1)[0]  # "epochs=5", "open" or "default"; the rest is the lr
+        try:
+            m = json.loads(metrics.read_text())
+            key = (run_dir.parent.parent.name, run_dir.parent.name, schedule, float(m["schedule"]["lr"]))
+            if key in runs:
+                continue
+            with open(run_dir / "epochs.csv") as f:
+                curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
+            seconds = m.get("train", {}).get("seconds")
+            if seconds is None:  # a run older than per-epoch seconds
+                seconds = metrics.stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime
+            runs[key] = Run(*key, m["val"]["t2v"]["R@1"], m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve),
+                            seconds, curve)
+        except (OSError, KeyError, ValueError) as e:  # an unreadable leftover is retrained, not fatal
+            log.warning("%s: not reused (%s)", run_dir, e)
+
+
+def _load_tables(out: Path) -> dict[tuple[str, str, str, float], Run]:
+    if not (out / "results.csv").is_file() or not (out / "curves.csv").is_file():
+        return {}
+    curves: dict[tuple, list[float]] = {}
+    with open(out / "curves.csv") as f:
+        for r in csv.DictReader(f):
+            curves.setdefault((r["store"], r["method"], r["schedule"], float(r["lr"])), []).append(float(r["val_r1"]))
+    runs = {}
+    with open(out / "results.csv") as f:
+        for r in csv.DictReader(f):
+            key = (r["store"], r["method"], r["schedule"], float(r["lr"]))  # default runs too (--only-default resumes)
+            runs[key] = Run(r["store"], r["method"], r["schedule"], float(r["lr"]), float(r["val_r1"]),
+                            float(r["val_r5"]), int(r["selected_epoch"]), int(r["epochs_run"]),
+                            float(r["seconds"]), curves.get(key, []))
+    return runs
+
+
+def _summary(runs: list[Run]) -> list[dict]:
+    rows = []
+    for store, method in dict.fromkeys((r.store, r.method) for r in runs):
+        mine = [r for r in runs if (r.store, r.method) == (store, method)]
+        grid = [r for r in mine if r.schedule.startswith("epochs=")]
+        default = [r for r in mine if r.schedule == "default"]
+        if not default:
+            continue
+        d = default[0]
+        opened = max((r for r in mine if r.schedule == "open"), key=lambda r: r.val_r1, default=None)
+        # the target: the grid's best; on a store benched without the grid, the best open-ended lr, the
+        # default's own among them (it is the open-ended schedule at the default lr)
+        if grid:
+            g = max(grid, key=lambda r: r.val_r1)
+        else:
+            g = max(opened, d, key=lambda r: r.val_r1) if opened else None
+        rows.append({"store": store, "method": method, "grid_best_r1": g.val_r1 if g else None,
+                     "grid_best": f"{'open' if not grid else g.schedule} lr {g.lr:g}" if g else None,
+                     "default_r1": d.val_r1, "gap": g.val_r1 - d.val_r1 if g else None, "default_lr": d.lr,
+                     "default_epochs_run": d.epochs_run, "default_selected_epoch": d.selected_epoch, "default_seconds": round(d.seconds, 1),
+                     "best_open_lr": opened.lr if opened else None})
+    return rows
+
+
+def _write(out: Path, runs: list[Run], summary: list[dict] | None = None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    fields = ["store", "method", "schedule", "lr", "val_r1", "val_r5", "selected_epoch", "epochs_run", "seconds"]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        for r in runs:
+            w.writerow([getattr(r, k) if k != "seconds" else round(r.seconds, 1) for k in fields])
+    with open(out / "curves.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["store", "method", "schedule", "lr", "epoch", "val_r1"])
+        for r in runs:
+            for i, v in enumerate(r.curve):
+                w.writerow([r.store, r.method, r.schedule, r.lr, i + 1, v])
+    if summary is not None:
+        with open(out / "summary.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(summary[0]) if summary else ["store"])
+            w.writeheader()
+            w.writerows(summary)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _plot(path: Path, runs: list[Run]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stores = list(dict.fromkeys(r.store for r in runs))
+    methods = list(dict.fromkeys(r.method for r in runs))
+    fig, axes = plt.subplots(len(stores), len(methods), figsize=(3.6 * len(methods), 2.9 * len(stores)),
+                             squeeze=False)
+    for i, store in enumerate(stores):
+        for j, method in enumerate(methods):
+            ax = axes[i][j]
+            mine = [r for r in runs if (r.store, r.method) == (store, method)]
+            for r in mine:
+                if r.schedule == "open":
+                    ax.plot(range(1, len(r.curve) + 1), r.curve, lw=1, label=f"lr {r.lr:g}")
+                elif r.schedule == "default":
+                    ax.plot(range(1, len(r.curve) + 1), r.curve, "k--", lw=1.5, label="default")
+            grid = [r for r in mine if r.schedule.startswith("epochs=")]
+            if grid:
+                g = max(grid, key=lambda r: r.val_r1)
+                ax.axhline(g.val_r1, color="grey", lw=0.8, ls=":", label=f"grid best ({g.schedule}, lr {g.lr:g})")
+            ax.set_title(f"{method} / {store}", fontsize=9)
+            ax.set_xlabel("epoch", fontsize=8)
+            ax.set_ylabel("val t2v R@1", fontsize=8)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,283 @@
+"""``tvrpipe bench train-head``: training and evaluation cost per head at MSR-VTT 9k / 1k-A scale.
+
+On a generated store the size of MSR-VTT 9k/1k-A (9,000 train videos x 12 x 512 frames,
+180,000 captions x 32 x 512 tokens, 1,000 test pairs; ~5.9 GB of float16), each head runs in a
+process of its own (so peak memory is its own) and reports:
+
+- training samples/s and the share of step time spent building batches (target < 10 %);
+- the full 1,000 x 1,000 test evaluation time and the memory it adds (resident set sampled
+  every 10 ms during the evaluation, minus the resident set before it);
+- the process's peak resident memory (the split arrays are float16: never a float32 copy).
+
+For scale: the official X-Pool evaluation code on random features of the 1k-A size took 63 s
+and peaked at 8.4 GB on this machine (issue 4). Target: X-Pool >= 5x faster, < 2 GB extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from tvrpipe.bench.extract import in_fresh_process
+from tvrpipe.features.genstore import GenSpec, generate_store
+
+MSRVTT_9K = GenSpec(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20,
+                    captions_per_test_video=1, frames=12, max_words=32, embed_dim=512, seed=0)
+XPOOL_OFFICIAL = {"eval_seconds": 63.0, "peak_gb": 8.4}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """Samples the resident set every 10 ms while active."""
+
+    def __enter__(self) -> "_PeakRss":
+        self.start = self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
+    import torch
+
+    from tvrpipe.features.store import open_store
+    from tvrpipe.training.data import load_split
+    from tvrpipe.training.fit import TrainConfig, _evaluate, fit, load_head
+
+    store_dir, method, steps, batch, run_dir, prefetch = args
+    torch.set_num_threads(os.cpu_count() or 1)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: fit() would resume a finished one
+    cfg = TrainConfig(epochs=1, batch_size=batch, seed=0, prefetch=prefetch)  # one epoch capped at `steps` steps: enough for a rate
+    t = time.perf_counter()
+    metrics = fit(store_dir, method, run_dir, cfg, progress=False, max_steps=steps)
+    fit_seconds = time.perf_counter() - t
+    test = load_split(open_store(store_dir), "test")
+    head = load_head(Path(run_dir) / "checkpoints" / "best.safetensors")
+    with _PeakRss() as mem:
+        t = time.perf_counter()
+        _evaluate(head, test, cfg)
+        eval_seconds = time.perf_counter() - t
+    return {
+        "method": method,
+        "samples_per_s": metrics["train"]["samples_per_s"],
+        "data_share": metrics["train"]["data_share"],
+        "test_eval_seconds": eval_seconds,
+        "test_eval_extra_gb": (mem.peak - mem.start) / 2**30,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "fit_seconds": fit_seconds,
+        "n_test": metrics["test"]["t2v"]["n"],
+        "prefetch": prefetch,
+    }
+
+
+def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None = None, steps: int = 20,
+                     batch_size: int = 128, spec: GenSpec = MSRVTT_9K, prefetch: bool = True) -> list[dict]:
+    """Generate (once) the scale store, then measure each method in its own process.
+
+    Example:
+        >>> rows = bench_train_head("bench/train-head", ["xpool"])  # doctest: +SKIP
+    """
+    from tvrpipe.heads.base import list_heads
+
+    out = Path(out_dir)
+    store = generate_store(out / "store", spec, progress=True)
+    results = []
+    for method in methods or list_heads():
+        results.append(in_fresh_process(_one_method, (str(store), method, steps, batch_size,
+                                                      str(out / "runs" / method), prefetch), method))
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+# ---- evaluation cost alone: ``tvrpipe bench eval`` ----------------------------------------------
+
+# (captions, videos) of the standard test sets: MSR-VTT 1k-A and MSVD's multi-caption test split
+EVAL_SIZES: dict[str, tuple[int, int]] = {"msrvtt1k": (1000, 1000), "msvd": (27763, 670)}
+# The official code's inference on random features of the MSR-VTT 1k-A size, measured on this
+# 2-core machine (issues 4 and 9): seconds and peak resident memory (GB).
+OFFICIAL_EVAL = {"xpool": (63.0, 8.4), "tmass": (517.0, 18.7)}
+
+
+def _random_features(n_t: int, n_v: int, frames: int, words: int, dim: int, tokens: bool, seed: int):
+    """CLIP-shaped random features in float16 (the trainer's in-memory format), masks with padding."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):  # generated in slices: no float64 copy of the largest array
+        out = np.empty(shape, np.float16)
+        for a in range(0, shape[0], 1024):
+            out[a:a + 1024] = rng.standard_normal((min(1024, shape[0] - a), *shape[1:]), np.float32)
+        return out
+
+    n_words = rng.integers(5, words + 1, n_t)
+    n_frames = rng.integers(max(1, frames // 2), frames + 1, n_v)
+    n_frames[: n_v // 2] = frames  # half the videos full, half padded
+    return {
+        "sentence": normal(n_t, dim),
+        "tokens": normal(n_t, words, dim) if tokens else np.zeros((n_t, 0, dim), np.float16),
+        "token_mask": np.arange(words if tokens else 0) < n_words[:, None],
+        "frames": normal(n_v, frames, dim),
+        "frame_mask": np.arange(frames) < n_frames[:, None],
+        "text_video": (np.arange(n_t) * n_v) // n_t,  # captions grouped by video, every video captioned
+    }
+
+
+def _text_batch(x: dict, rows: slice):
+    """Captions ``rows`` of :func:`_random_features` as a float32 TextBatch (cast per batch, as the trainer)."""
+    import torch
+
+    from tvrpipe.heads.base import TextBatch
+
+    f32 = lambda a: torch.from_numpy(a).float()  # noqa: E731
+    return TextBatch(f32(x["tokens"][rows]), torch.from_numpy(x["token_mask"][rows]), f32(x["sentence"][rows]))
+
+
+def _video_batch(x: dict, rows: slice):
+    """Videos ``rows`` of :func:`_random_features` as a float32 VideoBatch."""
+    import torch
+
+    from tvrpipe.heads.base import VideoBatch
+
+    return VideoBatch(torch.from_numpy(x["frames"][rows]).float(), torch.from_numpy(x["frame_mask"][rows]))
+
+
+def _eval_one(args: tuple[str, int, int, int, int, int, int]) -> dict:
+    import torch
+
+    from tvrpipe.evaluation.engine import evaluate_head
+    from tvrpipe.heads.base import create_head
+
+    method, n_t, n_v, frames, words, dim, block_texts = args
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    head = create_head(method, embed_dim=dim).eval()  # cost does not depend on the weights' values
+    x = _random_features(n_t, n_v, frames, words, dim, head.uses_tokens, seed=0)
+    texts = (_text_batch(x, slice(a, a + 256)) for a in range(0, n_t, 256))
+    videos = (_video_batch(x, slice(a, a + 256)) for a in range(0, n_v, 256))
+    with _PeakRss() as mem:
+        t = time.perf_counter()
+        res = evaluate_head(head, texts, videos, x["text_video"], block_texts=block_texts)
+        seconds = time.perf_counter() - t
+    scores_gb = n_t * n_v * 4 / 2**30
+    return {"method": method, "n_texts": n_t, "n_videos": n_v, "seconds": seconds,
+            "extra_gb": (mem.peak - mem.start) / 2**30, "scores_gb": scores_gb,
+            "extra_beyond_scores_gb": (mem.peak - mem.start) / 2**30 - scores_gb,
+            "t2v_R@1": res["t2v"]["R@1"]}
+
+
+def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None, frames: int = 12,
+               words: int = 32, dim: int = 512, block_texts: int = 256) -> list[dict]:
+    """Evaluation time and memory per head on random features of the standard test-set sizes.
+
+    Each (head, size) runs in a fresh process: random CLIP-shaped features (float16, padded
+    masks) go through :func:`tvrpipe.evaluation.engine.evaluate_head` exactly as ``train-head``
+    evaluates (encode once, similarity in blocks of ``block_texts`` captions, ranks). Memory is the
+    resident set sampled every 10 ms during the evaluation minus the set before it (the features
+    themselves are excluded); ``extra_beyond_scores_gb`` subtracts the float32 score matrix.
+
+    Example:
+        >>> bench_eval(["tmass"], ["msrvtt1k"])  # doctest: +SKIP
+    """
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import list_heads
+
+    sizes = sizes or list(EVAL_SIZES)
+    unknown = [s for s in sizes if s not in EVAL_SIZES]
+    if unknown:
+        raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(EVAL_SIZES)}")
+    rows = []
+    for size in sizes:
+        n_t, n_v = EVAL_SIZES[size]
+        for method in methods or list_heads():
+            row = in_fresh_process(_eval_one, (method, n_t, n_v, frames, words, dim, block_texts),
+                                   f"{method} at {size} size ({n_t:,} x {n_v:,})")
+            official = OFFICIAL_EVAL.get(method) if size == "msrvtt1k" else None
+            rows.append({"size": size, **row, "official_seconds": official[0] if official else None,
+                         "official_peak_gb": official[1] if official else None})
+    return rows
+
+
+# ---- the trainer's allocator tuning: ``tvrpipe bench allocator`` -------------------------------
+
+
+def _steps_one(args: tuple[str, bool, int, int, int, int, int]) -> dict:
+    """Training steps of one head on one random batch, in a fresh process: time, faults, peak RSS."""
+    import torch
+
+    from tvrpipe.heads.base import create_head
+    from tvrpipe.training.allocator import tune_allocator
+    from tvrpipe.training.fit import TrainConfig
+
+    method, tuned, steps, batch, frames, words, dim = args
+    allocator = tune_allocator() if tuned else "glibc's defaults"  # before any large block exists
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    head = create_head(method, embed_dim=dim).train()
+    x = _random_features(batch, batch, frames, words, dim, head.uses_tokens, seed=0)
+    texts, videos = _text_batch(x, slice(None)), _video_batch(x, slice(None))
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-4, weight_decay=TrainConfig().weight_decay)  # as fit
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        head.loss(texts, videos).total.backward()
+        opt.step()
+
+    for _ in range(2):  # warm-up: lazy initialisation, the optimizer's state and the heap's growth to its
+        step()  # steady size (it settles within two steps) are not the steady state
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    seconds = (time.perf_counter() - t) / steps
+    return {"method": method, "tuned": tuned, "allocator": allocator, "step_seconds": seconds,
+            "faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def bench_allocator(methods: list[str] | None = None, steps: int = 3, batch_size: int = 128, frames: int = 12,
+                    words: int = 14, dim: int = 512) -> list[dict]:
+    """Step time per head with the trainer's malloc tuning (:mod:`tvrpipe.training.allocator`) and
+    with glibc's defaults, each in a fresh process, one after the other; ``speedup`` is their ratio.
+
+    A batch of ``batch_size`` random CLIP-shaped pairs (``words`` token columns: a training batch
+    of the generated 9k store's captions is cut at 12-18) trains for two warm-up steps and then
+    ``steps`` timed steps. Page faults per step show where the time went: with glibc's defaults
+    every large temporary is faulted in afresh each step.
+
+    Example:
+        >>> bench_allocator(["xpool"], dim=64)  # doctest: +SKIP
+    """
+    from tvrpipe.heads.base import list_heads
+
+    rows = []
+    for method in methods or list_heads():
+        pair = {}
+        for tuned in (True, False):
+            pair[tuned] = in_fresh_process(_steps_one, (method, tuned, steps, batch_size, frames, words, dim),
+                                           f"{method}, {'tuned' if tuned else 'glibc defaults'}")
+        rows.append({"method": method, "dim": dim, "batch_size": batch_size,
+                     **{f"{k}_{name}": pair[tuned][k] for tuned, name in ((True, "tuned"), (False, "default"))
+                        for k in ("step_seconds", "faults_per_step", "peak_rss_gb")},
+                     "allocator": pair[True]["allocator"],
+                     "speedup": pair[False]["step_seconds"] / pair[True]["step_seconds"]})
+    return rows

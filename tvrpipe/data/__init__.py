@@ -1,0 +1,2 @@
+"""The inputs: dataset manifests (one YAML spec per benchmark), their annotation parsers, and
+generated videos for tests and the quickstart."""

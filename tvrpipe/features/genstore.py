@@ -1,0 +1,517 @@
+"""Synthetic feature stores: CLIP-like features from a latent model, with no videos and no CLIP.
+
+``generate_store`` writes a complete feature store (the same Zarr layout, chunking, sidecars,
+markers and provenance keys as ``tvrpipe extract``, written through :class:`StoreWriter`) whose
+features come from a known latent model, so heads can be trained, benchmarked and scaled (up to
+MSR-VTT size: 9,000 train videos x 180,000 captions) in seconds instead of GPU-hours.
+
+The latent model (all choices; no paper defines it). Content lives in a random
+``intrinsic_dim``-dimensional subspace of R^D (real CLIP features are strongly anisotropic; it also
+keeps the difficulty from changing with D), plus a small full-rank residual:
+
+- a bank of ``concepts`` random unit vectors ``c_k`` (the "words" of the world);
+- a scene is ``concept_words`` concepts (object, action, setting, ...) plus a video-specific
+  offset: ``z = normalise(sum_p c_{k_p} / sqrt(P) + OFFSET * o)``, ``o`` a random unit vector;
+  a video is ``scenes`` scenes in a row, each a contiguous block of its valid frames;
+- near-duplicates (inter-pair uncertainty): a fraction of the videos of each split copy another
+  video of the same split (its concepts and offsets) and change ONE concept of one scene;
+- frames: ``A_v * (z_scene + jitter_t + style_v + eps_t + r) + mu_v``: a smooth per-video
+  temporal jitter, a per-video "style" in a low-rank nuisance subspace (camera, lighting: constant
+  over the video, so mean pooling cannot remove it but a learned projection can), i.i.d. noise,
+  the residual ``r``, a shared mean offset ``mu_v`` (CLIP's modality cone), a scale giving norms
+  of about ``NORM``;
+- captions describe the whole video (``z`` = normalised mean of its scenes) or ONE scene of it
+  (intra-pair uncertainty); sentence = ``A_t * (z + style_t + eps + r) + mu_t`` with a text mean
+  ``mu_t`` and a text style subspace of their own; each caption of a video has its own noise
+  (paraphrases);
+- word tokens: SOT (a constant vector, as in causal CLIP), then content words (noisy copies of
+  the described concepts) and stop words (noisy copies of a small generic bank) in random order,
+  then EOS, which equals the sentence exactly: 2 + content + 1..~8 stop words valid tokens (at
+  most L; content words that do not fit are cut, as a long caption is), the rest zero, mask False.
+
+``noise`` scales the per-coordinate standard deviation of the observation noise (``noise *
+NOISE_UNIT`` for captions, twice that per frame). Measured t2v R@1 of a plain cosine between the
+sentence and the mean of the frames (chance 1/n): default spec, 100-200 test videos: ~45-50%;
+D=512 with 1,000 test videos (MSR-VTT 1k-A sized): ~40%, near CLIP4Clip meanP; 3 scenes with
+scene captions: ~5-9%; near_duplicates=0.5: a few points lower; noise=0.2: ~100%.
+
+Randomness: global latents come from ``default_rng([seed, 0])``; the noise of rows
+``[64 b, 64 b + 64)`` of each kind from ``default_rng([seed, kind, b])``, so the arrays depend on
+the spec, not on the shard sizes (up to float rounding), and shards are generated and written one
+at a time (peak memory: the latents plus a few shards). The full-rank residual and the noise of
+word tokens, which would cost D normals per row, are sums of two vectors drawn from fixed banks
+of ``BANK`` vectors instead (frame and caption noise are fresh normals in the intrinsic space).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.data.manifest import CAPTION_COLUMNS, VIDEO_COLUMNS
+from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256
+
+log = logging.getLogger(__name__)
+
+MODEL = "synthetic-features"
+DATASET = "synthetic-features"
+SPLIT_SET = "generated"
+LATENT_VIDEOS = "latent_videos.parquet"
+LATENT_TEXTS = "latent_texts.parquet"
+MADE_BY = "tvrpipe synth --features-only"  # the command that repairs the store (the repair hints name it)
+
+BLOCK = 64  # rows per random stream (choice: independent of shard sizes)
+NOISE_UNIT = 0.375  # per-coordinate noise std at noise=1 (choice: calibrated, see module doc)
+OFFSET = 0.5  # video-specific offset in a scene latent, relative to its unit concept part
+JITTER = 0.3  # temporal jitter norm, relative to the unit scene latent
+FRAME_NOISE = 2.0  # frame noise / caption noise (one frame is a poor view; 12 frames average it)
+WORD_NOISE = 1.0  # content-word noise / caption noise
+STYLE = 1.0  # per-coordinate std of the style inside its subspace, in units of the noise
+STYLE_RANK = 8  # D / STYLE_RANK dimensions of nuisance subspace per modality
+STOP_WORDS = 32  # generic (stop) word bank size
+MEAN_STOP_WORDS = 4  # Poisson mean of the stop words of a caption (plus one)
+RESIDUAL = 0.3  # norm of the isotropic full-rank residual outside the intrinsic subspace
+BANK = 4096  # noise vectors to draw pairs from (4096^2 combinations; see _embed)
+MEAN_OFFSET = 1.0  # norm of the shared mean offset of each modality, relative to the unit signal
+NORM = 10.0  # typical norm of a stored embedding (ViT-B/32 projected features are ~10)
+_VIDEOS, _TEXTS = 1, 2
+
+
+@dataclass(frozen=True)
+class GenSpec:
+    """What a synthetic store holds and how hard it is; every field is recorded in provenance.
+
+    Attributes:
+        train_videos: videos of the train split.
+        val_videos: videos of the val split; 0 means none (train-head carves one, as for 9k).
+        test_videos: videos of the test split.
+        captions_per_train_video: captions per train video (MSR-VTT: 20).
+        captions_per_test_video: captions per val/test video; > 1 is a multi-caption set (MSVD).
+        frames: F.
+        max_words: L (SOT and EOT included).
+        embed_dim: D (512 for ViT-B/32).
+        scenes: scenes per video (contiguous frame blocks); > 1 for multi-scene videos.
+        caption_describes: "whole" (all scenes) or "scene" (one random scene per caption).
+        near_duplicates: fraction of each split's videos that copy another video but one concept.
+        noise: observation noise (difficulty), per coordinate in units of ``NOISE_UNIT``.
+        min_frames: if set, each video has a random length in [min_frames, frames] (padded).
+        concepts: size of the concept bank.
+        concept_words: concepts per scene (content words of a caption describing it).
+        intrinsic_dim: dimension of the subspace of R^D that carries content and noise
+            (min with D); real CLIP features are strongly anisotropic, and it makes difficulty
+            depend on ``noise``, not on D.
+        seed: everything random derives from it.
+    """
+
+    train_videos: int = 200
+    val_videos: int = 0
+    test_videos: int = 100
+    captions_per_train_video: int = 5
+    captions_per_test_video: int = 1
+    frames: int = 12
+    max_words: int = 32
+    embed_dim: int = 64
+    scenes: int = 1
+    caption_describes: str = "whole"
+    near_duplicates: float = 0.0
+    noise: float = 0.5
+    min_frames: int | None = None
+    concepts: int = 512
+    concept_words: int = 3
+    intrinsic_dim: int = 64
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid field."""
+        for name in ("train_videos", "val_videos", "test_videos"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"GenSpec.{name} must be >= 0, got {getattr(self, name)}")
+        if self.train_videos + self.val_videos + self.test_videos == 0:
+            raise ConfigError("GenSpec: no videos at all; set train_videos or test_videos")
+        for name in ("captions_per_train_video", "captions_per_test_video", "frames", "embed_dim", "scenes",
+                     "concepts", "concept_words", "intrinsic_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"GenSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_words < 2:
+            raise ConfigError(f"GenSpec.max_words must be >= 2 (SOT and EOT), got {self.max_words}")
+        if self.caption_describes not in ("whole", "scene"):
+            raise ConfigError(
+                f"GenSpec.caption_describes must be 'whole' or 'scene', got {self.caption_describes!r}"
+            )
+        if not 0.0 <= self.near_duplicates < 1.0:
+            raise ConfigError(f"GenSpec.near_duplicates must be in [0, 1), got {self.near_duplicates}")
+        if self.noise < 0:
+            raise ConfigError(f"GenSpec.noise must be >= 0, got {self.noise}")
+        shortest = self.frames if self.min_frames is None else self.min_frames
+        if not self.scenes <= shortest <= self.frames:
+            raise ConfigError(
+                f"GenSpec: need scenes ({self.scenes}) <= min_frames ({self.min_frames}) <= frames "
+                f"({self.frames}) so that every scene has a frame"
+            )
+        if self.concepts < 2 and self.near_duplicates > 0:
+            raise ConfigError("GenSpec: near_duplicates need at least 2 concepts")
+
+    def to_dict(self) -> dict:
+        """The spec as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def sha256(self) -> str:
+        """A hash of the spec: the store's ``weights_sha256`` (different specs never mix)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ tables
+
+
+def _tables(spec: GenSpec) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The synthetic manifest: train, val, test videos (ids in that order), captions by video."""
+    splits = np.repeat(["train", "val", "test"], [spec.train_videos, spec.val_videos, spec.test_videos])
+    n = len(splits)
+    vid = np.array([f"gv_{i:05d}" for i in range(n)], dtype=object)
+    videos = pd.DataFrame({"video_id": vid, "path": "", "split": splits, "start_s": np.nan, "end_s": np.nan},
+                          columns=list(VIDEO_COLUMNS))
+    per = np.where(splits == "train", spec.captions_per_train_video, spec.captions_per_test_video)
+    rows = np.repeat(np.arange(n), per)
+    k = np.arange(len(rows)) - np.repeat(np.cumsum(per) - per, per)
+    cap_vid = vid[rows]
+    captions = pd.DataFrame({
+        "caption_id": [f"{v}#{j}" for v, j in zip(cap_vid, k)],
+        "video_id": cap_vid,
+        "text": [f"synthetic caption {j} of {v}" for v, j in zip(cap_vid, k)],
+        "split": splits[rows],
+    }, columns=list(CAPTION_COLUMNS))
+    return videos, captions
+
+
+# ------------------------------------------------------------------------------ latents
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _orthonormal(rng: np.random.Generator, d: int, r: int) -> np.ndarray:
+    q, _ = np.linalg.qr(rng.standard_normal((d, r)))
+    return q.astype(np.float32)  # (D, r)
+
+
+@dataclass
+class _Latents:
+    """Everything global (small: no per-frame or per-token array). d = intrinsic dimension."""
+
+    basis: np.ndarray  # (D, d) orthonormal: the intrinsic subspace inside R^D
+    residual: np.ndarray  # (BANK, D) full-rank residual vectors, norm RESIDUAL / sqrt(2)
+    words: np.ndarray  # (K + STOP_WORDS, D) concepts then stop words, in R^D
+    word_noise: np.ndarray  # (BANK, D) half the noise (intrinsic + residual) of a word token
+    concepts: np.ndarray  # (K, d) unit
+    stop: np.ndarray  # (STOP_WORDS, d) unit
+    sot: np.ndarray  # (D,) stored SOT token
+    mu_v: np.ndarray  # (D,) stored frame mean offset
+    mu_t: np.ndarray  # (D,) stored text mean offset
+    style_v: np.ndarray  # (d, R) video nuisance subspace
+    style_t: np.ndarray  # (d, R) text nuisance subspace
+    scale_v: float
+    scale_t: float
+    parts: np.ndarray  # (n_videos, S, P) concept ids
+    z: np.ndarray  # (n_videos, S, d) unit scene latents
+    z_whole: np.ndarray  # (n_videos, d) unit: what a whole-video caption describes
+    dup_group: np.ndarray  # (n_videos,) row of the video a near-duplicate copies (own row otherwise)
+    n_frames: np.ndarray  # (n_videos,) valid frames
+    video_row: np.ndarray  # (n_texts,)
+    scene: np.ndarray  # (n_texts,) described scene, -1 = whole video
+    n_valid: np.ndarray  # (n_texts,) valid tokens
+
+
+def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _Latents:
+    rng = np.random.default_rng([spec.seed, 0])
+    D, S, P, K = spec.embed_dim, spec.scenes, spec.concept_words, spec.concepts
+    F, L = spec.frames, spec.max_words
+    d = min(D, spec.intrinsic_dim)
+    nv, nt = len(videos), len(captions)
+    basis = _orthonormal(rng, D, d)
+    residual = (RESIDUAL / np.sqrt(2) * _unit(rng.standard_normal((BANK, D)))).astype(np.float32)
+    concepts = _unit(rng.standard_normal((K, d))).astype(np.float32)
+    stop = _unit(rng.standard_normal((STOP_WORDS, d))).astype(np.float32)
+    R = max(1, d // STYLE_RANK)
+    style_v, style_t = _orthonormal(rng, d, R), _orthonormal(rng, d, R)
+    sigma = spec.noise * NOISE_UNIT
+    # Expected squared norms of the centred parts; the scale gives stored norms of about NORM.
+    # The mean offsets are as long as the (unit) signal, not the noise: their cross terms with the
+    # noise act like per-item biases (hubness), which must stay small.
+    var_v = 1 + JITTER**2 + (STYLE * sigma) ** 2 * R + (FRAME_NOISE * sigma) ** 2 * d + RESIDUAL**2
+    var_t = 1 + (STYLE * sigma) ** 2 * R + sigma**2 * d + RESIDUAL**2
+    scale_v, scale_t = NORM / np.sqrt(var_v + MEAN_OFFSET**2), NORM / np.sqrt(var_t + MEAN_OFFSET**2)
+    mu_v = (scale_v * MEAN_OFFSET * _unit(rng.standard_normal(D))).astype(np.float32)
+    mu_t = (scale_t * MEAN_OFFSET * _unit(rng.standard_normal(D))).astype(np.float32)
+    words = np.concatenate([concepts, stop]) @ basis.T  # (K + STOP_WORDS, D)
+    word_noise = (WORD_NOISE * sigma / np.sqrt(2)) * rng.standard_normal((BANK, d)) @ basis.T
+    word_noise += RESIDUAL / np.sqrt(2) * _unit(rng.standard_normal((BANK, D)))
+    sot = (scale_t * np.sqrt(var_t) * _unit(rng.standard_normal(D)) + mu_t).astype(np.float32)
+
+    parts = rng.integers(0, K, size=(nv, S, P))
+    offsets = _unit(rng.standard_normal((nv, S, d))).astype(np.float32)
+    # Near-duplicates: inside each split, copy a random original and change one concept.
+    dup_group = np.arange(nv)
+    split = videos["split"].to_numpy()
+    for s in ("train", "val", "test"):
+        rows = np.flatnonzero(split == s)
+        n_dup = min(int(round(spec.near_duplicates * len(rows))), len(rows) - 1)
+        if n_dup <= 0:
+            continue
+        perm = rng.permutation(rows)
+        copies, originals = perm[:n_dup], perm[n_dup:]
+        src = rng.choice(originals, size=n_dup, replace=n_dup > len(originals))
+        parts[copies], offsets[copies], dup_group[copies] = parts[src], offsets[src], src
+        j, p = rng.integers(0, S, n_dup), rng.integers(0, P, n_dup)
+        parts[copies, j, p] = (parts[copies, j, p] + rng.integers(1, K, n_dup)) % K
+    z = _unit(concepts[parts].sum(axis=2) / np.sqrt(P) + OFFSET * offsets)  # (nv, S, d)
+
+    lo = F if spec.min_frames is None else spec.min_frames
+    n_frames = rng.integers(lo, F + 1, size=nv)
+    video_row = pd.Series(np.arange(nv), index=videos["video_id"]).loc[captions["video_id"]].to_numpy()
+    scene = rng.integers(0, S, size=nt) if spec.caption_describes == "scene" else np.full(nt, -1)
+    n_content = S * P if spec.caption_describes == "whole" else P
+    n_stop = 1 + rng.poisson(MEAN_STOP_WORDS - 1, size=nt)
+    n_valid = np.minimum(L, 2 + n_content + n_stop)  # SOT, words, EOS
+    return _Latents(
+        basis=basis, residual=residual, words=words.astype(np.float32),
+        word_noise=word_noise.astype(np.float32),
+        concepts=concepts, stop=stop, sot=sot, mu_v=mu_v, mu_t=mu_t, style_v=style_v, style_t=style_t,
+        scale_v=float(scale_v), scale_t=float(scale_t), parts=parts, z=z.astype(np.float32),
+        z_whole=_unit(z.mean(axis=1)).astype(np.float32), dup_group=dup_group, n_frames=n_frames,
+        video_row=video_row, scene=scene, n_valid=n_valid,
+    )
+
+
+def _embed(lat: _Latents, x: np.ndarray, pick: np.ndarray, scale: float, mu: np.ndarray) -> np.ndarray:
+    """Intrinsic (m, d) -> stored (m, D): into R^D, plus a full-rank residual, scaled, plus the mean.
+
+    The residual of a row is the sum of the two bank vectors ``pick`` (m, 2) names: full rank and
+    as good as fresh Gaussian noise here, at a fraction of the cost of D normals per row. Called
+    once per shard, not per block: a multithreaded BLAS call costs ~20 ms on a loaded machine
+    whatever its size.
+    """
+    y = x @ lat.basis.T  # (m, D)
+    y += lat.residual[pick[:, 0]]
+    y += lat.residual[pick[:, 1]]
+    y *= np.float32(scale)
+    y += mu
+    return y
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+def _video_block(spec: GenSpec, lat: _Latents, a: int, b: int, block: int):
+    """Video rows [a, b) in intrinsic space, from their own random stream.
+
+    Returns:
+        x (n, F, d) float32, mask (n, F), timestamps (n, F), residual picks (n, F, 2).
+    """
+    rng = np.random.default_rng([spec.seed, _VIDEOS, block])
+    F, S, d = spec.frames, spec.scenes, lat.basis.shape[1]
+    n, sigma = b - a, float(spec.noise * NOISE_UNIT)
+    nf = lat.n_frames[a:b]
+    t = np.arange(F)
+    mask = t[None, :] < nf[:, None]  # (n, F)
+    scene = np.minimum((t[None, :] * S) // nf[:, None], S - 1)  # (n, F) contiguous blocks
+    x = lat.z[a:b][np.arange(n)[:, None], scene]  # (n, F, d)
+    # smooth temporal jitter: a slow rotation in a random plane over the clip
+    ab = _unit(rng.standard_normal((n, 2, d), dtype=np.float32))
+    phase = (rng.uniform(0, 2 * np.pi, (n, 1)) + 2 * np.pi * t[None, :] / nf[:, None]).astype(np.float32)
+    x += JITTER * (np.cos(phase)[..., None] * ab[:, None, 0] + np.sin(phase)[..., None] * ab[:, None, 1])
+    style = rng.standard_normal((n, lat.style_v.shape[1]), dtype=np.float32) @ lat.style_v.T  # (n, d)
+    x += np.float32(STYLE * sigma) * style[:, None]
+    x += np.float32(FRAME_NOISE * sigma) * rng.standard_normal((n, F, d), dtype=np.float32)
+    pick = rng.integers(0, BANK, size=(n, F, 2))
+    stamps = np.where(mask, t[None, :] + 0.5, np.nan).astype(np.float32)
+    return x, mask, stamps, pick
+
+
+def _text_block(spec: GenSpec, lat: _Latents, a: int, b: int, block: int):
+    """Text rows [a, b) from their own random stream: tokens but EOS are final, the sentence is not.
+
+    Returns:
+        tokens (n, L, D) float32 with EOS left zero, mask (n, L), sentence (n, d) intrinsic,
+        residual picks (n, 2).
+    """
+    rng = np.random.default_rng([spec.seed, _TEXTS, block])
+    L, S, P, (D, d) = spec.max_words, spec.scenes, spec.concept_words, lat.basis.shape
+    n, sigma = b - a, float(spec.noise * NOISE_UNIT)
+    vrow, scene, nvalid = lat.video_row[a:b], lat.scene[a:b], lat.n_valid[a:b]
+    rows = np.arange(n)
+    z = lat.z_whole[vrow] if spec.caption_describes == "whole" else lat.z[vrow, scene]  # (n, d)
+    style = rng.standard_normal((n, lat.style_t.shape[1]), dtype=np.float32) @ lat.style_t.T
+    sent = z + np.float32(STYLE * sigma) * style
+    sent += np.float32(sigma) * rng.standard_normal((n, d), dtype=np.float32)
+    pick = rng.integers(0, BANK, size=(n, 2))
+
+    tokens = np.zeros((n, L, D), np.float32)
+    mask = np.arange(L)[None, :] < nvalid[:, None]
+    tokens[:, 0] = lat.sot  # every caption has SOT..EOT: at least 2 valid tokens
+    # content concepts: every scene's for a whole-video caption, one scene's otherwise;
+    # content words come first, then stop words; the first n_mid are shuffled into the middle
+    parts = lat.parts[vrow]  # (n, S, P)
+    content = parts.reshape(n, S * P) if spec.caption_describes == "whole" else parts[rows, scene]
+    M, C = L - 2, content.shape[1]
+    W = max(M, C)
+    n_mid = nvalid - 2
+    kind = np.full((n, W), -1)  # word id: a concept, or -1 for a stop word
+    kind[:, :C] = content
+    keys = np.where(np.arange(W)[None, :] < n_mid[:, None], rng.random((n, W)), np.inf)
+    kind = np.take_along_axis(kind, np.argsort(keys, axis=1)[:, :M], 1)  # (n, M)
+    ri, ci = np.nonzero(np.arange(M)[None, :] < n_mid[:, None])
+    ids = kind[ri, ci]
+    ids = np.where(ids >= 0, ids, len(lat.concepts) + rng.integers(0, STOP_WORDS, len(ids)))
+    # word = its concept (or stop word) + noise, all already in R^D, the noise a pair of bank
+    # vectors: the ~10 tokens of a caption cost gathers and adds, not D normals and a matmul each
+    wpick = rng.integers(0, BANK, size=(len(ids), 2))
+    words = lat.words[ids]
+    words += lat.word_noise[wpick[:, 0]]
+    words += lat.word_noise[wpick[:, 1]]
+    words *= np.float32(lat.scale_t)
+    words += lat.mu_t
+    tokens[ri, ci + 1] = words
+    return tokens, mask, sent, pick
+
+
+def _blocks(fn, spec: GenSpec, lat: _Latents, shard: Shard, n_total: int) -> list[np.ndarray]:
+    """Rows of one shard assembled from the fixed-size random blocks that cover it."""
+    parts = []
+    for blk in range(shard.start // BLOCK, (shard.stop - 1) // BLOCK + 1):
+        a, b = blk * BLOCK, min((blk + 1) * BLOCK, n_total)
+        out = fn(spec, lat, a, b, blk)
+        lo, hi = max(shard.start, a) - a, min(shard.stop, b) - a
+        parts.append([o[lo:hi] for o in out])
+    return [np.concatenate(p) if len(p) > 1 else p[0] for p in zip(*parts)]
+
+
+def _video_shard(spec: GenSpec, lat: _Latents, shard: Shard, n_total: int):
+    """Frames (n, F, D), mask, timestamps of one shard; padded frames stay exactly zero."""
+    x, mask, stamps, pick = _blocks(_video_block, spec, lat, shard, n_total)
+    frames = np.zeros((*mask.shape, lat.basis.shape[0]), np.float32)
+    frames[mask] = _embed(lat, x[mask], pick[mask], lat.scale_v, lat.mu_v)
+    return frames, mask, stamps
+
+
+def _text_shard(spec: GenSpec, lat: _Latents, shard: Shard, n_total: int):
+    """Tokens (n, L, D), mask, sentence (n, D) of one shard; EOS = sentence exactly."""
+    tokens, mask, sent, pick = _blocks(_text_block, spec, lat, shard, n_total)
+    sent = _embed(lat, sent, pick, lat.scale_t, lat.mu_t)
+    tokens[np.arange(len(sent)), lat.n_valid[shard.start : shard.stop] - 1] = sent
+    return tokens, mask, sent
+
+
+# ------------------------------------------------------------------------------ public
+
+
+def provenance_for(spec: GenSpec) -> dict:
+    """The provenance a store generated from ``spec`` carries (identity keys included)."""
+    videos, captions = _tables(spec)
+    return _provenance(spec, videos, captions)
+
+
+def _provenance(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> dict:
+    return make_provenance(
+        dataset=DATASET, split_set=SPLIT_SET, model=MODEL, pretrained="none", weights_sha256=spec.sha256(),
+        frames=spec.frames, max_words=spec.max_words, embed_dim=spec.embed_dim, frame_sampling="synthetic",
+        image_size=0, preprocessing="synthetic", manifest_sha256=manifest_sha256(videos, captions),
+        generator=spec.to_dict(),
+    )
+
+
+def generate_store(
+    out_dir: str | os.PathLike[str],
+    spec: GenSpec = GenSpec(),
+    *,
+    video_shard: int = 64,
+    text_shard: int = 256,
+    progress: bool = False,
+    overwrite: bool = False,
+    wait: bool = False,
+) -> Path:
+    """Write a complete synthetic feature store (same layout as ``tvrpipe extract``'s).
+
+    Shards are generated and written one at a time, so memory stays at a few shards even for
+    MSR-VTT-sized stores; rerunning on a partial store resumes it, and on a damaged one
+    regenerates exactly the damaged shards. Beside the store,
+    ``latent_videos.parquet`` (row, video_id, dup_group, n_frames, concepts) and
+    ``latent_texts.parquet`` (row, caption_id, video_row, scene, concepts) record the ground truth.
+
+    Args:
+        out_dir: the store's directory (``open_store(out_dir)`` reads it).
+        spec: what to generate.
+        video_shard: videos per shard / Zarr chunk.
+        text_shard: texts per shard / Zarr chunk.
+        progress: show a progress bar.
+        overwrite: delete the store in ``out_dir`` (whatever its spec) and generate it afresh.
+        wait: if another process is writing this store (a second bench on the same ``--out``),
+            wait for it, then check and finish what it wrote, instead of raising ``LockError``.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Example:
+        >>> generate_store(tmp_path / "feats", GenSpec(scenes=3, caption_describes="scene"))  # doctest: +SKIP
+        >>> open_store(tmp_path / "feats").array("texts/tokens").shape  # doctest: +SKIP
+        (1100, 32, 64)
+    """
+    spec.validate()
+    if video_shard <= 0 or text_shard <= 0:
+        raise ConfigError(f"shard sizes must be > 0, got video_shard={video_shard}, text_shard={text_shard}")
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    videos, captions = _tables(spec)
+    lat = _latents(spec, videos, captions)
+    texts = captions.assign(video_row=lat.video_row)[["caption_id", "video_id", "video_row", "split"]]
+    with StoreWriter(out, videos[["video_id", "split", "path"]], texts, _provenance(spec, videos, captions),
+                     video_shard, text_shard, overwrite, made_by=MADE_BY, wait=wait) as writer:
+        v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, disable=not progress) as bar:
+            task = bar.add_task("videos", total=len(v_pending))
+            for s in v_pending:
+                frames, mask, stamps = _video_shard(spec, lat, s, len(videos))
+                writer.write_videos(s, frames, mask, stamps, [])
+                bar.advance(task)
+            task = bar.add_task("texts", total=len(t_pending))
+            for s in t_pending:
+                tokens, mask, sent = _text_shard(spec, lat, s, len(texts))
+                writer.write_texts(s, tokens, mask, sent)
+                bar.advance(task)
+        _write_latents(out, spec, videos, captions, lat)
+        writer.finalize()
+    log.info("generated %d videos, %d texts into %s in %.1f s", len(videos), len(texts), out,
+             time.perf_counter() - t0)
+    return out
+
+
+def _write_latents(
+    out: Path, spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame, lat: _Latents
+) -> None:
+    nv = len(videos)
+    lv = pd.DataFrame({"row": np.arange(nv), "video_id": videos["video_id"], "dup_group": lat.dup_group,
+                       "n_frames": lat.n_frames, "concepts": list(lat.parts.reshape(nv, -1))})
+    parts = lat.parts[lat.video_row]  # (n_texts, S, P)
+    if spec.caption_describes == "whole":
+        concepts = list(parts.reshape(len(parts), -1))
+    else:
+        concepts = list(parts[np.arange(len(parts)), lat.scene])
+    lt = pd.DataFrame({"row": np.arange(len(captions)), "caption_id": captions["caption_id"],
+                       "video_row": lat.video_row, "scene": lat.scene, "concepts": concepts})
+    for df, name in ((lv, LATENT_VIDEOS), (lt, LATENT_TEXTS)):
+        tmp = out / f".{name}.tmp-{os.getpid()}"
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, out / name)

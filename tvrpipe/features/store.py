@@ -1,0 +1,708 @@
+"""The feature store: a Zarr v3 group of CLIP features, the contract between extraction and heads.
+
+Layout (DESIGN.md, "Feature store"), in ``<features_dir>/``::
+
+    features.zarr/            Zarr v3 group, uncompressed float16 (fp16 embeddings barely compress)
+      videos/frames           float16 [n_videos, F, D]   projected frame [CLS] embeddings
+      videos/frame_mask       bool    [n_videos, F]      False where a short video was padded
+      videos/timestamps       float32 [n_videos, F]      seconds of each sampled frame (NaN: padding)
+      texts/tokens            float16 [n_texts, L, D]    ln_final(x) @ text_projection, every token
+      texts/token_mask        bool    [n_texts, L]
+      texts/sentence          float16 [n_texts, D]       EOS token = open_clip encode_text
+      attrs                   provenance (see :func:`make_provenance`) and ``complete``
+    videos.parquet            row -> video_id, split, path
+    texts.parquet             row -> caption_id, video_id, video_row, split
+    failures.parquet          video_id, stage, error (bad videos: zero features, mask all False)
+    _progress/{videos,texts}/NNNNNN.json   completion marker of each shard (atomic rename)
+    .tvrpipe.lock             held by the one process writing the store (:mod:`tvrpipe.lock`)
+
+Rows follow the manifest's order, so the same ids always land in the same rows. Every row has
+F frames (padded + mask), so rows are fixed-size and a writer owns whole shards (row ranges that
+are exactly one Zarr chunk): writers never share a chunk. Rerunning an extraction skips completed
+shards; a store made with other provenance is refused.
+
+Integrity. A shard's marker is written after its chunks and records, for every array of its kind,
+the chunk's key, size in bytes and CRC-32 (read back from disk), plus the shard's failures. Every
+chunk is written, even one that holds only fill values, so a missing chunk file is always damage.
+:func:`open_store` checks that every shard has a marker and every chunk its recorded size (one
+``stat`` per chunk: cheap, always); :func:`verify_store` (``tvrpipe features verify``) also
+checks every CRC-32 and scans the embeddings for non-finite rows. A writer treats a damaged shard
+like one never written, so rerunning the extraction re-extracts exactly the damaged shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import zarr
+
+from tvrpipe.environment import resumed_versions, versions
+from tvrpipe.errors import TvrpipeError, writing
+from tvrpipe.lock import DirLock
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2  # 2: markers record each chunk's size and CRC-32, and every chunk is written
+STORE_NAME = "features.zarr"
+PROGRESS = "_progress"
+KINDS = ("videos", "texts")
+ARRAYS = {"videos": ("frames", "frame_mask", "timestamps"), "texts": ("tokens", "token_mask", "sentence")}
+EMBEDDINGS = ("videos/frames", "texts/tokens", "texts/sentence")  # must hold finite values only
+NOT_WRITTEN = "not written yet"
+# Provenance keys that must match for a store to be reused or read by a head.
+IDENTITY_KEYS = (
+    "schema_version",
+    "model",
+    "pretrained",
+    "weights_sha256",
+    "frames",
+    "max_words",
+    "embed_dim",
+    "frame_sampling",
+    "image_size",
+    "preprocessing",
+    "manifest_sha256",
+    "dtype",
+)
+
+
+class StoreError(TvrpipeError):
+    """A feature store is missing, incomplete or was made with other provenance."""
+
+
+def manifest_sha256(videos: pd.DataFrame, captions: pd.DataFrame) -> str:
+    """A hash of the manifest rows (ids, paths, splits, texts) that a store was built from."""
+    h = hashlib.sha256()
+    for table in (videos, captions):
+        h.update(pd.util.hash_pandas_object(table.astype(str), index=False).to_numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_provenance(**fields: Any) -> dict[str, Any]:
+    """Provenance attrs: the identity keys plus anything else worth recording."""
+    from tvrpipe import __version__
+
+    missing = [k for k in IDENTITY_KEYS if k not in fields and k not in ("schema_version", "dtype")]
+    if missing:
+        raise ValueError(f"provenance lacks {missing}")
+    return {"schema_version": SCHEMA_VERSION, "tvrpipe_version": __version__, "dtype": "float16",
+            "versions": versions(), **fields}
+
+
+def store_identity(provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity keys of a provenance: what a run records as the store it was trained on."""
+    return {k: provenance.get(k) for k in IDENTITY_KEYS}
+
+
+def provenance_mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
+    """Human-readable differences between two provenances on the identity keys in ``want``."""
+    return [
+        f"{k}: store has {have.get(k)!r}, expected {want[k]!r}"
+        for k in IDENTITY_KEYS
+        if k in want and have.get(k) != want[k]
+    ]
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read 16 MiB at a time (a CLIP checkpoint is never all in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with writing(path):
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def _atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with writing(path):
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+
+
+def nonfinite_rows(block: np.ndarray) -> np.ndarray:
+    """``(n,)`` bool: which rows of ``block`` hold a NaN or an infinity.
+
+    float16 is checked on its bits (exponent all ones), several times faster than ``isfinite``.
+    """
+    flat = block.reshape(len(block), -1)
+    if flat.shape[1] == 0:
+        return np.zeros(len(block), bool)
+    if flat.dtype == np.float16:
+        return (flat.view(np.uint16) & 0x7C00).max(axis=1) == 0x7C00
+    return ~np.isfinite(flat).all(axis=1)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows ``[start, stop)`` of one kind (``videos`` or ``texts``): exactly one Zarr chunk."""
+
+    kind: str
+    index: int
+    start: int
+    stop: int
+
+    def __str__(self) -> str:
+        return f"shard {self.kind}/{self.index} (rows {self.start}-{self.stop - 1})"
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A shard whose marker says it is complete but whose chunks are not what was written."""
+
+    shard: Shard
+    problem: str  # names the array and the chunk, e.g. "videos/frames chunk c/1/0/0 is missing"
+
+    def __str__(self) -> str:
+        return f"{self.problem}, in {self.shard}"
+
+
+def _open_group(path: Path, mode: str = "r") -> zarr.Group:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # consolidated metadata is not yet in the v3 spec
+            return zarr.open_group(path, mode=mode, zarr_format=3)
+    except Exception as e:  # zarr raises many kinds on damaged metadata
+        raise StoreError(
+            f"{path}: the store's metadata cannot be read ({type(e).__name__}: {e}); "
+            "re-extract it with --overwrite"
+        ) from None
+
+
+class _Layout:
+    """The shards of an open store and the checks of their chunks against their markers."""
+
+    def __init__(self, features_dir: Path, group: zarr.Group) -> None:
+        self.dir, self.zarr_dir = features_dir, features_dir / STORE_NAME
+        try:
+            self.arrays = {kind: {name: group[f"{kind}/{name}"] for name in ARRAYS[kind]} for kind in KINDS}
+        except Exception as e:
+            raise StoreError(
+                f"{self.zarr_dir}: an array's metadata cannot be read ({type(e).__name__}: {e}); "
+                "re-extract the store with --overwrite"
+            ) from None
+
+    def shards(self, kind: str) -> list[Shard]:
+        a = self.arrays[kind][ARRAYS[kind][0]]
+        n, size = a.shape[0], a.chunks[0]
+        return [Shard(kind, i, s, min(s + size, n)) for i, s in enumerate(range(0, n, size))]
+
+    def marker(self, shard: Shard) -> Path:
+        return self.dir / PROGRESS / shard.kind / f"{shard.index:06d}.json"
+
+    def chunk_key(self, shard: Shard, name: str) -> str:
+        a = self.arrays[shard.kind][name]
+        return a.metadata.encode_chunk_key((shard.index,) + (0,) * (a.ndim - 1))
+
+    def chunk_path(self, shard: Shard, name: str) -> Path:
+        return self.zarr_dir / shard.kind / name / self.chunk_key(shard, name)
+
+    def read_marker(self, shard: Shard) -> dict | None:
+        try:
+            rec = json.loads(self.marker(shard).read_text())
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def check(self, shard: Shard, checksums: bool, scan: dict[str, list[int]] | None = None) -> str | None:
+        """None if the shard is whole, else what is wrong (:data:`NOT_WRITTEN` if it has no marker).
+
+        With ``scan``, rows of the embeddings holding non-finite values are appended to
+        ``scan[array]`` (read from the same bytes as the checksum).
+        """
+        if not self.marker(shard).is_file():
+            return NOT_WRITTEN
+        rec = self.read_marker(shard)
+        chunks = rec.get("chunks") if rec else None
+        if not isinstance(chunks, dict) or rec.get("rows") != [shard.start, shard.stop]:
+            return f"its completion marker {self.marker(shard)} is damaged"
+        for name in ARRAYS[shard.kind]:
+            key, want = self.chunk_key(shard, name), chunks.get(name)
+            if not isinstance(want, dict) or want.get("key") != key:
+                return f"its completion marker does not record {shard.kind}/{name}"
+            path = self.zarr_dir / shard.kind / name / key
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                return f"{shard.kind}/{name} chunk {key} is missing"
+            if size != want.get("bytes"):
+                return f"{shard.kind}/{name} chunk {key} has {size} bytes but {want.get('bytes')} were written"
+            if not checksums:
+                continue
+            data = path.read_bytes()
+            if zlib.crc32(data) != want.get("crc32"):
+                return f"{shard.kind}/{name} chunk {key} does not match its checksum"
+            array = f"{shard.kind}/{name}"
+            if scan is not None and array in EMBEDDINGS:
+                a = self.arrays[shard.kind][name]
+                block = np.frombuffer(data, dtype=a.dtype.newbyteorder("<")).reshape(a.chunks)
+                bad = np.flatnonzero(nonfinite_rows(block[: shard.stop - shard.start]))
+                scan.setdefault(array, []).extend((shard.start + bad).tolist())
+        return None
+
+    def problems(self, kind: str, checksums: bool) -> dict[Shard, str]:
+        """Every shard of ``kind`` that is not whole, with what is wrong."""
+        out = {}
+        for shard in self.shards(kind):
+            problem = self.check(shard, checksums)
+            if problem is not None:
+                out[shard] = problem
+        return out
+
+
+# what stores written by an earlier tvrpipe recorded as their maker, and the command that repairs them
+_MAKERS = {"generate_store (tvrpipe.features.genstore)": "tvrpipe synth --features-only"}
+
+
+def maker_command(made_by: str | None) -> str:
+    """The command that made (and so repairs) a store, from its ``made_by`` attribute."""
+    made_by = str(made_by or "tvrpipe extract")
+    return _MAKERS.get(made_by, made_by)
+
+
+def _again(made_by: str) -> str:
+    return f"`{maker_command(made_by)}` again with the same options and --out"
+
+
+def _damage_message(d: Path, damage: list[Damage], made_by: str) -> str:
+    more = f" and {len(damage) - 1} more damaged shard(s)" if len(damage) > 1 else ""
+    return (
+        f"{d}: the feature store is damaged: {damage[0]}{more}; repair it by running {_again(made_by)}: "
+        f"it re-extracts exactly the damaged shards (`tvrpipe features verify {d}` lists them)"
+    )
+
+
+class StoreWriter:
+    """Creates (or resumes, or repairs) a store and writes whole shards with completion markers.
+
+    The writer holds the store's lock (:class:`~tvrpipe.lock.DirLock`) from construction to
+    :meth:`close` (or the end of a ``with`` block): a second writer is refused, naming the first.
+
+    Args:
+        features_dir: the store's directory.
+        videos: the videos sidecar (columns video_id, split, path), in row order.
+        texts: the texts sidecar (caption_id, video_id, video_row, split), in row order.
+        provenance: from :func:`make_provenance`; must include frames, max_words, embed_dim.
+        video_shard: videos per shard (and per Zarr chunk).
+        text_shard: texts per shard.
+        overwrite: delete the store in ``features_dir`` (whatever its provenance) and start afresh.
+        made_by: the command that makes this store, named in repair messages.
+        wait: if another process is writing the store, wait for it (:class:`~tvrpipe.lock.DirLock`)
+            instead of raising; what it wrote is then checked like any resumed store's.
+
+    Raises:
+        LockError: another process is writing the store (and not ``wait``).
+        StoreError: the directory holds a store with other provenance (and not ``overwrite``).
+    """
+
+    def __init__(
+        self,
+        features_dir: str | os.PathLike[str],
+        videos: pd.DataFrame,
+        texts: pd.DataFrame,
+        provenance: Mapping[str, Any],
+        video_shard: int = 64,
+        text_shard: int = 256,
+        overwrite: bool = False,
+        made_by: str = "tvrpipe extract",
+        wait: bool = False,
+    ) -> None:
+        self.dir = Path(features_dir)
+        self.provenance = {**provenance, "made_by": made_by}
+        self.made_by = made_by
+        self.n_videos, self.n_texts = len(videos), len(texts)
+        self._video_row = pd.Series(np.arange(self.n_videos), index=videos["video_id"].to_numpy())
+        self._lock = DirLock(self.dir, "--out", wait=wait)
+        try:
+            self._open(videos, texts, video_shard, text_shard, overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self, videos: pd.DataFrame, texts: pd.DataFrame, video_shard: int, text_shard: int,
+              overwrite: bool) -> None:
+        path = self.dir / STORE_NAME
+        if overwrite:
+            self._remove()
+        elif (path / "zarr.json").is_file():
+            old = dict(_open_group(path).attrs)
+            diff = provenance_mismatch(old, self.provenance)
+            if diff:
+                raise StoreError(
+                    f"{self.dir} holds features made with other settings ({'; '.join(diff)}); "
+                    "choose another --out or pass --overwrite to replace them"
+                )
+        if not (path / "zarr.json").is_file():
+            self._create(path, video_shard, text_shard)
+        # the sidecars derive from the manifest (whose hash is in the provenance): always rewritten
+        _atomic_write_parquet(videos.reset_index(drop=True), self.dir / "videos.parquet")
+        _atomic_write_parquet(texts.reset_index(drop=True), self.dir / "texts.parquet")
+        self.root = _open_group(path, mode="a")
+        # provenance that a store written by an earlier tvrpipe lacks (e.g. logit_scale): the identity keys
+        # matched above, so these describe the same weights; recording them loses nothing
+        # (not the versions: those of this process did not make the store's earlier rows)
+        missing = {k: v for k, v in self.provenance.items() if k not in self.root.attrs and k != "versions"}
+        attrs = self.root.attrs
+        if not attrs.get("complete"):  # the rows still to come are this process's
+            resumed = resumed_versions(attrs.get("versions"), attrs.get("resumed_with"))
+            if resumed != attrs.get("resumed_with"):
+                missing["resumed_with"] = resumed
+        if missing:
+            self.root.attrs.update(missing)
+        self._layout = _Layout(self.dir, self.root)
+        self.video_shard = self.root["videos/frames"].chunks[0]
+        self.text_shard = self.root["texts/tokens"].chunks[0]
+        for kind in KINDS:
+            (self.dir / PROGRESS / kind).mkdir(parents=True, exist_ok=True)
+        self._complete = bool(self.root.attrs.get("complete"))
+        self._problems: dict[str, dict[Shard, str]] = {}  # CRC-checked state per kind, until a write
+
+    def _remove(self) -> None:
+        """Delete this store's files (only those: the directory may hold other things)."""
+        shutil.rmtree(self.dir / STORE_NAME, ignore_errors=True)
+        shutil.rmtree(self.dir / PROGRESS, ignore_errors=True)
+        for name in ("failures.parquet", "videos.parquet", "texts.parquet"):
+            (self.dir / name).unlink(missing_ok=True)
+
+    def _create(self, path: Path, video_shard: int, text_shard: int) -> None:
+        """Build the empty group beside ``path`` and rename it into place: never a half-made store."""
+        self._remove()  # stale markers of a store whose group was deleted
+        F, L, D = self.provenance["frames"], self.provenance["max_words"], self.provenance["embed_dim"]
+        tmp = self.dir / f".{STORE_NAME}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        root = zarr.open_group(tmp, mode="w", zarr_format=3)
+        v, t = root.require_group("videos"), root.require_group("texts")
+        vs, ts = max(1, min(video_shard, self.n_videos)), max(1, min(text_shard, self.n_texts))
+        spec = {"compressors": None, "fill_value": 0}
+        v.create_array("frames", shape=(self.n_videos, F, D), chunks=(vs, F, D), dtype="float16", **spec)
+        v.create_array("frame_mask", shape=(self.n_videos, F), chunks=(vs, F), dtype="bool", **spec)
+        v.create_array("timestamps", shape=(self.n_videos, F), chunks=(vs, F), dtype="float32",
+                       compressors=None, fill_value=float("nan"))
+        t.create_array("tokens", shape=(self.n_texts, L, D), chunks=(ts, L, D), dtype="float16", **spec)
+        t.create_array("token_mask", shape=(self.n_texts, L), chunks=(ts, L), dtype="bool", **spec)
+        t.create_array("sentence", shape=(self.n_texts, D), chunks=(ts, D), dtype="float16", **spec)
+        root.attrs.update({**self.provenance, "complete": False, "n_videos": self.n_videos,
+                           "n_texts": self.n_texts})
+        os.rename(tmp, path)
+
+    def close(self) -> None:
+        """Release the store's lock."""
+        self._lock.release()
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ shards and markers
+
+    def shards(self, kind: str) -> list[Shard]:
+        """Every shard of ``kind`` in row order."""
+        return self._layout.shards(kind)
+
+    def _checked(self, kind: str) -> dict[Shard, str]:
+        if kind not in self._problems:  # reads every written chunk once (CRC-32)
+            self._problems[kind] = self._layout.problems(kind, checksums=True)
+            for shard, problem in self._problems[kind].items():
+                if problem != NOT_WRITTEN:
+                    log.warning("%s: re-extracting %s: %s", self.dir, shard, problem)
+        return self._problems[kind]
+
+    def pending(self, kind: str) -> list[Shard]:
+        """Shards of ``kind`` to (re)write: never written, or damaged since (CRC-32 checked).
+
+        Damaged shards are logged with what is wrong; they are re-extracted like new ones.
+        """
+        return list(self._checked(kind))
+
+    def damaged(self, kind: str) -> list[Damage]:
+        """Shards of ``kind`` that were written and are damaged now (CRC-32 checked)."""
+        return [Damage(s, p) for s, p in self._checked(kind).items() if p != NOT_WRITTEN]
+
+    def failed_rows(self) -> dict[Shard, np.ndarray]:
+        """Rows of the failed videos of each whole video shard (for a retry)."""
+        out = {}
+        for shard in self.shards("videos"):
+            rec = self._layout.read_marker(shard)
+            if rec and rec.get("failures") and self._layout.check(shard, checksums=False) is None:
+                ids = [f["video_id"] for f in rec["failures"]]
+                out[shard] = np.sort(self._video_row.loc[ids].to_numpy())
+        return out
+
+    def read_videos(self, shard: Shard) -> dict[str, np.ndarray]:
+        """A written video shard's arrays (to rewrite it with some rows replaced)."""
+        return {name: self.root[f"videos/{name}"][shard.start : shard.stop] for name in ARRAYS["videos"]}
+
+    def write_videos(
+        self,
+        shard: Shard,
+        frames: np.ndarray,
+        mask: np.ndarray,
+        timestamps: np.ndarray,
+        failures: list[dict[str, str]],
+    ) -> None:
+        """Write one whole video shard, then its marker (which carries the shard's failures)."""
+        n = shard.stop - shard.start
+        assert frames.shape[0] == mask.shape[0] == timestamps.shape[0] == n, (frames.shape, shard)
+        self._write(shard, {"frames": frames.astype(np.float16), "frame_mask": mask.astype(bool),
+                            "timestamps": timestamps.astype(np.float32)}, failures)
+
+    def write_texts(self, shard: Shard, tokens: np.ndarray, mask: np.ndarray, sentence: np.ndarray) -> None:
+        """Write one whole text shard, then its marker."""
+        self._write(shard, {"tokens": tokens.astype(np.float16), "token_mask": mask.astype(bool),
+                            "sentence": sentence.astype(np.float16)}, [])
+
+    def _write(self, shard: Shard, arrays: dict[str, np.ndarray], failures: list[dict[str, str]]) -> None:
+        marker = self._layout.marker(shard)
+        marker.unlink(missing_ok=True)  # not whole again until its new marker lands
+        self._problems.clear()
+        if self._complete:
+            self.root.attrs["complete"] = False
+            self._complete = False
+        chunks = {}
+        with zarr.config.set({"array.write_empty_chunks": True}):  # a missing chunk is then always damage
+            for name, values in arrays.items():
+                with writing(self._layout.chunk_path(shard, name)):
+                    self.root[f"{shard.kind}/{name}"][shard.start : shard.stop] = values
+                data = self._layout.chunk_path(shard, name).read_bytes()
+                chunks[name] = {"key": self._layout.chunk_key(shard, name), "bytes": len(data),
+                                "crc32": zlib.crc32(data)}
+        atomic_write_text(marker, json.dumps({"rows": [shard.start, shard.stop], "failures": failures,
+                                               "chunks": chunks}))
+
+    def failures(self) -> pd.DataFrame:
+        """Failures recorded in every completed shard's marker."""
+        rows: list[dict[str, str]] = []
+        for s in self.shards("videos"):
+            rec = self._layout.read_marker(s)
+            if rec:
+                rows += [{k: f[k] for k in ("video_id", "stage", "error")} for f in rec.get("failures", [])]
+        return pd.DataFrame(rows, columns=["video_id", "stage", "error"])
+
+    def finalize(self, incomplete_reason: str | None = None) -> pd.DataFrame:
+        """After every shard is written: write failures.parquet, mark the store complete, consolidate.
+
+        Args:
+            incomplete_reason: if given, the store is left incomplete (not readable) and this is
+                what :func:`open_store` says instead (e.g. too many videos failed).
+        """
+        left = sum(len(self._layout.problems(kind, checksums=False)) for kind in KINDS)
+        if left:
+            raise StoreError(f"{self.dir}: {left} shards are not complete yet; rerun the extraction to finish")
+        failures = self.failures()
+        _atomic_write_parquet(failures, self.dir / "failures.parquet")
+        if incomplete_reason:
+            self.root.attrs.update({"complete": False, "incomplete_reason": incomplete_reason})
+            self._complete = False
+        else:
+            self.root.attrs.update({"complete": True, "incomplete_reason": None})
+            self._complete = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # consolidated metadata is not yet in the v3 spec
+            zarr.consolidate_metadata(self.dir / STORE_NAME)
+        return failures
+
+
+@dataclass(frozen=True)
+class FeatureStore:
+    """A complete feature store, opened for reading.
+
+    Attributes:
+        dir: the store's directory.
+        provenance: the root attrs.
+        videos: sidecar table, one row per video row (video_id, split, path).
+        texts: sidecar table, one row per text row (caption_id, video_id, video_row, split).
+        failures: the failed videos.
+        group: the Zarr group (arrays are read lazily: ``group["texts/tokens"][rows]``).
+    """
+
+    dir: Path
+    provenance: dict[str, Any]
+    videos: pd.DataFrame
+    texts: pd.DataFrame
+    failures: pd.DataFrame
+    group: zarr.Group
+
+    def array(self, name: str) -> zarr.Array:
+        """One of the arrays, e.g. ``videos/frames``."""
+        return self.group[name]
+
+    @property
+    def made_by(self) -> str:
+        """The command that made the store (it also repairs it)."""
+        return maker_command(self.provenance.get("made_by"))
+
+    def shard_of(self, name: str, row: int) -> Shard:
+        """The shard holding ``row`` of the array ``name`` (e.g. ``videos/frames``)."""
+        kind = name.split("/")[0]
+        a = self.group[name]
+        step, n = a.chunks[0], a.shape[0]
+        i = row // step
+        return Shard(kind, i, i * step, min((i + 1) * step, n))
+
+
+def _read_sidecar(path: Path, rows: int, made_by: str, columns: Iterable[str]) -> pd.DataFrame:
+    try:
+        df = pd.read_parquet(path)
+    except Exception as e:  # missing, truncated, not Parquet
+        raise StoreError(
+            f"{path} is missing or damaged ({type(e).__name__}); run {_again(made_by)} to rewrite it"
+        ) from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing or (rows >= 0 and len(df) != rows):
+        raise StoreError(
+            f"{path} does not match the store (missing columns {missing}, {len(df)} rows for {rows}); "
+            f"run {_again(made_by)} to rewrite it"
+        )
+    return df
+
+
+def store_attributes(features_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The store's attributes (provenance, ``complete``, counts), read without checking the store:
+    for describing a store, e.g. in a report, whatever its state.
+
+    Raises:
+        StoreError: no store in ``features_dir``, or its metadata cannot be read.
+    """
+    return dict(_store_group(Path(features_dir)).attrs)
+
+
+def _store_group(d: Path) -> zarr.Group:
+    path = d / STORE_NAME
+    if not (path / "zarr.json").is_file():
+        raise StoreError(f"{d}: no feature store here (expected {STORE_NAME}); create one with `tvrpipe extract`")
+    return _open_group(path)
+
+
+def _open_checked(d: Path) -> tuple[zarr.Group, dict[str, Any]]:
+    group = _store_group(d)
+    prov = dict(group.attrs)
+    if prov.get("schema_version") != SCHEMA_VERSION:
+        raise StoreError(
+            f"{d}: store schema {prov.get('schema_version')} is not {SCHEMA_VERSION} (this tvrpipe records "
+            "chunk checksums); re-extract it with --overwrite"
+        )
+    return group, prov
+
+
+def open_store(features_dir: str | os.PathLike[str], expect: Mapping[str, Any] | None = None) -> FeatureStore:
+    """Open a complete store; refuse it if damaged or if ``expect`` names provenance it lacks.
+
+    Every shard must have its completion marker and every chunk its recorded size (one ``stat``
+    per chunk); checksums are checked by :func:`verify_store`.
+
+    Args:
+        features_dir: the directory ``tvrpipe extract --out`` wrote.
+        expect: identity keys the caller needs (e.g. a trained head's provenance).
+
+    Raises:
+        StoreError: missing, incomplete, damaged, or different provenance; the message says
+            how to repair it.
+    """
+    d = Path(features_dir)
+    group, prov = _open_checked(d)
+    made_by = str(prov.get("made_by") or "tvrpipe extract")
+    if not prov.get("complete"):
+        raise StoreError(
+            f"{d}: {prov.get('incomplete_reason')}" if prov.get("incomplete_reason")
+            else f"{d}: the extraction has not finished; resume it by running {_again(made_by)}"
+        )
+    layout = _Layout(d, group)
+    damage = [Damage(s, "its completion marker is missing" if p == NOT_WRITTEN else p)
+              for kind in KINDS for s, p in layout.problems(kind, checksums=False).items()]
+    if damage:
+        raise StoreError(_damage_message(d, damage, made_by))
+    if expect:
+        diff = provenance_mismatch(prov, expect)
+        if diff:
+            raise StoreError(f"{d}: features were made with other settings ({'; '.join(diff)})")
+    return FeatureStore(
+        dir=d,
+        provenance=prov,
+        videos=_read_sidecar(d / "videos.parquet", int(prov["n_videos"]), made_by, ("video_id", "split")),
+        texts=_read_sidecar(d / "texts.parquet", int(prov["n_texts"]), made_by,
+                            ("caption_id", "video_id", "video_row", "split")),
+        failures=_read_sidecar(d / "failures.parquet", -1, made_by, ("video_id", "stage", "error")),
+        group=group,
+    )
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_store` found.
+
+    Attributes:
+        dir: the store.
+        complete: whether the extraction finished.
+        shards: shards checked (every written one).
+        not_written: shards of an unfinished extraction that have not been written yet.
+        bytes: chunk bytes read and checksummed.
+        seconds: wall time.
+        damage: damaged shards, each naming the array, the chunk and the rows.
+        nonfinite: for each embedding array, the rows holding NaN or infinite values.
+    """
+
+    dir: Path
+    complete: bool
+    shards: int = 0
+    not_written: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    damage: list[Damage] = field(default_factory=list)
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)
+    made_by: str = "tvrpipe extract"
+
+    @property
+    def ok(self) -> bool:
+        """No damage and no non-finite value."""
+        return not self.damage and not any(self.nonfinite.values())
+
+
+def verify_store(features_dir: str | os.PathLike[str]) -> VerifyReport:
+    """Check every written chunk of a store against its marker (size and CRC-32) and scan the
+    embeddings for non-finite values; works on unfinished stores too (unwritten shards are counted).
+
+    Example:
+        >>> report = verify_store("features/msrvtt-vitb32")  # doctest: +SKIP
+        >>> report.ok, [str(d) for d in report.damage]  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    d = Path(features_dir)
+    group, prov = _open_checked(d)
+    layout = _Layout(d, group)
+    report = VerifyReport(d, complete=bool(prov.get("complete")), made_by=maker_command(prov.get("made_by")))
+    for kind in KINDS:
+        for shard in layout.shards(kind):
+            problem = layout.check(shard, checksums=True, scan=report.nonfinite)
+            if problem == NOT_WRITTEN and not report.complete:
+                report.not_written += 1
+                continue
+            report.shards += 1
+            if problem is None:
+                report.bytes += sum(layout.chunk_path(shard, n).stat().st_size for n in ARRAYS[kind])
+            else:
+                report.damage.append(Damage(shard, "its completion marker is missing" if problem == NOT_WRITTEN
+                                            else problem))
+    report.seconds = time.perf_counter() - t0
+    return report

@@ -1,1 +1,0 @@
-"""Stage one: manifests -> frames -> CLIP features -> the Zarr feature store (and HDF5 export)."""

@@ -1,0 +1,233 @@
+"""Finding and reading finished runs: every run directory under the paths given, with the
+dataset it was tested on and the reason for each run left out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from tvrpipe.data.manifest import read_manifest
+from tvrpipe.environment import ENVIRONMENT_KEYS
+from tvrpipe.errors import ConfigError, RunError, TvrpipeError
+
+log = logging.getLogger(__name__)
+
+METRICS = ("R@1", "R@5", "R@10", "MdR", "MnR")
+DIRECTIONS = {"t2v": "Text-to-video", "v2t": "Video-to-text"}
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A finished run directory, read.
+
+    Attributes:
+        dir: the run directory.
+        config: its ``config.yaml``.
+        metrics: its ``metrics.json``.
+        epochs: its ``epochs.csv`` (no rows for a run of zero epochs).
+        dataset: the dataset and split set its features came from (``"?"`` when unknown).
+        split_set: the split set (``None`` when unknown).
+    """
+
+    dir: Path
+    config: dict
+    metrics: dict
+    epochs: pd.DataFrame
+    dataset: str
+    split_set: str | None
+
+    @property
+    def method(self) -> str:
+        return str(self.config["method"])
+
+    @property
+    def mode(self) -> str:
+        """``train-head`` (cached features), ``finetune end-to-end`` or ``finetune frozen CLIP``."""
+        if "finetune" not in self.config:
+            return "train-head"
+        return "finetune end-to-end" if self.config["finetune"].get("end_to_end") else "finetune frozen CLIP"
+
+    @property
+    def settings(self) -> dict:
+        """The trainer settings (``train``, or ``finetune`` for a finetune run)."""
+        return dict(self.config.get("train") or self.config.get("finetune") or {})
+
+    @property
+    def seed(self) -> int | None:
+        return self.settings.get("seed")
+
+    def scores(self, variant: str, direction: str) -> dict | None:
+        """Test metrics of one score variant (``raw``, ``dsl``, ...) and direction, if reported."""
+        key = direction if variant == "raw" else f"{direction}_{variant}"
+        m = self.metrics.get("test", {}).get(key)
+        return m if isinstance(m, dict) and "R@1" in m else None
+
+    def readout_series(self) -> dict[str, list[str]]:
+        """``{readout: [columns of epochs.csv]}``: validation readouts logged per epoch.
+
+        Named by ``metrics.json``'s ``val.readouts`` (``{name: {kind: value}}`` or ``{name: value}``);
+        without it, every ``val_`` column that is not a t2v / v2t metric is a readout of its own.
+        """
+        cols = [c for c in self.epochs.columns if c.startswith("val_") and not c.startswith(("val_t2v_", "val_v2t_"))]
+        named = self.metrics.get("val", {}).get("readouts") or {}
+        out: dict[str, list[str]] = {}
+        for name, r in named.items():
+            want = [f"val_{name}_{kind}" for kind in r] if isinstance(r, dict) else [f"val_{name}"]
+            have = [c for c in want if c in cols]
+            if have:
+                out[name] = have
+        taken = {c for v in out.values() for c in v}
+        out.update({c[4:]: [c] for c in cols if c not in taken})
+        return out
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A directory that looked like a run but cannot be reported, and why."""
+
+    dir: Path
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def find_runs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[RunRecord], list[Skipped]]:
+    """Every run directory under ``paths`` (themselves runs, or folders holding runs at any depth).
+
+    A directory with ``config.yaml`` naming a ``method`` is a run; one without ``metrics.json``
+    (unfinished) or with damaged files is skipped with the reason. Runs are not searched inside.
+
+    Raises:
+        ConfigError: a path does not exist, or holds no run (finished or not).
+
+    Example:
+        >>> runs, skipped = find_runs(["runs/"])  # doctest: +SKIP
+    """
+    from tvrpipe.training.fit import _read_config
+
+    runs: list[RunRecord] = []
+    skipped: list[Skipped] = []
+    seen: set[Path] = set()
+    identities: dict[str, Path] = {}  # run identity -> the first run found with it
+    for p in map(Path, paths):
+        if not p.exists():
+            raise ConfigError(f"{p}: no such run directory")
+        if not p.is_dir():
+            raise ConfigError(f"{p}: not a directory (pass run directories or folders that hold runs)")
+        found = 0
+        for d, subdirs, files in os.walk(p):
+            subdirs.sort()
+            here = Path(d)
+            if "config.yaml" not in files:
+                continue
+            try:
+                config = _read_config(here)
+            except RunError as e:
+                if _looks_like_run(here):  # a run whose config is damaged: say so; anything else is not ours
+                    skipped.append(Skipped(here, str(e)))
+                    found += 1
+                continue
+            subdirs.clear()  # a run's own folders (checkpoints, plots, ray) hold no runs
+            found += 1
+            if here.resolve() in seen:
+                continue
+            seen.add(here.resolve())
+            record = _read_run(here, config)
+            if isinstance(record, RunRecord):
+                same = identities.setdefault(_run_identity(record), here)
+                if same != here:  # a copied run directory is not a second seed
+                    record = Skipped(here, f"the same run as {same} (the same configuration, seed and store): "
+                                           "counted once")
+            (runs if isinstance(record, RunRecord) else skipped).append(record)
+        if not found:
+            raise ConfigError(f"{p}: no runs here (no directory with config.yaml and metrics.json at any depth); "
+                              "pass run directories written by `tvrpipe train-head`, `tvrpipe finetune` or a "
+                              "sweep, or a folder that holds them")
+    return runs, skipped
+
+
+def _run_identity(run: RunRecord) -> str:
+    """What makes a run the same run wherever its directory is: its whole configuration, seed and store
+    included (not the versions it ran with). A copy of a run directory has it; two seeds, or two runs
+    reporting different post-processing of one training, do not."""
+    return json.dumps({k: v for k, v in run.config.items() if k not in ENVIRONMENT_KEYS}, sort_keys=True, default=str)
+
+
+def _looks_like_run(d: Path) -> bool:
+    return (d / "checkpoints").is_dir() or (d / "metrics.json").is_file() or (d / "epochs.csv").is_file()
+
+
+def _read_run(d: Path, config: dict) -> RunRecord | Skipped:
+    mpath = d / "metrics.json"
+    if not mpath.is_file():
+        return Skipped(d, "unfinished: no metrics.json (training did not reach its test evaluation; rerun the "
+                          "same command to resume it)")
+    try:
+        metrics = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return Skipped(d, f"{mpath} is damaged (not JSON)")
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("test"), dict) or not all(
+            isinstance(metrics["test"].get(k), dict) for k in DIRECTIONS):
+        return Skipped(d, f"{mpath} has no test t2v / v2t metrics")
+    lost = [f"{k} {m}" for k in DIRECTIONS for m in METRICS if not isinstance(metrics["test"][k].get(m), (int, float))]
+    if lost:  # counted in a row's runs, it would drop out of the raw tables alone
+        return Skipped(d, f"{mpath} is damaged: no test {', '.join(lost[:3])}")
+    epath = d / "epochs.csv"
+    ran = (metrics.get("schedule") or {}).get("epochs_run", metrics.get("selected_epoch") or 0)
+    if not epath.is_file() and ran:
+        return Skipped(d, f"{epath} is missing ({mpath} says {ran} epochs ran): the curves and the runs table "
+                          "need it; train the run again")
+    try:
+        epochs = pd.read_csv(epath) if epath.is_file() else pd.DataFrame({"epoch": []})
+    except (ValueError, pd.errors.ParserError, UnicodeDecodeError):
+        return Skipped(d, f"{epath} is damaged (not CSV)")
+    dataset, split_set = _dataset_of(config)
+    return RunRecord(d, config, metrics, epochs, dataset, split_set)
+
+
+def _dataset_of(config: dict) -> tuple[str, str | None]:
+    """The dataset and split set a run's features came from: the store's attrs (train-head) or the
+    manifest's meta.json (finetune); ``("?", None)`` when neither can be read any more."""
+    from tvrpipe.features.store import StoreError, store_attributes
+
+    attrs: dict = {}
+    trained_on = (config.get("provenance") or {}).get("manifest_sha256")
+    if config.get("features"):
+        try:
+            attrs = store_attributes(config["features"])
+        except StoreError as e:
+            log.info("%s; the run's dataset is unknown", e)
+        if attrs and trained_on and attrs.get("manifest_sha256") != trained_on:  # the store was replaced since
+            log.info("%s holds another store than the run was trained on; its dataset is unknown", config["features"])
+            attrs = {}
+    elif config.get("manifest"):
+        path = Path(config["manifest"]) / "meta.json"
+        try:
+            attrs = json.loads(path.read_text())
+        except (OSError, ValueError):
+            log.info("%s: cannot read the manifest's meta.json; its dataset is unknown", path)
+        now = _manifest_sha(config["manifest"]) if attrs and trained_on else None
+        if now is not None and now != trained_on:  # the manifest was rewritten since
+            log.info("%s holds another manifest than the run was trained on; its dataset is unknown",
+                     config["manifest"])
+            attrs = {}
+    return str(attrs.get("dataset") or "?"), attrs.get("split_set")
+
+
+def _manifest_sha(manifest: str) -> str | None:
+    """The sha256 of the manifest in ``manifest`` now (None if it cannot be read)."""
+    from tvrpipe.features.store import manifest_sha256
+
+    try:
+        m = read_manifest(manifest)
+    except (TvrpipeError, OSError, ValueError) as e:  # a damaged manifest: the dataset is unknown, the report goes on
+        log.info("%s: %s", manifest, e)
+        return None
+    return manifest_sha256(m.videos, m.captions)

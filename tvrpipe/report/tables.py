@@ -1,0 +1,332 @@
+"""The papers' tables from runs: rows of runs that differ only in their seed (mean ± std), named by
+the settings that tell them apart; ``report.md`` and ``report.csv``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvrpipe.environment import versions_text
+from tvrpipe.report.runs import DIRECTIONS, METRICS, RunRecord, Skipped
+
+HIGHER_IS_BETTER = {"R@1": True, "R@5": True, "R@10": True, "MdR": False, "MnR": False}
+# how each score variant is titled, and what it is; a variant not listed here is titled by its key
+SCORE_TITLES = {
+    "raw": ("raw scores", ""),
+    "dsl": ("after DSL", ("Dual softmax over all test queries: post-processing that uses the test set's other "
+                          "queries; not comparable with raw scores.")),
+    "qbnorm": ("after QB-Norm", ("Querybank normalisation with the training captions as the bank: "
+                                 "post-processing; not comparable with raw scores.")),
+    "rerank": ("after the head's re-ranking", ("The head's own re-ranking of the full score matrix "
+                                               "(`Head.rerank`, e.g. DUQ Eq. 16); not comparable with raw scores.")),
+}
+SCORE_ORDER = ("raw", "dsl", "qbnorm", "rerank")
+# settings that do not change what a run learns: runs differing only in these share a row
+_NOT_IDENTITY = frozenset({"seed", "device", "prefetch", "eval_batch", "block_texts"})
+_HASH = re.compile(r"^[0-9a-f]{32,}$")
+
+
+@dataclass
+class Row:
+    """One row of the tables: runs identical but for their seed."""
+
+    label: str
+    method: str
+    runs: list[RunRecord]
+    identity: dict[str, Any]
+
+    def values(self, variant: str, direction: str, metric: str) -> list[float]:
+        """The metric over the row's runs that report this score variant (in seed order)."""
+        return [float(s[metric]) for r in self.runs if (s := r.scores(variant, direction)) is not None]
+
+    @property
+    def seeds(self) -> list[int | None]:
+        return [r.seed for r in self.runs]
+
+
+@dataclass
+class Section:
+    """The rows of one dataset (one manifest: same test split)."""
+
+    dataset: str
+    split_set: str | None
+    manifest_sha256: str | None
+    rows: list[Row]
+
+    @property
+    def title(self) -> str:
+        if self.split_set and self.split_set != self.dataset:
+            return f"{self.dataset} (split set {self.split_set})"
+        return self.dataset
+
+    @property
+    def runs(self) -> list[RunRecord]:
+        return [r for row in self.rows for r in row.runs]
+
+    def variants(self) -> list[str]:
+        """Score variants any run of the section reports, raw first, then in :data:`SCORE_ORDER`."""
+        found = {"raw"}
+        for run in self.runs:
+            for key, m in run.metrics.get("test", {}).items():
+                if isinstance(m, dict) and "R@1" in m and "_" in key and key.split("_", 1)[0] in DIRECTIONS:
+                    found.add(key.split("_", 1)[1])
+        return [v for v in SCORE_ORDER if v in found] + sorted(found - set(SCORE_ORDER))
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+def _identity(run: RunRecord) -> dict[str, Any]:
+    """Everything that defines what a run learnt, flattened; the seed and execution settings left out."""
+    flat: dict[str, Any] = {"mode": run.mode}
+    flat.update({f"store.{k}": v for k, v in (run.config.get("provenance") or {}).items()})
+    flat.update({f"head.{k}": v for k, v in (run.config.get("head") or {}).items()})
+    section = "finetune" if "finetune" in run.config else "train"
+    settings = run.settings
+    if section == "finetune":
+        settings.setdefault("epoch_pairs", "videos")  # a run from before the option trained on those
+    flat.update({f"{section}.{k}": v for k, v in settings.items() if k not in _NOT_IDENTITY})
+    resolved = (run.config.get("resolved") or {}).get("lr")
+    if resolved is not None and settings.get("lr") is None:  # a head's default_lr, which can change
+        flat["train.lr"] = resolved
+    if run.config.get("max_steps") is not None:
+        flat["train.max_steps"] = run.config["max_steps"]
+    return flat
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, str) and _HASH.match(v):
+        return v[:8]
+    return str(v)
+
+
+def _labels(method: str, identities: list[dict[str, Any]]) -> list[str]:
+    """Name each group of one method by the settings that tell it apart from the others.
+
+    A group shows a setting when some other group has that setting with another value (settings
+    that only one of two groups has, such as a finetune run's against a train-head run's, are
+    told apart by ``mode``), in the order mode, head, trainer, store.
+    """
+    if len(identities) == 1:  # a finetune run still says so: its row never reads like a train-head one
+        mode = identities[0].get("mode", "train-head")
+        return [method if mode == "train-head" else f"{method} ({mode})"]
+    order = {"mode": 0, "head": 1, "train": 2, "finetune": 2, "store": 3}
+    values = [{k: json.dumps(v, sort_keys=True, default=str) for k, v in ident.items()} for ident in identities]
+    shown: list[list[str]] = []
+    for i, mine in enumerate(values):
+        keys = [k for k in mine if any(k in other and other[k] != mine[k] for j, other in enumerate(values) if j != i)]
+        shown.append(sorted(keys, key=lambda k: (order.get(k.split(".")[0], 4), k)))
+    def leaf(k: str) -> str:
+        return k.split(".", 1)[-1]
+
+    full = {k for keys in shown for k in keys}
+    clash = {leaf(k) for k in full if sum(leaf(j) == leaf(k) for j in full) > 1}  # e.g. head.lr and train.lr
+    labels = []
+    for ident, keys in zip(identities, shown):
+        parts = [str(ident[k]) if k == "mode" else f"{k if leaf(k) in clash else leaf(k)}={_fmt_value(ident[k])}"
+                 for k in keys]
+        parts = parts[:4] + ([f"+{len(parts) - 4} more"] if len(parts) > 4 else [])
+        labels.append(f"{method} ({', '.join(parts)})" if parts else method)
+    for i, label in enumerate(labels):  # left alike (should not happen): numbered, still distinct
+        if labels.count(label) > 1:
+            labels[i] = f"{label} [{labels[:i + 1].count(label)}]"
+    return labels
+
+
+def group_runs(runs: Iterable[RunRecord]) -> list[Section]:
+    """Runs grouped into sections (one per dataset manifest) and rows (identical but for the seed).
+
+    Sections come in order of dataset name; rows in order of label; a row's runs in seed order.
+
+    Example:
+        >>> sections = group_runs(find_runs(["runs/"])[0])  # doctest: +SKIP
+        >>> [row.label for row in sections[0].rows]  # doctest: +SKIP
+        ['meanpool', 'xpool (num_heads=1)', 'xpool (num_heads=2)']
+    """
+    runs = list(runs)
+    shas = [(run.config.get("provenance") or {}).get("manifest_sha256") for run in runs]
+    # a run whose store is gone (or replaced) takes its dataset's name from a run of the same manifest
+    named = {sha: (run.dataset, run.split_set) for run, sha in zip(runs, shas) if sha and run.dataset != "?"}
+    by_section: dict[tuple, list[RunRecord]] = {}
+    for run, sha in zip(runs, shas):
+        dataset, split_set = named.get(sha, (run.dataset, run.split_set)) if run.dataset == "?" else (
+            run.dataset, run.split_set)
+        by_section.setdefault((dataset, split_set or "", sha or ""), []).append(run)
+    sections = []
+    for (dataset, split_set, sha), members in sorted(by_section.items(), key=lambda kv: kv[0]):
+        groups: dict[str, list[RunRecord]] = {}
+        for run in members:
+            groups.setdefault(json.dumps(_identity(run), sort_keys=True, default=str), []).append(run)
+        rows: list[Row] = []
+        for method in sorted({g[0].method for g in groups.values()}):
+            keyed = [(k, g) for k, g in groups.items() if g[0].method == method]
+            idents = [json.loads(k) for k, _ in keyed]
+            for label, (k, g), ident in zip(_labels(method, idents), keyed, idents):
+                g = sorted(g, key=lambda r: (r.seed is None, r.seed if r.seed is not None else 0, str(r.dir)))
+                rows.append(Row(label, method, g, ident))
+        rows.sort(key=lambda r: r.label)
+        sections.append(Section(dataset, split_set or None, sha or None, rows))
+    titles = [s.title for s in sections]
+    for s in sections:  # two manifests of one dataset name: tell them apart by their hash
+        if titles.count(s.title) > 1 and s.manifest_sha256:
+            s.dataset = f"{s.dataset} [manifest {s.manifest_sha256[:8]}]"
+    return sections
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (ddof=1; None for a single value)."""
+    a = np.asarray(values, dtype=np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+
+def _cell(values: list[float], digits: int = 1) -> str:
+    mean, std = mean_std(values)
+    if not np.isfinite(mean):  # e.g. a readout over "incorrect" queries when every query was correct
+        return "n/a"
+    return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _table(section: Section, variant: str, direction: str) -> list[str]:
+    """Markdown lines of one paper-style table; the best mean of each column in bold."""
+    rows = [row for row in section.rows if row.values(variant, direction, "R@1")]
+    if not rows:
+        return []
+    means = {m: [mean_std(row.values(variant, direction, m))[0] for row in rows] for m in METRICS}
+    best = {m: (max if HIGHER_IS_BETTER[m] else min)(v) for m, v in means.items()}
+    head = "| Method | seeds | " + " | ".join(f"{m}{'↑' if HIGHER_IS_BETTER[m] else '↓'}" for m in METRICS) + " |"
+    lines = [head, "|---|---:|" + "---:|" * len(METRICS)]
+    for i, row in enumerate(rows):
+        cells = []
+        for m in METRICS:
+            text = _cell(row.values(variant, direction, m))
+            cells.append(f"**{text}**" if len(rows) > 1 and means[m][i] == best[m] else text)
+        lines.append(f"| {row.label} | {len(row.values(variant, direction, 'R@1'))} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _split_line(section: Section) -> str:
+    sizes = sorted({(r.metrics["test"].get("n_videos"), r.metrics["test"].get("n_texts")) for r in section.runs},
+                   key=str)
+    size = "; ".join(f"{v} videos, {t} captions" for v, t in sizes)
+    vals = sorted({str(r.metrics.get("validation") or r.config.get("validation") or "?") for r in section.runs})
+    return (f"Test split: `test` ({size}), evaluated once per run with the checkpoint selected on validation. "
+            f"Validation: {'; '.join(vals)}.")
+
+
+def _readout_table(section: Section) -> list[str]:
+    lines = []
+    for row in section.rows:
+        names: dict[str, list[float]] = {}
+        for run in row.runs:
+            for name, r in (run.metrics["test"].get("readouts") or {}).items():
+                for kind, v in (r.items() if isinstance(r, dict) else [("", r)]):
+                    names.setdefault(f"{name} ({kind})" if kind else name, []).append(float(v))
+        lines += [f"| {row.label} | {name} | {_cell(v, 4)} |" for name, v in names.items()]
+    return ["| Method | readout | mean on test |", "|---|---|---:|", *lines] if lines else []
+
+
+def _link(path: Path, out: Path) -> str:
+    rel = os.path.relpath(path.resolve(), out.resolve())
+    return f"[{path}]({rel.replace(os.sep, '/')})"
+
+
+def _runs_table(section: Section, out: Path) -> list[str]:
+    lines = ["| Method | seed | selected epoch | epochs run | versions | run |", "|---|---:|---:|---:|---|---|"]
+    for row in section.rows:
+        for r in row.runs:
+            lines.append(f"| {row.label} | {r.seed} | {r.metrics.get('selected_epoch', '?')} | {len(r.epochs)} | "
+                         f"{_versions_cell(r.config)} | {_link(r.dir, out)} |")
+    return lines
+
+
+def _versions_cell(config: dict) -> str:
+    """The software a run was trained with (its config's ``versions``), and any it was resumed with."""
+    text = versions_text(config.get("versions"))
+    for other in config.get("resumed_with") or []:
+        text += f"; resumed with {versions_text(other)}"
+    return text.replace("|", "\\|")
+
+
+def csv_rows(sections: list[Section]) -> list[dict]:
+    rows = []
+    for s in sections:
+        for variant in s.variants():
+            for direction in DIRECTIONS:
+                for row in s.rows:
+                    if not row.values(variant, direction, "R@1"):
+                        continue
+                    runs = [r for r in row.runs if r.scores(variant, direction) is not None]
+                    rec = {"dataset": s.dataset, "split_set": s.split_set, "split": "test",
+                           "n_videos": runs[0].metrics["test"].get("n_videos"),
+                           "n_texts": runs[0].metrics["test"].get("n_texts"),
+                           "scores": variant, "direction": direction, "row": row.label, "method": row.method,
+                           "seeds": len(runs), "seed_values": " ".join(str(r.seed) for r in runs)}
+                    for m in METRICS:
+                        mean, std = mean_std(row.values(variant, direction, m))
+                        rec[m], rec[f"{m} std"] = mean, std
+                    rec["runs"] = " ".join(str(r.dir) for r in runs)
+                    rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
+                    rows.append(rec)
+    return rows
+
+
+def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, plots: dict[str, str],
+                    notes: list[str], sources: Sequence[str | os.PathLike[str]] = ()) -> str:
+    """The text of ``report.md``.
+
+    Args:
+        sections: from :func:`group_runs`.
+        skipped: from :func:`find_runs`.
+        out: the report folder (links are relative to it).
+        plots: ``{file name: caption}`` of the PNGs written.
+        notes: lines about what could not be drawn (e.g. the gallery) and why.
+        sources: the paths the runs were found under.
+    """
+    n_runs = sum(len(s.runs) for s in sections)
+    n_rows = sum(len(s.rows) for s in sections)
+    lines = ["# Retrieval report", ""]
+    src = ", ".join(f"`{p}`" for p in sources)
+    lines += [f"{n_runs} runs in {n_rows} rows" + (f", from {src}" if src else "")
+              + (f"; {len(skipped)} skipped (listed at the end)" if skipped else "") + ".", "",
+              ("Protocol: each run's epoch is selected on validation (t2v R@1, R@5, R@10), never on test; test is "
+               "evaluated once. Raw scores and every post-processing or re-ranking are in tables of their own. "
+               "Cells are the mean ± the sample standard deviation (ddof=1) over the seeds of a row (`seeds` "
+               "column); a row of one seed has no ±. Recall in %, median and mean rank 1-based; the best mean of "
+               "each column is in bold."), ""]
+    for s in sections:
+        lines += [f"## {s.title}", "", _split_line(s), ""]
+        for variant in s.variants():
+            for direction, name in DIRECTIONS.items():
+                table = _table(s, variant, direction)
+                if table:
+                    title, what = SCORE_TITLES.get(variant, (f"after {variant}", ""))
+                    lines += [f"### {name}, {title}", "", *([f"_{what}_", ""] if what else []), *table, ""]
+        readouts = _readout_table(s)
+        if readouts:
+            lines += ["### Uncertainty readouts (test split)", "",
+                      ("What each head logs about its uncertainty (pair readouts: mean over matching and "
+                       "non-matching caption-video pairs; re-ranking readouts: over queries whose raw top-1 is "
+                       "correct and the rest)."), "", *readouts, ""]
+        lines += ["### Runs", "", *_runs_table(s, out), ""]
+    if plots or notes:
+        lines += ["## Plots", ""]
+        for name, caption in plots.items():
+            lines += [f"**{caption}**", "", f"![{name}]({name})", ""]
+        lines += [f"- {n}" for n in notes]
+        lines += [""] if notes else []
+    if skipped:
+        lines += ["## Skipped", "", *(f"- `{k.dir}`: {k.reason}" for k in skipped), ""]
+    lines += ["The same numbers, unrounded: [report.csv](report.csv).", ""]
+    return "\n".join(lines)
