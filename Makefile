@@ -24,11 +24,12 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # ATen's plain (unvectorised) kernels. A test that holds only for one machine's rounding fails here.
 NUMERICS_PATHS := "MKL_CBWR=SSE4_2" "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"
 
-.PHONY: help install quickstart test test-all test-numerics lock clean
+.PHONY: help install quickstart lint test test-all test-numerics lock clean
 
 help:
 	@echo "make quickstart   set up, then run tvrpipe quickstart (offline, generated data)"
-	@echo "make test         set up, then run the test suite (fast tests, numerics ones under 3 CPU code paths)"
+	@echo "make test         set up, then lint (ruff) and run the test suite (fast tests, numerics ones under 3 CPU code paths)"
+	@echo "make lint         set up, then ruff check"
 	@echo "make test-all     set up, then run every test, slow ones too"
 	@echo "make install      only set up $(VENV), exactly as uv.lock says"
 	@echo "make lock         refresh uv.lock to the newest releases pyproject.toml admits"
@@ -51,7 +52,12 @@ install: $(STAMP)
 quickstart: $(STAMP)
 	$(BIN)/tvrpipe quickstart
 
-test: $(STAMP)
+# ruff's small rule set (pyproject.toml); the layout rules (imports down the stack, no private names
+# across modules) are tests/test_layout.py, in the suite
+lint: $(STAMP)
+	$(BIN)/ruff check --quiet tvrpipe tests
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-numerics
 
@@ -61,7 +67,7 @@ test-numerics: $(STAMP)
 		env $$path $(BIN)/python -m pytest -m "numerics and not slow" $(PYTEST_ARGS) || exit 1; \
 	done
 
-test-all: $(STAMP)
+test-all: lint
 	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-numerics
 

@@ -313,14 +313,15 @@ def test_a_signal_says_so_and_the_same_command_resumes(tmp_path, sig, code, word
 
     from tvrpipe.features.genstore import GenSpec, generate_store
 
-    # 64 steps an epoch: the run is still training well after its first epoch is logged, even when the
-    # machine is busy and this process polls late
-    store = generate_store(tmp_path / "s", GenSpec(train_videos=256, test_videos=8, frames=4, max_words=6,
+    store = generate_store(tmp_path / "s", GenSpec(train_videos=64, test_videos=8, frames=4, max_words=6,
                                                    embed_dim=16, seed=0))
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "tvrpipe", "train-head", "--features", str(store), "--method", "meanpool",
-           "--out", str(run), "--epochs", "60", "--batch-size", "4"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           "--out", str(run), "--epochs", "60", "--batch-size", "8"]
+    # SIGINT as a terminal delivers it: a suite started in the background by a non-interactive shell has
+    # SIGINT ignored, and its children inherit that (Ctrl-C could not reach them either)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not (run / "epochs.csv").is_file() and p.poll() is None and time.time() < deadline:
         time.sleep(0.1)
@@ -344,10 +345,10 @@ def test_a_signal_says_so_and_the_same_command_resumes(tmp_path, sig, code, word
 ])
 def test_a_full_disk_is_one_line_naming_the_file(cli, tmp_path, monkeypatch, where, error):
     """Whatever a library raises when the disk fills becomes one line naming the file, never a traceback."""
+    import safetensors.torch
     import torch
 
     from tvrpipe.features.genstore import GenSpec, generate_store
-    from tvrpipe.training import fit as fit_module
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6,
                                                    embed_dim=8, seed=0))
@@ -356,7 +357,7 @@ def test_a_full_disk_is_one_line_naming_the_file(cli, tmp_path, monkeypatch, whe
         raise error
 
     if where == "save_file":
-        monkeypatch.setattr(fit_module, "save_file", full)
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
         name = "last.safetensors"
     else:
         monkeypatch.setattr(torch, "save", full)

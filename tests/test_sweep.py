@@ -120,8 +120,8 @@ def test_a_run_at_an_earlier_default_lr_or_on_a_replaced_store_is_not_complete(t
     regenerated at the same path is another store: its old runs are not complete either."""
     import dataclasses
 
-    from tvrpipe.heads.base import head_class
     from tvrpipe.features.store import IDENTITY_KEYS, open_store
+    from tvrpipe.heads.base import head_class
     from tvrpipe.sweep import _is_complete
     from tvrpipe.training.fit import TrainConfig, fit, store_head_config
 
@@ -155,7 +155,7 @@ def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, interrupt_call):
     import tvrpipe.training.fit as fitmod
     from tvrpipe.training.fit import TrainConfig, fit
 
-    restore = interrupt_call(fitmod, "_evaluate", 2)  # stops after the first epoch
+    restore = interrupt_call(fitmod, "evaluate_split", 2)  # stops after the first epoch
     interrupted = out / "xpool__num_heads=1__seed1"
     with pytest.raises(KeyboardInterrupt):
         fit(store, "xpool", interrupted, TrainConfig(epochs=2, batch_size=16, seed=1), {"num_heads": 1}, ("dsl",),

@@ -1,5 +1,17 @@
-"""``key=value`` option parsing into typed dataclass fields (heads' ``--set``, the generator's
-``--set``, ``tvrpipe sweep --set key=v1,v2``)."""
+"""Configs that check themselves, and ``key=value`` option parsing into their typed fields (heads'
+``--set``, the generator's ``--set``, ``tvrpipe sweep --set key=v1,v2``).
+
+A config field declares what it accepts where it is defined::
+
+    num_samples: int = at_least(1, 20)          # an int >= 1, default 20
+    dropout: float = within(0.0, 1.0, 0.3, below=True)  # 0 <= dropout < 1
+    radius: str = one_of(("linear", "scalar"), "linear")
+
+and the dataclass's ``__post_init__`` calls :func:`check_fields`, which refuses NaN everywhere, an
+infinity unless the field allows it, and any value outside the field's declared range, with one
+message form: ``<owner>: <field> must be >= 1, got 0`` (or the CLI option, ``--batch-size must be
+>= 2, got 1``, where the field names one).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +27,72 @@ from tvrpipe.errors import ConfigError
 # where inf is the hard max); NaN is never a value of any field
 INFINITE_OK = "infinite_ok"
 ALLOWS_INFINITY = {INFINITE_OK: True}  # ``dataclasses.field(default=..., metadata=ALLOWS_INFINITY)``
+
+
+RULE = "rule"  # metadata key of a field's declared range (at_least, above, within, one_of)
+
+
+def _field(default: Any, rule: tuple, option: str | None, why: str, infinite: bool) -> Any:
+    meta = {RULE: rule, "option": option, "why": why, **(ALLOWS_INFINITY if infinite else {})}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def at_least(low: float, default: Any, *, option: str | None = None, why: str = "", infinite: bool = False) -> Any:
+    """A field whose value is >= ``low`` (None passes: an optional field left unset)."""
+    return _field(default, ("at_least", low), option, why, infinite)
+
+
+def above(low: float, default: Any, *, option: str | None = None, why: str = "", infinite: bool = False) -> Any:
+    """A field whose value is > ``low``."""
+    return _field(default, ("above", low), option, why, infinite)
+
+
+def within(low: float, high: float, default: Any, *, below: bool = False, option: str | None = None,
+           why: str = "") -> Any:
+    """A field whose value is between ``low`` and ``high`` (``below``: strictly under ``high``)."""
+    return _field(default, ("within", low, high, below), option, why, False)
+
+
+def one_of(choices: tuple[str, ...], default: str, *, option: str | None = None, why: str = "") -> Any:
+    """A field whose value is one of ``choices``."""
+    return _field(default, ("one_of", tuple(choices)), option, why, False)
+
+
+def _broken(rule: tuple, v: Any) -> str | None:
+    """What ``v`` violates of ``rule`` (None: it conforms)."""
+    kind = rule[0]
+    if kind == "one_of":
+        return None if v in rule[1] else f"must be one of {', '.join(rule[1])}, got {v!r}"
+    if kind == "at_least":
+        return None if v >= rule[1] else f"must be >= {rule[1]:g}, got {v}"
+    if kind == "above":
+        return None if v > rule[1] else f"must be > {rule[1]:g}, got {v}"
+    low, high, below = rule[1:]
+    if below:
+        return None if low <= v < high else f"must be in [{low:g}, {high:g}), got {v}"
+    return None if low <= v <= high else f"must be between {low:g} and {high:g}, got {v}"
+
+
+def check_fields(config: Any, owner: str) -> None:
+    """Check every field of the dataclass instance ``config``: no NaN, no infinity unless the field
+    allows it, and the range the field declares (:func:`at_least`, :func:`above`, :func:`within`,
+    :func:`one_of`). Messages name the field's CLI option where it has one, else ``owner: field``.
+
+    Raises:
+        ConfigError: the first field that fails.
+    """
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        name = f.metadata.get("option") or f"{owner}: {f.name}"
+        check_finite(v, f"{owner}.{f.name}={v!r}" if not f.metadata.get("option") else f"{name}={v!r}",
+                     bool(f.metadata.get(INFINITE_OK)))
+        rule = f.metadata.get(RULE)
+        if rule is None or v is None:
+            continue
+        problem = _broken(rule, v)
+        if problem:
+            why = f.metadata.get("why")
+            raise ConfigError(f"{name} {problem}{f' ({why})' if why else ''}")
 
 
 def infinite_ok(cls: type, key: str) -> bool:

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from tvrpipe.errors import ConfigError
+from tvrpipe.evaluation.rundir import Scores
 
 log = logging.getLogger(__name__)
 
-METRICS = ("R@1", "R@5", "R@10", "MdR", "MnR")
 # Subsets of the test captions by what makes them hard (the synthetic benchmark knows; a caption can be in
 # both the second and the third): where each head gains or loses against the zero-shot row.
 DIFFICULTIES = {
@@ -65,10 +65,9 @@ class QuickstartResult:
 
     def table_rows(self, post: str = "") -> list[dict]:
         """Rows of raw (``post=""``) or post-processed (``"dsl"``) test metrics."""
-        key = f"_{post}" if post else ""
-        return [{"method": r["method"], **{f"t2v {m}": r["test"][f"t2v{key}"][m] for m in METRICS},
-                 **{f"v2t {m}": r["test"][f"v2t{key}"][m] for m in METRICS}} for r in self.rows
-                if f"t2v{key}" in r["test"]]
+        variant = post or "raw"
+        return [{"method": r["method"], **scores.columns(variant)} for r in self.rows
+                if (scores := Scores.from_dict(r["test"])).get(variant) is not None]
 
 
 def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = QuickstartPlan(), seed: int = 0,
@@ -85,11 +84,11 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     """
     import pandas as pd
 
-    from tvrpipe.heads.base import list_heads
+    from tvrpipe.data.synth import ATTRIBUTES_FILE, synthesize
     from tvrpipe.features.clip import TINY_MODEL
     from tvrpipe.features.extract import ExtractConfig, extract
     from tvrpipe.features.store import open_store
-    from tvrpipe.data.synth import ATTRIBUTES_FILE, synthesize
+    from tvrpipe.heads.base import list_heads
     from tvrpipe.report import write_report
     from tvrpipe.training.data import load_split
     from tvrpipe.training.finetune import FinetuneConfig, finetune
@@ -171,9 +170,10 @@ def r1_by_difficulty(run: Path, split, masks: dict[str, np.ndarray]) -> dict[str
     """Text-to-video R@1 (percent) of a run's selected checkpoint over all captions of ``split`` and over
     each subset in ``masks`` (None for an empty one); the same scores and tie rule as its test metrics."""
     from tvrpipe.evaluation.metrics import t2v_ranks
+    from tvrpipe.evaluation.rundir import BEST, CHECKPOINTS
     from tvrpipe.training.fit import checkpoint_similarity
 
-    sim = checkpoint_similarity(run / "checkpoints" / "best.safetensors", split)
+    sim = checkpoint_similarity(run / CHECKPOINTS / BEST, split)
     hit = t2v_ranks(sim, split.text_video) == 1
     return {"all": 100.0 * float(hit.mean()),
             **{k: 100.0 * float(hit[m].mean()) if m.any() else None for k, m in masks.items()}}

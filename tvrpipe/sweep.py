@@ -39,11 +39,11 @@ import pandas as pd
 
 from tvrpipe.config import field_types, parse_value, split_item
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
+from tvrpipe.evaluation.rundir import read_results
 from tvrpipe.lock import locked
 
 log = logging.getLogger(__name__)
 
-METRIC_KEYS = ("R@1", "R@5", "R@10", "MdR", "MnR")
 
 
 @dataclass(frozen=True)
@@ -185,11 +185,12 @@ def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: di
     learning rate this configuration resolves to now: a run without ``lr`` trained at a head's
     earlier ``default_lr`` is not this run (``fit`` then says so), and neither is one trained on a
     store that has since been replaced at the same path (``provenance``: the store's identity now)."""
-    from tvrpipe.training.fit import TrainConfig, _read_config, _recorded, resolved_lr
+    from tvrpipe.evaluation.rundir import read_config, recorded
+    from tvrpipe.training.fit import TrainConfig, resolved_lr
 
     try:
-        config = _read_config(run_dir)
-        if _recorded(run_dir, "test") is None:
+        config = read_config(run_dir)
+        if recorded(run_dir, "test") is None:
             return False
     except RunError:  # no run yet, or damaged files: fit says what is wrong when it runs
         return False
@@ -208,16 +209,6 @@ def _error_text(e: BaseException) -> str:
     lines = [ln for ln in str(err).splitlines() if ln.strip()]
     return f"{type(err).__name__}: {lines[-1].strip() if lines else ''}"[:500]
 
-
-def _metric_columns(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Flat test metrics (``t2v R@1``, ``t2v_dsl R@1``, ...) and validation t2v R@1 of a finished run."""
-    cols: dict[str, Any] = {"selected_epoch": metrics.get("selected_epoch"),
-                            "epochs_run": (metrics.get("schedule") or {}).get("epochs_run"),
-                            "val t2v R@1": metrics.get("val", {}).get("t2v", {}).get("R@1")}
-    for key, m in sorted(metrics.get("test", {}).items()):
-        if key.startswith(("t2v", "v2t")) and isinstance(m, dict):
-            cols.update({f"{key} {k}": m[k] for k in METRIC_KEYS if k in m})
-    return cols
 
 
 def run_sweep(
@@ -256,8 +247,8 @@ def run_sweep(
     Example:
         >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
     """
-    from tvrpipe.lock import check_writable
     from tvrpipe.features.store import open_store, store_identity
+    from tvrpipe.lock import check_writable
     from tvrpipe.training.fit import TrainConfig
 
     base = train or TrainConfig()
@@ -284,7 +275,7 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
            post: tuple[str, ...], address: str | None, cpus_per_run: float, gpus_per_run: float,
            progress: bool) -> SweepResult:
     """:func:`run_sweep` with its options checked and ``out`` locked."""
-    from tvrpipe.features.extract import _ray_init, require_gpus
+    from tvrpipe.cluster import ray_init, require_gpus
     from tvrpipe.training.fit import store_head_config
 
     rows: dict[str, dict[str, Any]] = {}
@@ -312,7 +303,7 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
     if todo:
         import ray
 
-        _ray_init(address)
+        ray_init(address)
         if gpus_per_run > 0:
             require_gpus(gpus_per_run, f"--gpus-per-run {gpus_per_run:g}", "use --gpus-per-run 0")
         task = ray.remote(_run_one).options(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0)
@@ -344,7 +335,7 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
 
     for name, row in rows.items():
         if row["status"] in ("done", "skipped"):
-            row.update(_metric_columns(json.loads((out / name / "metrics.json").read_text())))
+            row.update(read_results(out / name).columns())
     table = pd.DataFrame(list(rows.values()))
     for c in {k for run in runs for k in run.swept}:  # integer values stay integers beside a method without the key
         values = [run.swept[c] for run in runs if c in run.swept]
@@ -378,12 +369,12 @@ def summarize(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _write_tables(table: pd.DataFrame, results: pd.DataFrame, out: Path) -> None:
-    from tvrpipe.features.store import _atomic_write_parquet, atomic_write_text
+    from tvrpipe.files import atomic_write_parquet, atomic_write_text
 
     for df, name in ((table, "runs"), (results, "results")):
         df = df.copy()
         for c in df.columns:  # a column mixing types (a head field of str and None values) as text in Parquet
             if df[c].dtype == object and c not in ("run", "method", "status", "error"):
                 df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
-        _atomic_write_parquet(df, out / f"{name}.parquet")
+        atomic_write_parquet(df, out / f"{name}.parquet")
         atomic_write_text(out / f"{name}.csv", df.to_csv(index=False))

@@ -50,8 +50,8 @@ def test_bench_rejects_too_few_videos(cli, tmp_path):
 def test_bench_convergence_tables_and_curves(tmp_path):
     import csv
 
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.features.genstore import GenSpec
 
     spec = GenSpec(train_videos=96, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
                    max_words=6, embed_dim=16, seed=1)
@@ -135,8 +135,8 @@ def test_a_benchmarks_process_answers_raises_or_is_reported_dead():
     killer) is a WorkerDiedError naming the measurement, where multiprocessing.Pool hung forever."""
     import math
 
-    from tvrpipe.errors import WorkerDiedError
     from tvrpipe.bench.extract import in_fresh_process
+    from tvrpipe.errors import WorkerDiedError
 
     assert in_fresh_process(math.sqrt, 16.0, "sqrt") == 4.0
     with pytest.raises(ValueError, match="math domain error"):
@@ -151,8 +151,8 @@ def test_a_benchmarks_process_answers_raises_or_is_reported_dead():
 @pytest.mark.parametrize("command", ["extract", "train-head", "finetune", "eval", "allocator"])
 def test_bench_json_is_checked_before_the_measurement(cli, tmp_path, command, monkeypatch):
     import tvrpipe.bench.extract
-    import tvrpipe.bench.heads
     import tvrpipe.bench.finetune
+    import tvrpipe.bench.heads
 
     def measured(*a, **k):
         raise AssertionError("measured before --json was checked")
@@ -174,8 +174,8 @@ def test_bench_json_is_checked_before_the_measurement(cli, tmp_path, command, mo
 def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path, caplog):
     import csv
 
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.training.fit import TrainConfig
 
     spec = GenSpec(**TINY_STORE)
@@ -259,8 +259,8 @@ def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_
     missing from the tables (lost by an older bench) are reused, not retrained."""
     import csv
 
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.features.genstore import GenSpec
 
     spec = GenSpec(**TINY_STORE)
     from tvrpipe.training.fit import TrainConfig
@@ -322,9 +322,9 @@ def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
     folder named by its lr; the old default's row leaves the tables."""
     import csv
 
-    from tvrpipe.heads.base import head_class
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.heads.base import head_class
     from tvrpipe.training.fit import TrainConfig
 
     spec = GenSpec(**TINY_STORE)
@@ -360,9 +360,9 @@ def test_bench_convergence_reads_a_per_width_default_lr_at_each_stores_width(tmp
     keeps both as the current defaults (nothing retrained)."""
     import csv
 
-    from tvrpipe.heads.base import head_class
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.heads.base import head_class
     from tvrpipe.training.fit import TrainConfig
 
     monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 2e-3, 32: 5e-4})
@@ -406,13 +406,13 @@ def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_p
     import csv
 
     import tvrpipe.training.fit as fit_module
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.training.fit import TrainConfig
 
     spec = GenSpec(**TINY_STORE)
     base = TrainConfig(**TINY_TRAINER)
-    restore = interrupt_call(fit_module, "_evaluate", 3)  # Ctrl-C during the third epoch's validation
+    restore = interrupt_call(fit_module, "evaluate_split", 3)  # Ctrl-C during the third epoch's validation
     with pytest.raises(KeyboardInterrupt):
         bench_convergence(tmp_path, {"tiny": spec}, ["xpool"], progress=False, train=base, only_default=True)
     run = next((tmp_path / "runs" / "tiny" / "xpool").glob("default-*"))
@@ -436,9 +436,9 @@ def test_bench_convergence_no_grid_compares_open_ended_lrs(tmp_path):
     target is then the best open-ended run, and the gap is measured against it."""
     import csv
 
-    from tvrpipe.heads.base import head_class
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.bench.convergence import bench_convergence
+    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.heads.base import head_class
     from tvrpipe.training.fit import TrainConfig
 
     spec = GenSpec(**TINY_STORE)

@@ -14,7 +14,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tvrpipe.errors import ConfigError, ManifestError
 from tvrpipe.data.datasets import build_manifest, list_datasets, load_spec
 from tvrpipe.data.manifest import (
     CAPTION_COLUMNS,
@@ -23,6 +22,7 @@ from tvrpipe.data.manifest import (
     read_manifest,
     write_manifest,
 )
+from tvrpipe.errors import ConfigError, ManifestError
 
 
 def _counts(m) -> dict[str, tuple[int, int]]:

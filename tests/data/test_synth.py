@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tvrpipe.errors import ConfigError, VideoError
 from tvrpipe.data import synth
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.data.synth import COLOURS, MOTION_WORDS, SHAPE_WORDS, plan_videos, synthesize
+from tvrpipe.errors import ConfigError, VideoError
 
 N = 24
 FPS = 8

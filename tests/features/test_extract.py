@@ -20,13 +20,13 @@ import pandas as pd
 import pytest
 import torch
 
+from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
+from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.clip import TINY_MODEL, encode_frames, encode_text_tokens, load_clip, tokenize
 from tvrpipe.features.decode import decode_video
 from tvrpipe.features.extract import ExtractConfig, extract
-from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
 from tvrpipe.features.store import StoreError, open_store
-from tvrpipe.data.synth import synthesize
 
 N_VIDEOS = 14
 
@@ -42,9 +42,9 @@ def _free_port() -> int:
 def ray_session():
     import ray
 
-    from tvrpipe.features.extract import _ray_init
+    from tvrpipe.cluster import ray_init
 
-    _ray_init(None, num_cpus=2)
+    ray_init(None, num_cpus=2)
     yield
     ray.shutdown()
 
@@ -310,12 +310,13 @@ def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path):
 def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch):
     """Invalid values never become defaults, and nothing (no Ray, no model, no directory) starts."""
     from tvrpipe.errors import ConfigError, ManifestError
-    from tvrpipe.features import clip, extract as extract_module
+    from tvrpipe.features import clip
+    from tvrpipe.features import extract as extract_module
 
     def forbidden(*a, **kw):
         raise AssertionError("started before the options were checked")
 
-    monkeypatch.setattr(extract_module, "_ray_init", forbidden)
+    monkeypatch.setattr(extract_module, "ray_init", forbidden)
     monkeypatch.setattr(clip, "load_clip", forbidden)
     out = tmp_path / "f"
     for kw, message in [({"frames": -1}, "--frames must be >= 1, got -1"), ({"frames": 0}, "--frames must be >= 1"),
@@ -388,8 +389,8 @@ def test_features_of_other_weights_are_refused():
 def test_gpu_work_on_a_cluster_without_gpus_fails_naming_the_option(ray_session):
     """extract --device cuda on a cluster, finetune --use-gpu and sweep --gpus-per-run share this
     check; without it Ray waited forever to place the work."""
+    from tvrpipe.cluster import require_gpus
     from tvrpipe.errors import ConfigError
-    from tvrpipe.features.extract import require_gpus
 
     with pytest.raises(ConfigError, match=r"^--gpus-per-run 0.5: needs 0.5 GPU, and the Ray cluster has 0; "
                                           r"use --gpus-per-run 0, or run on a cluster whose nodes have GPUs$"):
@@ -426,8 +427,8 @@ def test_gpus_are_checked_per_node_as_well(monkeypatch):
     one-GPU finetune workers."""
     import ray
 
+    from tvrpipe.cluster import require_gpus
     from tvrpipe.errors import ConfigError
-    from tvrpipe.features.extract import require_gpus
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0}},
@@ -448,18 +449,18 @@ def test_every_form_of_address_is_checked_before_ray_waits(monkeypatch):
 
     import ray._private.services as services
 
-    from tvrpipe.features.extract import _check_reachable
+    from tvrpipe.cluster import check_reachable
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
         with pytest.raises(ConfigError, match=rf"--address {re.escape(address)}: cannot connect to the Ray cluster"):
-            _check_reachable(address, timeout=2)
+            check_reachable(address, timeout=2)
     monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda addr, temp_dir=None: f"127.0.0.1:{port}")
     with pytest.raises(ConfigError, match=rf"RAY_ADDRESS auto \(auto: the last cluster started on this machine, at "
                                           rf"127\.0\.0\.1:{port}\): cannot connect .*that cluster has stopped"):
-        _check_reachable("auto", timeout=2, option="RAY_ADDRESS")
+        check_reachable("auto", timeout=2, option="RAY_ADDRESS")
     monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda addr, temp_dir=None: None)
     with pytest.raises(ConfigError, match=r"--address auto: no Ray cluster was started on this machine"):
-        _check_reachable("auto")
+        check_reachable("auto")

@@ -1,4 +1,4 @@
-"""DUQ (issue 11): Eq. 3, 6, 7, 10-15 against closed forms, Monte Carlo and loops; Eq. 16 as a
+"""DUQ: Eq. 3, 6, 7, 10-15 against closed forms, Monte Carlo and loops; Eq. 16 as a
 head-declared re-ranking of the full matrix, checked against a direct computation; ablations,
 readouts and learning on a store with near-duplicates.
 """

@@ -375,7 +375,7 @@ def test_seqtransf_matches_torch_encoder_on_unpadded_frames():
 
 def test_seqtransf_layer_norm_is_clip4clips_tf_style():
     """CLIP4Clip's module_cross.LayerNorm puts eps = 1e-12 inside the square root (the whole
-    difference found side by side against the official seqTransf, issue 10)."""
+    difference found side by side against the official seqTransf)."""
     head = create_head("seqtransf", embed_dim=D)
     assert {m.eps for m in head.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-12}
     x = torch.randn(3, D, dtype=torch.float64)
@@ -520,7 +520,8 @@ def test_xpool_video_without_frames_is_finite():
 def test_public_api_reexports():
     import tvrpipe
     from tvrpipe import create_head as ch
-    from tvrpipe import evaluate, extract, fit, list_heads as lh
+    from tvrpipe import evaluate, extract, fit
+    from tvrpipe import list_heads as lh
 
     assert lh() == list_heads() and "xpool" in lh()
     assert ch("meanpool", embed_dim=8).config.embed_dim == 8

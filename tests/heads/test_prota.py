@@ -1,4 +1,4 @@
-"""ProTA (issue 12): Eq. 1-11 against per-pair loops that build the full (N + M)^2 Gram matrix of
+"""ProTA: Eq. 1-11 against per-pair loops that build the full (N + M)^2 Gram matrix of
 Eq. 4, the loss of Eq. 12-16 against a loop, the kernel, W2 and margin properties the paper
 states, limiting cases (the LdA row with a hard max is ``tokenwise``; constant variance is the
 deterministic head on distances), ablation switches, readouts, and learning.
@@ -345,8 +345,8 @@ def test_token_weight_mlps_have_no_output_bias_and_old_checkpoints_load(tmp_path
 
     from safetensors.torch import save_file
 
+    from tvrpipe.evaluation.rundir import load_head
     from tvrpipe.heads.prota import TokenMLP
-    from tvrpipe.training.fit import load_head
 
     head = perturbed("prota", num_layers=1, num_heads=2)
     assert head.text_weight[2].bias is None and head.video_weight[2].bias is None

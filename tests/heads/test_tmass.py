@@ -1,4 +1,4 @@
-"""T-MASS (issue 9): Eq. 5-10 against direct per-pair loops written from the paper, limiting
+"""T-MASS: Eq. 5-10 against direct per-pair loops written from the paper, limiting
 cases, leak-free and order-free sampled inference, the radius readout, and learning.
 
 The references loop over pairs and samples in NumPy float64 with the head's weights copied out;
@@ -10,12 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from test_heads import D, batches, np64, perturbed, sim, unit, xpool_pooled_reference
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads import TextBatch, VideoBatch, create_head
-from tvrpipe.heads.losses import symmetric_infonce
 
 pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
 
@@ -159,10 +157,17 @@ def test_video_with_more_frames_than_w_rows_is_a_clear_error():
                                            ("prior", "laplace", "prior must be one of"),
                                            ("num_samples", -1, "num_samples must be >= 0"),
                                            ("train_radius", "some", "train_radius must be one of"),
-                                           ("alpha", -1.0, "loss weights")])
+                                           ("alpha", -1.0, r"tmass: alpha must be >= 0, got -1.0")])
 def test_bad_config_is_named(key, value, msg):
     with pytest.raises(ConfigError, match=msg):
         create_head("tmass", embed_dim=D, **{key: value})
+
+
+def test_a_config_that_trains_nothing_is_refused_as_it_is_made():
+    from tvrpipe.heads.tmass import Config
+
+    with pytest.raises(ConfigError, match="tmass: the loss weights alpha, w_s, w_ce must not all be 0"):
+        Config(embed_dim=D, alpha=0.0, w_s=0.0, w_ce=0.0)  # no head built: the config checks itself
 
 
 # -- training: Eq. 5, 8, 9 and the Tab. 6a switches ------------------------------------------------

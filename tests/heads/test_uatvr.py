@@ -1,4 +1,4 @@
-"""UATVR (issue 10): Eq. 8 and Eq. 11 against direct loops, the KL against its closed form and
+"""UATVR: Eq. 8 and Eq. 11 against direct loops, the KL against its closed form and
 a Monte Carlo estimate, limiting cases (K = 1 with zero variance is InfoNCE; no extra tokens with
 identity transformers is ``tokenwise``), ablation switches, the sigma readout, and learning.
 
@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from test_heads import D, batches, np64, perturbed, sim, torch_encoder_layers, unit
 
 from tvrpipe.errors import ConfigError

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -60,8 +59,8 @@ def test_learns_from_random_weights(e2e):
 
 def test_live_features_equal_the_extracted_store(e2e, data):
     """The live CLIP (eval mode) yields exactly what extract stores for the same weights and frames."""
-    from tvrpipe.features.clip import load_clip
     from tvrpipe.data.manifest import read_manifest
+    from tvrpipe.features.clip import load_clip
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import create_head
     from tvrpipe.training.finetune import LiveModel
@@ -120,9 +119,10 @@ def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, data, 
 
     import yaml
 
+    from tvrpipe.evaluation.rundir import load_head
     from tvrpipe.features.clip import load_clip
     from tvrpipe.features.store import open_store
-    from tvrpipe.training.fit import TrainConfig, fit, load_head
+    from tvrpipe.training.fit import TrainConfig, fit
 
     out, metrics, store = e2e
     random_clip = load_clip("tvrpipe-tiny", "none")
@@ -295,6 +295,7 @@ def test_missing_or_undecodable_videos_stop_the_run_with_nothing_lost(tmp_path, 
 
 def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
     import tvrpipe.training.finetune as ft
+    from tvrpipe.evaluation import rundir
 
     d = _small(tmp_path)
     cfg = FinetuneConfig(end_to_end=True, epochs=2, batch_size=4, max_steps=2, clip_lr=1e-3, head_lr=1e-3, **TINY)
@@ -322,7 +323,7 @@ def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
 
     # cut inside epoch two's commit, its weights staged and its state.pt not yet written: the resume drops
     # them and trains epoch two again from epoch one's (fit's commit test has the other cuts)
-    restore = interrupt_call(ft.Checkpoints, "commit", 2)
+    restore = interrupt_call(rundir.Checkpoints, "commit", 2)
     with pytest.raises(KeyboardInterrupt):
         finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut2", cfg, progress=False)
     restore()
@@ -332,7 +333,7 @@ def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
     assert not list(ckpt.glob(".*.next"))
 
     # cut after epoch two's state.pt, before its staged files are renamed: the resume moves them into place
-    real_commit, real_replace, commits = ft.Checkpoints.commit, os.replace, []
+    real_commit, real_replace, commits = rundir.Checkpoints.commit, os.replace, []
 
     def commit(self, state):
         commits.append(1)
@@ -344,7 +345,7 @@ def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
         real_replace(src, dst)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ft.Checkpoints, "commit", commit)
+        mp.setattr(rundir.Checkpoints, "commit", commit)
         mp.setattr(os, "replace", replace)
         with pytest.raises(KeyboardInterrupt):
             finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut3", cfg, progress=False)
@@ -376,10 +377,7 @@ def test_a_step_whose_videos_all_fail_to_decode_is_skipped(tmp_path):
     rows = pd.read_csv(tmp_path / "run" / "epochs.csv")
     assert np.isnan(rows["loss"][0]) and rows["failed_videos"][0] == m["failed_videos"] == 8  # 2 steps x 4
     assert set(pd.read_csv(tmp_path / "run" / "failures.csv")["video_id"]) <= set(train["video_id"])
-    # a run from before --epoch-pairs trained one caption per video: it is that run, not another one
-    path = tmp_path / "run" / "config.yaml"
-    path.write_text(path.read_text().replace("  epoch_pairs: videos\n", ""))
-    assert "epoch_pairs" not in path.read_text()
+    # the same command resumes the finished run (its results again); another epoch_pairs is another run
     assert finetune(d / "manifest", d / "videos", "xpool", tmp_path / "run", cfg, progress=False)["test"] == m["test"]
     with pytest.raises(ConfigError, match="another configuration"):
         finetune(d / "manifest", d / "videos", "xpool", tmp_path / "run",
@@ -387,8 +385,8 @@ def test_a_step_whose_videos_all_fail_to_decode_is_skipped(tmp_path):
 
 
 def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):
-    from tvrpipe.features.clip import load_clip
     from tvrpipe.data.manifest import read_manifest
+    from tvrpipe.features.clip import load_clip
 
     d = _small(tmp_path, 40)
     m = read_manifest(d / "manifest")

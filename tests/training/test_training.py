@@ -13,13 +13,15 @@ import pytest
 import torch
 import yaml
 
+from tvrpipe.environment import versions
 from tvrpipe.errors import ConfigError, RunError
-from tvrpipe.heads.base import list_heads
+from tvrpipe.evaluation.rundir import load_head
 from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import StoreError
-from tvrpipe.environment import versions
+from tvrpipe.heads.base import list_heads
+from tvrpipe.training import core
 from tvrpipe.training import fit as fit_module
-from tvrpipe.training.fit import TrainConfig, evaluate_run, fit, load_head
+from tvrpipe.training.fit import TrainConfig, evaluate_run, fit
 
 pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
 
@@ -121,7 +123,7 @@ def test_zero_epochs_is_zero_shot(store, tmp_path):
 def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, interrupt_call, method):
     cfg = TrainConfig(epochs=3, batch_size=32, lr=1e-3, seed=1)
     full = fit(store, method, tmp_path / "full", cfg, progress=False)
-    restore = interrupt_call(fit_module, "_evaluate", 2)  # in the second epoch
+    restore = interrupt_call(fit_module, "evaluate_split", 2)  # in the second epoch
     with pytest.raises(KeyboardInterrupt):
         fit(store, method, tmp_path / "cut", cfg, progress=False)
     restore()
@@ -130,8 +132,6 @@ def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, interr
     kept = json.loads(state["rows"])  # the rows are one JSON text, epoch 1's row as epochs.csv has it
     assert [r["epoch"] for r in kept] == [1] and kept[0]["val_t2v_R@1"] == pd.read_csv(
         tmp_path / "cut" / "epochs.csv")["val_t2v_R@1"][0]
-    if method == "tokenwise":  # a state written before the rows became JSON holds the list: it resumes too
-        torch.save({**state, "rows": kept}, state_path)
     resumed = fit(store, method, tmp_path / "cut", cfg, progress=False)
     assert resumed["test"] == full["test"] and resumed["selected_epoch"] == full["selected_epoch"]
     rows = [pd.read_csv(tmp_path / run / "epochs.csv").drop(columns=["samples_per_s", "data_share", "seconds"])
@@ -153,7 +153,7 @@ def test_resume_after_interruption_inside_an_epochs_commit(tmp_path, monkeypatch
     store = generate_store(tmp_path / "store", spec)  # validation improves at epoch 2, not at 3
     cfg = TrainConfig(epochs=3, batch_size=32, lr=3e-3, seed=1, prefetch=False)
     full = fit(store, "xpool", tmp_path / "full", cfg, progress=False)
-    real_save, real_replace, real_rows, calls = torch.save, os.replace, fit_module.write_rows, []
+    real_save, real_replace, real_rows, calls = torch.save, os.replace, core.write_epochs, []
 
     def save(obj, f, *a, **k):  # torch.save is called once an epoch, for state.pt
         calls.append(1)
@@ -168,14 +168,14 @@ def test_resume_after_interruption_inside_an_epochs_commit(tmp_path, monkeypatch
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    def rows(r, path):
+    def rows(run, r):
         if len(r) == 2 and cut == "before epochs.csv":
             raise KeyboardInterrupt
-        real_rows(r, path)
+        real_rows(run, r)
 
-    monkeypatch.setattr(fit_module.torch, "save", save)
-    monkeypatch.setattr(fit_module.os, "replace", replace)
-    monkeypatch.setattr(fit_module, "write_rows", rows)
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(core, "write_epochs", rows)
     with pytest.raises(KeyboardInterrupt):
         fit(store, "xpool", tmp_path / "cut", cfg, progress=False)
     monkeypatch.undo()
@@ -206,7 +206,7 @@ def test_resume_refuses_a_checkpoint_that_does_not_match_its_state(store, tmp_pa
 
 
 def test_seed_step_seeds_the_cpu_stream_as_manual_seed_does_without_lazy_accelerator_seeds(monkeypatch):
-    from tvrpipe.training.fit import seed_step
+    from tvrpipe.training.core import seed_step
 
     lazy = []  # torch.manual_seed queues a lazy seed (with a formatted stack) for an uninitialised CUDA
     real = torch.cuda.random._lazy_call
@@ -411,7 +411,7 @@ def test_prefetch_does_not_change_training(store, tmp_path):
 # ------------------------------------------------------------ schedule: early stopping, defaults
 
 
-REAL_EVALUATE = fit_module._evaluate
+REAL_EVALUATE = fit_module.evaluate_split
 
 
 def _scripted_validation(monkeypatch, r1_by_epoch, interrupt_at=None):
@@ -430,7 +430,7 @@ def _scripted_validation(monkeypatch, r1_by_epoch, interrupt_at=None):
         out["t2v"] = {**out["t2v"], "R@1": r1, "R@5": 0.0, "R@10": 0.0}
         return out
 
-    monkeypatch.setattr(fit_module, "_evaluate", scripted)
+    monkeypatch.setattr(fit_module, "evaluate_split", scripted)
 
 
 R1_SCRIPT = [10, 20, 30, 25, 26, 30, 28, 29, 27, 40, 41]  # best at epoch 3; epoch 6 only ties it

@@ -1,5 +1,5 @@
 """``tvrpipe bench convergence``: does ``train-head``'s default schedule train every head to its
-validation optimum? The evidence for the trainer's defaults (issue 8, docs/training.md).
+validation optimum? The evidence for the trainer's defaults (docs/training.md).
 
 For each generated store size and each head, three kinds of run, all selected on validation only:
 
@@ -30,12 +30,13 @@ import json
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tvrpipe.lock import DirLock
+from tvrpipe.errors import ConfigError, RunError
+from tvrpipe.evaluation.rundir import CHECKPOINTS, METRICS_FILE, RunResults, read_epochs, read_results
 from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.lock import DirLock
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ class Run:
 def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | None, lr_used: float,
          epochs: int | None, run_dir: Path, base) -> Run:
     """Train one run (``lr`` None: the head's default at the store's width, which is ``lr_used``)."""
-    from tvrpipe.errors import ConfigError, RunError
     from tvrpipe.training.fit import fit
 
     cfg = replace(base, epochs=epochs, lr=lr)
@@ -81,22 +81,18 @@ def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | No
     def epoch_line(row: dict) -> None:  # a 9k run takes hours: one line per epoch shows where it is
         log.warning("%s: epoch %d, val R@1 %.1f (%.0f s)", name, row["epoch"], row["val_t2v_R@1"], row["seconds"])
 
-    t = time.perf_counter()
     try:  # a run interrupted by an earlier bench resumes from its last epoch
         m = fit(store_dir, method, run_dir, cfg, progress=False, on_epoch=epoch_line)
     except (ConfigError, RunError) as e:  # trained under another configuration, or damaged: from scratch
         log.warning("%s: not resumed (%s); training it from scratch", run_dir, e)
         shutil.rmtree(run_dir, ignore_errors=True)
-        t = time.perf_counter()
         m = fit(store_dir, method, run_dir, cfg, progress=False, on_epoch=epoch_line)
-    seconds = m["train"].get("seconds")  # summed over the sessions of a resumed run
-    if seconds is None:
-        seconds = time.perf_counter() - t
-    with open(run_dir / "epochs.csv") as f:
-        curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # keep the logs, not the weights
-    return Run(store, method, schedule, lr_used, m["val"]["t2v"]["R@1"],
-               m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve), seconds, curve)
+    seconds = m["train"]["seconds"]  # summed over the sessions of a resumed run
+    curve = [float(x) for x in read_epochs(run_dir)["val_t2v_R@1"]]
+    shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)  # keep the logs, not the weights
+    val = RunResults.from_dict(m).val.get("raw", "t2v")
+    return Run(store, method, schedule, lr_used, val["R@1"], val["R@5"], m["selected_epoch"], len(curve), seconds,
+               curve)
 
 
 def bench_convergence(
@@ -237,25 +233,21 @@ def _current_default(method: str, lr: float, width: int | None) -> bool:
 
 def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
     """Add the completed run directories (``runs/<store>/<method>/<schedule>-<lr>/metrics.json``)
-    missing from ``runs``: rebuilt from their metrics.json and epochs.csv (a bench that ran a subset
-    of the heads used to rewrite the tables with its own runs only). Their seconds are those
-    metrics.json records (older runs: the span between the config.yaml and metrics.json writes)."""
-    for metrics in sorted(out.glob("runs/*/*/*/metrics.json")):
+    missing from ``runs``: rebuilt from their metrics.json and epochs.csv, so that a bench of a subset
+    of the heads keeps the others' rows in the tables. Their seconds are those metrics.json records."""
+    for metrics in sorted(out.glob(f"runs/*/*/*/{METRICS_FILE}")):
         run_dir = metrics.parent
         schedule = run_dir.name.split("-", 1)[0]  # "epochs=5", "open" or "default"; the rest is the lr
         try:
-            m = json.loads(metrics.read_text())
-            key = (run_dir.parent.parent.name, run_dir.parent.name, schedule, float(m["schedule"]["lr"]))
+            results = read_results(run_dir)
+            key = (run_dir.parent.parent.name, run_dir.parent.name, schedule, float(results.raw["schedule"]["lr"]))
             if key in runs:
                 continue
-            with open(run_dir / "epochs.csv") as f:
-                curve = [float(r["val_t2v_R@1"]) for r in csv.DictReader(f)]
-            seconds = m.get("train", {}).get("seconds")
-            if seconds is None:  # a run older than per-epoch seconds
-                seconds = metrics.stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime
-            runs[key] = Run(*key, m["val"]["t2v"]["R@1"], m["val"]["t2v"]["R@5"], m["selected_epoch"], len(curve),
-                            seconds, curve)
-        except (OSError, KeyError, ValueError) as e:  # an unreadable leftover is retrained, not fatal
+            curve = [float(x) for x in read_epochs(run_dir)["val_t2v_R@1"]]
+            val = results.val.get("raw", "t2v")
+            runs[key] = Run(*key, val["R@1"], val["R@5"], results.selected_epoch, len(curve),
+                            results.raw["train"]["seconds"], curve)
+        except (OSError, KeyError, TypeError, ValueError, RunError) as e:  # an unreadable leftover is retrained
             log.warning("%s: not reused (%s)", run_dir, e)
 
 

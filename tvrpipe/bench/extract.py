@@ -14,7 +14,7 @@ web video) and ViT-B-32 with random weights (realistic encode cost):
   provenance load) cancel; the end-to-end rate of the N-video run is reported beside it;
 - **naive loop**: decode one video, encode it, write it, sequentially.
 
-Targets (issue 3): pipeline >= 0.8 x bound and >= 1.5 x naive.
+Targets: pipeline >= 0.8 x bound and >= 1.5 x naive.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tvrpipe.errors import ConfigError, WorkerDiedError
 from tvrpipe.data.manifest import make_tables, write_manifest
+from tvrpipe.errors import ConfigError, WorkerDiedError
 
 log = logging.getLogger(__name__)
 
@@ -285,8 +285,9 @@ def bench_extract(
     """
     import torch
 
+    from tvrpipe.cluster import cluster_cpus, ray_init
     from tvrpipe.features.clip import load_clip
-    from tvrpipe.features.extract import ExtractConfig, _cluster_cpus, _ray_init
+    from tvrpipe.features.extract import ExtractConfig
 
     if spec.count < 2 * batch_size:
         raise ConfigError(f"--videos must be at least 2 x --batch-size ({2 * batch_size}), got {spec.count}")
@@ -305,7 +306,7 @@ def bench_extract(
     del bundle
     bound = 1.0 / (1.0 / decode + 1.0 / encode) if device == "cpu" else min(decode, encode)
 
-    _ray_init(None)
+    ray_init(None)
     cfg = ExtractConfig(model=model, pretrained="none", device=device, frames=frames, batch_size=batch_size,
                         video_shard=batch_size, progress=False)
     small = _first_videos(manifest, batch_size, out / "manifest_small")
@@ -316,7 +317,7 @@ def bench_extract(
     if not pipeline == pipeline:
         log.warning("the full run (%.1f s) was not slower than the small one (%.1f s): too little work to "
                     "measure; use more or longer --videos", t_full, t_small)
-    return ExtractBench(device=device, cpus=_cluster_cpus(), model=model, frames=frames, videos=asdict(spec),
+    return ExtractBench(device=device, cpus=cluster_cpus(), model=model, frames=frames, videos=asdict(spec),
                         decode=decode, encode=encode, bound=bound, pipeline=pipeline,
                         pipeline_end_to_end=spec.count / t_full, naive=naive,
                         seconds_small=t_small, seconds_full=t_full)

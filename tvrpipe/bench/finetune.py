@@ -20,9 +20,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pandas as pd
-
 from tvrpipe.bench.extract import BenchVideos, make_bench_videos
+from tvrpipe.evaluation.rundir import read_epochs
 
 MSRVTT_LIKE = BenchVideos(count=0, width=320, height=240, seconds=15.0, fps=30, gop=250)
 
@@ -118,7 +117,7 @@ def bench_finetune(
                          frames=frames, max_steps=steps, use_gpu=cuda, precision=precision,
                          grad_checkpointing=grad_checkpointing, loader_workers=loader_workers, eval_batch=4)
     finetune(manifest, out / "videos", method, run, cfg, progress=True)
-    row = pd.read_csv(run / "epochs.csv").iloc[-1]
+    row = read_epochs(run).iloc[-1]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return FinetuneBench(
         model=model, method=method, device=device, precision=precision, grad_checkpointing=grad_checkpointing,

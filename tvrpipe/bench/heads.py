@@ -10,7 +10,7 @@ process of its own (so peak memory is its own) and reports:
 - the process's peak resident memory (the split arrays are float16: never a float32 copy).
 
 For scale: the official X-Pool evaluation code on random features of the 1k-A size took 63 s
-and peaked at 8.4 GB on this machine (issue 4). Target: X-Pool >= 5x faster, < 2 GB extra.
+and peaked at 8.4 GB on a 2-core machine. Target: X-Pool >= 5x faster, < 2 GB extra.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ class _PeakRss:
 def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     import torch
 
+    from tvrpipe.evaluation.rundir import BEST, CHECKPOINTS, load_head
     from tvrpipe.features.store import open_store
     from tvrpipe.training.data import load_split
-    from tvrpipe.training.fit import TrainConfig, _evaluate, fit, load_head
+    from tvrpipe.training.fit import TrainConfig, evaluate_split, fit
 
     store_dir, method, steps, batch, run_dir, prefetch = args
     torch.set_num_threads(os.cpu_count() or 1)
@@ -71,10 +72,10 @@ def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     metrics = fit(store_dir, method, run_dir, cfg, progress=False, max_steps=steps)
     fit_seconds = time.perf_counter() - t
     test = load_split(open_store(store_dir), "test")
-    head = load_head(Path(run_dir) / "checkpoints" / "best.safetensors")
+    head = load_head(Path(run_dir) / CHECKPOINTS / BEST)
     with _PeakRss() as mem:
         t = time.perf_counter()
-        _evaluate(head, test, cfg)
+        evaluate_split(head, test, cfg)
         eval_seconds = time.perf_counter() - t
     return {
         "method": method,
@@ -113,7 +114,7 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
 # (captions, videos) of the standard test sets: MSR-VTT 1k-A and MSVD's multi-caption test split
 EVAL_SIZES: dict[str, tuple[int, int]] = {"msrvtt1k": (1000, 1000), "msvd": (27763, 670)}
 # The official code's inference on random features of the MSR-VTT 1k-A size, measured on this
-# 2-core machine (issues 4 and 9): seconds and peak resident memory (GB).
+# 2-core machine: seconds and peak resident memory (GB).
 OFFICIAL_EVAL = {"xpool": (63.0, 8.4), "tmass": (517.0, 18.7)}
 
 

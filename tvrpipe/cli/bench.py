@@ -39,7 +39,7 @@ JsonOut = Annotated[Optional[Path], typer.Option(
 
 def _write_json(path: Optional[Path], data) -> None:
     if path is not None:
-        from tvrpipe.features.store import atomic_write_text
+        from tvrpipe.files import atomic_write_text
 
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 

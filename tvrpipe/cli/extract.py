@@ -59,8 +59,8 @@ def extract_cmd(
 
     Rerun the same command to resume an interrupted run, re-extract damaged shards and retry failed videos.
     """
-    from tvrpipe.features.extract import ExtractConfig, ExtractionError, extract
     from tvrpipe.data.manifest import read_manifest
+    from tvrpipe.features.extract import ExtractConfig, ExtractionError, extract
 
     if dataset is not None:
         have = read_manifest(manifest).meta.get("dataset")

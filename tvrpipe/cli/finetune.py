@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from tvrpipe.cli.app import PAPERS, app, finite_float
-from tvrpipe.cli.train import _post, _print_metrics, parse_overrides
+from tvrpipe.cli.train import parse_overrides, parse_post, print_metrics
 
 console = Console()
 
@@ -92,12 +92,12 @@ def finetune_cmd(
                          grad_checkpointing=grad_checkpointing, num_workers=num_workers, use_gpu=use_gpu,
                          address=address, cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed,
                          timeout_s=timeout, max_failed_fraction=max_failed_fraction)
-    metrics = finetune(manifest, video_root, method, out, cfg, overrides, _post(post or []))
+    metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []))
     tr = metrics["train"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']}"
                   + (f"; {metrics['failed_videos']} videos failed to decode (see {out / 'failures.csv'})"
                      if metrics["failed_videos"] else ""), highlight=False)
-    _print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
+    print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
     if metrics.get("export"):
         console.print(f"finetuned CLIP: {out / metrics['export']['file']}; extract with it: "
                       f"{metrics['export']['extract']}", highlight=False, soft_wrap=True)

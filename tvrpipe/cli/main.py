@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from tvrpipe.cli import bench, extract, finetune, manifest, quickstart, report, sweep, synth, train  # noqa: F401  (each adds its commands)
+from tvrpipe.cli import (  # noqa: F401  (each adds its commands)
+    bench,
+    extract,
+    finetune,
+    manifest,
+    quickstart,
+    report,
+    sweep,
+    synth,
+    train,
+)
 from tvrpipe.cli.app import app
 
 __all__ = ["app", "main"]

@@ -30,7 +30,8 @@ def quickstart(
 
     Rerun the same command to resume: each stage skips or resumes what is done.
     """
-    from tvrpipe.quickstart import DIFFICULTIES, METRICS, QuickstartPlan, run_quickstart
+    from tvrpipe.evaluation.rundir import METRICS
+    from tvrpipe.quickstart import DIFFICULTIES, QuickstartPlan, run_quickstart
 
     plan = QuickstartPlan.fast() if fast else QuickstartPlan()
     if videos is not None:

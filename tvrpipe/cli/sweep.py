@@ -11,8 +11,16 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import PAPERS, app, finite_float
-from tvrpipe.cli.train import (BatchSizeOption, EpochsOption, LrOption, MaxEpochsOption, PatienceOption, PostOption,
-                               WeightDecayOption, _post)
+from tvrpipe.cli.train import (
+    BatchSizeOption,
+    EpochsOption,
+    LrOption,
+    MaxEpochsOption,
+    PatienceOption,
+    PostOption,
+    WeightDecayOption,
+    parse_post,
+)
 from tvrpipe.errors import ConfigError
 
 console = Console()
@@ -73,7 +81,7 @@ def sweep(
                       weight_decay=weight_decay)
     console.print(f"{len(runs)} runs ({len(names)} methods x {len(_ints('--seeds', seeds))} seeds"
                   f"{' x swept values' if set_ else ''}) into {out}", highlight=False)
-    result = run_sweep(features, runs, out, cfg, _post(post or []), address, cpus_per_run, gpus_per_run)
+    result = run_sweep(features, runs, out, cfg, parse_post(post or []), address, cpus_per_run, gpus_per_run)
 
     table = Table(title=f"test t2v, mean ± std over seeds ({out / 'results.csv'})")
     keys = [c for c in result.results.columns if c not in ("n_seeds", "failed") and not c.endswith((" mean", " std"))]

@@ -81,10 +81,10 @@ def synth(
 def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrite: bool) -> None:
     import dataclasses
 
+    from tvrpipe.bench.convergence import SIZES
     from tvrpipe.config import parse_fields
     from tvrpipe.features.genstore import GenSpec, generate_store
     from tvrpipe.features.store import open_store
-    from tvrpipe.bench.convergence import SIZES
 
     if preset not in SIZES:
         raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(SIZES)}")

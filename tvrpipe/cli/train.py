@@ -13,9 +13,9 @@ from rich.table import Table
 from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, finite_float
 from tvrpipe.config import parse_fields
 from tvrpipe.errors import ConfigError
+from tvrpipe.evaluation.rundir import METRICS, POST_PROCESSINGS, Scores
 
 console = Console()
-_POST = ("dsl", "qbnorm")
 
 # train-head's schedule and post-processing options, shared with `tvrpipe sweep` (one definition of
 # each option's type and help; the defaults, TrainConfig's, are given where they are used)
@@ -44,24 +44,26 @@ def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
     return parse_fields(head_class(method).Config, items, method)
 
 
-def _post(post: list[str]) -> tuple[str, ...]:
-    bad = [p for p in post if p not in _POST]
+def parse_post(post: list[str]) -> tuple[str, ...]:
+    """--post's values, checked against the post-processings evaluation knows."""
+    bad = [p for p in post if p not in POST_PROCESSINGS]
     if bad:
-        raise ConfigError(f"--post {bad[0]!r} is not one of: {', '.join(_POST)}")
+        raise ConfigError(f"--post {bad[0]!r} is not one of: {', '.join(POST_PROCESSINGS)}")
     return tuple(post)
 
 
-def _print_metrics(title: str, metrics: dict) -> None:
+def print_metrics(title: str, metrics: dict) -> None:
+    """An evaluation's scores as a table (one row per direction and score variant), then the head's readouts."""
+    scores = Scores.from_dict(metrics)
     table = Table(title=title)
-    for col in ("", "R@1", "R@5", "R@10", "MdR", "MnR"):
+    for col in ("", *METRICS):
         table.add_column(col, justify="right")
-    for key in sorted(k for k in metrics if k.startswith(("t2v", "v2t"))):
-        m = metrics[key]
-        table.add_row(key, *(f"{m[c]:.1f}" for c in ("R@1", "R@5", "R@10", "MdR", "MnR")))
+    for key in sorted(scores.metrics):
+        table.add_row(key, *(f"{scores.metrics[key][c]:.1f}" for c in METRICS))
     console.print(table)
-    if metrics.get("dsl_not_applicable"):
-        console.print(f"no DSL: {metrics['dsl_not_applicable']}", highlight=False)
-    for name, r in metrics.get("readouts", {}).items():  # the head's uncertainty readouts
+    if scores.dsl_not_applicable:
+        console.print(f"no DSL: {scores.dsl_not_applicable}", highlight=False)
+    for name, r in scores.readouts.items():  # the head's uncertainty readouts
         values = ", ".join(f"{k} {v:.4g}" for k, v in r.items()) if isinstance(r, dict) else f"{r:.4g}"
         console.print(f"readout {name}: {values}")
 
@@ -94,12 +96,12 @@ def train_head(
     cfg = TrainConfig(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
                       weight_decay=weight_decay, seed=seed,
                       device=device, prefetch=prefetch)
-    metrics = fit(features, method, out, cfg, overrides, _post(post or []))
+    metrics = fit(features, method, out, cfg, overrides, parse_post(post or []))
     sch = metrics["schedule"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
                   f" (lr {sch['lr']:g} from {sch['lr_source']}{', stopped early' if sch['stopped_early'] else ''})",
                   highlight=False)
-    _print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
+    print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
 
 
 @app.command("evaluate", rich_help_panel=MAIN_PATH)
@@ -115,8 +117,8 @@ def evaluate(
     """Evaluate a trained run's selected checkpoint (raw scores, plus post-processing if asked)."""
     from tvrpipe.training.fit import evaluate_run
 
-    metrics = evaluate_run(run, split, _post(post or []), features)
-    _print_metrics(f"{run}: {split} ({run / f'eval_{split}.json'})", metrics)
+    metrics = evaluate_run(run, split, parse_post(post or []), features)
+    print_metrics(f"{run}: {split} ({run / f'eval_{split}.json'})", metrics)
 
 
 @app.command("heads", rich_help_panel=TOOLS)

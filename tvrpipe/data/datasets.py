@@ -12,8 +12,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import logging
+import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -25,7 +25,6 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from tvrpipe.errors import ConfigError, ManifestError
 from tvrpipe.data.manifest import (
     SPLITS,
     Manifest,
@@ -35,6 +34,7 @@ from tvrpipe.data.manifest import (
     visible,
     write_manifest,
 )
+from tvrpipe.errors import ConfigError, ManifestError
 
 log = logging.getLogger(__name__)
 
@@ -619,7 +619,7 @@ def build_manifest(
     Example:
         >>> build_manifest("msrvtt", "annotations/msrvtt", "data/msrvtt/manifest", "9k")  # doctest: +SKIP
     """
-    from tvrpipe.features.store import file_sha256  # not at import: the store module loads zarr
+    from tvrpipe.files import file_sha256
 
     spec = load_spec(dataset)
     if not spec.split_sets:

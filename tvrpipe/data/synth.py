@@ -54,7 +54,6 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 import tvrpipe
-from tvrpipe.errors import ConfigError, VideoError
 from tvrpipe.data.manifest import (
     CAPTIONS_FILE,
     META_FILE,
@@ -65,6 +64,7 @@ from tvrpipe.data.manifest import (
     write_manifest,
     write_parquet,
 )
+from tvrpipe.errors import ConfigError, VideoError
 
 log = logging.getLogger(__name__)
 

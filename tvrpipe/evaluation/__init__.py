@@ -4,46 +4,33 @@
   from a similarity matrix, text-to-video and multi-caption video-to-text;
 - :mod:`~tvrpipe.evaluation.engine`: encode each item once, compute ``head.similarity`` block by
   block, evaluate a head (:func:`evaluate_head`);
-- :mod:`~tvrpipe.evaluation.post`: dual softmax and QB-Norm, reported under their own keys.
+- :mod:`~tvrpipe.evaluation.post`: dual softmax and QB-Norm, reported under their own keys;
+- :mod:`~tvrpipe.evaluation.rundir`: the run directory and the typed schema of its results.
+
+Names load on first use, so that reading a run directory does not import torch.
 
 See DESIGN.md, "Evaluation protocol".
 """
 
-from tvrpipe.evaluation.engine import (
-    POST_PROCESSINGS,
-    EvaluationConfigError,
-    emb_len,
-    encode_all,
-    evaluate_head,
-    similarity_matrix,
-    slice_emb,
-)
-from tvrpipe.evaluation.metrics import evaluate_similarity, retrieval_metrics, t2v_ranks, v2t_ranks
-from tvrpipe.evaluation.post import (
-    QueryBankAccumulator,
-    QueryBankSummary,
-    apply_qb_norm,
-    dual_softmax,
-    qb_norm,
-    querybank_summary,
-)
+from __future__ import annotations
 
-__all__ = [
-    "POST_PROCESSINGS",
-    "EvaluationConfigError",
-    "QueryBankAccumulator",
-    "QueryBankSummary",
-    "apply_qb_norm",
-    "dual_softmax",
-    "emb_len",
-    "encode_all",
-    "evaluate_head",
-    "evaluate_similarity",
-    "qb_norm",
-    "querybank_summary",
-    "retrieval_metrics",
-    "similarity_matrix",
-    "slice_emb",
-    "t2v_ranks",
-    "v2t_ranks",
-]
+from typing import Any
+
+_LAZY = {
+    **dict.fromkeys(("POST_PROCESSINGS", "EvaluationConfigError", "emb_len", "encode_all", "evaluate_head",
+                     "similarity_matrix", "slice_emb"), "tvrpipe.evaluation.engine"),
+    **dict.fromkeys(("evaluate_similarity", "retrieval_metrics", "t2v_ranks", "v2t_ranks"),
+                    "tvrpipe.evaluation.metrics"),
+    **dict.fromkeys(("QueryBankAccumulator", "QueryBankSummary", "apply_qb_norm", "dual_softmax", "qb_norm",
+                     "querybank_summary"), "tvrpipe.evaluation.post"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tvrpipe.evaluation' has no attribute {name!r}")

@@ -38,11 +38,11 @@ from tvrpipe.evaluation.post import (
     apply_qb_norm,
     dual_softmax,
 )
+from tvrpipe.evaluation.rundir import POST_PROCESSINGS
 from tvrpipe.heads.base import Emb, Head, Reranked, TextBatch, VideoBatch
 
 log = logging.getLogger(__name__)
 
-POST_PROCESSINGS = ("dsl", "qbnorm")
 
 
 class EvaluationConfigError(ConfigError, ValueError):
@@ -244,7 +244,7 @@ def check_finite(sim: Tensor, what: str, text_ids: Sequence[str] | None = None,
     )
 
 
-def _check_post(post: Sequence[str]) -> tuple[str, ...]:
+def check_post(post: Sequence[str]) -> tuple[str, ...]:
     if isinstance(post, str):
         post = (post,)
     unknown = sorted(set(post) - set(POST_PROCESSINGS))
@@ -312,7 +312,7 @@ def evaluate_head(
         >>> res = evaluate_head(head, texts, videos, text_video, post=("dsl",))  # doctest: +SKIP
         >>> res["t2v"]["R@1"], res["t2v_dsl"]["R@1"]  # doctest: +SKIP
     """
-    post = _check_post(post)
+    post = check_post(post)
     if "qbnorm" in post and querybank is None:
         raise EvaluationConfigError(
             "QB-Norm needs a querybank: pass querybank= (TextBatches of training captions), "

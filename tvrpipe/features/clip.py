@@ -194,7 +194,7 @@ def load_clip(
                 f"give a state dict saved from this architecture"
             ) from exc
     model.eval().requires_grad_(False)
-    sha = _state_dict_sha256(model)
+    sha = state_dict_sha256(model)
     model.to(torch_device)
 
     pp = open_clip.get_model_preprocess_cfg(model)
@@ -481,7 +481,7 @@ def _looks_like_path(value: str) -> bool:
     return "/" in value or os.sep in value or value.lower().endswith(_CHECKPOINT_SUFFIXES)
 
 
-def _state_dict_sha256(model: torch.nn.Module) -> str:
+def state_dict_sha256(model: torch.nn.Module) -> str:
     """sha256 over (name, dtype, shape, bytes) of every state-dict entry, in sorted key order."""
     h = hashlib.sha256()
     state = model.state_dict()

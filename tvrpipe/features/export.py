@@ -16,9 +16,9 @@ import h5py
 import numpy as np
 
 from tvrpipe.errors import ConfigError, writing
-from tvrpipe.lock import check_writable, nearest_existing
 from tvrpipe.features.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.features.store import open_store
+from tvrpipe.lock import check_writable, nearest_existing
 
 ARRAYS = tuple(f"{kind}/{name}" for kind, names in STORE_ARRAYS.items() for name in names)
 

@@ -30,7 +30,6 @@ import math
 import os
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,10 +37,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
-from tvrpipe.lock import check_writable
+from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init, require_gpus
 from tvrpipe.data.manifest import read_manifest
+from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256, nonfinite_rows
+from tvrpipe.lock import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -299,48 +299,6 @@ def _check_weights(batch: dict[str, np.ndarray], provenance: dict, tower: str) -
         )
 
 
-def _ray_init(address: str | None, num_cpus: int | None = None) -> None:
-    """Start (or join, with ``address`` / ``RAY_ADDRESS``) Ray for this process, once.
-
-    Quiet unless logging is at INFO or below (the CLI's ``-v``): Ray's own INFO lines, its
-    start-up notices and its C++ log lines (e.g. core_worker's note on actor constructor
-    arguments, which looks like an error and is not one) are hidden, so a user sees tvrpipe's
-    progress bars and summaries; a failed start still shows what Ray printed.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return
-    quiet = logging.getLogger().getEffectiveLevel() > logging.INFO
-    if quiet:
-        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # the driver's C++ lines on stderr
-    address, option = _ray_address(address)
-    with _stderr_held(quiet):  # the token-authentication notice is printed by Ray's C++ start-up
-        if address:
-            _check_reachable(address, option=option)
-            try:
-                ray.init(address=address, log_to_driver=False,
-                         logging_level=logging.WARNING if quiet else logging.INFO)
-            except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
-                raise ConfigError(
-                    f"--address {address}: cannot connect to the Ray cluster ({' '.join(str(e).split())[:200]}). "
-                    "Check the address (`ray status` on the head node); a cluster started with token "
-                    "authentication needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN or "
-                    "~/.ray/auth_token (`ray get-auth-token` on the head prints it); see docs/cluster.md"
-                ) from None
-        else:
-            # "local": a private instance even when a cluster started with `ray start` runs on this
-            # machine (plain ray.init() would join that one instead)
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-    import ray.data  # configures its loggers on import: set their level after
-
-    for name in ("ray", "ray.data", "ray.train", "ray.tune"):
-        logging.getLogger(name).setLevel(logging.ERROR if quiet else logging.INFO)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.verbose_progress = False
-
 
 def _already_complete(out: Path, provenance: dict) -> bool:
     """``out`` holds a complete store of this provenance: a rerun has nothing to do."""
@@ -359,9 +317,9 @@ def _check_device(cfg: ExtractConfig) -> None:
     to place the encoders); an ``--address`` where nothing answers fails here too."""
     import sys
 
-    address, option = _ray_address(cfg.address)
+    address, option = ray_address(cfg.address)
     if address:
-        _check_reachable(address, option=option)
+        check_reachable(address, option=option)
     if cfg.device != "cuda":
         return
     joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()
@@ -373,103 +331,20 @@ def _check_device(cfg: ExtractConfig) -> None:
                               "(torch.cuda.is_available() is False); use --device cpu, or --address of a Ray "
                               "cluster with GPUs")
         return
-    _ray_init(address)
+    ray_init(address)
     require_gpus(1, "--device cuda", "use --device cpu")  # one encoder's GPU
 
 
-def require_gpus(need: float, option: str, instead: str, per_task: float | None = None) -> None:
-    """After :func:`_ray_init`: fail, naming ``option``, when the Ray cluster has fewer than ``need``
-    GPUs in all, or no node with ``per_task`` of them (default ``need``; a task is placed on one
-    node); Ray would otherwise wait forever to place the work (extract's encoders, finetune's
-    workers, a sweep's runs). ``instead`` says what to do."""
-    import ray
-
-    have = ray.cluster_resources().get("GPU", 0)
-    one = per_task if per_task is not None else need
-    node = max((n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
-    if have < need:
-        raise ConfigError(f"{option}: needs {need:g} GPU{'s' if need > 1 else ''}, and the Ray cluster has "
-                          f"{have:g}; {instead}, or run on a cluster whose nodes have GPUs")
-    if node < one:
-        raise ConfigError(f"{option}: a task needs {one:g} GPUs on one node, and the largest node has {node:g}; "
-                          f"{instead}, or run on nodes with more GPUs")
-
-
-def _ray_address(address: str | None) -> tuple[str | None, str]:
-    """The cluster to join, ``address`` or else ``RAY_ADDRESS`` (None: a local instance), and the option
-    that named it, for messages."""
-    if address:
-        return address, "--address"
-    return os.environ.get("RAY_ADDRESS") or None, "RAY_ADDRESS"
-
-
-def _check_reachable(address: str, timeout: float = 10.0, option: str = "--address") -> None:
-    """Fail fast, naming ``option``, when nothing listens where ``address`` points: Ray itself retries such
-    a connection for minutes, and forever for ``auto`` whose cluster has stopped (it reads the address of
-    the last cluster started on this machine, which outlives the cluster). Every form is checked:
-    ``HOST:PORT``, ``ray://HOST:PORT`` and ``auto``."""
-    import re
-    import socket
-
-    target, how = address, ""
-    if address == "auto":
-        try:
-            from ray._private.services import canonicalize_bootstrap_address
-
-            target = canonicalize_bootstrap_address("auto")
-        except Exception:  # Ray's own lookup failed, or its private API moved: leave it to ray.init
-            return
-        if target is None:
-            raise ConfigError(f"{option} auto: no Ray cluster was started on this machine; start one with "
-                              "`ray start --head`, or leave the option out to run here; see docs/cluster.md")
-        how = f" (auto: the last cluster started on this machine, at {target})"
-    m = re.fullmatch(r"(?:ray://)?\[?([^\[\]/]+?)\]?:(\d+)", target)
-    if not m:
-        return
-    try:
-        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout).close()
-    except OSError as e:
-        stopped = "; that cluster has stopped" if how else ""
-        raise ConfigError(f"{option} {address}{how}: cannot connect to the Ray cluster (nothing answers there: "
-                          f"{e.strerror or e}){stopped}; start it with `ray start --head --port {m.group(2)}` or "
-                          "check the address (`ray status` on the head node prints it); see docs/cluster.md") from None
-
-
-@contextmanager
-def _stderr_held(hold: bool):
-    """Hold what is written to file descriptor 2 (C++ included) while active; replay it if the block
-    fails, drop it if it succeeds. A no-op unless ``hold``."""
-    if not hold:
-        yield
-        return
-    import sys
-    import tempfile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            os.dup2(saved, 2)
-            tmp.seek(0)
-            sys.stderr.write(tmp.read().decode(errors="replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def _cluster_cpus() -> int:
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", os.cpu_count() or 1)))
-
 
 def _progress(enabled: bool):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -634,8 +509,8 @@ def extract(
         if jobs or t_pending:
             if not checked:  # a complete store whose failed videos are retried
                 _check_device(cfg)
-            _ray_init(cfg.address)
-            cpus = _cluster_cpus()
+            ray_init(cfg.address)
+            cpus = cluster_cpus()
             gpu = cfg.device == "cuda"
             enc_opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 0}
             threads = 1 if gpu else cpus  # CPU encoders share the cores with the decoders

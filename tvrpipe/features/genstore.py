@@ -57,8 +57,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tvrpipe.errors import ConfigError
 from tvrpipe.data.manifest import CAPTION_COLUMNS, VIDEO_COLUMNS
+from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256
 
 log = logging.getLogger(__name__)

@@ -51,6 +51,7 @@ import zarr
 
 from tvrpipe.environment import resumed_versions, versions
 from tvrpipe.errors import TvrpipeError, writing
+from tvrpipe.files import atomic_write_parquet, atomic_write_text
 from tvrpipe.lock import DirLock
 
 log = logging.getLogger(__name__)
@@ -115,29 +116,6 @@ def provenance_mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> lis
         if k in want and have.get(k) != want[k]
     ]
 
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, read 16 MiB at a time (a CLIP checkpoint is never all in memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with writing(path):
-        tmp.write_text(text)
-        os.replace(tmp, path)
-
-
-def _atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with writing(path):
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
 
 
 def nonfinite_rows(block: np.ndarray) -> np.ndarray:
@@ -271,7 +249,7 @@ class _Layout:
 
 
 # what stores written by an earlier tvrpipe recorded as their maker, and the command that repairs them
-_MAKERS = {"generate_store (tvrpipe.features.genstore)": "tvrpipe synth --features-only"}
+_MAKERS = {"generate_store (tvrpipe.pipeline.genstore)": "tvrpipe synth --features-only"}
 
 
 def maker_command(made_by: str | None) -> str:
@@ -355,8 +333,8 @@ class StoreWriter:
         if not (path / "zarr.json").is_file():
             self._create(path, video_shard, text_shard)
         # the sidecars derive from the manifest (whose hash is in the provenance): always rewritten
-        _atomic_write_parquet(videos.reset_index(drop=True), self.dir / "videos.parquet")
-        _atomic_write_parquet(texts.reset_index(drop=True), self.dir / "texts.parquet")
+        atomic_write_parquet(videos.reset_index(drop=True), self.dir / "videos.parquet")
+        atomic_write_parquet(texts.reset_index(drop=True), self.dir / "texts.parquet")
         self.root = _open_group(path, mode="a")
         # provenance that a store written by an earlier tvrpipe lacks (e.g. logit_scale): the identity keys
         # matched above, so these describe the same weights; recording them loses nothing
@@ -511,7 +489,7 @@ class StoreWriter:
         if left:
             raise StoreError(f"{self.dir}: {left} shards are not complete yet; rerun the extraction to finish")
         failures = self.failures()
-        _atomic_write_parquet(failures, self.dir / "failures.parquet")
+        atomic_write_parquet(failures, self.dir / "failures.parquet")
         if incomplete_reason:
             self.root.attrs.update({"complete": False, "incomplete_reason": incomplete_reason})
             self._complete = False

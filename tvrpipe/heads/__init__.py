@@ -19,12 +19,12 @@ __all__ = ["Head", "HeadConfig", "LossOutput", "TextBatch", "VideoBatch", "creat
 
 # One line per head: importing a head's module registers it.
 from tvrpipe.heads import (
-    meanpool,  # noqa: F401
     duq,  # noqa: F401
+    meanpool,  # noqa: F401
     prota,  # noqa: F401
     seqtransf,  # noqa: F401
-    tokenwise,  # noqa: F401
     tmass,  # noqa: F401
+    tokenwise,  # noqa: F401
     uatvr,  # noqa: F401
     xpool,  # noqa: F401
 )

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
-from tvrpipe.config import INFINITE_OK, check_finite
+from tvrpipe.config import check_fields
 from tvrpipe.errors import ConfigError
 
 Emb = dict[str, Tensor]
@@ -112,13 +112,17 @@ class HeadConfig:
     # (clip_head_config)
     logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init, where no CLIP's scale is known
 
+    owner: ClassVar[str] = "head"  # not a setting: the head's registered name, for messages (register_head)
+
     def __post_init__(self) -> None:
-        # NaN passes every range check a head makes (nan > 0 and nan < 0 are both False) and would then
-        # turn a loss term off silently or the run into NaNs; an infinity only where a field says it means
-        # something (a softmax temperature's hard max)
-        for f in dataclasses.fields(self):
-            check_finite(getattr(self, f.name), f"{type(self).__qualname__}.{f.name}={getattr(self, f.name)!r}",
-                         bool(f.metadata.get(INFINITE_OK)))
+        # every field's declared range, NaN nowhere (it passes every range check: nan > 0 and nan < 0
+        # are both False), an infinity only where a field says it means something (a hard max); then
+        # the checks that involve several fields. A config that exists is one its head accepts.
+        check_fields(self, self.owner)
+        self.check()
+
+    def check(self) -> None:
+        """Checks of several fields together (each head's Config adds its own); raise ConfigError."""
 
 
 class Head(nn.Module):
@@ -250,6 +254,8 @@ def register_head(name: str) -> Callable[[H], H]:
             raise TypeError(f"{cls.__name__}.Config must be a frozen dataclass")
         _check_default_lr(cls)
         cls.name = name
+        if "Config" in cls.__dict__:  # its own Config, not one inherited from the head it extends
+            cls.Config.owner = name
         _HEADS[name] = cls
         return cls
 
@@ -308,12 +314,7 @@ def clip_head_config(name: str, embed_dim: int, logit_scale: float | None,
     from_clip: dict[str, Any] = {"embed_dim": int(embed_dim)}
     if logit_scale is not None:
         from_clip["logit_scale_init"] = float(logit_scale)
-    config = make_config(name, **{**from_clip, **(overrides or {})})
-    # the head's own checks (e.g. a dropout outside [0, 1)) run as it is built: build it once here, so that
-    # a command refuses a bad value before it writes anything; the random stream is left as it was
-    with torch.random.fork_rng(devices=[]):
-        head_class(name)(config)
-    return config
+    return make_config(name, **{**from_clip, **(overrides or {})})
 
 
 def create_head(name: str, **overrides: Any) -> Head:

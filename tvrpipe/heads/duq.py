@@ -92,8 +92,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tvrpipe.errors import ConfigError
-from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, Reranked, TextBatch, VideoBatch, register_head
+from tvrpipe.config import at_least, one_of, within
+from tvrpipe.heads.base import (
+    Emb,
+    Head,
+    HeadConfig,
+    LossOutput,
+    Reranked,
+    TextBatch,
+    VideoBatch,
+    register_head,
+)
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
 from tvrpipe.heads.seqtransf import ResidualAttentionBlock, attention_heads, length_groups
 from tvrpipe.heads.tokenwise import without_first
@@ -105,26 +114,29 @@ from tvrpipe.heads.xpool import XPool
 class Config(HeadConfig):
     """DUQ: X-Pool similarity + ISUM evidential loss + IDUM Gaussian embeddings + Eq. 16 re-ranking."""
 
-    xpool_dropout: float = 0.3  # X-Pool code transformer_dropout (DUQ Sec. 3.1 adopts X-Pool)
-    num_samples: int = 7  # K, DUQ Sec. 4.1
-    uncertainty_weight: float = 1.0  # DUQ Eq. 15: L_S^U weight 1; 0 = Tab. 3 without "+L_S^U"
-    distance_weight: float = 0.1  # alpha, DUQ Eq. 15 / Sec. 4.1; 0 = Tab. 3 without "+L_D"
+    xpool_dropout: float = within(0.0, 1.0, 0.3, below=True)  # X-Pool code transformer_dropout (DUQ Sec. 3.1 adopts X-Pool)
+    num_samples: int = at_least(1, 7)  # K, DUQ Sec. 4.1
+    uncertainty_weight: float = at_least(0, 1.0)  # DUQ Eq. 15: L_S^U weight 1; 0 = Tab. 3 without "+L_S^U"
+    distance_weight: float = at_least(0, 0.1)  # alpha, DUQ Eq. 15 / Sec. 4.1; 0 = Tab. 3 without "+L_D"
     # "boundary": Eq. 11 (max over sample pairs for i != j, min for i = j); "mean": the inference
     # reduction for every pair (an option: Eq. 11 is separable by inflating sigma, docs/methods.md)
-    distance_reduction: str = "boundary"  # DUQ Eq. 11
+    distance_reduction: str = one_of(("boundary", "mean"), "boundary")  # DUQ Eq. 11
     distance_infonce: bool = True  # DUQ Eq. 12 / Tab. 3 "+L_D" (row #5 has L_D^U without L_D)
     distance_uncertainty: bool = True  # DUQ Eq. 13 / Tab. 3 "+L_D^U"
-    kl_weight: float = 1e-4  # beta, DUQ Eq. 15 / Sec. 4.1
-    gamma1: float = 0.1  # DUQ Eq. 16 / Sec. 4.1: weight of u_d
-    gamma2: float = 0.1  # DUQ Eq. 16 / Sec. 4.1: weight of u_s
+    kl_weight: float = at_least(0, 1e-4)  # beta, DUQ Eq. 15 / Sec. 4.1
+    gamma1: float = at_least(0, 0.1)  # DUQ Eq. 16 / Sec. 4.1: weight of u_d
+    gamma2: float = at_least(0, 0.1)  # DUQ Eq. 16 / Sec. 4.1: weight of u_s
     rerank: bool = True  # DUQ Sec. 3.4 "Inference": report the Eq. 16 re-ranking beside the raw scores
-    agg_heads: int | None = None  # None: D // 64 (8 at D = 512), DUQ code module_agg num_heads=8
+    agg_heads: int | None = at_least(1, None)  # None: D // 64 (8 at D = 512), DUQ code module_agg num_heads=8
     drop_sot: bool = True  # DUQ Sec. 3.1: F_t = [w_1, ..., w_Nt], the words (no SOT), as tokenwise and uatvr
     noise_seed: int = 0  # choice (DESIGN.md): seed of the fixed (K, D) inference noise
     log_sigma_init: float = 0.0  # choice: initial bias of h_sigma (0: sigma ~ 1, torch's default Linear init)
     # h_mu = identity and the fusion passes the global feature through, so the distance branch starts
     # at the zero-shot alignment of the cached features (as X-Pool's official identity init)
     identity_init: bool = True  # choice: see the module doc (False: torch's default init)
+
+    def check(self) -> None:
+        attention_heads(self.owner, "agg_heads", self.embed_dim, self.agg_heads)
 
 
 def evidential_mse(sim: Tensor, target: Tensor) -> Tensor:
@@ -191,13 +203,6 @@ class DUQ(Head):
         super().__init__(config)
         d = config.embed_dim
         heads = attention_heads("duq", "agg_heads", d, config.agg_heads)
-        if config.num_samples < 1:
-            raise ConfigError(f"duq: num_samples (K) must be >= 1, got {config.num_samples}")
-        if config.distance_reduction not in ("boundary", "mean"):
-            raise ConfigError(f"duq: distance_reduction must be boundary or mean, got {config.distance_reduction!r}")
-        for name in ("uncertainty_weight", "distance_weight", "kl_weight", "gamma1", "gamma2"):
-            if getattr(config, name) < 0:
-                raise ConfigError(f"duq: {name} must be >= 0, got {getattr(config, name)}")
         self.xpool = XPool(XPoolConfig(embed_dim=d, dropout=config.xpool_dropout))
         del self.xpool.logit_scale  # one lambda for every term: this head's logit_scale
         self.text_agg, self.video_agg = LocalAggregation(d, heads), LocalAggregation(d, heads)

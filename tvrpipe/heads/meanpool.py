@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import masked_mean

@@ -32,7 +32,7 @@ Choices where the paper is silent or the code cannot be followed:
   DiDeMo uses 64 frames.
 - No dropout, as in the code (``nn.MultiheadAttention`` with its default dropout 0).
 - LayerNorm epsilon 1e-12, as CLIP4Clip's TF-style ``module_cross.LayerNorm`` (torch's default
-  1e-5 was the whole 3.3e-6 difference found side by side on identical weights; issue 10).
+  1e-5 was the whole 3.3e-6 difference found side by side on identical weights).
 - A video with no real frame is the zero vector (similarity 0).
 - ``logit_scale`` starts at the features' CLIP's learned scale, as CLIP4Clip reuses it (``clip_head_config``).
 """
@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tvrpipe.config import at_least
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import masked_mean
@@ -56,11 +57,19 @@ class Config(HeadConfig):
     """seqTransf: a CLIP-style temporal transformer over the frames."""
 
     num_layers: int = 4  # CLIP4Clip code cross_num_hidden_layers=4; UATVR Sec. 4.1: four layers, after CLIP4Clip
-    num_heads: int | None = None  # None: D // 64, CLIP4Clip code transformer_heads = width // 64 (8)
+    num_heads: int | None = at_least(1, None)  # None: D // 64, CLIP4Clip code transformer_heads = width // 64 (8)
     mlp_ratio: int = 4  # CLIP4Clip code (module_cross.ResidualAttentionBlock): MLP width 4D
     max_frames: int = 77  # CLIP4Clip code: position table = CLIP context length 77 (DiDeMo: 64 frames)
     zero_init: bool = True  # choice: no CLIP weights to copy; zero out-projections + positions = meanpool
     ln_eps: float = 1e-12  # CLIP4Clip code module_cross.LayerNorm (TF style, eps 1e-12); torch's default is 1e-5
+
+    def check(self) -> None:
+        attention_heads(self.owner, "num_heads", self.embed_dim, self.num_heads)
+
+
+# train-head's learning rate when --lr is not given: chosen on the validation curves of
+# `tvrpipe bench convergence`, whose runs and figures are in docs/training.md ("Default learning rates, and what chose them")
+DEFAULT_LR = 1e-4
 
 
 class QuickGELU(nn.Module):
@@ -182,9 +191,7 @@ class SeqTransf(Head):
     """CLIP4Clip seqTransf: temporal transformer + residual, then mean pooling and cosine."""
 
     uses_tokens = False  # reads the sentence embedding only
-    # choice: chosen on validation curves at D = 64 and D = 512 (`tvrpipe bench convergence`); the runs
-    # and their figures are in docs/training.md, "Schedule"
-    default_lr = 1e-4
+    default_lr = DEFAULT_LR
 
     Config = Config
 

@@ -78,6 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tvrpipe.config import above, at_least, one_of
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import symmetric_infonce
@@ -95,18 +96,23 @@ _TILE_TEXTS = 32  # texts per evaluation tile (measured: larger tiles re-read le
 class Config(XPoolConfig):
     """T-MASS: X-Pool video embedding, stochastic text with a similarity-aware radius."""
 
-    num_frames: int = 12  # T', T-MASS Sec. 4.1 (12 frames): the rows of W in R = exp(S W)
-    radius: str = "linear"  # T-MASS Eq. 7 / Tab. 5 final model exp(S W); "scalar": exp(theta mean S), "mean": exp(mean S)
-    prior: str = "normal"  # T-MASS Eq. 5: P = N(0, I); "uniform": U[0, 1), the official code's default
-    prior_std: float = 1.0  # T-MASS Eq. 5: N(0, 1); official stochastic_prior_std (its LSMDC run: normal, 3e-3)
-    num_samples: int = 20  # M, T-MASS Sec. 4.1 / Tab. 6b (M = 20); 0 scores t itself ("w/o sampling")
-    alpha: float = 1.2  # T-MASS Eq. 9 / Fig. 6: weight of L_sup (0 drops it)
-    w_s: float = 1.0  # T-MASS Eq. 9 / Tab. 6a: weight of L_s on sampled t_s (0 drops it)
-    w_ce: float = 0.0  # T-MASS Tab. 6a: weight of L_ce on t itself (rows 1-2; the final model has none)
-    train_radius: str = "pairs"  # choice (issue 9): radius of every (text, video) pair as at inference; "paired": official code
+    num_frames: int = at_least(1, 12)  # T', T-MASS Sec. 4.1 (12 frames): the rows of W in R = exp(S W)
+    radius: str = one_of(RADII, "linear")  # T-MASS Eq. 7 / Tab. 5 final model exp(S W); "scalar": exp(theta mean S), "mean": exp(mean S)
+    prior: str = one_of(PRIORS, "normal")  # T-MASS Eq. 5: P = N(0, I); "uniform": U[0, 1), the official code's default
+    prior_std: float = above(0, 1.0)  # T-MASS Eq. 5: N(0, 1); official stochastic_prior_std (its LSMDC run: normal, 3e-3)
+    num_samples: int = at_least(0, 20, why="0: score t itself")  # M, T-MASS Sec. 4.1 / Tab. 6b (M = 20); 0 scores t itself ("w/o sampling")
+    alpha: float = at_least(0, 1.2)  # T-MASS Eq. 9 / Fig. 6: weight of L_sup (0 drops it)
+    w_s: float = at_least(0, 1.0)  # T-MASS Eq. 9 / Tab. 6a: weight of L_s on sampled t_s (0 drops it)
+    w_ce: float = at_least(0, 0.0)  # T-MASS Tab. 6a: weight of L_ce on t itself (rows 1-2; the final model has none)
+    train_radius: str = one_of(TRAIN_RADII, "pairs")  # choice: radius of every (text, video) pair as at inference; "paired": official code
     theta_init: float = 1.0  # choice: official code leaves theta uninitialised; 1 starts at exp(mean S)
     noise_seed: int = 0  # choice (DESIGN.md): seed of the fixed (M, D) inference noise
     radius_bias: bool = True  # T-MASS Eq. 7 "the linear layer": the official nn.Linear(T', d) has a bias
+
+    def check(self) -> None:
+        super().check()
+        if self.alpha + self.w_s + self.w_ce == 0:
+            raise ConfigError(f"{self.owner}: the loss weights alpha, w_s, w_ce must not all be 0")
 
 
 @register_head("tmass")
@@ -117,19 +123,6 @@ class TMass(XPool):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        for name, value, allowed in (("radius", config.radius, RADII), ("prior", config.prior, PRIORS),
-                                     ("train_radius", config.train_radius, TRAIN_RADII)):
-            if value not in allowed:
-                raise ConfigError(f"tmass: {name} must be one of {', '.join(allowed)}, got {value!r}")
-        if config.num_samples < 0:
-            raise ConfigError(f"tmass: num_samples must be >= 0 (0: score t itself), got {config.num_samples}")
-        if not config.prior_std > 0:
-            raise ConfigError(f"tmass: prior_std must be > 0, got {config.prior_std}")
-        if config.num_frames < 1:
-            raise ConfigError(f"tmass: num_frames must be >= 1, got {config.num_frames}")
-        if min(config.alpha, config.w_s, config.w_ce) < 0 or config.alpha + config.w_s + config.w_ce == 0:
-            raise ConfigError("tmass: the loss weights alpha, w_s, w_ce must be >= 0 and not all 0, got "
-                              f"{config.alpha}, {config.w_s}, {config.w_ce}")
         d = config.embed_dim
         if config.radius == "linear":
             self.radius_proj = nn.Linear(config.num_frames, d, bias=config.radius_bias)  # S (F,) -> log R (D,)

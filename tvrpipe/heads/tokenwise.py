@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
 

@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tvrpipe.config import above, at_least, one_of
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
@@ -88,21 +89,30 @@ class Config(HeadConfig):
     """UATVR: DSA extra tokens + seqTransf, Eq. 8 token-wise score, DUA Gaussian embeddings."""
 
     dsa: bool = True  # UATVR Tab. 1 "+DSA": extra tokens and seqTransf; False = "TI" (tokenwise)
-    extra_video_tokens: int = 3  # C_v, UATVR Tab. 3 (best: 3); official code: 2 (docs/methods.md)
-    extra_text_tokens: int = 2  # C_t, UATVR Tab. 3 (best: 2)
+    extra_video_tokens: int = at_least(0, 3)  # C_v, UATVR Tab. 3 (best: 3); official code: 2 (docs/methods.md)
+    extra_text_tokens: int = at_least(0, 2)  # C_t, UATVR Tab. 3 (best: 2)
     num_layers: int = 4  # UATVR Sec. 4.1: four-layer seqTransf, after CLIP4Clip
-    num_heads: int | None = None  # None: D // 64, CLIP4Clip code transformer_heads = width // 64
+    num_heads: int | None = at_least(1, None)  # None: D // 64, CLIP4Clip code transformer_heads = width // 64
     mlp_ratio: int = 4  # CLIP4Clip code (module_cross.ResidualAttentionBlock): MLP width 4D
     max_len: int = 77  # CLIP4Clip code: position table = CLIP context length 77 (frames and words)
     ln_eps: float = 1e-12  # CLIP4Clip / UATVR code module_cross.LayerNorm eps (TF style)
     zero_init: bool = True  # choice: as seqtransf, identity transformers at the start (no CLIP weights to copy)
     share_transformer: bool = False  # choice: one seqTransf per modality; True: one shared (official code)
     drop_sot: bool = True  # UATVR Eq. 7-8: n = 1..N, no w^0 (SOT), as tokenwise
-    num_samples: int = 7  # K, UATVR Tab. 4 (best: 7)
-    dua_weight: float = 1e-2  # alpha, UATVR Eq. 13 / Sec. 4.1; 0 = Tab. 1 without "+DUA"
-    kl_weight: float = 1e-4  # beta, UATVR Eq. 13 / Sec. 4.1; 0 = Tab. 1 without "+KL"
-    dua_temperature: float = 1.0  # choice: Eq. 11 on plain inner products of samples, as the official code
-    kl_reduction: str = "mean"  # choice: mean over the batch (Eq. 12 per pair); "sum": official code
+    num_samples: int = at_least(1, 7)  # K, UATVR Tab. 4 (best: 7)
+    dua_weight: float = at_least(0, 1e-2)  # alpha, UATVR Eq. 13 / Sec. 4.1; 0 = Tab. 1 without "+DUA"
+    kl_weight: float = at_least(0, 1e-4)  # beta, UATVR Eq. 13 / Sec. 4.1; 0 = Tab. 1 without "+KL"
+    dua_temperature: float = above(0, 1.0)  # choice: Eq. 11 on plain inner products of samples, as the official code
+    kl_reduction: str = one_of(("mean", "sum"), "mean")  # choice: mean over the batch (Eq. 12 per pair); "sum": official code
+
+    def check(self) -> None:
+        attention_heads(self.owner, "num_heads", self.embed_dim, self.num_heads)
+
+
+# train-head's learning rate when --lr is not given, by feature width D (the curves
+# at D = 64 and D = 512 disagree): chosen on the validation curves of
+# `tvrpipe bench convergence`, whose runs and figures are in docs/training.md ("Default learning rates, and what chose them")
+DEFAULT_LR = {64: 3e-3, 512: 3e-4}
 
 
 class GaussianHead(nn.Module):
@@ -136,24 +146,12 @@ class UATVR(Head):
     """UATVR: Eq. 8 token-wise score over DSA-enlarged sequences; DUA and KL in training."""
 
     Config = Config
-    # choice, per width: the validation curves at D = 64 and D = 512 disagree (`tvrpipe bench convergence`);
-    # the runs and their figures are in docs/training.md, "Schedule"
-    default_lr = {64: 3e-3, 512: 3e-4}
+    default_lr = DEFAULT_LR
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         d = config.embed_dim
         heads = attention_heads("uatvr", "num_heads", d, config.num_heads)
-        if min(config.extra_video_tokens, config.extra_text_tokens) < 0:
-            raise ConfigError("uatvr: extra_video_tokens and extra_text_tokens must be >= 0")
-        if config.num_samples < 1:
-            raise ConfigError(f"uatvr: num_samples (K) must be >= 1, got {config.num_samples}")
-        if min(config.dua_weight, config.kl_weight) < 0:
-            raise ConfigError("uatvr: dua_weight and kl_weight must be >= 0")
-        if config.kl_reduction not in ("mean", "sum"):
-            raise ConfigError(f"uatvr: kl_reduction must be mean or sum, got {config.kl_reduction!r}")
-        if not config.dua_temperature > 0:
-            raise ConfigError(f"uatvr: dua_temperature must be > 0, got {config.dua_temperature}")
         if config.dsa:
             def blocks() -> nn.ModuleList:
                 return nn.ModuleList(ResidualAttentionBlock(d, heads, config.mlp_ratio, config.ln_eps)

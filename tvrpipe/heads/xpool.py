@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tvrpipe.config import at_least, within
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
 
@@ -66,11 +67,15 @@ from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, reg
 class Config(HeadConfig):
     """X-Pool: one cross-modal attention block from the sentence to the frames."""
 
-    num_heads: int = 1  # X-Pool code num_mha_heads=1 (paper: a single query per text), D_p = D
-    dropout: float = 0.3  # X-Pool code transformer_dropout=0.3; T-MASS Sec. 4.1 keeps X-Pool's 0.3
+    num_heads: int = at_least(1, 1)  # X-Pool code num_mha_heads=1 (paper: a single query per text), D_p = D
+    dropout: float = within(0.0, 1.0, 0.3, below=True)  # X-Pool code transformer_dropout=0.3; T-MASS Sec. 4.1 keeps X-Pool's 0.3
     identity_init: bool = True  # X-Pool code Transformer._init_parameters: identity projections, zero biases
     # True: the official code's nn.Linear biases (zero at init), so that its trained checkpoints score the same
     proj_bias: bool = False  # X-Pool's equations: bias-free W_Q, W_K, W_V, W_O
+
+    def check(self) -> None:
+        if self.embed_dim % self.num_heads:
+            raise ConfigError(f"{self.owner}: embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
 
 
 @register_head("xpool")
@@ -83,11 +88,7 @@ class XPool(Head):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        d, h = config.embed_dim, config.num_heads
-        if h < 1 or d % h:
-            raise ConfigError(f"xpool: embed_dim {d} is not divisible by num_heads {h}")
-        if not 0.0 <= config.dropout < 1.0:
-            raise ConfigError(f"xpool: dropout must be in [0, 1), got {config.dropout}")
+        d = config.embed_dim
         self.layer_norm1 = nn.LayerNorm(d)
         self.q_proj = nn.Linear(d, d, bias=config.proj_bias)
         self.k_proj = nn.Linear(d, d, bias=config.proj_bias)

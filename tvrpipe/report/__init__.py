@@ -106,7 +106,7 @@ def write_report(
         >>> write_report(["runs/"], "report", video_root="data/videos", manifest="data/manifest")  # doctest: +SKIP
         PosixPath('report/report.md')
     """
-    from tvrpipe.features.store import atomic_write_text
+    from tvrpipe.files import atomic_write_text
     from tvrpipe.lock import check_writable
 
     if gallery_queries < 1:

@@ -90,14 +90,15 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
         ('video7', 0.61)
     """
     from tvrpipe.evaluation.metrics import t2v_ranks
+    from tvrpipe.evaluation.rundir import read_config
     from tvrpipe.features.store import StoreError, open_store
     from tvrpipe.training.data import load_split, store_split_rows
-    from tvrpipe.training.fit import _read_config, checkpoint_similarity
+    from tvrpipe.training.fit import checkpoint_similarity
 
     if queries < 1:
         raise ConfigError(f"--queries must be >= 1, got {queries}")
     run = Path(run_dir)
-    config = _read_config(run)
+    config = read_config(run)
     if not config.get("features"):
         raise GalleryUnavailable(f"{run} was trained on live CLIP features (finetune) and names no feature "
                                  "store; choose a train-head run with --gallery-run")

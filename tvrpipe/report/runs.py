@@ -15,11 +15,12 @@ import pandas as pd
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.environment import ENVIRONMENT_KEYS
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
+from tvrpipe.evaluation import rundir
+from tvrpipe.evaluation.rundir import METRICS, Scores
 
 log = logging.getLogger(__name__)
 
-METRICS = ("R@1", "R@5", "R@10", "MdR", "MnR")
-DIRECTIONS = {"t2v": "Text-to-video", "v2t": "Video-to-text"}
+DIRECTIONS = dict(zip(rundir.DIRECTIONS, ("Text-to-video", "Video-to-text")))  # their titles
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,13 @@ class RunRecord:
     def seed(self) -> int | None:
         return self.settings.get("seed")
 
+    @property
+    def test(self) -> Scores:
+        return Scores.from_dict(self.metrics.get("test") or {})
+
     def scores(self, variant: str, direction: str) -> dict | None:
         """Test metrics of one score variant (``raw``, ``dsl``, ...) and direction, if reported."""
-        key = direction if variant == "raw" else f"{direction}_{variant}"
-        m = self.metrics.get("test", {}).get(key)
-        return m if isinstance(m, dict) and "R@1" in m else None
+        return self.test.get(variant, direction)
 
     def readout_series(self) -> dict[str, list[str]]:
         """``{readout: [columns of epochs.csv]}``: validation readouts logged per epoch.
@@ -110,7 +113,7 @@ def find_runs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[RunRecord],
     Example:
         >>> runs, skipped = find_runs(["runs/"])  # doctest: +SKIP
     """
-    from tvrpipe.training.fit import _read_config
+    from tvrpipe.evaluation.rundir import read_config
 
     runs: list[RunRecord] = []
     skipped: list[Skipped] = []
@@ -128,7 +131,7 @@ def find_runs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[RunRecord],
             if "config.yaml" not in files:
                 continue
             try:
-                config = _read_config(here)
+                config = read_config(here)
             except RunError as e:
                 if _looks_like_run(here):  # a run whose config is damaged: say so; anything else is not ours
                     skipped.append(Skipped(here, str(e)))
@@ -165,29 +168,29 @@ def _looks_like_run(d: Path) -> bool:
 
 
 def _read_run(d: Path, config: dict) -> RunRecord | Skipped:
-    mpath = d / "metrics.json"
-    if not mpath.is_file():
+    mpath = d / rundir.METRICS_FILE
+    try:
+        metrics = rundir.read_metrics(d)
+    except RunError:
+        return Skipped(d, f"{mpath} is damaged (not JSON)")
+    if metrics is None and not mpath.is_file():
         return Skipped(d, "unfinished: no metrics.json (training did not reach its test evaluation; rerun the "
                           "same command to resume it)")
-    try:
-        metrics = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError):
-        return Skipped(d, f"{mpath} is damaged (not JSON)")
     if not isinstance(metrics, dict) or not isinstance(metrics.get("test"), dict) or not all(
             isinstance(metrics["test"].get(k), dict) for k in DIRECTIONS):
         return Skipped(d, f"{mpath} has no test t2v / v2t metrics")
     lost = [f"{k} {m}" for k in DIRECTIONS for m in METRICS if not isinstance(metrics["test"][k].get(m), (int, float))]
     if lost:  # counted in a row's runs, it would drop out of the raw tables alone
         return Skipped(d, f"{mpath} is damaged: no test {', '.join(lost[:3])}")
-    epath = d / "epochs.csv"
+    epath = d / rundir.EPOCHS
     ran = (metrics.get("schedule") or {}).get("epochs_run", metrics.get("selected_epoch") or 0)
     if not epath.is_file() and ran:
         return Skipped(d, f"{epath} is missing ({mpath} says {ran} epochs ran): the curves and the runs table "
                           "need it; train the run again")
     try:
-        epochs = pd.read_csv(epath) if epath.is_file() else pd.DataFrame({"epoch": []})
-    except (ValueError, pd.errors.ParserError, UnicodeDecodeError):
-        return Skipped(d, f"{epath} is damaged (not CSV)")
+        epochs = rundir.read_epochs(d)
+    except RunError as e:
+        return Skipped(d, str(e))
     dataset, split_set = _dataset_of(config)
     return RunRecord(d, config, metrics, epochs, dataset, split_set)
 

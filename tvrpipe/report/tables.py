@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from tvrpipe.environment import versions_text
-from tvrpipe.report.runs import DIRECTIONS, METRICS, RunRecord, Skipped
+from tvrpipe.evaluation.rundir import METRICS, ordered_variants
+from tvrpipe.report.runs import DIRECTIONS, RunRecord, Skipped
 
 HIGHER_IS_BETTER = {"R@1": True, "R@5": True, "R@10": True, "MdR": False, "MnR": False}
 # how each score variant is titled, and what it is; a variant not listed here is titled by its key
@@ -27,7 +28,6 @@ SCORE_TITLES = {
     "rerank": ("after the head's re-ranking", ("The head's own re-ranking of the full score matrix "
                                                "(`Head.rerank`, e.g. DUQ Eq. 16); not comparable with raw scores.")),
 }
-SCORE_ORDER = ("raw", "dsl", "qbnorm", "rerank")
 # settings that do not change what a run learns: runs differing only in these share a row
 _NOT_IDENTITY = frozenset({"seed", "device", "prefetch", "eval_batch", "block_texts"})
 _HASH = re.compile(r"^[0-9a-f]{32,}$")
@@ -71,13 +71,9 @@ class Section:
         return [r for row in self.rows for r in row.runs]
 
     def variants(self) -> list[str]:
-        """Score variants any run of the section reports, raw first, then in :data:`SCORE_ORDER`."""
-        found = {"raw"}
-        for run in self.runs:
-            for key, m in run.metrics.get("test", {}).items():
-                if isinstance(m, dict) and "R@1" in m and "_" in key and key.split("_", 1)[0] in DIRECTIONS:
-                    found.add(key.split("_", 1)[1])
-        return [v for v in SCORE_ORDER if v in found] + sorted(found - set(SCORE_ORDER))
+        """Score variants any run of the section reports, in :data:`~tvrpipe.evaluation.rundir.SCORE_VARIANTS`
+        order (raw first), then any other by name."""
+        return ordered_variants({v for run in self.runs for v in run.test.variants()} | {"raw"})
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -90,8 +86,6 @@ def _identity(run: RunRecord) -> dict[str, Any]:
     flat.update({f"head.{k}": v for k, v in (run.config.get("head") or {}).items()})
     section = "finetune" if "finetune" in run.config else "train"
     settings = run.settings
-    if section == "finetune":
-        settings.setdefault("epoch_pairs", "videos")  # a run from before the option trained on those
     flat.update({f"{section}.{k}": v for k, v in settings.items() if k not in _NOT_IDENTITY})
     resolved = (run.config.get("resolved") or {}).get("lr")
     if resolved is not None and settings.get("lr") is None:  # a head's default_lr, which can change

@@ -26,8 +26,8 @@ import torch
 import zarr
 
 from tvrpipe.errors import ConfigError, NonFiniteError
-from tvrpipe.heads.base import TextBatch, VideoBatch
 from tvrpipe.features.store import FeatureStore, nonfinite_rows
+from tvrpipe.heads.base import TextBatch, VideoBatch
 
 CARVE_SEED = 20240501  # fixed: the carved validation set does not depend on the training seed
 
@@ -304,3 +304,28 @@ def load_splits(
     rows = store_split_rows(store, carve_fraction, carve_max, need_test)
     return Splits(*(load_split(store, name, rows, tokens=tokens) for name in ("train", "val", "test")),
                   val_source=rows.val_source)
+
+
+class CaptionPairs:
+    """The (video, caption) pairs of ``train-head``'s epochs: an epoch visits every training video once,
+    in a random order, each with one of its captions drawn at random (no video twice in a batch, so
+    InfoNCE has no false negatives). The draws depend only on (seed, epoch): a resumed run draws the same.
+
+    Args:
+        text_video: each caption's video row.
+        n_videos: the videos of the split.
+    """
+
+    def __init__(self, text_video: np.ndarray, n_videos: int) -> None:
+        self.n_videos = n_videos
+        self.by_video = np.argsort(text_video, kind="stable")  # caption rows grouped by video
+        self.counts = np.bincount(text_video, minlength=n_videos)
+        self.first = np.cumsum(self.counts) - self.counts  # where each video's captions start in by_video
+
+    def epoch(self, seed: int, epoch: int, steps: int, batch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``steps`` batches of (video rows, caption rows), ``batch`` pairs each."""
+        rng = np.random.default_rng([seed, epoch])
+        order = rng.permutation(self.n_videos)
+        for s in range(steps):
+            vids = order[s * batch : (s + 1) * batch]
+            yield vids, self.by_video[self.first[vids] + (rng.random(len(vids)) * self.counts[vids]).astype(np.int64)]

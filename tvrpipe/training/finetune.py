@@ -49,29 +49,15 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn as nn
-import yaml
 
-from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
+from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
+from tvrpipe.evaluation.rundir import BEST, LAST, load_head, load_optimizer_state, save_head, save_weights
+from tvrpipe.features.decode import MAX_TIMEOUT_S
+from tvrpipe.files import atomic_write_text
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
-from tvrpipe.features.decode import MAX_TIMEOUT_S
-from tvrpipe.features.store import atomic_write_text, file_sha256
-from tvrpipe.training.fit import (
-    Checkpoints,
-    _flat_readouts,
-    _key,
-    _plots,
-    _read_config,
-    _save_checkpoint,
-    _schedule,
-    load_head,
-    load_optimizer_state,
-    rows_from_state,
-    save_weights,
-    seed_step,
-    write_rows,
-)
+from tvrpipe.training.core import RunLoop, Schedule, optimizer_step, seed_step, start_run
 from tvrpipe.training.videodata import (
     EPOCH_PAIRS,
     ClipBatch,
@@ -97,57 +83,47 @@ class FinetuneConfig:
     end_to_end: bool = False  # False: CLIP frozen, the head trains on live features
     model: str = "ViT-B-32"  # the papers' backbone (CLIP ViT-B/32)
     pretrained: str = "openai"  # open_clip tag, a local checkpoint, or "none" (seeded random)
-    epochs: int = 5  # X-Pool / T-MASS / DUQ: 5 epochs on MSR-VTT
-    epoch_pairs: str = "captions"  # an epoch: every training caption once (the papers'), or "videos": one per video
-    batch_size: int = 32  # X-Pool / T-MASS Sec. 4: batch 32 (the global batch, over all workers)
-    frames: int | None = None  # None: the manifest's (12 for MSR-VTT, X-Pool Sec. 4)
-    max_words: int | None = None  # None: the manifest's (32 for MSR-VTT)
-    clip_lr: float = 1e-6  # X-Pool / T-MASS / DUQ: CLIP lr 1e-6
-    head_lr: float = 1e-5  # X-Pool / T-MASS / DUQ: lr 1e-5 for the non-CLIP parameters
-    weight_decay: float = 0.2  # X-Pool Sec. 4 / CLIP4Clip: AdamW weight decay 0.2
-    warmup_fraction: float = 0.1  # CLIP4Clip / X-Pool: warmup proportion 0.1, then cosine
-    grad_clip: float = 1.0  # X-Pool / T-MASS: clip_grad_norm_ 1.0; 0 disables
-    precision: str = "fp32"  # fp16 (GPU) / bf16: autocast of the CLIP towers; heads run in fp32
+    epochs: int = at_least(0, 5, option="--epochs")  # X-Pool / T-MASS / DUQ: 5 epochs on MSR-VTT
+    # an epoch: every training caption once (the papers'), or "videos": one per video
+    epoch_pairs: str = one_of(EPOCH_PAIRS, "captions", option="--epoch-pairs")
+    # X-Pool / T-MASS Sec. 4: batch 32 (the global batch, over all workers)
+    batch_size: int = at_least(2, 32, option="--batch-size")
+    frames: int | None = at_least(1, None, option="--frames")  # None: the manifest's (12 for MSR-VTT, X-Pool Sec. 4)
+    max_words: int | None = at_least(2, None, option="--max-words")  # None: the manifest's (32 for MSR-VTT)
+    clip_lr: float = at_least(0, 1e-6, option="--clip-lr")  # X-Pool / T-MASS / DUQ: CLIP lr 1e-6
+    head_lr: float = at_least(0, 1e-5, option="--head-lr")  # X-Pool / T-MASS / DUQ: lr 1e-5 for the non-CLIP parameters
+    weight_decay: float = at_least(0, 0.2, option="--weight-decay")  # X-Pool Sec. 4 / CLIP4Clip: AdamW weight decay 0.2
+    warmup_fraction: float = within(0.0, 1.0, 0.1)  # CLIP4Clip / X-Pool: warmup proportion 0.1, then cosine
+    grad_clip: float = at_least(0, 1.0, option="--grad-clip", why="0: no clipping")  # X-Pool / T-MASS: clip_grad_norm_ 1.0
+    # fp16 (GPU) / bf16: autocast of the CLIP towers; heads run in fp32
+    precision: str = one_of(PRECISIONS, "fp32", option="--precision")
     grad_checkpointing: bool = False  # open_clip's activation checkpointing of the towers
-    num_workers: int = 0  # 0: this process; N >= 1: Ray Train workers (DDP)
+    num_workers: int = at_least(0, 0, option="--num-workers")  # 0: this process; N >= 1: Ray Train workers (DDP)
     use_gpu: bool = False  # one GPU per worker (or this process)
     address: str | None = None  # Ray cluster to join; None: RAY_ADDRESS or a local instance
-    cpus_per_worker: int | None = None  # Ray Train workers' CPUs; None: all local CPUs split evenly
-    loader_workers: int | None = None  # DataLoader decode processes per worker; None: its CPUs
+    # Ray Train workers' CPUs; None: all local CPUs split evenly
+    cpus_per_worker: int | None = at_least(1, None, option="--cpus-per-worker")
+    # DataLoader decode processes per worker; None: its CPUs
+    loader_workers: int | None = at_least(0, None, option="--loader-workers")
     seed: int = 0
-    eval_batch: int = 32  # videos per encoder call at evaluation
-    block_texts: int = 256  # texts per similarity block at evaluation
-    timeout_s: float = 60.0  # per-video decode wall clock
-    max_failed_fraction: float = 0.1  # choice: as extract's; more failed training or test videos stop the run
-    max_steps: int | None = None  # cap on steps per epoch (benchmarks, tests)
+    eval_batch: int = at_least(1, 32, option="--eval-batch")  # videos per encoder call at evaluation
+    block_texts: int = at_least(1, 256)  # texts per similarity block at evaluation
+    # per-video decode wall clock (an infinity is refused by the maximum below, with its own message)
+    timeout_s: float = above(0, 60.0, option="--timeout", infinite=True)
+    # choice: as extract's; more failed training or test videos stop the run
+    max_failed_fraction: float = within(0.0, 1.0, 0.1, option="--max-failed-fraction")
+    max_steps: int | None = at_least(1, None, option="--max-steps")  # cap on steps per epoch (benchmarks, tests)
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first invalid option; reads and creates nothing."""
-        for opt, value, low in (("--epochs", self.epochs, 0), ("--batch-size", self.batch_size, 2),
-                                ("--frames", self.frames, 1), ("--max-words", self.max_words, 2),
-                                ("--num-workers", self.num_workers, 0), ("--loader-workers", self.loader_workers, 0),
-                                ("--cpus-per-worker", self.cpus_per_worker, 1), ("--eval-batch", self.eval_batch, 1),
-                                ("block_texts", self.block_texts, 1), ("--max-steps", self.max_steps, 1)):
-            if value is not None and value < low:
-                raise ConfigError(f"{opt} must be >= {low}, got {value}")
-        for opt, value in (("--clip-lr", self.clip_lr), ("--head-lr", self.head_lr)):
-            if not value >= 0 or not math.isfinite(value):
-                raise ConfigError(f"{opt} must be a finite number >= 0, got {value}")
-        if not self.weight_decay >= 0 or not math.isfinite(self.weight_decay):
-            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
-        if not 0.0 <= self.warmup_fraction <= 1.0:
-            raise ConfigError(f"warmup_fraction must be between 0 and 1, got {self.warmup_fraction}")
-        if not self.grad_clip >= 0:
-            raise ConfigError(f"--grad-clip must be >= 0 (0: no clipping), got {self.grad_clip}")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN too; the decoder waits in whole milliseconds (a C int)
+        """Raise :class:`ConfigError` naming the first invalid option (every field's declared range, then
+        the options that go together); reads and creates nothing. A FinetuneConfig that exists has passed it."""
+        check_fields(self, "finetune")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # the decoder waits in whole milliseconds (a C int)
             raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got "
                               f"{self.timeout_s}")
-        if not 0.0 <= self.max_failed_fraction <= 1.0:
-            raise ConfigError(f"--max-failed-fraction must be between 0 and 1, got {self.max_failed_fraction}")
-        if self.epoch_pairs not in EPOCH_PAIRS:
-            raise ConfigError(f"--epoch-pairs must be one of {', '.join(EPOCH_PAIRS)}, got {self.epoch_pairs!r}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.precision == "fp16" and not self.use_gpu:
             raise ConfigError("--precision fp16 needs --use-gpu (CPU autocast supports bf16: use --precision bf16)")
         if self.use_gpu and self.num_workers == 0 and not torch.cuda.is_available():
@@ -156,8 +132,6 @@ class FinetuneConfig:
         if self.batch_size % world:
             raise ConfigError(f"--batch-size {self.batch_size} is the global batch: it must be divisible by "
                               f"--num-workers {self.num_workers}")
-        if self.batch_size // world < 1:
-            raise ConfigError(f"--batch-size {self.batch_size} leaves no pair per worker")
 
 
 @dataclass(frozen=True)
@@ -385,98 +359,52 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
             cpus: int | None = None) -> dict | None:
     """The training loop of one process (rank ``rank`` of ``world``, ``cpus`` CPUs: default all this
     process may use); rank 0 returns the metrics."""
-    from tvrpipe.features.clip import load_clip
-
     cfg, out = job.cfg, Path(job.out)
-    ckpt = out / "checkpoints"
-    # ---- model: the same seed on every rank gives the same CLIP and head (DDP broadcasts rank 0's anyway)
-    torch.manual_seed(cfg.seed)
-    bundle = load_clip(cfg.model, cfg.pretrained, device=device, seed=cfg.seed)
-    head = head_class(job.method)(job.head_cfg).to(bundle.device)
-    model = LiveModel(bundle, head, cfg.end_to_end, cfg.precision)
-    model.clip.requires_grad_(cfg.end_to_end)
-    if cfg.grad_checkpointing:
-        model.clip.set_grad_checkpointing(True)
-    ckpts = Checkpoints(ckpt)
-    state = None
-    if (ckpt / ckpts.STATE).is_file():
-        try:
-            from safetensors.torch import load_file
+    pairs = _train_pairs(job)
+    steps_per_epoch = epoch_steps(pairs, cfg.batch_size, cfg.epoch_pairs)
+    if cfg.max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, cfg.max_steps)
+    schedule = Schedule.fixed(steps_per_epoch, cfg.epochs, cfg.warmup_fraction)
 
-            # rank 0 completes (or drops) an interrupted epoch's files and checks them; then the others read
-            state = ckpts.load("cpu") if rank == 0 else None
-            _barrier(world)
-            if rank != 0:
-                state = ckpts.load("cpu", check=False)
-            model.clip.load_state_dict(load_file(str(ckpt / "clip_last.safetensors")))
-            head.load_state_dict(load_head(ckpt / "last.safetensors").state_dict())
-        except Exception as e:
-            raise RunError(f"{out}: cannot resume, its checkpoints are damaged ({type(e).__name__}: "
-                           f"{' '.join(str(e).split())[:160]}); delete {ckpt} to train from scratch") from None
-    wrapped: nn.Module = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [bundle.device.index] if bundle.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+    # ---- model, optimiser
+    model = _live_model(job, device)
+    bundle, head = model._bundle, model.head
     groups = _param_groups(model, cfg)
     opt = torch.optim.AdamW(groups) if groups else None
     scaler = torch.amp.GradScaler(bundle.device.type, enabled=cfg.precision == "fp16")
-
-    # ---- data
-    F, S = job.frames, bundle.image_size
-    dataset = DecodedClips(job.table, F, S, cfg.seed, cfg.timeout_s)
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = cfg.loader_workers if cfg.loader_workers is not None else min(8, cpus)
-    train_sampler, eval_sampler = PlannedBatches(), PlannedBatches()
-    train_loader = _loader(dataset, train_sampler, Collate(F, S, keep_failed=False), workers)
-    eval_loader = _loader(dataset, eval_sampler, Collate(F, S, keep_failed=True), workers)
-
-    def loader_for(plan):
-        eval_sampler.plan = plan
-        return iter(eval_loader)
-
-    pairs = _train_pairs(job)
-    G = cfg.batch_size
-    steps_per_epoch = epoch_steps(pairs, G, cfg.epoch_pairs)
-    if cfg.max_steps is not None:
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps)
-    total = steps_per_epoch * cfg.epochs
-    warmup = max(1, int(cfg.warmup_fraction * total))
-
-    rows: list[dict] = []
-    best, start_epoch = None, 0
+    loop = RunLoop(out, schedule, {"clip_": lambda path: _save_clip(model.clip, path, {"model": cfg.model}),
+                                   "": lambda path: save_head(head, path)}, rank, world)
     failures: dict[str, str] = {}  # video id -> error, every video that failed to decode
-    if state is not None:
+
+    def restore(state: dict) -> None:
+        from safetensors.torch import load_file
+
+        model.clip.load_state_dict(load_file(str(loop.checkpoints.folder / f"clip_{LAST}")))
+        head.load_state_dict(load_head(loop.checkpoints.folder / LAST).state_dict())
         if opt and state["optimizer"]:
             load_optimizer_state(opt, state["optimizer"], out)
-        if state.get("scaler"):
+        if state["scaler"]:  # fp16 runs only: a disabled scaler's state is empty
             scaler.load_state_dict(state["scaler"])
-        start_epoch, best, failures = state["epoch"] + 1, state["best"], state["failures"]
-        rows = rows_from_state(state)
-        if rank == 0:
-            log.info("resuming %s from epoch %d", out, start_epoch)
-            if rows:  # the logs of the last committed epoch, had the run stopped before writing them
-                write_rows(rows, out / "epochs.csv")
-            if failures:
-                _write_failures(failures, out)
+        failures.update(state["failures"])
+    loop.resume(restore, barrier=lambda: _barrier(world))
+    if rank == 0 and failures:
+        _write_failures(failures, out)
+    wrapped = _distributed(model, world)  # DDP over Ray Train's workers (the model itself with one)
+
+    # ---- data: DataLoader workers decode; an epoch's batches are planned from (seed, epoch)
+    train_sampler, train_loader, loader_for = _loaders(job, bundle.image_size, cpus)
     id_row = {str(v): i for i, v in enumerate(job.video_ids)}
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not (job.progress and world == 1))
-    with bar:
-        task = bar.add_task(f"finetune {job.method}", total=steps_per_epoch * max(0, cfg.epochs - start_epoch), info="")
-        for epoch in range(start_epoch, cfg.epochs):
+    # ---- loop
+    with loop.progress(f"finetune {job.method}", enabled=job.progress and world == 1):
+        for epoch in loop.epochs():
             model.train()
             if not cfg.end_to_end:
                 model.clip.eval()  # frozen: CLIP stays in inference mode
             skip = frozenset(id_row[v] for v in failures if v in id_row)
-            train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, G, rank, world, skip, cfg.max_steps,
+            train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, cfg.batch_size, rank, world, skip, cfg.max_steps,
                                             cfg.epoch_pairs)
-            losses, terms, new_failed = [], {}, []
+            new_failed = []
             timing = []  # (seconds waiting for the batch, seconds of the step, clips) per step
             t0 = time.perf_counter()
             for step, batch in enumerate(train_loader):
@@ -484,8 +412,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 t1 = time.perf_counter()
                 new_failed += batch.failed
                 if _pairs_in_step(len(batch.videos), world, bundle.device) == 0:  # no video of the step decoded
-                    bar.update(task, advance=1, info=f"epoch {epoch + 1}/{cfg.epochs}: a step whose videos all "
-                                                     "failed to decode, skipped")
+                    loop.advance(f"epoch {epoch + 1}/{cfg.epochs}: a step whose videos all failed to decode, skipped")
                     t0 = time.perf_counter()
                     continue
                 # the head's own noise (sampling heads) is the same on every rank and after a resume
@@ -495,51 +422,25 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                     vids = ", ".join(str(job.video_ids[v]) for v in batch.videos[:5])
                     raise NonFiniteError(f"epoch {epoch + 1} step {step + 1}: the loss is {float(total_loss)} on the "
                                          f"batch of videos {vids}; lower --clip-lr / --head-lr and train into a new --out")
-                if opt:
-                    for g in opt.param_groups:
-                        g["lr"] = g["base_lr"] * _schedule(epoch * steps_per_epoch + step, total, warmup)
-                    opt.zero_grad(set_to_none=True)
-                    scaler.scale(total_loss).backward()
-                    if cfg.grad_clip > 0:
-                        scaler.unscale_(opt)
-                        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], cfg.grad_clip)
-                    scaler.step(opt)
-                    scaler.update()
+                optimizer_step(opt, total_loss, loop.lr(epoch, step), scaler, cfg.grad_clip)
                 if bundle.device.type == "cuda":
                     torch.cuda.synchronize(bundle.device)
                 t2 = time.perf_counter()
                 timing.append((t1 - t0, t2 - t1, len(batch.videos) * world))
-                losses.append(float(total_loss.detach()))
-                for k, v in loss_terms.items():
-                    terms.setdefault(k, []).append(float(v))
-                info = f"epoch {epoch + 1}/{cfg.epochs} loss {losses[-1]:.3f} {len(batch.videos) * world / (t2 - t0):.1f} clips/s"
-                bar.update(task, advance=1, info=info)
+                loss = loop.record(total_loss, loss_terms)
+                info = f"epoch {epoch + 1}/{cfg.epochs} loss {loss:.3f} {len(batch.videos) * world / (t2 - t0):.1f} clips/s"
+                loop.advance(info)
                 if world > 1 and rank == 0:  # the driver shows Ray workers' progress from this file
-                    _report_progress(out, epoch * steps_per_epoch + step + 1 - start_epoch * steps_per_epoch,
-                                     steps_per_epoch * (cfg.epochs - start_epoch), info)
+                    _report_progress(out, (epoch - loop.start_epoch) * steps_per_epoch + step + 1,
+                                     steps_per_epoch * (cfg.epochs - loop.start_epoch), info)
                 t0 = time.perf_counter()
             failures.update(_all_failures(new_failed, job, world))
             if rank == 0:
-                val = _evaluate(model, loader_for, job.val, job, failures)
-                row = {"epoch": epoch + 1, "loss": float(np.mean(losses)) if losses else float("nan"),
-                       **{f"loss_{k}": float(np.mean(v)) for k, v in terms.items()},
-                       **{f"val_t2v_{k}": v for k, v in val["t2v"].items() if k != "n"},
-                       **{f"val_v2t_{k}": v for k, v in val["v2t"].items() if k != "n"},
-                       **_flat_readouts(val),
-                       "lr_clip": cfg.clip_lr * _schedule(max(0, (epoch + 1) * steps_per_epoch - 1), total, warmup)
-                       if cfg.end_to_end else 0.0,
-                       "lr_head": cfg.head_lr * _schedule(max(0, (epoch + 1) * steps_per_epoch - 1), total, warmup),
-                       **_throughput(timing), "failed_videos": len(failures)}
-                rows.append(row)
-                ckpts.stage("clip_last.safetensors", lambda path: _save_clip(model.clip, path, {"model": cfg.model}))
-                ckpts.stage("last.safetensors", lambda path: _save_checkpoint(head, path))
-                if best is None or _key(val) > tuple(best["key"]):
-                    ckpts.stage_copy("clip_best.safetensors", "clip_last.safetensors")
-                    sha = ckpts.stage("best.safetensors", lambda path: _save_checkpoint(head, path))
-                    best = {"epoch": epoch + 1, "key": list(_key(val)), "val": val, "sha256": sha}
-                ckpts.commit({"epoch": epoch, "best": best, "rows": json.dumps(rows), "failures": failures,
-                              "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()})
-                write_rows(rows, out / "epochs.csv")
+                last_step = schedule.multiplier(epoch, steps_per_epoch - 1)  # the lr of the epoch's last step
+                loop.end_epoch(epoch, _evaluate(model, loader_for, job.val, job, failures), {
+                    "lr_clip": cfg.clip_lr * last_step if cfg.end_to_end else 0.0, "lr_head": cfg.head_lr * last_step,
+                    **_throughput(timing), "failed_videos": len(failures),
+                }, {"failures": failures, "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()})
                 if failures:
                     _write_failures(failures, out)
             _barrier(world)
@@ -549,10 +450,54 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 raise RunError(message)
     if rank != 0:
         return None
-    return _finish(model, loader_for, job, best, rows, failures)
+    return _finish(model, loop, loader_for, job, failures)
 
 
 PROGRESS_FILE = ".progress.json"
+
+
+def _live_model(job: _Job, device: str | torch.device) -> LiveModel:
+    """CLIP and the head, on ``device``; the same seed on every rank gives the same weights (DDP
+    broadcasts rank 0's anyway). CLIP trains only end-to-end."""
+    from tvrpipe.features.clip import load_clip
+
+    cfg = job.cfg
+    torch.manual_seed(cfg.seed)
+    bundle = load_clip(cfg.model, cfg.pretrained, device=device, seed=cfg.seed)
+    model = LiveModel(bundle, head_class(job.method)(job.head_cfg).to(bundle.device), cfg.end_to_end, cfg.precision)
+    model.clip.requires_grad_(cfg.end_to_end)
+    if cfg.grad_checkpointing:
+        model.clip.set_grad_checkpointing(True)
+    return model
+
+
+def _distributed(model: LiveModel, world: int) -> nn.Module:
+    """``model`` under DistributedDataParallel when there are several workers."""
+    if world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = model._bundle.device
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+
+
+def _loaders(job: _Job, image_size: int, cpus: int | None):
+    """The training batches (a sampler whose plan is set each epoch, and its DataLoader) and
+    ``loader_for(plan)``, which decodes evaluation batches; both decode in ``loader_workers`` processes."""
+    cfg, F = job.cfg, job.frames
+    dataset = DecodedClips(job.table, F, image_size, cfg.seed, cfg.timeout_s)
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = cfg.loader_workers if cfg.loader_workers is not None else min(8, cpus)
+    train_sampler, eval_sampler = PlannedBatches(), PlannedBatches()
+    train_loader = _loader(dataset, train_sampler, Collate(F, image_size, keep_failed=False), workers)
+    eval_loader = _loader(dataset, eval_sampler, Collate(F, image_size, keep_failed=True), workers)
+
+    def loader_for(plan):
+        eval_sampler.plan = plan
+        return iter(eval_loader)
+    return train_sampler, train_loader, loader_for
 
 
 def _train_pairs(job: _Job) -> TrainPairs:
@@ -645,24 +590,16 @@ def _write_failures(failures: dict[str, str], out: Path) -> None:
     atomic_write_text(out / "failures.csv", "\n".join(lines) + "\n")
 
 
-def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: list[dict],
-            failures: dict[str, str]) -> dict:
+def _finish(model: LiveModel, loop: RunLoop, loader_for, job: _Job, failures: dict[str, str]) -> dict:
     """Rank 0: test evaluation of the selected epoch, export, metrics.json and plots."""
     from safetensors.torch import load_file
 
-    from tvrpipe.features.clip import _state_dict_sha256
+    from tvrpipe.features.clip import state_dict_sha256
 
-    cfg, out = job.cfg, Path(job.out)
-    ckpt = out / "checkpoints"
-    if best is None:  # zero epochs: evaluate the untrained head on the pretrained CLIP
-        val = _evaluate(model, loader_for, job.val, job, failures)
-        _save_clip(model.clip, ckpt / "clip_best.safetensors", {"model": cfg.model})
-        best = {"epoch": 0, "key": None, "val": val, "sha256": _save_checkpoint(model.head, ckpt / "best.safetensors")}
-    if best.get("sha256") and file_sha256(ckpt / "best.safetensors") != best["sha256"]:
-        raise RunError(f"{ckpt / 'best.safetensors'} changed after it was written (sha256 mismatch); "
-                       f"delete {out} and train again")
-    model.clip.load_state_dict(load_file(str(ckpt / "clip_best.safetensors")))
-    model.head.load_state_dict(load_head(ckpt / "best.safetensors").state_dict())
+    cfg, out, folder = job.cfg, Path(job.out), loop.checkpoints.folder
+    loop.selected(lambda: _evaluate(model, loader_for, job.val, job, failures))
+    model.clip.load_state_dict(load_file(str(folder / f"clip_{BEST}")))
+    model.head.load_state_dict(load_head(folder / BEST).state_dict())
     test = _evaluate(model, loader_for, job.test, job, failures, post=job.post)
     message = _too_many_failed(failures, job.test[0], "test videos failed to decode", job,
                                "no test metrics were written (the training is kept).")
@@ -672,29 +609,21 @@ def _finish(model: LiveModel, loader_for, job: _Job, best: dict | None, rows: li
         raise RunError(message)
     if cfg.end_to_end:
         _adopt_head_scale(model.clip, model.head)
-    provenance = {"weights_sha256": _state_dict_sha256(model.clip), "model": _extract_model_name(model._bundle)}
+    provenance = {"weights_sha256": state_dict_sha256(model.clip), "model": _extract_model_name(model._bundle)}
     export = None
     if cfg.end_to_end:
         name = provenance["model"]
         _save_clip(model.clip, out / CLIP_FILE, {"model": name, "source": f"tvrpipe finetune --method {job.method}"})
         export = {"file": CLIP_FILE, "model": name, "weights_sha256": provenance["weights_sha256"],
                   "extract": f"tvrpipe extract --model {name} --pretrained {out / CLIP_FILE}"}
-    metrics = {"method": job.method, "selected_epoch": best["epoch"], "selection": "validation t2v (R@1, R@5, R@10)",
-               "validation": job.val_source,
-               "val": best["val"], "test": test,
-               "checkpoint": {"file": "checkpoints/best.safetensors", "sha256": best.get("sha256")},
-               "provenance": provenance, "export": export,
-               "failed_videos": len(failures),
-               "train": {"clips_per_s": float(np.mean([r["clips_per_s"] for r in rows])) if rows else None,
-                         "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
-                         "epochs_run": len(rows)}}
     if failures:
         _write_failures(failures, out)
-    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
-    if rows:
-        groups = {name: list(r) if isinstance(r, dict) else [""] for name, r in best["val"].get("readouts", {}).items()}
-        _plots(rows, out / "plots", groups)
-    return metrics
+    rows = loop.rows
+    return loop.write_results(job.method, job.val_source, test, {
+        "provenance": provenance, "export": export, "failed_videos": len(failures),
+        "train": {"clips_per_s": float(np.mean([r["clips_per_s"] for r in rows])) if rows else None,
+                  "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
+                  "epochs_run": len(rows)}})
 
 
 def _adopt_head_scale(clip: nn.Module, head: Head) -> None:
@@ -753,7 +682,7 @@ def finetune(
         >>> finetune("data/msrvtt/manifest", "data/msrvtt/videos", "xpool", "runs/xpool-e2e",
         ...          FinetuneConfig(end_to_end=True, use_gpu=True, precision="fp16"))  # doctest: +SKIP
     """
-    from tvrpipe.evaluation.engine import _check_post
+    from tvrpipe.evaluation.engine import check_post
     from tvrpipe.features.clip import preprocess_description
     from tvrpipe.features.decode import FRAME_SAMPLING
     from tvrpipe.features.extract import open_inputs
@@ -762,7 +691,7 @@ def finetune(
 
     # ---- options, manifest and weights are checked before anything is written or Ray starts
     cfg.validate()
-    post = tuple(_check_post(post))
+    post = check_post(post)
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
@@ -801,17 +730,7 @@ def finetune(
     }
     del bundle
     with locked(out, "--out"):
-        cfg_path = out / "config.yaml"
-        if cfg_path.is_file():
-            have = _read_config(out)
-            have.setdefault("finetune", {}).setdefault("epoch_pairs", "videos")  # a run from before the option
-            ignored = ("execution", *ENVIRONMENT_KEYS)  # how and where it runs may change on a resume
-            if {k: v for k, v in have.items() if k not in ignored} != json.loads(json.dumps(
-                    {k: v for k, v in config.items() if k not in ignored})):
-                raise ConfigError(f"{out} holds a run with another configuration; choose another --out")
-        config.update(run_versions(have if cfg_path.is_file() else None))
-        atomic_write_text(cfg_path, yaml.safe_dump(config, sort_keys=False))
-        (out / "checkpoints").mkdir(exist_ok=True)
+        start_run(out, config, ignore=("execution",))  # how and where it runs may change on a resume
         if cfg.num_workers == 0:
             return run_job(job, 0, 1, "cuda" if cfg.use_gpu else "cpu")
         return _ray_train(job)
@@ -823,11 +742,11 @@ def _ray_train(job: _Job) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from tvrpipe.cluster import ray_init, require_gpus
     from tvrpipe.errors import TvrpipeError
-    from tvrpipe.features.extract import _ray_init, require_gpus
 
     cfg = job.cfg
-    _ray_init(cfg.address)
+    ray_init(cfg.address)
     if cfg.use_gpu:
         require_gpus(cfg.num_workers, f"--use-gpu with --num-workers {cfg.num_workers}",
                      "drop --use-gpu or lower --num-workers", per_task=1)

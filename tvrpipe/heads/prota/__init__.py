@@ -101,13 +101,13 @@ Ablations (Tab. 1): LdA ``intra=False inter=False probabilistic=False kl_weight=
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tvrpipe.config import ALLOWS_INFINITY
+from tvrpipe.config import above, at_least, one_of
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean
@@ -146,28 +146,41 @@ class Config(HeadConfig):
     """ProTA: DPA (Eq. 1-8) over token Gaussians (Eq. 9-11), KL and adaptive-margin InfoNCE."""
 
     num_layers: int = 4  # ProTA Supp. B: temporal transformer 4 layers (CLIP4Clip seqTransf)
-    num_heads: int | None = None  # None: D // 64 (8 at D = 512), ProTA Supp. B: 8 heads
+    num_heads: int | None = at_least(1, None)  # None: D // 64 (8 at D = 512), ProTA Supp. B: 8 heads
     mlp_ratio: int = 4  # CLIP4Clip code (module_cross.ResidualAttentionBlock): MLP width 4D
     max_frames: int = 77  # CLIP4Clip code: position table = CLIP context length 77
     ln_eps: float = 1e-12  # CLIP4Clip code module_cross.LayerNorm (TF style)
     zero_init: bool = True  # choice: as seqtransf, identity temporal transformer at the start (no CLIP weights)
     drop_sot: bool = False  # ProTA Sec. 3: f_t = {t_SOS, t_1, ..., t_EOS}, SOS included
-    lam: float = field(default=100.0, metadata=ALLOWS_INFINITY)  # lambda, ProTA Sec. 4.1, Tab. 10: Eq. 2 (inf: "max")
-    xi: float = field(default=100.0, metadata=ALLOWS_INFINITY)  # xi, ProTA Sec. 4.1, Tab. 10: Eq. 6 (inf: "max")
-    num_kernels: int = 5  # R, ProTA Sec. 4.1 / Tab. 11
-    kernel_sigma2: float = 1.0  # choice: middle bandwidth s^2 (2 s^2 = squared distance of orthogonal unit vectors)
-    kernel_mul: float = 2.0  # choice: bandwidth ratio between kernels (multi-kernel MMD family)
-    gram: str = "rbf"  # ProTA Tab. 1: "rbf" (G, Eq. 3) or "dot" (G-dagger, Gram by dot product)
-    gram_aggregation: str = "mean"  # choice: Eq. 5's G_tt f_t divided by N; "sum" = as printed
+    lam: float = above(0, 100.0, infinite=True)  # lambda, ProTA Sec. 4.1, Tab. 10: Eq. 2 (inf: "max")
+    xi: float = above(0, 100.0, infinite=True)  # xi, ProTA Sec. 4.1, Tab. 10: Eq. 6 (inf: "max")
+    num_kernels: int = at_least(1, 5)  # R, ProTA Sec. 4.1 / Tab. 11
+    kernel_sigma2: float = above(0, 1.0)  # choice: middle bandwidth s^2 (2 s^2 = squared distance of orthogonal unit vectors)
+    kernel_mul: float = above(0, 2.0)  # choice: bandwidth ratio between kernels (multi-kernel MMD family)
+    gram: str = one_of(("rbf", "dot"), "rbf")  # ProTA Tab. 1: "rbf" (G, Eq. 3) or "dot" (G-dagger, Gram by dot product)
+    gram_aggregation: str = one_of(("mean", "sum"), "mean")  # choice: Eq. 5's G_tt f_t divided by N; "sum" = as printed
     intra: bool = True  # ProTA Tab. 1 "+G_intra" (Eq. 5); False: uniform token weights
     inter: bool = True  # ProTA Tab. 1 "+G_inter" (Eq. 6-7); False: h_{t->v} = 1
     probabilistic: bool = True  # ProTA Tab. 1 "DPA-section" (Eq. 9-11); False: DPA on the tokens (Eq. 8)
-    w2_spread: str = "std"  # choice: Eq. 10 with standard deviations (W2); "variance" = as printed
+    w2_spread: str = one_of(("std", "variance"), "std")  # choice: Eq. 10 with standard deviations (W2); "variance" = as printed
     mean_residual: bool = True  # choice: mu = f + W^mean(f), output layer zero (starts at f); False: plain MLP
     log_var_init: float = 0.0  # choice: W^var output bias, sigma^2 = 1 (KL minimum in sigma)
-    kl_weight: float = 5e-4  # beta, ProTA Sec. 4.1 / Eq. 16; 0 = Tab. 1 without "+L^kl"
-    margin_weight: float = 5e-4  # eta, ProTA Sec. 4.1 / Eq. 13; 0 = Tab. 1 without "+AC"
+    kl_weight: float = at_least(0, 5e-4)  # beta, ProTA Sec. 4.1 / Eq. 16; 0 = Tab. 1 without "+L^kl"
+    margin_weight: float = at_least(0, 5e-4)  # eta, ProTA Sec. 4.1 / Eq. 13; 0 = Tab. 1 without "+AC"
     margin_grad: bool = False  # choice: the margin is a detached indicator (ProTA Sec. 3.2, "indicator")
+
+    def check(self) -> None:
+        attention_heads(self.owner, "num_heads", self.embed_dim, self.num_heads)
+        if not self.probabilistic and (self.kl_weight or self.margin_weight):
+            raise ConfigError(f"{self.owner}: kl_weight and margin_weight need the token distributions of "
+                              "probabilistic=True; for the deterministic rows of Tab. 1 add "
+                              "--set kl_weight=0 --set margin_weight=0")
+
+
+# train-head's learning rate when --lr is not given, by feature width D (the curves
+# at D = 64 and D = 512 disagree): chosen on the validation curves of
+# `tvrpipe bench convergence`, whose runs and figures are in docs/training.md ("Default learning rates, and what chose them")
+DEFAULT_LR = {64: 3e-4, 512: 3e-3}
 
 
 class TokenMLP(nn.Sequential):
@@ -175,8 +188,7 @@ class TokenMLP(nn.Sequential):
 
     ``out_bias=False`` drops the output layer's bias, for an MLP whose output feeds a softmax over
     tokens: softmax is shift-invariant, so that bias would get an exactly zero gradient and change no
-    score. A checkpoint that still holds it (written before it was dropped) loads with it discarded,
-    which changes nothing either.
+    score. A checkpoint that holds it loads with it discarded, which changes nothing either.
     """
 
     def __init__(self, dim: int, hidden: int, out: int, out_bias: bool = True) -> None:
@@ -204,31 +216,12 @@ class ProTA(Head):
     """ProTA: S^p of Eq. 11 (or S of Eq. 8), trained with Eq. 16."""
 
     Config = Config
-    # choice, per width: the validation curves at D = 64 and D = 512 disagree (`tvrpipe bench convergence`);
-    # the runs and their figures are in docs/training.md, "Schedule"
-    default_lr = {64: 3e-4, 512: 3e-3}
+    default_lr = DEFAULT_LR
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         cfg, d = config, config.embed_dim
         heads = attention_heads("prota", "num_heads", d, cfg.num_heads)
-        for option, value, allowed in (("gram", cfg.gram, ("rbf", "dot")),
-                                       ("gram_aggregation", cfg.gram_aggregation, ("mean", "sum")),
-                                       ("w2_spread", cfg.w2_spread, ("std", "variance"))):
-            if value not in allowed:
-                raise ConfigError(f"prota: {option} must be one of {', '.join(allowed)}, got {value!r}")
-        if cfg.num_kernels < 1:
-            raise ConfigError(f"prota: num_kernels (R) must be >= 1, got {cfg.num_kernels}")
-        if not (cfg.kernel_sigma2 > 0 and cfg.kernel_mul > 0):
-            raise ConfigError("prota: kernel_sigma2 and kernel_mul must be > 0")
-        if not (cfg.lam > 0 and cfg.xi > 0):
-            raise ConfigError(f"prota: lam and xi must be > 0 (inf = hard max), got {cfg.lam}, {cfg.xi}")
-        if min(cfg.kl_weight, cfg.margin_weight) < 0:
-            raise ConfigError("prota: kl_weight and margin_weight must be >= 0")
-        if not cfg.probabilistic and (cfg.kl_weight or cfg.margin_weight):
-            raise ConfigError("prota: kl_weight and margin_weight need the token distributions of "
-                              "probabilistic=True; for the deterministic rows of Tab. 1 add "
-                              "--set kl_weight=0 --set margin_weight=0")
         # the smallest value G_tv can take (dpa_scores' shared-exp check): its value at cosine -1
         # (the dot product's -1; the kernels' mean at the largest squared distance of unit vectors, 4)
         self._gram_floor = float(gram_of_cosines(torch.tensor(-1.0, dtype=torch.float64), cfg))

@@ -1,0 +1,39 @@
+"""Files written whole or not at all (a temporary file and a rename), and their sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tvrpipe.errors import writing
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read 16 MiB at a time (a CLIP checkpoint is never all in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with writing(path):
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
+    """Write ``df`` as Parquet through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with writing(path):
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+

@@ -1,0 +1,361 @@
+"""The epoch skeleton both trainers share: ``fit`` (cached features) and ``finetune`` (live CLIP).
+
+A trainer builds its model, optimiser and batches, then drives a :class:`RunLoop`::
+
+    loop = RunLoop(out, schedule, models={"": save_head_fn}, ...)
+    loop.resume(restore)                        # the last committed epoch, if any
+    with loop.progress(title):
+        for epoch in loop.epochs():
+            for step, batch in enumerate(batches):
+                seed_step(seed, epoch, step)
+                loss = ...
+                optimizer_step(opt, loss, loop.lr(epoch, step))
+                loop.record(loss, terms)
+                loop.advance(info)
+            loop.end_epoch(epoch, validate(), extras, state)
+    best = loop.selected(validate, ...)         # the epoch selected on validation
+    test = ...                                  # the selected weights on test, once
+    loop.write_results(method, validation, test, extras)
+
+What the loop owns, once for both trainers:
+
+- **Schedule** (:class:`Schedule`): linear warmup, then cosine over a fixed number of epochs (the
+  papers'), or, open-ended, a constant rate halved after ``plateau`` epochs without a better
+  validation score and a stop after ``patience`` such epochs.
+- **Selection**: the epoch whose validation t2v (R@1, R@5, R@10) is highest, compared in that order
+  (:meth:`~tvrpipe.evaluation.rundir.Scores.selection_key`); test is evaluated once, with it.
+- **Checkpoints**: each epoch stages every model's ``last`` file, and its ``best`` file when
+  validation improved, then commits them with the resume state (:class:`Checkpoints`), so a run cut
+  anywhere resumes to the uninterrupted result.
+- **Run files**: ``epochs.csv`` after every epoch, ``metrics.json`` and ``plots/`` at the end
+  (:mod:`tvrpipe.evaluation.rundir`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
+from tvrpipe.errors import ConfigError, RunError, TvrpipeError
+from tvrpipe.evaluation.rundir import (
+    BEST,
+    CHECKPOINTS,
+    CONFIG,
+    LAST,
+    SELECTION,
+    Checkpoints,
+    Scores,
+    read_config,
+    rows_from_state,
+    write_config,
+    write_epochs,
+    write_metrics,
+    write_plots,
+)
+from tvrpipe.files import file_sha256
+
+log = logging.getLogger(__name__)
+
+# Writes one model's weights to a path and returns the file's sha256 (rundir.save_head, save_weights).
+WriteWeights = Callable[[Path], str]
+
+
+def lr_multiplier(step: int, total: int | None, warmup: int, halvings: int = 0) -> float:
+    """The lr multiplier at global ``step``: warmup, then cosine to ``total`` steps, or (``total``
+    None: a run until validation stops improving) constant, halved ``halvings`` times."""
+    if step < warmup:
+        return (step + 1) / warmup * (0.5 ** halvings if total is None else 1.0)
+    if total is None:
+        return 0.5 ** halvings
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How many epochs a run trains and at which learning rate.
+
+    Attributes:
+        steps_per_epoch: optimizer steps an epoch.
+        epochs: epochs to train (at most, when open-ended).
+        warmup: steps of linear warmup.
+        total: steps of the cosine decay; None: open-ended (constant, halved on plateaus, stopped
+            after ``patience`` epochs without a better validation score).
+        patience, plateau: in epochs, for an open-ended run.
+        description: one line for ``config.yaml`` and ``metrics.json``.
+    """
+
+    steps_per_epoch: int
+    epochs: int
+    warmup: int
+    total: int | None
+    patience: int | None = None
+    plateau: int | None = None
+    description: str = ""
+
+    @classmethod
+    def fixed(cls, steps_per_epoch: int, epochs: int, warmup_fraction: float) -> Schedule:
+        """The papers' schedule: ``epochs`` epochs, warmup over ``warmup_fraction`` of the steps, then cosine."""
+        total = steps_per_epoch * epochs
+        return cls(steps_per_epoch, epochs, max(1, int(warmup_fraction * total)), total,
+                   description=f"{epochs} epochs: warmup {warmup_fraction:g}, then cosine")
+
+    @classmethod
+    def open_ended(cls, steps_per_epoch: int, max_epochs: int, patience: int, plateau: int) -> Schedule:
+        """Until validation stops improving: warmup over the first epoch, then constant, halved after every
+        ``plateau`` epochs without a better score, stopped after ``patience`` (at most ``max_epochs``)."""
+        return cls(steps_per_epoch, max_epochs, steps_per_epoch, None, patience, plateau,
+                   f"until validation t2v R@1+R@5+R@10 stops improving: warmup 1 epoch, lr halved after every "
+                   f"{plateau} epochs without improvement, stop after {patience} ({steps_per_epoch} steps an "
+                   f"epoch), at most {max_epochs} epochs")
+
+    def multiplier(self, epoch: int, step: int, halvings: int = 0) -> float:
+        return lr_multiplier(epoch * self.steps_per_epoch + step, self.total, self.warmup, halvings)
+
+
+def progress_score(val: Scores) -> float:
+    """What early stopping watches: validation t2v R@1 + R@5 + R@10 (choice: smoother than R@1 alone
+    on a few hundred validation videos, so noise neither stops a run nor halves its lr)."""
+    return float(sum(val.selection_key()))
+
+
+def seed_step(seed: int, epoch: int, step: int) -> None:
+    """Seed torch's generators (dropout, a head's sampled noise) from (seed, epoch, step): a resumed
+    run draws what the uninterrupted one drew, and every data-parallel rank draws the same.
+
+    It seeds the CPU generator and each accelerator already in use, which are all a step can draw
+    from. ``torch.manual_seed`` would also queue a lazy seed, holding a formatted stack, for every
+    CUDA/XPU/MTIA backend not initialised: 0.8 ms a step on a CPU run. The model is on its device
+    before the first step, so "in use" is known by then.
+    """
+    s = int(np.random.SeedSequence([seed, epoch, step]).generate_state(1)[0])
+    torch.default_generator.manual_seed(s)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(s)
+    if torch.backends.mps.is_available():
+        torch.mps.manual_seed(s)
+
+
+def optimizer_step(opt: torch.optim.Optimizer | None, loss: torch.Tensor, multiplier: float,
+                   scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0) -> None:
+    """One step: every group at its ``base_lr`` times ``multiplier``, gradients (scaled by ``scaler``
+    under fp16, their norm clipped to ``grad_clip`` when > 0), then the update. Without an optimiser
+    (a head with nothing to train) nothing happens."""
+    if opt is None:
+        return
+    for g in opt.param_groups:
+        g["lr"] = g["base_lr"] * multiplier
+    opt.zero_grad(set_to_none=True)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+        return
+    scaler.scale(loss).backward()
+    if grad_clip > 0:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], grad_clip)
+    scaler.step(opt)
+    scaler.update()
+
+
+def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
+              explain: Callable[[dict, dict], str | None] | None = None) -> None:
+    """Write ``config.yaml`` (with the versions of this environment) and ``checkpoints/`` in the locked
+    run directory ``out``; a run already there must have the same configuration, but for the keys in
+    ``ignore`` (how and where it runs), the environment, and the label of its lr's source.
+
+    Raises:
+        ConfigError: ``out`` holds another run; ``explain(old, new)`` may give the reason instead.
+    """
+    def same(c: dict) -> dict:
+        c = {k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k not in ignore}
+        return {**c, "resolved": {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}}
+
+    old = read_config(out) if (out / CONFIG).is_file() else None
+    if old is not None and same(old) != same(new := json.loads(json.dumps(config))):
+        raise ConfigError((explain and explain(old, new)) or
+                          f"{out} holds a run with another configuration; choose another --out")
+    write_config(out, {**config, **run_versions(old)})
+    (out / CHECKPOINTS).mkdir(exist_ok=True)
+
+
+class RunLoop:
+    """The epochs of one run in ``out``: resume, progress, rows, selection, checkpoints, results.
+
+    Args:
+        out: the run directory (locked by the caller, ``config.yaml`` written by :func:`start_run`).
+        schedule: epochs and learning rate.
+        models: ``{prefix: write}``: each model's weights, written as ``<prefix>last.safetensors`` every
+            epoch and copied to ``<prefix>best.safetensors`` when validation improves (``""``: the head;
+            finetune adds ``"clip_"``).
+        rank, world: this process among data-parallel workers; rank 0 validates and writes.
+        on_epoch: called with each epoch's row once it is committed.
+    """
+
+    def __init__(self, out: Path, schedule: Schedule, models: Mapping[str, WriteWeights], rank: int = 0,
+                 world: int = 1, on_epoch: Callable[[dict], None] | None = None) -> None:
+        self.out, self.schedule, self.models = Path(out), schedule, dict(models)
+        self.rank, self.world, self.on_epoch = rank, world, on_epoch
+        self.checkpoints = Checkpoints(self.out / CHECKPOINTS)
+        self.rows: list[dict] = []
+        self.best: dict | None = None  # {"epoch", "key", "val", "sha256"} of the selected epoch
+        self.best_score: float | None = None
+        self.since_best = self.halvings = 0
+        self.stopped = False
+        self.start_epoch = 0
+        self._bar = self._task = None
+        self.losses: list[float] = []  # this epoch's step losses, and each loss term's
+        self.terms: dict[str, list[float]] = {}
+
+    # ---- resume
+    def resume(self, restore: Callable[[dict], None], barrier: Callable[[], None] = lambda: None) -> dict | None:
+        """Continue after the last committed epoch, if there is one: rank 0 completes (or drops) an
+        interrupted epoch's files and checks them, then (after ``barrier``) every rank reads the state;
+        ``restore(state)`` loads the trainer's weights and optimiser. Returns the state (None: a new run).
+
+        Raises:
+            RunError: the checkpoints are damaged (a TvrpipeError from ``restore`` keeps its message).
+        """
+        if not (self.checkpoints.folder / Checkpoints.STATE).is_file():
+            return None
+        try:
+            state = self.checkpoints.load("cpu") if self.rank == 0 else None
+            barrier()
+            if self.rank != 0:
+                state = self.checkpoints.load("cpu", check=False)
+            restore(state)
+        except TvrpipeError:
+            raise
+        except Exception as e:
+            raise RunError(f"{self.out}: cannot resume, its checkpoints are damaged ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:160]}); delete {self.checkpoints.folder} to train from "
+                           "scratch") from None
+        self.start_epoch, self.best, self.rows = state["epoch"] + 1, state["best"], rows_from_state(state)
+        if self.schedule.total is None:  # early stopping's count, kept by open-ended runs
+            self.best_score, self.since_best = state["best_score"], state["since_best"]
+            self.halvings, self.stopped = state["halvings"], state["stopped"]
+        if self.rank == 0:
+            log.info("resuming %s from epoch %d", self.out, self.start_epoch)
+            if self.rows:  # the log of the last committed epoch, had the run stopped before writing it
+                write_epochs(self.out, self.rows)
+        return state
+
+    # ---- the loop
+    @contextmanager
+    def progress(self, title: str, enabled: bool = True) -> Iterator[None]:
+        """A progress bar over the steps left (time remaining, the trainer's line of ``info``)."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        left = self.schedule.steps_per_epoch * max(0, self.schedule.epochs - self.start_epoch)
+        bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not enabled)
+        with bar:
+            self._bar, self._task = bar, bar.add_task(title, total=left, info="")
+            try:
+                yield
+            finally:
+                self._bar = self._task = None
+
+    def advance(self, info: str) -> None:
+        """One step done; ``info`` is shown beside the bar."""
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, info=info)
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs left to train (0-based), until the schedule ends or early stopping stops it."""
+        for epoch in range(self.start_epoch, self.schedule.epochs):
+            if self.stopped:
+                return
+            self.losses, self.terms = [], {}
+            yield epoch
+
+    def record(self, total: torch.Tensor, terms: Mapping[str, Any]) -> float:
+        """A step's loss and its terms, for the epoch's row; returns the loss."""
+        self.losses.append(float(total.detach()))
+        for k, v in terms.items():
+            self.terms.setdefault(k, []).append(float(v))
+        return self.losses[-1]
+
+    def lr(self, epoch: int, step: int) -> float:
+        """The lr multiplier of a step (halvings included)."""
+        return self.schedule.multiplier(epoch, step, self.halvings)
+
+    def validation_info(self) -> str:
+        """Where validation stands, for the progress line ("" before the first epoch)."""
+        if not (self.rows and self.best):
+            return ""
+        return f" | val R@1 {self.rows[-1]['val_t2v_R@1']:.1f} (best {self.best['val']['t2v']['R@1']:.1f})"
+
+    def end_epoch(self, epoch: int, val: dict, extras: Mapping[str, Any], state: Mapping[str, Any]) -> dict:
+        """Rank 0, after epoch ``epoch``'s validation ``val``: its row (the mean of the losses
+        :meth:`record` saw, ``extras``: the trainer's own columns), its checkpoints and the selection,
+        early stopping, and one commit with the trainer's resume ``state`` (optimiser, ...); then
+        ``epochs.csv``. Returns the row."""
+        scores = Scores.from_dict(val)
+        row = {"epoch": epoch + 1, "loss": float(np.mean(self.losses)) if self.losses else float("nan"),
+               **{f"loss_{k}": float(np.mean(v)) for k, v in self.terms.items()},
+               **{f"val_t2v_{k}": v for k, v in val["t2v"].items() if k != "n"},
+               **{f"val_v2t_{k}": v for k, v in val["v2t"].items() if k != "n"},
+               **scores.readout_columns(), **extras}
+        self.rows.append(row)
+        for prefix, write in self.models.items():
+            self.checkpoints.stage(f"{prefix}{LAST}", write)
+        if self.best is None or scores.selection_key() > tuple(self.best["key"]):
+            sha = {prefix: self.checkpoints.stage_copy(f"{prefix}{BEST}", f"{prefix}{LAST}") for prefix in self.models}
+            self.best = {"epoch": epoch + 1, "key": list(scores.selection_key()), "val": val, "sha256": sha[""]}
+        score = progress_score(scores)
+        if self.best_score is None or score > self.best_score:
+            self.best_score, self.since_best = score, 0
+        else:
+            self.since_best += 1
+            if self.schedule.total is None:  # open-ended: halve on plateaus, stop when patience runs out
+                if self.since_best % self.schedule.plateau == 0:
+                    self.halvings += 1
+                self.stopped = self.since_best >= self.schedule.patience
+        stopping = {"best_score": self.best_score, "since_best": self.since_best, "halvings": self.halvings,
+                    "stopped": self.stopped} if self.schedule.total is None else {}
+        self.checkpoints.commit({"epoch": epoch, "best": self.best, "rows": json.dumps(self.rows), **stopping,
+                                 **state})
+        write_epochs(self.out, self.rows)
+        if self.on_epoch is not None:
+            self.on_epoch(row)
+        return row
+
+    # ---- the end
+    def selected(self, validate: Callable[[], dict]) -> dict:
+        """The selected epoch, ``best``; with no epoch trained (``--epochs 0``) the untrained models,
+        validated and saved as best. Checks that ``best.safetensors`` is the file validation chose.
+
+        Raises:
+            RunError: the best checkpoint changed after it was written.
+        """
+        folder = self.checkpoints.folder
+        if self.best is None:  # zero epochs: evaluate the untrained (zero-shot) models
+            val = validate()
+            sha = {prefix: write(folder / f"{prefix}{BEST}") for prefix, write in self.models.items()}
+            self.best = {"epoch": 0, "key": None, "val": val, "sha256": sha[""]}
+        path = folder / BEST
+        if self.best.get("sha256") and path.is_file() and file_sha256(path) != self.best["sha256"]:
+            raise RunError(f"{path} changed after it was written (sha256 mismatch); delete {self.out} and train again")
+        return self.best
+
+    def write_results(self, method: str, validation: str, test: dict, extras: Mapping[str, Any]) -> dict:
+        """``metrics.json`` (the selected epoch, its validation and test scores, ``extras``) and the plots."""
+        best = self.best
+        metrics = {"method": method, "selected_epoch": best["epoch"], "selection": SELECTION,
+                   "validation": validation, "val": best["val"], "test": test,
+                   "checkpoint": {"file": f"{CHECKPOINTS}/{BEST}", "sha256": best.get("sha256")}, **extras}
+        write_metrics(self.out, metrics)
+        if self.rows:
+            write_plots(self.out, self.rows, Scores.from_dict(best["val"]).readout_groups())
+        return metrics
