@@ -169,7 +169,7 @@ def test_extract_bad_input_is_one_line(cli, tmp_path):
     cases = [
         (["--manifest", tmp_path / "nope", "--video-root", root], "no manifest here"),
         (["--manifest", m, "--video-root", tmp_path / "nope"], "--video-root"),
-        (["--manifest", m, "--video-root", root, "--device", "tpu"], "--device must be cpu or cuda, got 'tpu'"),
+        (["--manifest", m, "--video-root", root, "--device", "tpu"], "--device must be one of cpu, cuda, got 'tpu'"),
         (["--manifest", m, "--video-root", root, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--manifest", m, "--video-root", root, "--frames", "-1"], "--frames must be >= 1, got -1"),
         (["--manifest", m, "--video-root", root, "--frames", "0"], "--frames must be >= 1, got 0"),

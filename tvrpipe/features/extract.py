@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init, require_gpus
+from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256, nonfinite_rows
@@ -56,41 +57,38 @@ class ExtractConfig:
 
     model: str = "ViT-B-32"
     pretrained: str = "openai"
-    frames: int | None = None
-    max_words: int | None = None
-    batch_size: int = 16  # videos per encoder call (x frames = images per forward)
-    device: str = "cpu"
+    frames: int | None = at_least(1, None, option="--frames")
+    max_words: int | None = at_least(2, None, option="--max-words")
+    batch_size: int = at_least(1, 16, option="--batch-size")  # videos per encoder call (x frames = images per forward)
+    device: str = one_of(("cpu", "cuda"), "cpu", option="--device")
     address: str | None = None
-    decoders: int | None = None  # decode actors; default: one per CPU of the (local) cluster
-    encoders: int = 1  # encode actors (one per GPU on a GPU cluster)
-    timeout_s: float = 60.0  # per-video decode wall clock
-    video_shard: int = 64
-    text_shard: int = 256
+    # decode actors; default: one per CPU of the (local) cluster
+    decoders: int | None = at_least(1, None, option="--decoders")
+    encoders: int = at_least(1, 1, option="--encoders")  # encode actors (one per GPU on a GPU cluster)
+    # per-video decode wall clock (an infinity is refused by the maximum below, with its own message)
+    timeout_s: float = above(0, 60.0, option="--timeout", infinite=True)
+    video_shard: int = at_least(1, 64, option="--video-shard")
+    text_shard: int = at_least(1, 256, option="--text-shard")
     seed: int = 0  # for --pretrained none
     overwrite: bool = False
     progress: bool = True
     retry_failed: bool = True  # a rerun retries the videos recorded as failed
     # choice: a wrong --video-root or a broken decoder fails (nearly) every video, while a real
     # download that lost a few files stays well under 10 %; above it the run exits 1
-    max_failed_fraction: float = 0.1
+    max_failed_fraction: float = within(0.0, 1.0, 0.1, option="--max-failed-fraction")
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first invalid option; reads and creates nothing."""
+        """Raise :class:`ConfigError` naming the first invalid option (every field's declared range, then
+        the decoder's longest wait); reads and creates nothing."""
         from tvrpipe.features.decode import MAX_TIMEOUT_S
 
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
-        for opt, value, low in (("--frames", self.frames, 1), ("--max-words", self.max_words, 2),
-                                ("--decoders", self.decoders, 1), ("--batch-size", self.batch_size, 1),
-                                ("--encoders", self.encoders, 1), ("--video-shard", self.video_shard, 1),
-                                ("--text-shard", self.text_shard, 1)):
-            if value is not None and value < low:
-                raise ConfigError(f"{opt} must be >= {low}, got {value}")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN too; the decoder waits in whole milliseconds (a C int)
+        check_fields(self, "extract")
+        if self.timeout_s > MAX_TIMEOUT_S:  # the decoder waits in whole milliseconds (a C int)
             raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got "
                               f"{self.timeout_s}")
-        if not 0.0 <= self.max_failed_fraction <= 1.0:
-            raise ConfigError(f"--max-failed-fraction must be between 0 and 1, got {self.max_failed_fraction}")
 
 
 @dataclass
