@@ -63,7 +63,7 @@ def test_live_features_equal_the_extracted_store(e2e, data):
     from tvrpipe.features.clip import load_clip
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import create_head
-    from tvrpipe.training.finetune import LiveModel
+    from tvrpipe.training.live import LiveModel
     from tvrpipe.training.videodata import Collate, DecodedClips, VideoTable
 
     out, metrics, store_dir = e2e
