@@ -4,7 +4,9 @@ DESIGN.md's full-paper path. ``--end-to-end`` unfreezes both CLIP towers, as the
 them (CLIP4Clip Sec. 4.1, X-Pool Sec. 4, UATVR Sec. 4.1, DUQ Sec. 4.1, T-MASS Sec. 4.1); without it
 CLIP stays frozen and the head trains on live features with training-time frame sampling.
 
-The loop reads top to bottom: data, model, optimiser, schedule, loop, validation, checkpoint.
+The loop reads top to bottom: schedule, model and optimiser, resume, data, steps, validation; the
+epoch skeleton it shares with ``train-head`` (selection, checkpoints, resume, run files) is
+:mod:`tvrpipe.training.core`, the live model :mod:`tvrpipe.training.live`.
 
 - **Same head inputs**: the live CLIP yields ``TextBatch`` / ``VideoBatch`` through extraction's
   own functions (:func:`~tvrpipe.features.clip.image_features`, :func:`~tvrpipe.features.clip.text_features`),
