@@ -257,7 +257,8 @@ class ProTA(Head):
         agg = g @ x  # (B, L, D)
         if self.config.gram_aggregation == "mean":
             agg = agg / count[:, :, None]
-        logits = mlp.tokens(agg, mask).squeeze(-1).masked_fill(~mask, torch.finfo(x.dtype).min)  # (B, L)
+        logits = mlp.tokens(agg, mask).squeeze(-1)  # (B, L); in the MLP's dtype (fp16 under autocast)
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
         return torch.where(mask, logits.softmax(-1), zero)
 
     def _encode(self, f: Tensor, mask: Tensor, weight: nn.Module | None, mean: nn.Module | None,
@@ -301,7 +302,15 @@ class ProTA(Head):
     # -- pairwise work ------------------------------------------------------------------------------
 
     def _scores(self, te: Emb, ve: Emb) -> Tensor:
-        """S^p (or S) of every pair of ``te`` x ``ve``: (n_t, n_v)."""
+        """S^p (or S) of every pair of ``te`` x ``ve``: (n_t, n_v), in float32 (or float64) even under
+        autocast: Eq. 2 and 6's soft-max at temperature 100 takes exp(100 (s - 1)), which fp16 flushes to
+        zero for every similarity below ~0.83 (its smallest value is 6e-8), leaving a pair no weight."""
+        with torch.autocast(te["x"].device.type, enabled=False):
+            full = lambda e: {k: v.float() if v.dtype in (torch.float16, torch.bfloat16) else v  # noqa: E731
+                              for k, v in e.items()}
+            return self._scores_fp32(full(te), full(ve))
+
+    def _scores_fp32(self, te: Emb, ve: Emb) -> Tensor:
         cfg = self.config
         xt, xv = te["x"], ve["x"]
         (t, length, d), (v, frames, _) = xt.shape, xv.shape
@@ -346,7 +355,7 @@ class ProTA(Head):
             tile_v = max(1, _TILE_ELEMENTS // (len(ti) * tk * video_emb["x"].shape[1]))
             for vi, vk in length_groups(video_emb["mask"], tile_v):
                 ve = {k: video_emb[k][vi, :vk] for k in _PAIR_KEYS if k in video_emb}
-                out[ti[:, None], vi[None, :]] = self._scores(te, ve)
+                out[ti[:, None], vi[None, :]] = self._scores(te, ve).to(out.dtype)  # bf16/fp16 under autocast
         return out
 
     def pair_margins(self, text_emb: Emb, video_emb: Emb) -> tuple[Tensor, Tensor]:
