@@ -168,39 +168,49 @@ def _video_batch(x: dict, rows: slice):
     return VideoBatch(torch.from_numpy(x["frames"][rows]).float(), torch.from_numpy(x["frame_mask"][rows]))
 
 
-def _eval_one(args: tuple[str, int, int, int, int, int, int]) -> dict:
+def _eval_one(args: tuple[str, int, int, int, int, int, int, str]) -> dict:
     import torch
 
     from tvrpipe.evaluation.engine import evaluate_head
     from tvrpipe.heads.base import create_head
 
-    method, n_t, n_v, frames, words, dim, block_texts = args
+    method, n_t, n_v, frames, words, dim, block_texts, device = args
+    cuda = device.startswith("cuda")
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    head = create_head(method, embed_dim=dim).eval()  # cost does not depend on the weights' values
+    head = create_head(method, embed_dim=dim).eval().to(device)  # cost does not depend on the weights' values
     x = _random_features(n_t, n_v, frames, words, dim, head.uses_tokens, seed=0)
-    texts = (_text_batch(x, slice(a, a + 256)) for a in range(0, n_t, 256))
-    videos = (_video_batch(x, slice(a, a + 256)) for a in range(0, n_v, 256))
+    texts = (_text_batch(x, slice(a, a + 256)).to(device) for a in range(0, n_t, 256))
+    videos = (_video_batch(x, slice(a, a + 256)).to(device) for a in range(0, n_v, 256))
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_gpu = torch.cuda.memory_allocated(device)
     with _PeakRss() as mem:
         t = time.perf_counter()
-        res = evaluate_head(head, texts, videos, x["text_video"], block_texts=block_texts)
+        res = evaluate_head(head, texts, videos, x["text_video"], block_texts=block_texts, device=device)
+        if cuda:
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t
     scores_gb = n_t * n_v * 4 / 2**30
-    return {"method": method, "n_texts": n_t, "n_videos": n_v, "seconds": seconds,
+    return {"method": method, "device": device, "n_texts": n_t, "n_videos": n_v, "seconds": seconds,
             "extra_gb": (mem.peak - mem.start) / 2**30, "scores_gb": scores_gb,
             "extra_beyond_scores_gb": (mem.peak - mem.start) / 2**30 - scores_gb,
+            # the device's own peak beyond what was allocated before (the head's weights)
+            "peak_gpu_gb": (torch.cuda.max_memory_allocated(device) - start_gpu) / 2**30 if cuda else None,
             "t2v_R@1": res["t2v"]["R@1"]}
 
 
 def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None, frames: int = 12,
-               words: int = 32, dim: int = 512, block_texts: int = 256) -> list[dict]:
+               words: int = 32, dim: int = 512, block_texts: int = 256, device: str = "cpu") -> list[dict]:
     """Evaluation time and memory per head on random features of the standard test-set sizes.
 
     Each (head, size) runs in a fresh process: random CLIP-shaped features (float16, padded
     masks) go through :func:`tvrpipe.evaluation.engine.evaluate_head` exactly as ``train-head``
-    evaluates (encode once, similarity in blocks of ``block_texts`` captions, ranks). Memory is the
-    resident set sampled every 10 ms during the evaluation minus the set before it (the features
-    themselves are excluded); ``extra_beyond_scores_gb`` subtracts the float32 score matrix.
+    evaluates (encode once, similarity in blocks of ``block_texts`` captions, ranks), on ``device``.
+    Memory is the resident set sampled every 10 ms during the evaluation minus the set before it (the
+    features themselves are excluded); ``extra_beyond_scores_gb`` subtracts the float32 score matrix;
+    on CUDA, ``peak_gpu_gb`` is the device's peak allocation during the evaluation.
 
     Example:
         >>> bench_eval(["tmass"], ["msrvtt1k"])  # doctest: +SKIP
@@ -216,7 +226,7 @@ def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None,
     for size in sizes:
         n_t, n_v = EVAL_SIZES[size]
         for method in methods or list_heads():
-            row = in_fresh_process(_eval_one, (method, n_t, n_v, frames, words, dim, block_texts),
+            row = in_fresh_process(_eval_one, (method, n_t, n_v, frames, words, dim, block_texts, device),
                                    f"{method} at {size} size ({n_t:,} x {n_v:,})")
             rows.append({"size": size, **row, **_official(method if size == "msrvtt1k" else None)})
     return rows
