@@ -24,7 +24,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # ATen's plain (unvectorised) kernels. A test that holds only for one machine's rounding fails here.
 NUMERICS_PATHS := "MKL_CBWR=SSE4_2" "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"
 
-.PHONY: help install quickstart lint test test-all test-numerics lock clean
+.PHONY: help install quickstart lint test test-all test-numerics lock clean wheelhouse gpu-check
 
 help:
 	@echo "make quickstart   set up, then run tvrpipe quickstart (offline, generated data)"
@@ -33,6 +33,8 @@ help:
 	@echo "make test-all     set up, then run every test, slow ones too"
 	@echo "make install      only set up $(VENV), exactly as uv.lock says"
 	@echo "make lock         refresh uv.lock to the newest releases pyproject.toml admits"
+	@echo "make wheelhouse   (connected machine) the wheels an offline GPU machine needs beyond its torch"
+	@echo "make gpu-check    (GPU machine, offline) the gpu test suite and the GPU benchmarks, results in one folder"
 
 $(UV):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tvrpipe needs Python >= 3.11, found " + sys.version'
@@ -55,7 +57,7 @@ quickstart: $(STAMP)
 # ruff's small rule set (pyproject.toml); the layout rules (imports down the stack, no private names
 # across modules) are tests/test_layout.py, in the suite
 lint: $(STAMP)
-	$(BIN)/ruff check --quiet tvrpipe tests
+	$(BIN)/ruff check --quiet tvrpipe tests scripts
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -74,5 +76,16 @@ test-all: lint
 lock: | $(UV)
 	$(UV) lock --upgrade --python $(PYTHON)
 
+# For a GPU machine without network (docs/install.md, "GPU machines without network"): `make wheelhouse`
+# here writes wheelhouse/ (CPython 3.12, manylinux x86-64 by default: WHEELHOUSE_ARGS="--python 3.11");
+# copy the repository with it to the GPU machine and run `make gpu-check` there, with the Python that
+# has torch (PYTHON=...). It needs no .venv, no Ray and no network.
+WHEELHOUSE_ARGS ?=
+wheelhouse: $(STAMP)
+	$(BIN)/python scripts/wheelhouse.py $(WHEELHOUSE_ARGS)
+
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py
+
 clean:
-	rm -rf $(VENV) $(UV_HOME) .pytest_cache quickstart
+	rm -rf $(VENV) $(UV_HOME) .pytest_cache quickstart .gpu-check gpu-check-results
