@@ -209,6 +209,10 @@ def bench_eval_cmd(
         table.add_row(r["size"], r["method"], f"{r['n_texts']:,} x {r['n_videos']:,}", f"{r['seconds']:.2f}",
                       f"{r['extra_gb']:.2f}", f"{r['extra_beyond_scores_gb']:.2f}", extra)
     console.print(table)
+    seconds = {(r["size"], r["method"]): r["seconds"] for r in rows}
+    for (s, m), sec in seconds.items():  # the token-level heads against the plain token-wise score (target <= 2x)
+        if m in ("uatvr", "prota") and (s, "tokenwise") in seconds:
+            console.print(f"{s}: {m} / tokenwise = {sec / seconds[(s, 'tokenwise')]:.1f}x the evaluation time")
     _write_json(json_out, rows)
 
 
