@@ -154,12 +154,12 @@ def parse_value(cls: type, key: str, raw: str, owner: str) -> Any:
     return value
 
 
-def split_item(item: str) -> tuple[str, str]:
-    """``"key=value"`` -> ``(key, value)``; raises :class:`ConfigError` on anything else."""
+def split_item(item: str, option: str = "--set") -> tuple[str, str]:
+    """``"key=value"`` -> ``(key, value)``; raises :class:`ConfigError` naming ``option`` on anything else."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set expects key=value, got {item!r}")
+        raise ConfigError(f"{option} expects key=value, got {item!r}")
     return key, raw
 
 

@@ -570,3 +570,22 @@ def test_metrics_do_not_change_with_video_order_or_blocks(name):
     assert {"t2v", "v2t"} <= set(keys) and keys == [k for k in other if k.startswith(("t2v", "v2t"))]
     for key in keys:
         assert other[key] == base[key], (name, key)
+
+
+@pytest.mark.parametrize("name", list_heads())
+def test_parameter_groups_hold_every_trainable_parameter_once(name):
+    """Head.param_groups (finetune's --group-lr): a partition of the trainable parameters, one group
+    named ``head`` at least, so every parameter trains at exactly one learning rate."""
+    head = create_head(name, embed_dim=D)
+    groups = head.param_groups()
+    assert "head" in groups
+    ids = [id(p) for params in groups.values() for p in params]
+    assert len(ids) == len(set(ids)), f"{name}: a parameter in two groups"
+    assert set(ids) == {id(p) for p in head.parameters() if p.requires_grad}
+
+
+def test_tmass_radius_group_is_the_radius_module():
+    linear = create_head("tmass", embed_dim=D)
+    assert {id(p) for p in linear.param_groups()["radius"]} == {id(p) for p in linear.radius_proj.parameters()}
+    scalar = create_head("tmass", embed_dim=D, radius="scalar")
+    assert [id(p) for p in scalar.param_groups()["radius"]] == [id(scalar.theta)]

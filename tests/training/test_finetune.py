@@ -460,3 +460,42 @@ def test_bf16_autocast_and_gradient_checkpointing_train(tmp_path):
     init = load_clip("tvrpipe-tiny", "none").model.state_dict()
     assert all(v.dtype == torch.float32 for v in moved.values())  # autocast keeps fp32 master weights
     assert any(not torch.equal(moved[k], init[k]) for k in moved)
+
+
+def test_group_lr_gives_a_head_group_its_own_learning_rate(tmp_path):
+    """--group-lr radius=3e-5 (T-MASS Sec. 4.1): the radius module's AdamW groups train at 3e-5, the rest
+    of the head at --head-lr, CLIP at --clip-lr; a group the head lacks fails before anything is written."""
+    from tvrpipe.features.clip import TINY_MODEL, load_clip
+    from tvrpipe.heads.base import create_head
+    from tvrpipe.training.live import LiveModel, param_groups
+
+    bundle = load_clip(TINY_MODEL, "none", seed=0)
+    bundle.model.requires_grad_(True)  # end to end, as finetune sets it
+    head = create_head("tmass", embed_dim=bundle.embed_dim)
+    groups = param_groups(LiveModel(bundle, head, True, "fp32"), 1e-6, 1e-5, 0.2, {"radius": 3e-5})
+    by_lr = {}
+    for g in groups:
+        by_lr.setdefault(g["base_lr"], set()).update(id(p) for p in g["params"])
+    assert by_lr[3e-5] == {id(p) for p in head.radius_proj.parameters()}
+    assert by_lr[1e-6] == {id(p) for p in bundle.model.parameters()}
+    assert by_lr[1e-5] == {id(p) for p in head.parameters()} - by_lr[3e-5]
+    d = _small(tmp_path, n=12)
+    with pytest.raises(ConfigError, match="--group-lr fusion: xpool has the parameter groups head"):
+        finetune(d / "manifest", d / "videos", "xpool", tmp_path / "r", FinetuneConfig(**TINY, group_lr={"fusion": 1e-4}))
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match="--group-lr radius=-1"):
+        FinetuneConfig(**TINY, group_lr={"radius": -1.0})
+
+
+def test_cli_group_lr_is_parsed_and_recorded(tmp_path, cli):
+    d = _small(tmp_path, n=12)
+    r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
+            tmp_path / "run", "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "0",
+            "--loader-workers", "0", "--group-lr", "radius=3e-5")
+    assert r.exit_code == 0, r.output
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["finetune"]["group_lr"] == {"radius": 3e-5}
+    r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
+            tmp_path / "run2", "--group-lr", "radius")
+    assert r.exit_code == 1 and "--group-lr expects key=value, got 'radius'" in r.output

@@ -10,6 +10,8 @@ from rich.console import Console
 
 from tvrpipe.cli.app import PAPERS, app, finite_float
 from tvrpipe.cli.train import parse_overrides, parse_post, print_metrics
+from tvrpipe.config import split_item
+from tvrpipe.errors import ConfigError
 
 console = Console()
 
@@ -40,6 +42,10 @@ def finetune_cmd(
         parser=finite_float, help="AdamW learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
     head_lr: Annotated[float, typer.Option(
         parser=finite_float, help="AdamW learning rate of the head.")] = 1e-5,
+    group_lr: Annotated[Optional[list[str]], typer.Option(
+        help="NAME=LR: a learning rate of its own for one of the head's parameter groups, e.g. radius=3e-5 for "
+             "tmass (T-MASS Sec. 4.1); the head's other groups train at --head-lr (repeatable; `tvrpipe heads` "
+             "lists each head's groups).")] = None,
     weight_decay: Annotated[float, typer.Option(parser=finite_float,
         help="AdamW weight decay, on weight matrices only: gains, biases, embeddings and the head's logit scale are "
              "exempt (docs/training.md).")] = 0.2,
@@ -86,8 +92,16 @@ def finetune_cmd(
     from tvrpipe.training.finetune import FinetuneConfig, finetune
 
     overrides = parse_overrides(method, set_ or [])
+    groups = {}
+    for item in group_lr or []:
+        name, raw = split_item(item, "--group-lr")
+        try:
+            groups[name] = float(raw)
+        except ValueError:
+            raise ConfigError(f"--group-lr {item}: {raw!r} is not a number") from None
     cfg = FinetuneConfig(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs,
                          epoch_pairs=epoch_pairs, batch_size=batch_size, frames=frames, max_words=max_words, clip_lr=clip_lr, head_lr=head_lr,
+                         group_lr=groups,
                          weight_decay=weight_decay, grad_clip=grad_clip, precision=precision,
                          grad_checkpointing=grad_checkpointing, num_workers=num_workers, use_gpu=use_gpu,
                          address=address, cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed,

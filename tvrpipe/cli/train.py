@@ -124,11 +124,15 @@ def evaluate(
 @app.command("heads", rich_help_panel=TOOLS)
 def heads() -> None:
     """List the retrieval heads and their config fields with defaults."""
+    import torch
+
     from tvrpipe.heads.base import head_class, list_heads
 
     for name in list_heads():
         cls = head_class(name)
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
+        with torch.random.fork_rng(devices=[]):  # a small instance, for its parameter groups
+            groups = ", ".join(cls(cls.Config(embed_dim=64)).param_groups())
         console.print(f"[bold]{name}[/]: {(cls.__doc__ or '').strip().splitlines()[0]} "
-                      f"(default lr {cls.lr_text()})")
+                      f"(default lr {cls.lr_text()}; parameter groups for finetune --group-lr: {groups})")
         console.print(f"    {fields}", highlight=False)

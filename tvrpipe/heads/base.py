@@ -146,6 +146,12 @@ class Head(nn.Module):
     # smaller lr); :meth:`lr_for` reads it at a store's width.
     default_lr: ClassVar[float | Mapping[int, float]] = 1e-3
 
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The head's trainable parameters by group, for a learning rate per group (finetune's
+        ``--group-lr NAME=LR``): every parameter in exactly one group. One group, ``head``, unless a head
+        names modules that its paper trains at a rate of their own (T-MASS's radius module)."""
+        return {"head": [p for p in self.parameters() if p.requires_grad]}
+
     @classmethod
     def lr_for(cls, embed_dim: int) -> float:
         """The default learning rate at width ``embed_dim`` (D): ``default_lr`` if it is one number;

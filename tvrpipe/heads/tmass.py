@@ -134,6 +134,15 @@ class TMass(XPool):
         g = torch.Generator().manual_seed(config.noise_seed)
         self.register_buffer("noise", self._draw((config.num_samples, d), g), persistent=False)  # (M, D)
 
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """``radius``: the similarity-aware radius (W, b of Eq. 7, or theta), which T-MASS trains at its own
+        lr (Sec. 4.1: 3e-5 on MSR-VTT against 1e-5 for the rest); ``head``: everything else."""
+        radius = [p for m in ("radius_proj", "theta") if hasattr(self, m)
+                  for p in (getattr(self, m).parameters() if isinstance(getattr(self, m), nn.Module)
+                            else [getattr(self, m)]) if p.requires_grad]
+        ids = {id(p) for p in radius}
+        return {"head": [p for p in self.parameters() if p.requires_grad and id(p) not in ids], "radius": radius}
+
     def _draw(self, shape: tuple[int, ...], generator: torch.Generator | None = None,
               device: torch.device | None = None) -> Tensor:
         """Samples of the prior P of Eq. 5."""

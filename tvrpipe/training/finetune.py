@@ -43,7 +43,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from tvrpipe.files import atomic_write_text
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
 from tvrpipe.training.core import RunLoop, Schedule, optimizer_step, seed_step, start_run
-from tvrpipe.training.live import LiveModel, pairs_in_step, param_groups
+from tvrpipe.training.live import LiveModel, check_group_lr, pairs_in_step, param_groups
 from tvrpipe.training.videodata import (
     EPOCH_PAIRS,
     ClipBatch,
@@ -95,6 +95,9 @@ class FinetuneConfig:
     max_words: int | None = at_least(2, None, option="--max-words")  # None: the manifest's (32 for MSR-VTT)
     clip_lr: float = at_least(0, 1e-6, option="--clip-lr")  # X-Pool / T-MASS / DUQ: CLIP lr 1e-6
     head_lr: float = at_least(0, 1e-5, option="--head-lr")  # X-Pool / T-MASS / DUQ: lr 1e-5 for the non-CLIP parameters
+    # a learning rate of its own for a group of the head's parameters (Head.param_groups), e.g.
+    # {"radius": 3e-5} for T-MASS (Sec. 4.1); the head's other groups train at head_lr
+    group_lr: dict[str, float] = field(default_factory=dict, metadata={"option": "--group-lr"})
     weight_decay: float = at_least(0, 0.2, option="--weight-decay")  # X-Pool Sec. 4 / CLIP4Clip: AdamW weight decay 0.2
     warmup_fraction: float = within(0.0, 1.0, 0.1)  # CLIP4Clip / X-Pool: warmup proportion 0.1, then cosine
     grad_clip: float = at_least(0, 1.0, option="--grad-clip", why="0: no clipping")  # X-Pool / T-MASS: clip_grad_norm_ 1.0
@@ -124,6 +127,9 @@ class FinetuneConfig:
         """Raise :class:`ConfigError` naming the first invalid option (every field's declared range, then
         the options that go together); reads and creates nothing. A FinetuneConfig that exists has passed it."""
         check_fields(self, "finetune")
+        bad = [g for g, lr in self.group_lr.items() if not (isinstance(lr, (int, float)) and lr >= 0)]
+        if bad:
+            raise ConfigError(f"--group-lr {bad[0]}={self.group_lr[bad[0]]}: a learning rate must be a number >= 0")
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # the decoder waits in whole milliseconds (a C int)
             raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got "
                               f"{self.timeout_s}")
@@ -235,7 +241,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     # ---- model, optimiser
     model = _live_model(job, device)
     bundle, head = model._bundle, model.head
-    groups = param_groups(model, cfg.clip_lr, cfg.head_lr, cfg.weight_decay)
+    groups = param_groups(model, cfg.clip_lr, cfg.head_lr, cfg.weight_decay, cfg.group_lr)
     opt = torch.optim.AdamW(groups) if groups else None
     scaler = torch.amp.GradScaler(bundle.device.type, enabled=cfg.precision == "fp16")
     loop = RunLoop(out, schedule, {"clip_": lambda path: _save_clip(model.clip, path, {"model": cfg.model}),
@@ -561,6 +567,9 @@ def finetune(
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
+    if cfg.group_lr:  # the groups named are the head's: checked before anything is written
+        with torch.random.fork_rng(devices=[]):
+            check_group_lr(head_class(method)(head_cfg), cfg.group_lr)
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     text_video = vrow.loc[captions["video_id"]].to_numpy()

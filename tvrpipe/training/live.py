@@ -4,9 +4,12 @@ gradients, and the head's loss on them; and the optimiser's parameter groups."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn as nn
 
+from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
 
 
@@ -129,14 +132,36 @@ class LiveModel(nn.Module):
         return out.total, out.terms
 
 
-def param_groups(model: LiveModel, clip_lr: float, head_lr: float, weight_decay: float) -> list[dict]:
-    """AdamW groups: CLIP's learning rate (end-to-end only) and the head's; decay on weight matrices only
-    (gains, biases, embeddings and the logit scale exempt; docs/training.md says how the sources differ)."""
+def check_group_lr(head: Head, group_lr: Mapping[str, float] | None) -> dict[str, list[nn.Parameter]]:
+    """The head's parameter groups, when ``group_lr`` names only groups it has.
+
+    Raises:
+        ConfigError: a group the head does not have, naming those it has.
+    """
+    groups = head.param_groups()
+    unknown = sorted(set(group_lr or {}) - set(groups))
+    if unknown:
+        raise ConfigError(f"--group-lr {unknown[0]}: {head.name} has the parameter groups {', '.join(sorted(groups))}")
+    return groups
+
+
+def param_groups(model: LiveModel, clip_lr: float, head_lr: float, weight_decay: float,
+                 group_lr: Mapping[str, float] | None = None) -> list[dict]:
+    """AdamW groups: CLIP's learning rate (end-to-end only); each of the head's groups
+    (:meth:`~tvrpipe.heads.base.Head.param_groups`) at its ``group_lr``, else the head's; decay on weight
+    matrices only (gains, biases, embeddings and the logit scale exempt; docs/training.md says how the
+    sources differ).
+
+    Raises:
+        ConfigError: ``group_lr`` names a group the head does not have.
+    """
+    head_groups = check_group_lr(model.head, group_lr)
+    names = {id(p): n for n, p in model.named_parameters()}
+    parts = [(list(model.clip.parameters()), clip_lr)] if model.end_to_end else []
+    parts += [(params, (group_lr or {}).get(g, head_lr)) for g, params in head_groups.items()]
     groups = []
-    for part, lr, trainable in ((model.clip, clip_lr, model.end_to_end), (model.head, head_lr, True)):
-        if not trainable:
-            continue
-        named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
+    for params, lr in parts:
+        named = [(names[id(p)], p) for p in params if p.requires_grad]
         exempt = lambda n, p: p.ndim < 2 or any(k in n for k in ("bn", "ln", "bias", "logit_scale", "embedding"))  # noqa: E731
         decay = [p for n, p in named if not exempt(n, p)]
         no_decay = [p for n, p in named if exempt(n, p)]
