@@ -589,3 +589,43 @@ def test_tmass_radius_group_is_the_radius_module():
     assert {id(p) for p in linear.param_groups()["radius"]} == {id(p) for p in linear.radius_proj.parameters()}
     scalar = create_head("tmass", embed_dim=D, radius="scalar")
     assert [id(p) for p in scalar.param_groups()["radius"]] == [id(scalar.theta)]
+
+
+@pytest.fixture(scope="module")
+def vit_b32():
+    from tvrpipe.features.clip import load_clip
+
+    return load_clip("ViT-B-32", "none", seed=0).model  # random weights: what is copied, not what it is worth
+
+
+def _equal_to_clip_text_blocks(blocks, clip) -> None:
+    for i, dst in enumerate(blocks):
+        src = clip.transformer.resblocks[i]
+        pairs = [(dst.in_proj.weight, src.attn.in_proj_weight), (dst.in_proj.bias, src.attn.in_proj_bias),
+                 (dst.out_proj.weight, src.attn.out_proj.weight), (dst.ln_1.weight, src.ln_1.weight),
+                 (dst.ln_2.bias, src.ln_2.bias), (dst.c_fc.weight, src.mlp.c_fc.weight),
+                 (dst.c_proj.bias, src.mlp.c_proj.bias)]
+        for a, b in pairs:
+            assert torch.equal(a, b), f"block {i}"
+
+
+@pytest.mark.parametrize("name, blocks, positions", [("seqtransf", "blocks", "frame_position_embeddings"),
+                                                     ("prota", "blocks", "frame_position_embeddings"),
+                                                     ("uatvr", "video_blocks", "frame_position_embeddings")])
+def test_init_from_clip_copies_clip_text_transformer_into_the_temporal_one(vit_b32, name, blocks, positions):
+    """CLIP4Clip's seqTransf initialisation (ProTA Supp. B; UATVR through CLIP4Clip): block i = CLIP's
+    text block i, the positions = CLIP's first rows."""
+    head = create_head(name, embed_dim=512)
+    copied = head.init_from_clip(vit_b32)
+    assert len([c for c in copied if "block" in c]) >= 4, copied
+    _equal_to_clip_text_blocks(getattr(head, blocks), vit_b32)
+    table = getattr(head, positions).weight
+    assert torch.equal(table, vit_b32.positional_embedding[: table.shape[0]])
+    texts, videos = batches(3, 3, d=512)
+    assert torch.isfinite(head.loss(texts, videos).total)  # the copied transformer runs as the head's own
+
+
+def test_init_from_clip_copies_nothing_where_it_does_not_fit(vit_b32):
+    assert create_head("xpool", embed_dim=512).init_from_clip(vit_b32) == []  # no temporal transformer
+    assert create_head("seqtransf", embed_dim=512, num_heads=16).init_from_clip(vit_b32) == []  # CLIP's has 8
+    assert create_head("uatvr", embed_dim=512, dsa=False).init_from_clip(vit_b32) == []

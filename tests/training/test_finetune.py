@@ -499,3 +499,21 @@ def test_cli_group_lr_is_parsed_and_recorded(tmp_path, cli):
     r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
             tmp_path / "run2", "--group-lr", "radius")
     assert r.exit_code == 1 and "--group-lr expects key=value, got 'radius'" in r.output
+
+
+def test_init_from_clip_starts_the_temporal_transformer_from_the_live_clip(tmp_path):
+    """finetune --init-from-clip: with no epoch trained, the run's seqTransf blocks are the tiny CLIP's
+    text blocks (its text tower has 2 heads of width 64: the head is asked for 2 as well)."""
+    from safetensors.torch import load_file
+
+    from tvrpipe.features.clip import TINY_MODEL, load_clip
+
+    d = _small(tmp_path, n=12)
+    finetune(d / "manifest", d / "videos", "seqtransf", tmp_path / "run",
+             FinetuneConfig(**TINY, epochs=0, init_from_clip=True), overrides={"num_heads": 2}, progress=False)
+    head = load_file(str(tmp_path / "run" / "checkpoints" / "best.safetensors"))
+    clip = load_clip(TINY_MODEL, "none", seed=0).model
+    for i in range(2):  # the tiny text tower has 2 blocks; the head's other 2 keep their own init
+        assert torch.equal(head[f"blocks.{i}.in_proj.weight"], clip.transformer.resblocks[i].attn.in_proj_weight)
+        assert torch.equal(head[f"blocks.{i}.c_fc.bias"], clip.transformer.resblocks[i].mlp.c_fc.bias)
+    assert torch.equal(head["frame_position_embeddings.weight"], clip.positional_embedding[:77])

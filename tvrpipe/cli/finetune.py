@@ -67,6 +67,10 @@ def finetune_cmd(
     grad_checkpointing: Annotated[
         bool, typer.Option("--grad-checkpointing", help="Recompute CLIP activations in backward (less memory).")
     ] = False,
+    init_from_clip: Annotated[
+        bool, typer.Option("--init-from-clip", help="Start the head's temporal transformer from CLIP's text transformer "
+                                                   "(CLIP4Clip seqTransf, ProTA, UATVR's DSA), where widths and heads agree.")
+    ] = False,
     loader_workers: Annotated[
         Optional[int], typer.Option(help="Decoding processes per worker (default: its CPUs, at most 8).")
     ] = None,
@@ -103,7 +107,7 @@ def finetune_cmd(
                          epoch_pairs=epoch_pairs, batch_size=batch_size, frames=frames, max_words=max_words, clip_lr=clip_lr, head_lr=head_lr,
                          group_lr=groups,
                          weight_decay=weight_decay, grad_clip=grad_clip, precision=precision,
-                         grad_checkpointing=grad_checkpointing, num_workers=num_workers, use_gpu=use_gpu,
+                         grad_checkpointing=grad_checkpointing, init_from_clip=init_from_clip, num_workers=num_workers, use_gpu=use_gpu,
                          address=address, cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed,
                          timeout_s=timeout, max_failed_fraction=max_failed_fraction)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []))

@@ -146,6 +146,12 @@ class Head(nn.Module):
     # smaller lr); :meth:`lr_for` reads it at a store's width.
     default_lr: ClassVar[float | Mapping[int, float]] = 1e-3
 
+    def init_from_clip(self, clip: nn.Module) -> list[str]:
+        """Initialise modules from the live CLIP where the head's paper does (finetune ``--init-from-clip``;
+        CLIP4Clip's seqTransf, ProTA and UATVR copy CLIP's text transformer into their temporal one).
+        Returns what was copied; a head with nothing to take from CLIP copies nothing."""
+        return []
+
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
         """The head's trainable parameters by group, for a learning rate per group (finetune's
         ``--group-lr NAME=LR``): every parameter in exactly one group. One group, ``head``, unless a head

@@ -127,6 +127,40 @@ def attention_heads(head: str, option: str, width: int, heads: int | None) -> in
     return heads
 
 
+def copy_clip_text_layers(clip: nn.Module, blocks: nn.ModuleList, positions: nn.Embedding | None) -> list[str]:
+    """CLIP4Clip's initialisation of a temporal transformer from CLIP's text transformer (CLIP4Clip code,
+    ``modeling.py``: ``transformer.resblocks.i`` -> block i, ``positional_embedding`` -> the frame
+    positions): block i takes CLIP's text block i and ``positions`` CLIP's first rows, when the widths,
+    heads and MLP ratios agree. Returns the names of what was copied ([] when they do not agree).
+    """
+    text = getattr(clip, "transformer", None)
+    resblocks = getattr(text, "resblocks", None)
+    if resblocks is None or not len(blocks):
+        return []
+    src0, dst0 = resblocks[0], blocks[0]
+    fits = (src0.attn.in_proj_weight.shape == dst0.in_proj.weight.shape and src0.attn.num_heads == dst0.heads
+            and dst0.mlp_ratio and src0.mlp.c_fc.weight.shape == dst0.c_fc.weight.shape)
+    if not fits:
+        return []
+    copied = []
+    with torch.no_grad():
+        for i, (src, dst) in enumerate(zip(resblocks, blocks)):
+            pairs = [(dst.ln_1, src.ln_1), (dst.out_proj, src.attn.out_proj), (dst.ln_2, src.ln_2),
+                     (dst.c_fc, src.mlp.c_fc), (dst.c_proj, src.mlp.c_proj)]
+            for d, s in pairs:
+                d.weight.copy_(s.weight)
+                d.bias.copy_(s.bias)
+            dst.in_proj.weight.copy_(src.attn.in_proj_weight)
+            dst.in_proj.bias.copy_(src.attn.in_proj_bias)
+            copied.append(f"block {i}")
+        table = getattr(clip, "positional_embedding", None)
+        if positions is not None and table is not None and table.shape[1] == positions.weight.shape[1]:
+            rows = min(positions.num_embeddings, table.shape[0])
+            positions.weight[:rows].copy_(table[:rows])
+            copied.append(f"positions 0-{rows - 1}")
+    return copied
+
+
 def init_sequence_transformer(positions: nn.Embedding, blocks: nn.ModuleList, zero_init: bool) -> None:
     """CLIP's text-transformer initialisation (openai/CLIP ``initialize_parameters``) of a
     seqTransf; with ``zero_init`` the output projections and positions start at zero (identity)."""
@@ -204,6 +238,10 @@ class SeqTransf(Head):
             ResidualAttentionBlock(width, heads, config.mlp_ratio, config.ln_eps) for _ in range(config.num_layers)
         )
         init_sequence_transformer(self.frame_position_embeddings, self.blocks, config.zero_init)
+
+    def init_from_clip(self, clip: nn.Module) -> list[str]:
+        """The temporal transformer from CLIP's text transformer, as CLIP4Clip initialises seqTransf."""
+        return copy_clip_text_layers(clip, self.blocks, self.frame_position_embeddings)
 
     def temporal(self, frames: Tensor, frame_mask: Tensor) -> Tensor:
         """The frames after the temporal transformer and the residual: (B, F, D) -> (B, F, D)."""

@@ -77,6 +77,7 @@ from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_i
 from tvrpipe.heads.seqtransf import (
     ResidualAttentionBlock,
     attention_heads,
+    copy_clip_text_layers,
     init_sequence_transformer,
     length_groups,
     sequence_transformer,
@@ -172,6 +173,17 @@ class UATVR(Head):
     @property
     def _dua(self) -> bool:
         return self.config.dua_weight > 0 or self.config.kl_weight > 0
+
+    def init_from_clip(self, clip: nn.Module) -> list[str]:
+        """DSA's transformers from CLIP's text transformer, as CLIP4Clip (which UATVR builds on) initialises
+        seqTransf: the video side with the frame positions, the text side (when not shared) with the word
+        positions. Nothing without DSA."""
+        if not self.config.dsa:
+            return []
+        copied = [f"video {c}" for c in copy_clip_text_layers(clip, self.video_blocks, self.frame_position_embeddings)]
+        if self.text_blocks is not self.video_blocks:
+            copied += [f"text {c}" for c in copy_clip_text_layers(clip, self.text_blocks, self.word_position_embeddings)]
+        return copied
 
     def _enlarge(self, x: Tensor, mask: Tensor, positions: nn.Embedding, blocks: nn.ModuleList,
                  extra: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -104,6 +104,9 @@ class FinetuneConfig:
     # fp16 (GPU) / bf16: autocast of the CLIP towers; heads run in fp32
     precision: str = one_of(PRECISIONS, "fp32", option="--precision")
     grad_checkpointing: bool = False  # open_clip's activation checkpointing of the towers
+    # CLIP4Clip / ProTA Supp. B / UATVR (via CLIP4Clip): the head's temporal transformer starts from CLIP's
+    # text transformer (Head.init_from_clip); off: the head's own initialisation
+    init_from_clip: bool = False
     num_workers: int = at_least(0, 0, option="--num-workers")  # 0: this process; N >= 1: Ray Train workers (DDP)
     use_gpu: bool = False  # one GPU per worker (or this process)
     address: str | None = None  # Ray cluster to join; None: RAY_ADDRESS or a local instance
@@ -336,7 +339,11 @@ def _live_model(job: _Job, device: str | torch.device) -> LiveModel:
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
     bundle = load_clip(cfg.model, cfg.pretrained, device=device, seed=cfg.seed)
-    model = LiveModel(bundle, head_class(job.method)(job.head_cfg).to(bundle.device), cfg.end_to_end, cfg.precision)
+    head = head_class(job.method)(job.head_cfg)
+    if cfg.init_from_clip:
+        copied = head.init_from_clip(bundle.model)
+        log.info("%s from CLIP's text transformer: %s", job.method, ", ".join(copied) or "nothing (widths differ)")
+    model = LiveModel(bundle, head.to(bundle.device), cfg.end_to_end, cfg.precision)
     model.clip.requires_grad_(cfg.end_to_end)
     if cfg.grad_checkpointing:
         model.clip.set_grad_checkpointing(True)

@@ -127,6 +127,7 @@ from tvrpipe.heads.prota.equations import (  # noqa: F401  (re-exported: the equ
 from tvrpipe.heads.seqtransf import (
     ResidualAttentionBlock,
     attention_heads,
+    copy_clip_text_layers,
     init_sequence_transformer,
     length_groups,
     sequence_transformer,
@@ -245,6 +246,10 @@ class ProTA(Head):
                     nn.init.zeros_(mlp[2].bias)
 
     # -- per-item work ------------------------------------------------------------------------------
+
+    def init_from_clip(self, clip: nn.Module) -> list[str]:
+        """The temporal transformer from CLIP's text transformer (ProTA Supp. B, as CLIP4Clip's seqTransf)."""
+        return copy_clip_text_layers(clip, self.blocks, self.frame_position_embeddings)
 
     def _intra_weights(self, x: Tensor, mask: Tensor, mlp: nn.Module | None) -> Tensor:
         """Eq. 5: h_{t->t} = softmax over the real tokens of W_t(G_tt f_t): (B, L, D) -> (B, L)."""
