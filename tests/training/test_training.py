@@ -288,6 +288,7 @@ def test_train_head_cli(store, tmp_path, cli):
     assert r.exit_code == 0 and all(n in r.output for n in BASELINES)
     text = " ".join(r.output.split())  # the console wraps long lines
     assert "(default lr 0.003 at D=64, 0.0003 at D=512)" in text and "(default lr 0.001)" in text  # uatvr, xpool
+    assert "parameter groups (finetune --group-lr): head, radius" in text  # tmass
 
 
 def test_memory_mapped_split_is_float16(store):

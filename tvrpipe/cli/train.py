@@ -134,5 +134,5 @@ def heads() -> None:
         with torch.random.fork_rng(devices=[]):  # a small instance, for its parameter groups
             groups = ", ".join(cls(cls.Config(embed_dim=64)).param_groups())
         console.print(f"[bold]{name}[/]: {(cls.__doc__ or '').strip().splitlines()[0]} "
-                      f"(default lr {cls.lr_text()}; parameter groups for finetune --group-lr: {groups})")
+                      f"(default lr {cls.lr_text()}); parameter groups (finetune --group-lr): {groups}")
         console.print(f"    {fields}", highlight=False)
