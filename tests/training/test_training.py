@@ -6,6 +6,7 @@ import csv
 import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -558,3 +559,27 @@ def test_defaults_make_xpool_beat_zero_shot_meanpool(tmp_path):
     assert trained["schedule"]["lr_source"] == "xpool.default_lr"
     assert trained["schedule"]["stopped_early"]  # stopped on validation, not by the cap
     assert trained["schedule"]["epochs_run"] < trained["schedule"]["max_epochs"]
+
+
+def test_train_head_without_features_uses_the_one_store_under_features(tmp_path, monkeypatch, cli):
+    """`tvrpipe train-head --method M --out R`: the one store under features/ (or $TVRPIPE_FEATURES);
+    none or several there is one line that says what to pass."""
+    from tvrpipe.features.store import FEATURES_ROOT_ENV
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(FEATURES_ROOT_ENV, raising=False)
+    r = cli("train-head", "--method", "meanpool", "--out", "runs/a", "--epochs", "0")
+    assert r.exit_code == 1 and "no feature store under features/: pass --features DIR" in " ".join(r.output.split())
+    spec = GenSpec(train_videos=16, test_videos=8, frames=4, max_words=6, embed_dim=8, seed=0)
+    one = generate_store(tmp_path / "features" / "synthetic-tiny", spec)
+    r = cli("train-head", "--method", "meanpool", "--out", "runs/a", "--epochs", "0")
+    assert r.exit_code == 0, r.output
+    assert f"features: {Path('features') / 'synthetic-tiny'}" in r.output
+    assert yaml.safe_load((tmp_path / "runs" / "a" / "config.yaml").read_text())["features"] == str(one.resolve())
+    generate_store(tmp_path / "features" / "other", spec)
+    r = cli("train-head", "--method", "meanpool", "--out", "runs/b", "--epochs", "0")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and "2 feature stores under features/: pass --features with one of" in text
+    assert "features/other" in text and "features/synthetic-tiny" in text and not (tmp_path / "runs" / "b").exists()
+    monkeypatch.setenv(FEATURES_ROOT_ENV, str(tmp_path / "features" / "other"))
+    assert cli("train-head", "--method", "meanpool", "--out", "runs/c", "--epochs", "0").exit_code == 0

@@ -70,9 +70,11 @@ def print_metrics(title: str, metrics: dict) -> None:
 
 @app.command("train-head", rich_help_panel=MAIN_PATH)
 def train_head(
-    features: Annotated[Path, typer.Option(help="A complete feature store (tvrpipe extract).")],
     method: Annotated[str, typer.Option(help="Head to train (see `tvrpipe heads`).")],
     out: Annotated[Path, typer.Option(help="Run directory; rerun the same command to resume.")],
+    features: Annotated[Optional[Path], typer.Option(
+        help="A complete feature store (tvrpipe extract). Default: the one store under features/ (or under "
+             "$TVRPIPE_FEATURES); with several there, it lists them.")] = None,
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
     ] = None,
@@ -92,6 +94,11 @@ def train_head(
     """Train a retrieval head on cached features; select on validation; evaluate on test."""
     from tvrpipe.training.fit import TrainConfig, fit
 
+    if features is None:
+        from tvrpipe.features.store import default_store
+
+        features = default_store()
+        console.print(f"features: {features}", highlight=False)
     overrides = parse_overrides(method, set_ or [])
     cfg = TrainConfig(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
                       weight_decay=weight_decay, seed=seed,

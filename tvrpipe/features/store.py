@@ -50,7 +50,7 @@ import pandas as pd
 import zarr
 
 from tvrpipe.environment import resumed_versions, versions
-from tvrpipe.errors import TvrpipeError, writing
+from tvrpipe.errors import ConfigError, TvrpipeError, writing
 from tvrpipe.files import atomic_write_parquet, atomic_write_text
 from tvrpipe.lock import DirLock
 
@@ -554,6 +554,43 @@ def _read_sidecar(path: Path, rows: int, made_by: str, columns: Iterable[str]) -
             f"run {_again(made_by)} to rewrite it"
         )
     return df
+
+
+FEATURES_ROOT_ENV = "TVRPIPE_FEATURES"  # where `train-head` without --features looks for stores
+
+
+def find_stores(root: str | os.PathLike[str], depth: int = 3) -> list[Path]:
+    """The feature store directories under ``root`` (it included), at most ``depth`` folders down,
+    sorted; a store's own folders are not searched."""
+    root, found = Path(root), []
+    if not root.is_dir():
+        return found
+    for d, subdirs, _ in os.walk(root):
+        here = Path(d)
+        if (here / STORE_NAME).is_dir():
+            found.append(here)
+            subdirs.clear()
+        elif len(here.relative_to(root).parts) >= depth:
+            subdirs.clear()
+    return sorted(found)
+
+
+def default_store(root: str | os.PathLike[str] | None = None) -> Path:
+    """The one feature store under ``root`` (default ``$TVRPIPE_FEATURES``, else ``features/``), for a
+    command run without ``--features``.
+
+    Raises:
+        ConfigError: no store there, or several (each listed).
+    """
+    root = Path(root if root is not None else os.environ.get(FEATURES_ROOT_ENV, "features"))
+    stores = find_stores(root)
+    if len(stores) == 1:
+        return stores[0]
+    if not stores:
+        raise ConfigError(f"no feature store under {root}/: pass --features DIR (a store of `tvrpipe extract`), "
+                          f"or set {FEATURES_ROOT_ENV} to the folder that holds yours")
+    listed = ", ".join(str(s) for s in stores[:10]) + (f" (+{len(stores) - 10} more)" if len(stores) > 10 else "")
+    raise ConfigError(f"{len(stores)} feature stores under {root}/: pass --features with one of {listed}")
 
 
 def store_attributes(features_dir: str | os.PathLike[str]) -> dict[str, Any]:
