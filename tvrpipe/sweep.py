@@ -259,8 +259,7 @@ def run_sweep(
     if not runs:
         raise ConfigError("the sweep has no runs")
     if gpus_per_run > 0:
-        base = dataclasses.replace(base, device="cuda")
-    base.validate()
+        base = dataclasses.replace(base, device="cuda")  # checked again as it is made
     check_writable(out, "--out")
     store = open_store(features)
     identity = store_identity(store.provenance)  # what fit records as the run's store
@@ -286,8 +285,7 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
         row = {"run": run.name, "method": run.method, "seed": run.seed, **swept, "status": "", "error": ""}
         rows[run.name] = row
         try:
-            tc = dataclasses.replace(base, seed=run.seed, **run.train)
-            tc.validate()
+            tc = dataclasses.replace(base, seed=run.seed, **run.train)  # checks itself
             head_cfg = dataclasses.asdict(store_head_config(store, run.method, run.head))
         except (TvrpipeError, TypeError, ValueError) as e:  # one bad combination fails alone
             row.update(status="failed", error=_error_text(e))

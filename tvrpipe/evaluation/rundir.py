@@ -483,11 +483,6 @@ def write_plots(run: Path, rows: list[dict], groups: dict[str, list[str]] | None
         plt.close(fig)
 
 
-def recorded_sha256(run: Path) -> str | None:
-    checkpoint = recorded(run, "checkpoint")
-    return checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
-
-
 def recorded(run: Path, key: str) -> Any:
     """``metrics.json[key]`` of a run (None before training finished)."""
     metrics = read_metrics(run)

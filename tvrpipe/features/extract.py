@@ -464,8 +464,7 @@ def extract(
     """
     cfg = config or ExtractConfig()
     t0 = time.perf_counter()
-    # Everything that can be checked cheaply is checked before Ray starts or a model loads.
-    cfg.validate()
+    # Everything that can be checked cheaply is checked before Ray starts or a model loads (cfg checked itself).
     # The driver loads the model once (on CPU) for provenance: weights hash, D, preprocessing.
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)

@@ -169,13 +169,13 @@ def _looks_like_run(d: Path) -> bool:
 
 def _read_run(d: Path, config: dict) -> RunRecord | Skipped:
     mpath = d / rundir.METRICS_FILE
-    try:
-        metrics = rundir.read_metrics(d)
-    except RunError:
-        return Skipped(d, f"{mpath} is damaged (not JSON)")
-    if metrics is None and not mpath.is_file():
+    if not mpath.is_file():
         return Skipped(d, "unfinished: no metrics.json (training did not reach its test evaluation; rerun the "
                           "same command to resume it)")
+    try:
+        metrics = rundir.read_metrics(d)  # None: JSON, but not an object
+    except RunError:
+        return Skipped(d, f"{mpath} is damaged (not JSON)")
     if not isinstance(metrics, dict) or not isinstance(metrics.get("test"), dict) or not all(
             isinstance(metrics["test"].get(k), dict) for k in DIRECTIONS):
         return Skipped(d, f"{mpath} has no test t2v / v2t metrics")

@@ -568,8 +568,7 @@ def finetune(
     from tvrpipe.features.store import manifest_sha256
     from tvrpipe.training.data import split_rows
 
-    # ---- options, manifest and weights are checked before anything is written or Ray starts
-    cfg.validate()
+    # ---- options (cfg checked itself), manifest and weights are checked before anything is written or Ray starts
     post = check_post(post)
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)

@@ -47,8 +47,7 @@ from tvrpipe.evaluation.rundir import (
     load_head,
     load_optimizer_state,
     read_config,
-    recorded,
-    recorded_sha256,
+    read_metrics,
     save_head,
     write_metrics,
 )
@@ -245,8 +244,7 @@ def fit(
     Example:
         >>> fit("features/msrvtt-vitb32", "xpool", "runs/xpool", TrainConfig(epochs=5))  # doctest: +SKIP
     """
-    # ---- options and data (nothing is written before they are checked)
-    train.validate()
+    # ---- options and data (nothing is written before they are checked; ``train`` checked itself)
     check_writable(out_dir, "--out")
     store = open_store(features)
     head_cfg = store_head_config(store, method, overrides)
@@ -390,21 +388,22 @@ def evaluate_run(
     except TypeError as e:
         raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
                        "restore it or train the run again into a new --out") from None
-    tc.validate()
     with locked(run, "--run"):
         best_path = run / CHECKPOINTS / BEST
-        want = recorded_sha256(run)
+        trained = read_metrics(run) or {}  # the checkpoint's sha256; a finetune run's export and CLIP provenance
+        checkpoint = trained.get("checkpoint")
+        want = checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
         if want and best_path.is_file() and file_sha256(best_path) != want:
             raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
                            "checkpoint is damaged or was replaced; delete the run directory and train it again")
         head = load_head(best_path, tc.device)
         if features is None and config["features"] is None:
-            export = recorded(run, "export")
+            export = trained.get("export")
             how = f" (`{export['extract']}`)" if isinstance(export, dict) and export.get("extract") else ""
             raise ConfigError(f"{run} was trained on live CLIP features (tvrpipe finetune): pass --features, a store "
                               f"extracted with the run's CLIP{how}")
         # a finetune run pins what it learnt with (its CLIP's weights hash) in metrics.json
-        expect = {**config["provenance"], **(recorded(run, "provenance") or {})}
+        expect = {**config["provenance"], **(trained.get("provenance") or {})}
         store = open_store(features or config["features"], expect=expect)
         rows = store_split_rows(store, need_test=split == "test")
         # only the split evaluated (and train for QB-Norm's bank), with word tokens only for a head that reads them

@@ -184,6 +184,13 @@ class Config(HeadConfig):
 DEFAULT_LR = {64: 3e-4, 512: 3e-3}
 
 
+def _at_least_fp32(emb: Emb) -> Emb:
+    """``emb``'s float tensors in float32 where they are half precision (fp16 / bf16 under autocast);
+    float32 and float64 as they are, masks untouched."""
+    return {k: v.to(torch.promote_types(v.dtype, torch.float32)) if v.is_floating_point() else v
+            for k, v in emb.items()}
+
+
 class TokenMLP(nn.Sequential):
     """Linear -> ReLU -> Linear over the last dimension (the paper's "two-layer MLP").
 
@@ -311,9 +318,7 @@ class ProTA(Head):
         autocast: Eq. 2 and 6's soft-max at temperature 100 takes exp(100 (s - 1)), which fp16 flushes to
         zero for every similarity below ~0.83 (its smallest value is 6e-8), leaving a pair no weight."""
         with torch.autocast(te["x"].device.type, enabled=False):
-            full = lambda e: {k: v.float() if v.dtype in (torch.float16, torch.bfloat16) else v  # noqa: E731
-                              for k, v in e.items()}
-            return self._scores_fp32(full(te), full(ve))
+            return self._scores_fp32(_at_least_fp32(te), _at_least_fp32(ve))
 
     def _scores_fp32(self, te: Emb, ve: Emb) -> Tensor:
         cfg = self.config
@@ -354,13 +359,14 @@ class ProTA(Head):
         """
         if torch.is_grad_enabled():
             return self._scores(text_emb, video_emb)
-        out = text_emb["x"].new_empty(text_emb["x"].shape[0], video_emb["x"].shape[0])
+        out = text_emb["x"].new_empty(text_emb["x"].shape[0], video_emb["x"].shape[0],
+                                      dtype=torch.promote_types(text_emb["x"].dtype, torch.float32))  # as _scores
         for ti, tk in length_groups(text_emb["mask"], _TILE_TEXTS):
             te = {k: text_emb[k][ti, :tk] for k in _PAIR_KEYS if k in text_emb}
             tile_v = max(1, _TILE_ELEMENTS // (len(ti) * tk * video_emb["x"].shape[1]))
             for vi, vk in length_groups(video_emb["mask"], tile_v):
                 ve = {k: video_emb[k][vi, :vk] for k in _PAIR_KEYS if k in video_emb}
-                out[ti[:, None], vi[None, :]] = self._scores(te, ve).to(out.dtype)  # bf16/fp16 under autocast
+                out[ti[:, None], vi[None, :]] = self._scores(te, ve)
         return out
 
     def pair_margins(self, text_emb: Emb, video_emb: Emb) -> tuple[Tensor, Tensor]:
