@@ -101,23 +101,32 @@ def download(wheels: list[dict], out: Path) -> None:
         stale.unlink()  # a wheel of another version: gpu-check installs every file here
 
 
+def major_minor(text: str) -> tuple[int, int]:
+    """``"3.12"`` -> ``(3, 12)``, for argparse (which turns the ValueError into one usage line)."""
+    parts = text.split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not MAJOR.MINOR, e.g. 3.12")
+    return int(parts[0]), int(parts[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "wheelhouse", help="where the wheels go (default: wheelhouse/)")
-    ap.add_argument("--python", default="3.12", help="the GPU machine's Python, MAJOR.MINOR (default 3.12)")
-    ap.add_argument("--glibc", default="2.28", help="its glibc, MAJOR.MINOR (default 2.28: manylinux_2_28)")
+    ap.add_argument("--python", type=major_minor, default=(3, 12),
+                    help="the GPU machine's Python, MAJOR.MINOR (default 3.12)")
+    ap.add_argument("--glibc", type=major_minor, default=(2, 28),
+                    help="its glibc, MAJOR.MINOR (default 2.28: manylinux_2_28)")
     ap.add_argument("--arch", default="x86_64", help="its machine (default x86_64)")
     ap.add_argument("--also", action="append", default=[], help="another package of uv.lock (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="resolve and size from uv.lock; download nothing")
     ap.add_argument("--limit-mb", type=float, default=LIMIT_MB, help=f"refuse a larger set (default {LIMIT_MB:.0f})")
     a = ap.parse_args(argv)
-    python = tuple(int(x) for x in a.python.split("."))[:2]
-    glibc = tuple(int(x) for x in a.glibc.split("."))[:2]
+    python, glibc = a.python, a.glibc
     wheels = resolve([*PACKAGES, *a.also], python, glibc, a.arch)
     total = sum(w["size"] for w in wheels) / 1e6
     for w in wheels:
         print(f"{w['size'] / 1e6:7.1f} MB  {w['file']}")
-    print(f"{total:7.1f} MB  in all, for CPython {a.python} on manylinux_{glibc[0]}_{glibc[1]}_{a.arch} "
+    print(f"{total:7.1f} MB  in all, for CPython {python[0]}.{python[1]} on manylinux_{glibc[0]}_{glibc[1]}_{a.arch} "
           f"(limit {a.limit_mb:.0f} MB){'; dry run: nothing downloaded' if a.dry_run else ''}")
     if total > a.limit_mb:
         print(f"wheelhouse: {total:.1f} MB exceeds {a.limit_mb:.0f} MB (--limit-mb)", file=sys.stderr)

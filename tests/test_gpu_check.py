@@ -39,6 +39,12 @@ def test_a_package_missing_from_the_lock_is_named():
         wheelhouse.resolve(["no-such-package"], (3, 12), (2, 28), "x86_64")
 
 
+def test_a_malformed_python_version_is_one_usage_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        wheelhouse.main(["--python", "3", "--dry-run"])
+    assert e.value.code == 2 and "argument --python: '3' is not MAJOR.MINOR, e.g. 3.12" in capsys.readouterr().err
+
+
 @no_cuda
 def test_pytest_m_gpu_collects_every_gpu_test_and_skips_each_with_its_reason():
     collect = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
