@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from tvrpipe.errors import VideoError
+from tvrpipe.errors import ConfigError, VideoError
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,16 @@ _TIME_EPS = 1e-4
 # this does not count against the per-video timeout.
 _STARTUP_TIMEOUT_S = 120.0
 _DETAIL_MAX_CHARS = 600
+
+
+def check_timeout(seconds: float) -> None:
+    """``--timeout`` (extract's and finetune's per-video decode limit): > 0 and at most MAX_TIMEOUT_S.
+
+    Raises:
+        ConfigError: outside those bounds (an infinity included, NaN too).
+    """
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # the decoder waits in whole milliseconds (a C int)
+        raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got {seconds}")
 
 
 class DecodeFailure(VideoError):

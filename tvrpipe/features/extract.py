@@ -83,12 +83,10 @@ class ExtractConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid option (every field's declared range, then
         the decoder's longest wait); reads and creates nothing."""
-        from tvrpipe.features.decode import MAX_TIMEOUT_S
+        from tvrpipe.features.decode import check_timeout  # not at import: decode loads decord and av
 
         check_fields(self, "extract")
-        if self.timeout_s > MAX_TIMEOUT_S:  # the decoder waits in whole milliseconds (a C int)
-            raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got "
-                              f"{self.timeout_s}")
+        check_timeout(self.timeout_s)
 
 
 @dataclass

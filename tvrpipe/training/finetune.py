@@ -55,7 +55,7 @@ import torch.nn as nn
 from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.evaluation.rundir import BEST, LAST, load_head, load_optimizer_state, save_head, save_weights
-from tvrpipe.features.decode import MAX_TIMEOUT_S
+from tvrpipe.features.decode import check_timeout
 from tvrpipe.files import atomic_write_text
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
@@ -133,9 +133,7 @@ class FinetuneConfig:
         bad = [g for g, lr in self.group_lr.items() if not (isinstance(lr, (int, float)) and lr >= 0)]
         if bad:
             raise ConfigError(f"--group-lr {bad[0]}={self.group_lr[bad[0]]}: a learning rate must be a number >= 0")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # the decoder waits in whole milliseconds (a C int)
-            raise ConfigError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (23 days), got "
-                              f"{self.timeout_s}")
+        check_timeout(self.timeout_s)
         if self.precision == "fp16" and not self.use_gpu:
             raise ConfigError("--precision fp16 needs --use-gpu (CPU autocast supports bf16: use --precision bf16)")
         if self.use_gpu and self.num_workers == 0 and not torch.cuda.is_available():
