@@ -491,11 +491,12 @@ def test_cli_group_lr_is_parsed_and_recorded(tmp_path, cli):
     d = _small(tmp_path, n=12)
     r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
             tmp_path / "run", "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "0",
-            "--loader-workers", "0", "--group-lr", "radius=3e-5")
+            "--loader-workers", "0", "--group-lr", "radius=3e-5", "--init-from-clip")
     assert r.exit_code == 0, r.output
     import yaml
 
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["finetune"]["group_lr"] == {"radius": 3e-5}
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["finetune"]
+    assert recorded["group_lr"] == {"radius": 3e-5} and recorded["init_from_clip"] is True
     r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
             tmp_path / "run2", "--group-lr", "radius")
     assert r.exit_code == 1 and "--group-lr expects key=value, got 'radius'" in r.output
