@@ -19,12 +19,19 @@ app.add_typer(features_app, name="features", rich_help_panel=TOOLS)
 
 @app.command("extract", rich_help_panel=MAIN_PATH)
 def extract_cmd(
-    manifest: Annotated[Path, typer.Option(help="Manifest directory (videos.parquet, captions.parquet).")],
-    video_root: Annotated[Path, typer.Option(help="Folder the manifest's video paths are relative to.")],
-    out: Annotated[Path, typer.Option(help="Feature store directory; rerun the same command to resume.")],
-    dataset: Annotated[
-        Optional[str], typer.Option(help="Expected dataset name (checked against the manifest's).")
-    ] = None,
+    dataset: Annotated[Optional[str], typer.Option(
+        help="Dataset (`tvrpipe manifest datasets`). Alone, its files are found under --data-root as "
+             "docs/datasets.md lays them out, and its manifest is built there (or reused); with --manifest, "
+             "checked against the manifest's.")] = None,
+    manifest: Annotated[Optional[Path], typer.Option(
+        help="Manifest directory (videos.parquet, captions.parquet); default: --dataset's under --data-root.")] = None,
+    video_root: Annotated[Optional[Path], typer.Option(
+        help="Folder the manifest's video paths are relative to; default: --dataset's under --data-root.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Feature store directory; rerun the same command to resume. Default: "
+             "features/<dataset>-<model>-<pretrained> (features/: $TVRPIPE_FEATURES if set).")] = None,
+    data_root: Annotated[Optional[Path], typer.Option(
+        help="Where datasets live, one folder each (data/msrvtt/...); default: $TVRPIPE_DATA, else data/.")] = None,
     model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = "ViT-B-32",
     pretrained: Annotated[
         str, typer.Option(help="open_clip pretrained tag (e.g. openai), a local checkpoint file, or 'none' (seeded random).")
@@ -61,11 +68,25 @@ def extract_cmd(
     """
     from tvrpipe.data.manifest import read_manifest
     from tvrpipe.features.extract import ExtractConfig, ExtractionError, extract
+    from tvrpipe.features.store import default_features_dir
 
-    if dataset is not None:
-        have = read_manifest(manifest).meta.get("dataset")
-        if have != dataset:
-            raise ConfigError(f"--dataset {dataset!r} but the manifest in {manifest} is {have!r}")
+    if manifest is None:
+        if dataset is None:
+            raise ConfigError("give --dataset NAME (its files under --data-root, docs/datasets.md), or --manifest "
+                              "and --video-root")
+        from tvrpipe.data.layout import prepare_dataset
+
+        lay = prepare_dataset(dataset, data_root)
+        manifest, video_root = lay.manifest, video_root or lay.videos
+        console.print(f"manifest: {manifest}; videos: {video_root}", highlight=False)
+    elif video_root is None:
+        raise ConfigError(f"--manifest {manifest}: give --video-root too (the folder its video paths are relative to)")
+    have = read_manifest(manifest).meta.get("dataset")
+    if dataset is not None and have != dataset:
+        raise ConfigError(f"--dataset {dataset!r} but the manifest in {manifest} is {have!r}")
+    if out is None:
+        out = default_features_dir(have or Path(manifest).resolve().parent.name, model, pretrained)
+        console.print(f"features: {out}", highlight=False)
     cfg = ExtractConfig(model=model, pretrained=pretrained, frames=frames, max_words=max_words,
                         batch_size=batch_size, device=device, address=address, decoders=decoders,
                         encoders=encoders, timeout_s=timeout, seed=seed, video_shard=video_shard,

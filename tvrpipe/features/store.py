@@ -575,6 +575,15 @@ def find_stores(root: str | os.PathLike[str], depth: int = 3) -> list[Path]:
     return sorted(found)
 
 
+def default_features_dir(dataset: str, model: str, pretrained: str,
+                         root: str | os.PathLike[str] | None = None) -> Path:
+    """``<features root>/<dataset>-<model>-<pretrained>`` (a checkpoint file by its stem), where the
+    features root is ``root``, else ``$TVRPIPE_FEATURES``, else ``features`` (where ``train-head`` looks)."""
+    tag = Path(pretrained).stem if os.sep in pretrained or Path(pretrained).suffix else pretrained
+    base = Path(root if root is not None else os.environ.get(FEATURES_ROOT_ENV, "features"))
+    return base / f"{dataset}-{model}-{tag}"
+
+
 def default_store(root: str | os.PathLike[str] | None = None) -> Path:
     """The one feature store under ``root`` (default ``$TVRPIPE_FEATURES``, else ``features/``), for a
     command run without ``--features``.

@@ -1,0 +1,91 @@
+"""The data root: `tvrpipe extract --dataset NAME` finds a dataset laid out as docs/datasets.md says,
+builds (or reuses) its manifest there and writes its store to the default features folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    from tvrpipe.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("layout-videos")
+    synthesize(root, 12, seed=0, progress=False)
+    return root
+
+
+def _msrvtt_root(root: Path, synth: Path) -> Path:
+    """A data root laid out as docs/datasets.md says for MSR-VTT: CLIP4Clip's msrvtt_data/ (a 9k list of
+    6 videos, a 1k-A list of 3) and Frozen-in-Time's MSRVTT/videos/all/ (generated videos under MSR-VTT ids)."""
+    ann = root / "msrvtt" / "msrvtt_data"
+    videos = root / "msrvtt" / "MSRVTT" / "videos" / "all"
+    ann.mkdir(parents=True)
+    videos.mkdir(parents=True)
+    ids = [f"video{i}" for i in range(9)]
+    (ann / "MSRVTT_train.9k.csv").write_text("video_id\n" + "\n".join(ids[:6]) + "\n")
+    (ann / "MSRVTT_JSFUSION_test.csv").write_text("key,vid_key,video_id,sentence\n" + "".join(
+        f"ret{i},msr{i},{v},test sentence {i}\n" for i, v in enumerate(ids[6:])))
+    (ann / "MSRVTT_data.json").write_text(json.dumps({"videos": [{"video_id": v} for v in ids], "sentences": [
+        {"video_id": v, "caption": f"caption {k} of {v}", "sen_id": 2 * i + k} for i, v in enumerate(ids) for k in range(2)]}))
+    sources = sorted((synth / "videos").rglob("*.mp4"))
+    for v, src in zip(ids, sources):
+        shutil.copy(src, videos / f"{v}.mp4")
+    return root
+
+
+def test_prepare_dataset_builds_then_reuses_the_manifest(synth, tmp_path):
+    from tvrpipe.data.layout import prepare_dataset
+
+    root = _msrvtt_root(tmp_path / "data", synth)
+    lay = prepare_dataset("msrvtt", root)
+    assert lay.manifest == root / "msrvtt" / "manifest" and lay.videos == root / "msrvtt" / "MSRVTT" / "videos" / "all"
+    meta = json.loads((lay.manifest / "meta.json").read_text())
+    assert (meta["dataset"], meta["split_set"]) == ("msrvtt", "9k")
+    stamp = (lay.manifest / "videos.parquet").stat().st_mtime_ns
+    prepare_dataset("msrvtt", root)  # unchanged annotations: reused
+    assert (lay.manifest / "videos.parquet").stat().st_mtime_ns == stamp
+    train = lay.annotations / "MSRVTT_train.9k.csv"
+    train.write_text(train.read_text().replace("video5\n", ""))  # an edited annotation file: rebuilt
+    prepare_dataset("msrvtt", root)
+    assert len(pd.read_parquet(lay.manifest / "videos.parquet")) == 8
+
+
+def test_a_missing_layout_is_one_line_naming_the_folder_and_what_to_pass(tmp_path, monkeypatch, cli):
+    monkeypatch.chdir(tmp_path)
+    result = cli("extract", "--dataset", "msrvtt", "--model", "tvrpipe-tiny", "--pretrained", "none")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1
+    assert "annotation folder data/msrvtt/msrvtt_data not found" in text and "--data-root" in text
+    (tmp_path / "elsewhere" / "msrvtt" / "msrvtt_data").mkdir(parents=True)
+    monkeypatch.setenv("TVRPIPE_DATA", str(tmp_path / "elsewhere"))
+    result = cli("extract", "--dataset", "msrvtt")
+    assert result.exit_code == 1 and "video folder" in result.output and "MSRVTT/videos/all" in result.output
+    result = cli("extract", "--dataset", "custom")
+    assert result.exit_code == 1 and "no fixed layout" in result.output
+    assert not (tmp_path / "features").exists()
+
+
+def test_extract_with_only_the_dataset_finds_everything_under_the_data_root(synth, tmp_path, monkeypatch, cli):
+    """`tvrpipe extract --dataset msrvtt` (the tiny random CLIP in place of ViT-B-32: no weights here) in a
+    folder holding data/ as documented: the manifest is built there, the store lands in features/, and
+    train-head finds it with no --features."""
+    _msrvtt_root(tmp_path / "data", synth)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TVRPIPE_DATA", raising=False)
+    monkeypatch.delenv("TVRPIPE_FEATURES", raising=False)
+    result = cli("extract", "--dataset", "msrvtt", "--model", "tvrpipe-tiny", "--pretrained", "none",
+                 "--decoders", "1")
+    assert result.exit_code == 0, result.output
+    store = Path("features") / "msrvtt-tvrpipe-tiny-none"
+    assert (tmp_path / store / "features.zarr").is_dir()
+    from tvrpipe.features.store import default_store, open_store
+
+    assert default_store().resolve() == (tmp_path / store).resolve()
+    assert len(open_store(tmp_path / store).videos) == 9
+
