@@ -30,7 +30,7 @@ MAIN_PATH = "Main path: manifest -> extract -> train-head -> evaluate / report"
 PAPERS = "Full papers and grids"
 TOOLS = "Tools"
 BENCHMARKS = "Benchmarks"
-COMMAND_ORDER = ("manifest", "extract", "train-head", "evaluate", "report", "finetune", "sweep", "features",
+COMMAND_ORDER = ("manifest", "extract", "train-head", "evaluate", "report", "finetune", "recipes", "sweep", "features",
                  "export", "heads", "synth", "quickstart", "bench")
 
 
@@ -85,6 +85,15 @@ def finite_float(value: str | float) -> float:
     return x
 
 
+def explicit_options(ctx: click.Context) -> set[str]:
+    """The parameters of the running command that the user gave (on the command line or through an
+    environment variable), as opposed to their defaults: what overrides a recipe's values."""
+    # by name: typer may hand over a context of its own click, whose enum is not click's
+    given = {"COMMANDLINE", "ENVIRONMENT"}
+    return {p.name for p in ctx.command.params
+            if p.name and getattr(ctx.get_parameter_source(p.name), "name", None) in given}
+
+
 def _one_line(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {' '.join(message.split())}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
@@ -92,14 +101,8 @@ def _one_line(message: str) -> None:
 
 def new_app(**kwargs: Any) -> typer.Typer:
     """A typer app (or sub-group) with tvrpipe's defaults."""
-    return typer.Typer(
-        cls=_ErrorsAsMessages,
-        no_args_is_help=True,
-        pretty_exceptions_enable=False,
-        rich_markup_mode="rich",
-        add_completion=False,
-        **kwargs,
-    )
+    return typer.Typer(**{"cls": _ErrorsAsMessages, "no_args_is_help": True, "pretty_exceptions_enable": False,
+                          "rich_markup_mode": "rich", "add_completion": False, **kwargs})
 
 
 app = new_app(

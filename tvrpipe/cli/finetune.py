@@ -9,8 +9,7 @@ import typer
 from rich.console import Console
 
 from tvrpipe.cli.app import PAPERS, app, finite_float
-from tvrpipe.cli.train import parse_overrides, parse_post, print_metrics
-from tvrpipe.config import split_item
+from tvrpipe.cli.train import apply_recipe, parse_group_lr, parse_overrides, parse_post, print_metrics
 from tvrpipe.errors import ConfigError
 
 console = Console()
@@ -18,10 +17,26 @@ console = Console()
 
 @app.command("finetune", rich_help_panel=PAPERS)
 def finetune_cmd(
-    method: Annotated[str, typer.Option(help="Head to train (see `tvrpipe heads`).")],
-    manifest: Annotated[Path, typer.Option(help="Manifest directory (tvrpipe manifest build / synth).")],
-    video_root: Annotated[Path, typer.Option(help="Folder the manifest's video paths are relative to.")],
-    out: Annotated[Path, typer.Option(help="Run directory; rerun the same command to resume.")],
+    ctx: typer.Context,
+    method: Annotated[Optional[str], typer.Option(help="Head to train (see `tvrpipe heads`); default: the recipe's.")] = None,
+    manifest: Annotated[Optional[Path], typer.Option(
+        help="Manifest directory (tvrpipe manifest build / synth); default with --recipe: the recipe's dataset "
+             "under --data-root (built there if need be).")] = None,
+    video_root: Annotated[Optional[Path], typer.Option(
+        help="Folder the manifest's video paths are relative to; default with --recipe: the dataset's videos "
+             "under --data-root.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Run directory; rerun the same command to resume. Default with --recipe: runs/<recipe>.")] = None,
+    recipe: Annotated[Optional[str], typer.Option(
+        help="A paper's protocol for one dataset (`tvrpipe recipes`): every setting below that is not given "
+             "explicitly comes from it, and the run records it.")] = None,
+    data_root: Annotated[Optional[Path], typer.Option(
+        help="With --recipe and no --manifest: where datasets live, one folder each (docs/datasets.md); "
+             "default: $TVRPIPE_DATA, else data/.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check everything a run checks, print what it will do (settings, split counts, steps, "
+                          "images per step, estimated peak memory per worker from short CPU steps) and stop; "
+                          "writes nothing.")] = False,
     end_to_end: Annotated[
         bool, typer.Option("--end-to-end", help="Unfreeze both CLIP towers (the papers' setting). Without it CLIP "
                                                 "stays frozen and only the head trains, on live features.")
@@ -38,16 +53,18 @@ def finetune_cmd(
     batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers.")] = 32,
     frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = None,
     max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = None,
+    optimizer: Annotated[str, typer.Option(
+        help="adamw (weight decay decoupled) or adam (weight decay as an L2 term of the gradient).")] = "adamw",
     clip_lr: Annotated[float, typer.Option(
-        parser=finite_float, help="AdamW learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
+        parser=finite_float, help="Learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
     head_lr: Annotated[float, typer.Option(
-        parser=finite_float, help="AdamW learning rate of the head.")] = 1e-5,
+        parser=finite_float, help="Learning rate of the head.")] = 1e-5,
     group_lr: Annotated[Optional[list[str]], typer.Option(
         help="NAME=LR: a learning rate of its own for one of the head's parameter groups, e.g. radius=3e-5 for "
              "tmass (T-MASS Sec. 4.1); the head's other groups train at --head-lr (repeatable; `tvrpipe heads` "
              "lists each head's groups).")] = None,
     weight_decay: Annotated[float, typer.Option(parser=finite_float,
-        help="AdamW weight decay, on weight matrices only: gains, biases, embeddings and the head's logit scale are "
+        help="Weight decay, on weight matrices only: gains, biases, embeddings and the head's logit scale are "
              "exempt (docs/training.md).")] = 0.2,
     grad_clip: Annotated[float, typer.Option(
         parser=finite_float, help="Gradient norm clip (0: none).")] = 1.0,
@@ -95,22 +112,36 @@ def finetune_cmd(
     """
     from tvrpipe.training.finetune import FinetuneConfig, finetune
 
-    overrides = parse_overrides(method, set_ or [])
-    groups = {}
-    for item in group_lr or []:
-        name, raw = split_item(item, "--group-lr")
-        try:
-            groups[name] = float(raw)
-        except ValueError:
-            raise ConfigError(f"--group-lr {item}: {raw!r} is not a number") from None
-    cfg = FinetuneConfig(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs,
-                         epoch_pairs=epoch_pairs, batch_size=batch_size, frames=frames, max_words=max_words, clip_lr=clip_lr, head_lr=head_lr,
-                         group_lr=groups,
-                         weight_decay=weight_decay, grad_clip=grad_clip, precision=precision,
-                         grad_checkpointing=grad_checkpointing, init_from_clip=init_from_clip, num_workers=num_workers, use_gpu=use_gpu,
-                         address=address, cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed,
-                         timeout_s=timeout, max_failed_fraction=max_failed_fraction)
-    metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []))
+    options = dict(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs, epoch_pairs=epoch_pairs,
+                   batch_size=batch_size, frames=frames, max_words=max_words, optimizer=optimizer, clip_lr=clip_lr,
+                   head_lr=head_lr, group_lr=parse_group_lr(group_lr or []), weight_decay=weight_decay,
+                   grad_clip=grad_clip, precision=precision, grad_checkpointing=grad_checkpointing,
+                   init_from_clip=init_from_clip, num_workers=num_workers, use_gpu=use_gpu, address=address,
+                   cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed, timeout_s=timeout,
+                   max_failed_fraction=max_failed_fraction)
+    record = None
+    if recipe is None:
+        missing = [f"--{k.replace('_', '-')}" for k, v in (("method", method), ("manifest", manifest),
+                                                             ("video_root", video_root), ("out", out)) if v is None]
+        if missing:
+            raise ConfigError(f"give {', '.join(missing)}, or a --recipe (`tvrpipe recipes`)")
+        overrides = parse_overrides(method, set_ or [])
+    else:
+        r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options)
+        if manifest is None:
+            from tvrpipe.data.layout import prepare_dataset
+
+            lay = prepare_dataset(r.dataset, data_root, r.split_set.value)
+            manifest, video_root = lay.manifest, video_root or lay.videos
+        elif video_root is None:
+            raise ConfigError(f"--manifest {manifest}: give --video-root too")
+        out = out if out is not None else Path("runs") / r.name
+    cfg = FinetuneConfig(**options)
+    metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []), recipe=record,
+                       dry_run=dry_run)
+    if dry_run:
+        print_plan(metrics)
+        return
     tr = metrics["train"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']}"
                   + (f"; {metrics['failed_videos']} videos failed to decode (see {out / 'failures.csv'})"
@@ -119,3 +150,30 @@ def finetune_cmd(
     if metrics.get("export"):
         console.print(f"finetuned CLIP: {out / metrics['export']['file']}; extract with it: "
                       f"{metrics['export']['extract']}", highlight=False, soft_wrap=True)
+
+
+def print_plan(plan: dict) -> None:
+    """What ``finetune --dry-run`` found: the settings, the data, the steps and the estimated memory."""
+    cfg = plan["config"]
+    recipe = cfg.get("recipe")
+    console.print(f"dry run of finetune {plan['method']}" + (f" (recipe {recipe['name']})" if recipe else "")
+                  + f"; nothing was written; the run would write {plan['out']}", highlight=False, soft_wrap=True)
+    for section in ("finetune", "execution"):
+        console.print(f"{section}: " + ", ".join(f"{k}={v}" for k, v in cfg[section].items()), highlight=False,
+                      soft_wrap=True)
+    console.print("head: " + ", ".join(f"{k}={v}" for k, v in cfg["head"].items()), highlight=False, soft_wrap=True)
+    console.print("data: " + "; ".join(f"{s} {c['videos']} videos / {c['captions']} captions"
+                                       for s, c in plan["splits"].items()) + f" (validation: {plan['validation']})",
+                  highlight=False, soft_wrap=True)
+    console.print(f"steps: {plan['steps_per_epoch']} an epoch x {plan['epochs']} epochs = {plan['total_steps']}; "
+                  f"{plan['pairs_per_step']} pairs, {plan['images_per_step']} images a step "
+                  f"({plan['images_per_step_per_worker']} on each of {plan['workers']} worker(s))", highlight=False)
+    m = plan["memory"]
+    gb = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    console.print(f"estimated peak memory per worker: {gb(m['total'])} (an estimate: weights {gb(m['weights'])}, "
+                  f"gradients {gb(m['gradients'])}, optimiser {gb(m['optimizer'])}, input frames {gb(m['inputs'])}, "
+                  f"activations {gb(m['activations'])} at {m['pairs']} pairs, from CPU steps of "
+                  f"{', '.join(str(n) for n, _ in m['measured'])} pairs; a GPU adds its context, about 0.5 GiB)",
+                  highlight=False, soft_wrap=True)
+    if plan["gpu"]:
+        console.print(f"note: {plan['gpu']}", highlight=False)

@@ -8,6 +8,7 @@ from tvrpipe.cli import (  # noqa: F401  (each adds its commands)
     finetune,
     manifest,
     quickstart,
+    recipes,
     report,
     sweep,
     synth,

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, finite_float
-from tvrpipe.config import parse_fields
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, finite_float
+from tvrpipe.config import parse_fields, split_item
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.rundir import METRICS, POST_PROCESSINGS, Scores
 
@@ -31,8 +31,8 @@ PatienceOption = Annotated[int, typer.Option(
          "300 steps.")]
 BatchSizeOption = Annotated[int, typer.Option(help="Pairs per step (one caption per video).")]
 LrOption = Annotated[Optional[float], typer.Option(parser=finite_float,
-    help="AdamW learning rate. Default: the head's, at the features' width D (`tvrpipe heads` lists them).")]
-WeightDecayOption = Annotated[float, typer.Option(parser=finite_float, help="AdamW weight decay.")]
+    help="Learning rate. Default: the head's, at the features' width D (`tvrpipe heads` lists them).")]
+WeightDecayOption = Annotated[float, typer.Option(parser=finite_float, help="Weight decay.")]
 PostOption = Annotated[Optional[list[str]], typer.Option(
     help="Also report test metrics after dsl or qbnorm (repeatable).")]
 
@@ -42,6 +42,45 @@ def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
     from tvrpipe.heads.base import head_class
 
     return parse_fields(head_class(method).Config, items, method)
+
+
+def parse_group_lr(items: list[str]) -> dict[str, float]:
+    """``--group-lr NAME=LR`` items -> ``{NAME: LR}``."""
+    groups = {}
+    for item in items:
+        name, raw = split_item(item, "--group-lr")
+        try:
+            groups[name] = finite_float(raw)
+        except typer.BadParameter as e:
+            raise ConfigError(f"--group-lr {item}: {e.message}") from None
+    return groups
+
+
+def apply_recipe(ctx: typer.Context, name: str, method: str | None, set_items: list[str], options: dict[str, Any],
+                 keys: dict[str, str] | None = None):
+    """The recipe ``name`` applied to a command's ``options`` (in place): every recipe setting of ``keys``
+    ({setting: option}, default: finetune's) that the user did not give explicitly takes the recipe's value;
+    ``--set`` items win over the recipe's head config.
+
+    Returns:
+        ``(recipe, method, head overrides, what the run records of the recipe)``.
+
+    Raises:
+        ConfigError: ``--method`` names another head than the recipe's.
+    """
+    from tvrpipe.training.recipes import load_recipe, resolve
+
+    r = load_recipe(name)
+    if method is not None and method != r.method:
+        raise ConfigError(f"--method {method}: recipe {r.name} trains {r.method}; leave --method out")
+    given = explicit_options(ctx)
+    values, overridden = resolve(r, {k: v for k, v in options.items() if k in given}, keys)
+    options.update(values)
+    explicit_head = parse_overrides(r.method, set_items)
+    overridden += [f"head.{k}" for k, v in explicit_head.items() if k in r.head and r.head[k].value != v]
+    console.print(f"recipe {r.name}" + (f"; overridden: {', '.join(sorted(overridden))}" if overridden else ""),
+                  highlight=False)
+    return r, r.method, {**r.head_overrides(), **explicit_head}, r.record(overridden)
 
 
 def parse_post(post: list[str]) -> tuple[str, ...]:
@@ -70,11 +109,17 @@ def print_metrics(title: str, metrics: dict) -> None:
 
 @app.command("train-head", rich_help_panel=MAIN_PATH)
 def train_head(
-    method: Annotated[str, typer.Option(help="Head to train (see `tvrpipe heads`).")],
-    out: Annotated[Path, typer.Option(help="Run directory; rerun the same command to resume.")],
+    ctx: typer.Context,
+    method: Annotated[Optional[str], typer.Option(help="Head to train (see `tvrpipe heads`); default: the recipe's.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Run directory; rerun the same command to resume. Default with --recipe: runs/<recipe>-head.")] = None,
     features: Annotated[Optional[Path], typer.Option(
         help="A complete feature store (tvrpipe extract). Default: the one store under features/ (or under "
              "$TVRPIPE_FEATURES); with several there, it lists them.")] = None,
+    recipe: Annotated[Optional[str], typer.Option(
+        help="Train as a paper's recipe does (`tvrpipe recipes`): its head config, batch, epochs, optimiser, "
+             "learning rates per parameter group, weight decay and warmup, unless given explicitly; the features "
+             "fix the rest (backbone, frames, words).")] = None,
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
     ] = None,
@@ -82,7 +127,12 @@ def train_head(
     max_epochs: MaxEpochsOption = 60,
     patience: PatienceOption = 8,
     batch_size: BatchSizeOption = 128,
+    optimizer: Annotated[str, typer.Option(
+        help="adamw (weight decay decoupled) or adam (weight decay as an L2 term of the gradient).")] = "adamw",
     lr: LrOption = None,
+    group_lr: Annotated[Optional[list[str]], typer.Option(
+        help="NAME=LR: a learning rate of its own for one of the head's parameter groups (e.g. radius=3e-5 for "
+             "tmass); the other groups train at --lr (repeatable; `tvrpipe heads` lists the groups).")] = None,
     weight_decay: WeightDecayOption = 0.2,
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = 0,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -94,16 +144,26 @@ def train_head(
     """Train a retrieval head on cached features; select on validation; evaluate on test."""
     from tvrpipe.training.fit import TrainConfig, fit
 
+    options = dict(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, optimizer=optimizer,
+                   lr=lr, group_lr=parse_group_lr(group_lr or []), weight_decay=weight_decay, seed=seed,
+                   device=device, prefetch=prefetch)
+    record = None
+    if recipe is None:
+        if method is None or out is None:
+            raise ConfigError("give --method and --out, or a --recipe (`tvrpipe recipes`)")
+        overrides = parse_overrides(method, set_ or [])
+    else:
+        from tvrpipe.training.recipes import TRAIN_HEAD
+
+        r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options, TRAIN_HEAD)
+        out = out if out is not None else Path("runs") / f"{r.name}-head"
     if features is None:
         from tvrpipe.features.store import default_store
 
         features = default_store()
         console.print(f"features: {features}", highlight=False)
-    overrides = parse_overrides(method, set_ or [])
-    cfg = TrainConfig(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
-                      weight_decay=weight_decay, seed=seed,
-                      device=device, prefetch=prefetch)
-    metrics = fit(features, method, out, cfg, overrides, parse_post(post or []))
+    cfg = TrainConfig(**options)
+    metrics = fit(features, method, out, cfg, overrides, parse_post(post or []), recipe=record)
     sch = metrics["schedule"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
                   f" (lr {sch['lr']:g} from {sch['lr_source']}{', stopped early' if sch['stopped_early'] else ''})",

@@ -75,7 +75,7 @@ def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, sp
 
     lay = dataset_layout(dataset, root)
     default = load_spec(dataset).default_split_set
-    if split_set and split_set != default:
+    if split_set and split_set != default and lay.annotations is not None:  # a generated dataset has one
         lay = dataclasses.replace(lay, manifest=lay.folder / f"{MANIFEST_DIR}-{split_set}")
     where = f"(the {dataset} layout under the data root {lay.folder.parent}: docs/datasets.md; or pass --data-root, " \
             f"or ${DATA_ROOT_ENV})"

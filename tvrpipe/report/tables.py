@@ -16,6 +16,7 @@ import numpy as np
 from tvrpipe.environment import versions_text
 from tvrpipe.evaluation.rundir import METRICS, ordered_variants
 from tvrpipe.report.runs import DIRECTIONS, RunRecord, Skipped
+from tvrpipe.training.recipes import Published
 
 HIGHER_IS_BETTER = {"R@1": True, "R@5": True, "R@10": True, "MdR": False, "MnR": False}
 # how each score variant is titled, and what it is; a variant not listed here is titled by its key
@@ -49,6 +50,22 @@ class Row:
     @property
     def seeds(self) -> list[int | None]:
         return [r.seed for r in self.runs]
+
+    def published(self) -> tuple[str, Published] | None:
+        """``(recipe name, the numbers its paper publishes)`` when every run of the row was trained from
+        one recipe that records them (:mod:`tvrpipe.training.recipes`); None otherwise."""
+        names = {(r.config.get("recipe") or {}).get("name") for r in self.runs}
+        if len(names) != 1 or None in names:
+            return None
+        from tvrpipe.errors import ConfigError
+        from tvrpipe.training.recipes import load_recipe
+
+        name = names.pop()
+        try:
+            recipe = load_recipe(name)
+        except ConfigError:  # a recipe since removed or renamed: the row stands without it
+            return None
+        return (name, recipe.published) if recipe.published else None
 
 
 @dataclass
@@ -207,6 +224,12 @@ def _table(section: Section, variant: str, direction: str) -> list[str]:
             text = _cell(row.values(variant, direction, m))
             cells.append(f"**{text}**" if len(rows) > 1 and means[m][i] == best[m] else text)
         lines.append(f"| {row.label} | {len(row.values(variant, direction, 'R@1'))} | " + " | ".join(cells) + " |")
+        published = row.published() if variant == "raw" else None  # the papers print raw scores
+        if published and direction in published[1].metrics:
+            name, pub = published
+            values = pub.metrics[direction]
+            lines.append(f"| ↳ published ({pub.source}; recipe {name}) | – | "
+                         + " | ".join("–" if values[m] is None else f"{values[m]:.1f}" for m in METRICS) + " |")
     return lines
 
 
@@ -273,6 +296,15 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                     rec["runs"] = " ".join(str(r.dir) for r in runs)
                     rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
                     rows.append(rec)
+                    published = row.published() if variant == "raw" else None
+                    if published and direction in published[1].metrics:
+                        name, pub = published
+                        rows.append({**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},
+                                     "n_videos": None, "n_texts": None, "scores": "published",
+                                     "row": f"{row.label}: published", "seeds": 0, "seed_values": "",
+                                     **{k: v for m, x in pub.metrics[direction].items()
+                                        for k, v in ((m, x), (f"{m} std", None))},
+                                     "runs": f"{pub.source} ({pub.backbone}), recipe {name}", "versions": ""})
     return rows
 
 
@@ -298,7 +330,8 @@ def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, 
                "evaluated once. Raw scores and every post-processing or re-ranking are in tables of their own. "
                "Cells are the mean ± the sample standard deviation (ddof=1) over the seeds of a row (`seeds` "
                "column); a row of one seed has no ±. Recall in %, median and mean rank 1-based; the best mean of "
-               "each column is in bold."), ""]
+               "each column is in bold. Under a row trained from a recipe, ↳ published is what its paper prints "
+               "for that row (docs/reproduce.md says why ours may differ)."), ""]
     for s in sections:
         lines += [f"## {s.title}", "", _split_line(s), ""]
         for variant in s.variants():

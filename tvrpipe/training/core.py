@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
@@ -63,6 +64,7 @@ from tvrpipe.evaluation.rundir import (
     write_plots,
 )
 from tvrpipe.files import file_sha256
+from tvrpipe.heads.base import Head, head_class
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,53 @@ def seed_step(seed: int, epoch: int, step: int) -> None:
         torch.cuda.manual_seed_all(s)
     if torch.backends.mps.is_available():
         torch.mps.manual_seed(s)
+
+
+def check_group_lr(head: Head, group_lr: Mapping[str, float] | None) -> dict[str, list[nn.Parameter]]:
+    """The head's parameter groups, when ``group_lr`` names only groups it has.
+
+    Raises:
+        ConfigError: a group the head does not have, naming those it has.
+    """
+    groups = head.param_groups()
+    unknown = sorted(set(group_lr or {}) - set(groups))
+    if unknown:
+        raise ConfigError(f"--group-lr {unknown[0]}: {head.name} has the parameter groups {', '.join(sorted(groups))}")
+    return groups
+
+
+def check_head_groups(method: str, head_cfg: Any, group_lr: Mapping[str, float]) -> None:
+    """Before anything is written: every group ``group_lr`` names is one of the head's (a throwaway head is
+    built without touching the random stream the run's own initialisation draws from).
+
+    Raises:
+        ConfigError: as :func:`check_group_lr`.
+    """
+    if group_lr:
+        with torch.random.fork_rng(devices=[]):
+            check_group_lr(head_class(method)(head_cfg), group_lr)
+
+
+def check_lr_values(group_lr: Mapping[str, float]) -> None:
+    """Raise :class:`ConfigError` unless every learning rate of ``group_lr`` ({group: lr}) is a finite number >= 0."""
+    for g, lr in group_lr.items():
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ConfigError(f"--group-lr {g}={lr}: a learning rate must be a finite number >= 0")
+
+
+OPTIMIZERS = ("adamw", "adam")
+
+
+def make_optimizer(kind: str, groups: list[dict]) -> torch.optim.Optimizer | None:
+    """The optimiser over ``groups`` (each with its ``lr``, ``base_lr`` and ``weight_decay``): ``adamw``
+    decouples the weight decay from the gradient (Loshchilov & Hutter; X-Pool, T-MASS), ``adam`` adds it
+    to the gradient as an L2 term (torch's Adam; UATVR Sec. 4.1 names Adam). None when nothing trains."""
+    if kind not in OPTIMIZERS:
+        raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        return None
+    return (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)(groups)
 
 
 def optimizer_step(opt: torch.optim.Optimizer | None, loss: torch.Tensor, multiplier: float,

@@ -59,8 +59,18 @@ from tvrpipe.features.decode import check_timeout
 from tvrpipe.files import atomic_write_text
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import locked
-from tvrpipe.training.core import RunLoop, Schedule, optimizer_step, seed_step, start_run
-from tvrpipe.training.live import LiveModel, check_group_lr, pairs_in_step, param_groups
+from tvrpipe.training.core import (
+    OPTIMIZERS,
+    RunLoop,
+    Schedule,
+    check_head_groups,
+    check_lr_values,
+    make_optimizer,
+    optimizer_step,
+    seed_step,
+    start_run,
+)
+from tvrpipe.training.live import LiveModel, pairs_in_step, param_groups
 from tvrpipe.training.videodata import (
     EPOCH_PAIRS,
     ClipBatch,
@@ -93,6 +103,8 @@ class FinetuneConfig:
     batch_size: int = at_least(2, 32, option="--batch-size")
     frames: int | None = at_least(1, None, option="--frames")  # None: the manifest's (12 for MSR-VTT, X-Pool Sec. 4)
     max_words: int | None = at_least(2, None, option="--max-words")  # None: the manifest's (32 for MSR-VTT)
+    # X-Pool / T-MASS: AdamW; UATVR Sec. 4.1: Adam (weight decay as an L2 term of the gradient)
+    optimizer: str = one_of(OPTIMIZERS, "adamw", option="--optimizer")
     clip_lr: float = at_least(0, 1e-6, option="--clip-lr")  # X-Pool / T-MASS / DUQ: CLIP lr 1e-6
     head_lr: float = at_least(0, 1e-5, option="--head-lr")  # X-Pool / T-MASS / DUQ: lr 1e-5 for the non-CLIP parameters
     # a learning rate of its own for a group of the head's parameters (Head.param_groups), e.g.
@@ -130,14 +142,10 @@ class FinetuneConfig:
         """Raise :class:`ConfigError` naming the first invalid option (every field's declared range, then
         the options that go together); reads and creates nothing. A FinetuneConfig that exists has passed it."""
         check_fields(self, "finetune")
-        bad = [g for g, lr in self.group_lr.items() if not (isinstance(lr, (int, float)) and lr >= 0)]
-        if bad:
-            raise ConfigError(f"--group-lr {bad[0]}={self.group_lr[bad[0]]}: a learning rate must be a number >= 0")
+        check_lr_values(self.group_lr)
         check_timeout(self.timeout_s)
         if self.precision == "fp16" and not self.use_gpu:
             raise ConfigError("--precision fp16 needs --use-gpu (CPU autocast supports bf16: use --precision bf16)")
-        if self.use_gpu and self.num_workers == 0 and not torch.cuda.is_available():
-            raise ConfigError("--use-gpu: no CUDA device is available here; leave it out to train on the CPU")
         world = max(1, self.num_workers)
         if self.batch_size % world:
             raise ConfigError(f"--batch-size {self.batch_size} is the global batch: it must be divisible by "
@@ -243,7 +251,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     model = _live_model(job, device)
     bundle, head = model._bundle, model.head
     groups = param_groups(model, cfg.clip_lr, cfg.head_lr, cfg.weight_decay, cfg.group_lr)
-    opt = torch.optim.AdamW(groups) if groups else None
+    opt = make_optimizer(cfg.optimizer, groups)
     scaler = torch.amp.GradScaler(bundle.device.type, enabled=cfg.precision == "fp16")
     loop = RunLoop(out, schedule, {"clip_": lambda path: _save_clip(model.clip, path, {"model": cfg.model}),
                                    "": lambda path: save_head(head, path)}, rank, world)
@@ -329,19 +337,21 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
 PROGRESS_FILE = ".progress.json"
 
 
-def _live_model(job: _Job, device: str | torch.device) -> LiveModel:
-    """CLIP and the head, on ``device``; the same seed on every rank gives the same weights (DDP
-    broadcasts rank 0's anyway). CLIP trains only end-to-end."""
+def _live_model(job: _Job, device: str | torch.device, bundle=None, precision: str | None = None) -> LiveModel:
+    """CLIP (loaded on ``device``, or ``bundle`` where given) and the head; the same seed on every rank
+    gives the same weights (DDP broadcasts rank 0's anyway). CLIP trains only end-to-end. ``precision``:
+    the autocast to use instead of the run's."""
     from tvrpipe.features.clip import load_clip
 
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
-    bundle = load_clip(cfg.model, cfg.pretrained, device=device, seed=cfg.seed)
+    if bundle is None:
+        bundle = load_clip(cfg.model, cfg.pretrained, device=device, seed=cfg.seed)
     head = head_class(job.method)(job.head_cfg)
     if cfg.init_from_clip:
         copied = head.init_from_clip(bundle.model)
         log.info("%s from CLIP's text transformer: %s", job.method, ", ".join(copied) or "nothing (widths differ)")
-    model = LiveModel(bundle, head.to(bundle.device), cfg.end_to_end, cfg.precision)
+    model = LiveModel(bundle, head.to(bundle.device), cfg.end_to_end, precision or cfg.precision)
     model.clip.requires_grad_(cfg.end_to_end)
     if cfg.grad_checkpointing:
         model.clip.set_grad_checkpointing(True)
@@ -538,6 +548,8 @@ def finetune(
     overrides: dict[str, Any] | None = None,
     post: tuple[str, ...] = (),
     progress: bool = True,
+    recipe: dict[str, Any] | None = None,
+    dry_run: bool = False,
 ) -> dict:
     """Train ``method`` on live CLIP features of decoded videos; select on validation, test once.
 
@@ -551,9 +563,12 @@ def finetune(
         overrides: head config overrides (``--set key=value``); unknown keys fail.
         post: post-processing to report beside raw test metrics (``dsl``, ``qbnorm``).
         progress: show a progress bar.
+        recipe: what the run records of the recipe it was trained from (:meth:`Recipe.record`).
+        dry_run: check everything a run checks, then return the plan (:func:`plan_run`) instead of
+            training; writes nothing.
 
     Returns:
-        The run's metrics (also in ``out_dir/metrics.json``).
+        The run's metrics (also in ``out_dir/metrics.json``), or with ``dry_run`` the plan.
 
     Example:
         >>> finetune("data/msrvtt/manifest", "data/msrvtt/videos", "xpool", "runs/xpool-e2e",
@@ -571,9 +586,7 @@ def finetune(
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
-    if cfg.group_lr:  # the groups named are the head's: checked before anything is written
-        with torch.random.fork_rng(devices=[]):
-            check_group_lr(head_class(method)(head_cfg), cfg.group_lr)
+    check_head_groups(method, head_cfg, cfg.group_lr)
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     text_video = vrow.loc[captions["video_id"]].to_numpy()
@@ -606,13 +619,47 @@ def finetune(
                        "image_size": bundle.image_size, "preprocessing": preprocess_description(bundle),
                        "manifest_sha256": manifest_sha256(videos, captions)},
         "validation": rows.val_source,
+        **({"recipe": recipe} if recipe else {}),
     }
+    gpu_missing = cfg.use_gpu and cfg.num_workers == 0 and not torch.cuda.is_available()
+    if dry_run:
+        return plan_run(job, bundle, config, gpu_missing)
+    if gpu_missing:
+        raise ConfigError("--use-gpu: no CUDA device is available here; leave it out to train on the CPU")
     del bundle
     with locked(out, "--out"):
         start_run(out, config, ignore=("execution",))  # how and where it runs may change on a resume
         if cfg.num_workers == 0:
             return run_job(job, 0, 1, "cuda" if cfg.use_gpu else "cpu")
         return _ray_train(job)
+
+
+def plan_run(job: _Job, bundle, config: dict, gpu_missing: bool) -> dict:
+    """What the run of ``job`` will do: its resolved settings, split counts, steps and images per step,
+    and the estimated peak memory of a training step per worker (:mod:`tvrpipe.training.plan`),
+    measured on the CPU with ``bundle`` (the run's CLIP) and a fresh head."""
+    from tvrpipe.training.plan import estimate_step_memory
+
+    cfg = job.cfg
+    world = max(1, cfg.num_workers)
+    pairs = _train_pairs(job)
+    steps = epoch_steps(pairs, cfg.batch_size, cfg.epoch_pairs)
+    if cfg.max_steps is not None:
+        steps = min(steps, cfg.max_steps)
+    # fp16 autocast is measured as bf16 on the CPU: the same bytes per activation
+    model = _live_model(job, "cpu", bundle, "fp32" if cfg.precision == "fp32" else "bf16")
+    texts = [str(t) for t in job.table.texts[job.train_texts[:8]]] or ["a video"]
+    memory = estimate_step_memory(model, texts, job.frames, job.max_words, cfg.batch_size // world)
+    counts = {name: {"videos": int(len(v)), "captions": int(len(c))} for name, (v, c) in (
+        ("train", (job.train_videos, job.train_texts)), ("val", job.val), ("test", job.test))}
+    return {
+        "dry_run": True, "method": job.method, "out": job.out, "config": config, "splits": counts,
+        "validation": job.val_source, "steps_per_epoch": steps, "epochs": cfg.epochs, "total_steps": steps * cfg.epochs,
+        "workers": world, "pairs_per_step": cfg.batch_size, "images_per_step": cfg.batch_size * job.frames,
+        "images_per_step_per_worker": cfg.batch_size // world * job.frames,
+        "memory": {**dataclasses.asdict(memory), "total": memory.total},
+        "gpu": "no CUDA device here: a run with --use-gpu needs one" if gpu_missing else None,
+    }
 
 
 def _ray_train(job: _Job) -> dict:

@@ -31,14 +31,14 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tvrpipe.config import above, at_least, check_fields, within
+from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
 from tvrpipe.evaluation.rundir import (
     BEST,
@@ -56,7 +56,18 @@ from tvrpipe.files import file_sha256
 from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, head_class
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.training.allocator import tune_allocator
-from tvrpipe.training.core import RunLoop, Schedule, optimizer_step, seed_step, start_run
+from tvrpipe.training.core import (
+    OPTIMIZERS,
+    RunLoop,
+    Schedule,
+    check_group_lr,
+    check_head_groups,
+    check_lr_values,
+    make_optimizer,
+    optimizer_step,
+    seed_step,
+    start_run,
+)
 from tvrpipe.training.data import CaptionPairs, SplitData, Splits, load_split, load_splits, store_split_rows
 
 log = logging.getLogger(__name__)
@@ -92,6 +103,11 @@ class TrainConfig:
     batch_size: int = at_least(2, 128, option="--batch-size", why="a contrastive batch needs negatives")
     # None: the head's default_lr at the store's D (validation curves, docs/training.md)
     lr: float | None = above(0, None, option="--lr")
+    # a learning rate of its own for a group of the head's parameters (Head.param_groups), e.g.
+    # {"radius": 3e-5} for T-MASS (Sec. 4.1); the head's other groups train at lr
+    group_lr: dict[str, float] = field(default_factory=dict, metadata={"option": "--group-lr"})
+    # X-Pool / T-MASS: AdamW; UATVR Sec. 4.1: Adam (weight decay as an L2 term of the gradient)
+    optimizer: str = one_of(OPTIMIZERS, "adamw", option="--optimizer")
     weight_decay: float = at_least(0, 0.2, option="--weight-decay")  # X-Pool Sec. 4 / CLIP: AdamW weight decay 0.2
     # CLIP4Clip: warmup proportion 0.1, then cosine (runs with --epochs)
     warmup_fraction: float = within(0.0, 1.0, 0.1)
@@ -108,6 +124,7 @@ class TrainConfig:
         """Raise :class:`ConfigError` naming the first invalid option (every field's declared range, then
         the device); reads and creates nothing. A TrainConfig that exists has passed it."""
         check_fields(self, "train")
+        check_lr_values(self.group_lr)
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"--device must be cpu or cuda (cuda:N), got {self.device!r}")
 
@@ -223,6 +240,7 @@ def fit(
     progress: bool = True,
     max_steps: int | None = None,
     on_epoch: Callable[[dict], None] | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> dict:
     """Train ``method`` on a feature store, select the epoch on validation, evaluate on test.
 
@@ -237,6 +255,7 @@ def fit(
         max_steps: cap on steps per epoch (benchmarks); None trains on every video.
         on_epoch: called after each epoch, once it is saved, with its ``epochs.csv`` row (``bench
             convergence`` logs a line per epoch of its hours-long runs with it).
+        recipe: what the run records of the recipe its settings came from (:meth:`Recipe.record`).
 
     Returns:
         The run's metrics (also in ``out_dir/metrics.json``).
@@ -258,17 +277,22 @@ def fit(
     train_split = splits.train
     if train_split.n_videos < 2:
         raise ConfigError("the training split needs at least 2 videos")
+    check_head_groups(method, head_cfg, train.group_lr)
     out = Path(out_dir)
     tune_allocator()  # a step's large temporaries reused from the heap, not re-faulted (allocator.py)
     with locked(out, "--out"):
-        return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features, on_epoch)
+        return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features, on_epoch,
+                      recipe)
 
 
 def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: TrainConfig, post: tuple[str, ...],
-           progress: bool, max_steps: int | None, features, on_epoch: Callable[[dict], None] | None) -> dict:
+           progress: bool, max_steps: int | None, features, on_epoch: Callable[[dict], None] | None,
+           recipe: dict[str, Any] | None) -> dict:
     """The training run proper, with the run directory locked."""
     train_split = splits.train
     lr, lr_source = resolved_lr(method, train, head_cfg.embed_dim)
+    if recipe and "head_lr" not in recipe["overridden"]:
+        lr_source = f"recipe {recipe['name']}"
     steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
     if max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, max_steps)
@@ -285,15 +309,18 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         "provenance": store_identity(store.provenance),
         "validation": splits.val_source,
         "max_steps": max_steps,
+        **({"recipe": recipe} if recipe else {}),
     }, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source))
 
     # ---- model, optimiser
     device = torch.device(train.device)
     torch.manual_seed(train.seed)
     head = head_class(method)(head_cfg).to(device)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": params, "base_lr": lr}], lr=lr, weight_decay=train.weight_decay) \
-        if params else None
+    # every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does; docs/training.md)
+    opt = make_optimizer(train.optimizer, [
+        {"params": [p for p in params if p.requires_grad], "lr": train.group_lr.get(g, lr),
+         "base_lr": train.group_lr.get(g, lr), "weight_decay": train.weight_decay}
+        for g, params in check_group_lr(head, train.group_lr).items()])
     loop = RunLoop(out, schedule, {"": lambda path: save_head(head, path)}, on_epoch=on_epoch)
 
     def restore(state: dict) -> None:

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
-from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
+from tvrpipe.training.core import check_group_lr
 
 
 class _AllGather(torch.autograd.Function):
@@ -130,19 +130,6 @@ class LiveModel(nn.Module):
         t, v = gather_pairs(*self.features(frames, frame_mask, texts, max_words))
         out = self.head.loss(t, v)  # heads run in fp32, outside autocast
         return out.total, out.terms
-
-
-def check_group_lr(head: Head, group_lr: Mapping[str, float] | None) -> dict[str, list[nn.Parameter]]:
-    """The head's parameter groups, when ``group_lr`` names only groups it has.
-
-    Raises:
-        ConfigError: a group the head does not have, naming those it has.
-    """
-    groups = head.param_groups()
-    unknown = sorted(set(group_lr or {}) - set(groups))
-    if unknown:
-        raise ConfigError(f"--group-lr {unknown[0]}: {head.name} has the parameter groups {', '.join(sorted(groups))}")
-    return groups
 
 
 def param_groups(model: LiveModel, clip_lr: float, head_lr: float, weight_decay: float,

@@ -1,0 +1,377 @@
+"""Recipes: every shipped one parses with a source for every value; `--recipe` trains as written, an
+explicit option wins, `--dry-run` writes nothing; the report prints the paper's row; the data root."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.evaluation.rundir import METRICS
+from tvrpipe.training.recipes import IMPLEMENTED, SETTINGS, list_recipes, load_recipe, resolve
+
+PAPERS = {"uatvr", "duq", "prota", "tmass"}
+BASELINES = {"meanpool", "seqtransf", "xpool"}
+
+# a complete recipe for the tiny test CLIP: T-MASS's groups, Adam, distinct learning rates
+TINY_TMASS = {
+    "paper": "test", "method": "tmass", "dataset": "synthetic",
+    "split_set": {"value": "generated", "source": "choice: test"},
+    "settings": {k: {"value": v, "source": f"choice: test {k}"} for k, v in {
+        "model": "tvrpipe-tiny", "pretrained": "none", "end_to_end": True, "frames": 4, "max_words": 8,
+        "frame_sampling": "uniform", "epoch_pairs": "videos", "batch_size": 8, "epochs": 1, "optimizer": "adam",
+        "clip_lr": 2.0e-6, "head_lr": 1.0e-5, "group_lr": {"radius": 3.0e-5}, "weight_decay": 0.1,
+        "warmup_fraction": 0.1, "schedule": "cosine", "grad_clip": 1.0, "precision": "fp32",
+        "init_from_clip": False}.items()},
+    "head": {"num_samples": {"value": 3, "source": "choice: test"}, "num_frames": {"value": 4, "source": "choice"}},
+    "published": {"source": "Table 9", "backbone": "tiny",
+                  "t2v": {"R@1": 50.2, "R@5": 75.3, "R@10": 85.1, "MdR": 1.0, "MnR": 11.9}, "v2t": None},
+}
+
+
+def write_recipe(path: Path, doc: dict) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def changed(doc: dict, where: str, value) -> dict:
+    """A deep copy of ``doc`` with the dotted key ``where`` set to ``value`` (None: removed)."""
+    doc = json.loads(json.dumps(doc))
+    *parents, last = where.split(".")
+    node = doc
+    for p in parents:
+        node = node[p]
+    if value is None:
+        del node[last]
+    else:
+        node[last] = value
+    return doc
+
+
+# ------------------------------------------------------------------------------ the shipped recipes
+
+
+def test_every_shipped_recipe_parses_and_every_value_has_a_source():
+    names = list_recipes()
+    recipes = [load_recipe(n) for n in names]
+    assert {r.method for r in recipes} >= PAPERS | BASELINES  # every paper, and the baselines
+    for r in recipes:
+        assert list(r.settings) == list(SETTINGS), r.name
+        for key, s in [*r.settings.items(), *r.head.items(), ("split_set", r.split_set)]:
+            assert isinstance(s.source, str) and len(s.source) > 5, (r.name, key)
+        assert r.settings["end_to_end"].value is True, r.name  # the papers finetune CLIP
+        for k, allowed in IMPLEMENTED.items():
+            assert r.settings[k].value in allowed
+        if r.published is not None:
+            for direction, row in r.published.metrics.items():
+                recalls = [row[m] for m in ("R@1", "R@5", "R@10") if row[m] is not None]
+                assert recalls == sorted(recalls) and all(0 < x <= 100 for x in recalls), (r.name, direction)
+                assert row["MdR"] is None or row["MdR"] >= 1
+    # each of the four papers ships its MSR-VTT row with the numbers it publishes
+    for paper in PAPERS:
+        r = load_recipe(f"{paper}-msrvtt")
+        assert r.dataset == "msrvtt" and r.published is not None and r.published.metrics["t2v"]["R@1"] > 40
+
+
+def test_paper_protocols_as_the_papers_state_them():
+    """The settings the papers state in words (Sec. 4.1 of each; ProTA Supp. B)."""
+    uatvr, prota, tmass = (load_recipe(f"{p}-msrvtt").values() for p in ("uatvr", "prota", "tmass"))
+    assert (uatvr["optimizer"], uatvr["batch_size"], uatvr["head_lr"], uatvr["epochs"]) == ("adam", 64, 5e-5, 5)
+    assert (prota["batch_size"], prota["clip_lr"], prota["head_lr"], prota["init_from_clip"]) == (128, 1e-7, 1e-3, True)
+    assert load_recipe("prota-didemo").values()["epochs"] == 10
+    assert (load_recipe("prota-didemo").values()["frames"], load_recipe("prota-didemo").values()["max_words"]) == (64, 64)
+    assert (tmass["optimizer"], tmass["batch_size"], tmass["clip_lr"], tmass["frames"]) == ("adamw", 32, 1e-6, 12)
+    assert tmass["group_lr"]["radius"] == 3e-5
+    assert load_recipe("tmass-msrvtt").head_overrides().get("num_samples", 20) == 20
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("settings.batch_size", None, "settings missing batch_size"),
+    ("settings.head_lr", {"value": "3e-5", "source": "x"}, "YAML reads 3e-5 as text"),
+    ("settings.clip_lr", {"value": 1.0e-6}, "expected {value: ..., source"),
+    ("settings.epochs", {"value": 5, "source": " "}, "the source must be"),
+    ("settings.optimizer", {"value": "sgd", "source": "x"}, "--optimizer must be one of adamw, adam"),
+    ("settings.schedule", {"value": "linear", "source": "x"}, "tvrpipe implements cosine"),
+    ("head.no_such_field", {"value": 1, "source": "x"}, "head.no_such_field is not a field of tmass's config"),
+    ("published.t2v", {"R@1": 1.0}, "expected the metrics R@1, R@5, R@10, MdR, MnR"),
+    ("method", "nohead", "method 'nohead' is not a head"),
+    ("dataset", None, "a recipe has the keys"),
+])
+def test_a_broken_recipe_is_one_error_naming_the_file_and_key(tmp_path, where, value, message):
+    path = write_recipe(tmp_path / "broken.yaml", changed(TINY_TMASS, where, value))
+    with pytest.raises(ConfigError, match="broken.yaml") as e:
+        load_recipe(path)
+    assert message in str(e.value)
+
+
+def test_unknown_recipe_lists_the_shipped_ones():
+    with pytest.raises(ConfigError, match="no such recipe.*tmass-msrvtt"):
+        load_recipe("tmass-nowhere")
+
+
+def test_resolve_takes_the_recipe_unless_an_option_is_explicit(tmp_path):
+    r = load_recipe(write_recipe(tmp_path / "r.yaml", TINY_TMASS))
+    values, overridden = resolve(r, {})
+    assert values["head_lr"] == 1e-5 and values["group_lr"] == {"radius": 3e-5} and overridden == []
+    values, overridden = resolve(r, {"head_lr": 2e-5, "group_lr": {"head": 4e-5}, "epochs": 1})
+    assert values["head_lr"] == 2e-5  # the explicit option wins
+    assert values["group_lr"] == {"radius": 3e-5, "head": 4e-5}  # groups merge
+    assert sorted(overridden) == ["group_lr", "head_lr"]  # epochs=1 is the recipe's own value
+
+
+# ------------------------------------------------------------------------------ finetune --recipe
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    from tvrpipe.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("recipe-data")
+    synthesize(root, 40, seed=0, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def recipe_run(synth, tmp_path_factory):
+    """finetune --recipe (the tiny T-MASS one) with --head-lr given explicitly, one epoch."""
+    from typer.testing import CliRunner
+
+    from tvrpipe.cli.main import app
+
+    tmp = tmp_path_factory.mktemp("recipe-run")
+    recipe = write_recipe(tmp / "tiny-tmass.yaml", TINY_TMASS)
+    out = tmp / "run"
+    result = CliRunner().invoke(app, ["finetune", "--recipe", str(recipe), "--manifest", str(synth / "manifest"),
+                                      "--video-root", str(synth / "videos"), "--out", str(out), "--head-lr", "2e-5",
+                                      "--loader-workers", "0"])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def test_recipe_run_records_the_recipe_and_every_resolved_value(recipe_run):
+    out, output = recipe_run
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["recipe"]["name"] == "tiny-tmass" and config["recipe"]["overridden"] == ["head_lr"]
+    assert len(config["recipe"]["sha256"]) == 64
+    ft = config["finetune"]
+    assert (ft["optimizer"], ft["batch_size"], ft["clip_lr"], ft["head_lr"], ft["group_lr"], ft["weight_decay"]) == (
+        "adam", 8, 2e-6, 2e-5, {"radius": 3e-5}, 0.1)
+    assert (config["head"]["num_samples"], config["provenance"]["frames"]) == (3, 4)
+    assert "overridden: head_lr" in output
+
+
+def test_recipe_sets_the_optimizer_groups_as_written(recipe_run):
+    """The optimiser state of the run: Adam (not AdamW), CLIP at clip_lr, T-MASS's radius module at its own
+    rate, the rest of the head at the explicit --head-lr; decay on weight matrices only."""
+    from tvrpipe.evaluation.rundir import load_head
+
+    out, _ = recipe_run
+    state = torch.load(out / "checkpoints" / "state.pt", weights_only=False)
+    groups = state["optimizer"]["param_groups"]
+    assert all(g["decoupled_weight_decay"] is False for g in groups)  # torch's Adam: decay in the gradient
+    by_lr = {}
+    for g in groups:
+        by_lr.setdefault(g["base_lr"], 0)
+        by_lr[g["base_lr"]] += len(g["params"])
+        assert g["weight_decay"] in (0.0, 0.1)
+    assert set(by_lr) == {2e-6, 2e-5, 3e-5}
+    head = load_head(out / "checkpoints" / "last.safetensors")
+    radius = sum(1 for p in head.param_groups()["radius"])
+    assert by_lr[3e-5] == radius  # exactly the radius module's parameters
+
+
+def test_dry_run_writes_nothing_and_says_what_the_run_will_do(synth, tmp_path, cli):
+    recipe = write_recipe(tmp_path / "tiny-tmass.yaml", TINY_TMASS)
+    before = sorted(p for p in Path(synth).rglob("*")) + sorted(tmp_path.rglob("*"))
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", tmp_path / "run", "--dry-run", "--batch-size", "4")
+    assert result.exit_code == 0, result.output
+    after = sorted(p for p in Path(synth).rglob("*")) + sorted(tmp_path.rglob("*"))
+    assert after == before and not (tmp_path / "run").exists()
+    text = " ".join(result.output.split())
+    from tvrpipe.data.manifest import read_manifest
+
+    counts = read_manifest(synth / "manifest").videos["split"].value_counts()
+    assert f"train {counts['train']} videos" in text and f"test {counts['test']} videos" in text
+    steps = counts["train"] // 4  # epoch_pairs videos: one caption per training video, 4 a step
+    assert f"steps: {steps} an epoch x 1 epochs = {steps}" in text
+    assert "4 pairs, 16 images a step" in text  # 4 pairs x 4 frames
+    assert "estimated peak memory per worker" in text and "an estimate" in text
+    assert "optimizer=adam" in text and "batch_size=4" in text
+
+
+def test_dry_run_checks_what_a_run_checks(synth, tmp_path, cli):
+    recipe = write_recipe(tmp_path / "r.yaml", TINY_TMASS)
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", tmp_path,
+                 "--out", tmp_path / "run", "--dry-run")
+    assert result.exit_code == 1 and "not files under --video-root" in result.output
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", tmp_path / "run", "--dry-run", "--group-lr", "fusion=1e-4")
+    assert result.exit_code == 1 and "--group-lr fusion: tmass has the parameter groups head, radius" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_recipe_finds_its_dataset_under_the_data_root(synth, tmp_path, cli, monkeypatch):
+    """Without --manifest and --video-root a recipe's dataset comes from the data root, and --out defaults
+    to runs/<recipe>."""
+    shutil.copytree(synth, tmp_path / "data" / "synthetic")
+    recipe = write_recipe(tmp_path / "tiny-tmass.yaml", TINY_TMASS)
+    monkeypatch.chdir(tmp_path)
+    result = cli("finetune", "--recipe", recipe, "--data-root", tmp_path / "data", "--dry-run")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"the run would write {tmp_path / 'runs' / 'tiny-tmass'}" in text and not (tmp_path / "runs").exists()
+
+
+def test_recipe_and_method_must_agree(synth, tmp_path, cli):
+    result = cli("finetune", "--recipe", "tmass-msrvtt", "--method", "xpool", "--dry-run")
+    assert result.exit_code == 1 and "recipe tmass-msrvtt trains tmass" in result.output
+
+
+# ------------------------------------------------------------------------------ the memory estimate
+
+
+def test_saved_activation_bytes_counts_what_autograd_keeps():
+    """A bias-free linear layer keeps its input for the weight's gradient (weights excluded), a ReLU its output."""
+    from tvrpipe.training.plan import saved_activation_bytes
+
+    lin = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(5, 16)
+
+    def step():
+        torch.relu(lin(x)).sum().backward()
+    exclude = {p.untyped_storage().data_ptr() for p in lin.parameters()}
+    assert saved_activation_bytes(step, exclude) == 5 * 16 * 4 + 5 * 8 * 4
+
+
+def test_fit_quadratic_is_exact_and_drops_a_negative_curvature():
+    from tvrpipe.training.plan import fit_quadratic
+
+    points = [(n, 100 + 30 * n + 7 * n * n) for n in (2, 3, 4)]
+    np.testing.assert_allclose(fit_quadratic(points), [100, 30, 7], rtol=1e-9)
+    a, b, c = fit_quadratic([(2, 10), (3, 20), (4, 24)])  # concave: the line through the ends
+    assert c == 0 and b == 7 and a == -4
+
+
+def test_estimate_grows_with_the_batch_and_counts_the_optimizer(synth):
+    """The estimate's parts: Adam keeps two fp32 moments per trainable weight; frozen CLIP has no gradient."""
+    from tvrpipe.features.clip import load_clip
+    from tvrpipe.heads.base import clip_head_config, head_class
+    from tvrpipe.training.live import LiveModel
+    from tvrpipe.training.plan import estimate_step_memory
+
+    bundle = load_clip("tvrpipe-tiny", "none")
+    head = head_class("xpool")(clip_head_config("xpool", bundle.embed_dim, bundle.logit_scale, {}))
+    model = LiveModel(bundle, head, True, "fp32")
+    bundle.model.requires_grad_(True)  # end-to-end, as finetune sets it
+    small = estimate_step_memory(model, ["a red ball", "a blue square"], 4, 8, 8)
+    big = estimate_step_memory(model, ["a red ball", "a blue square"], 4, 8, 32)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert small.optimizer == 2 * 4 * n_params and small.gradients == 4 * n_params
+    assert big.activations > 3 * small.activations > 0 and big.total > small.total
+    frozen = LiveModel(bundle, head, False, "fp32")
+    bundle.model.requires_grad_(False)
+    f = estimate_step_memory(frozen, ["a red ball"], 4, 8, 8)
+    assert f.gradients == 4 * sum(p.numel() for p in head.parameters()) < small.gradients
+    assert f.activations < small.activations
+
+
+# ------------------------------------------------------------------------------ train-head --recipe
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from tvrpipe.features.genstore import GenSpec, generate_store
+
+    spec = GenSpec(train_videos=64, test_videos=16, captions_per_train_video=2, frames=4, max_words=8,
+                   embed_dim=32, seed=0)
+    return generate_store(tmp_path_factory.mktemp("recipe-store"), spec, video_shard=32, text_shard=64)
+
+
+def test_train_head_recipe_trains_the_head_as_written(store, tmp_path, cli):
+    recipe = write_recipe(tmp_path / "tiny-tmass.yaml", TINY_TMASS)
+    out = tmp_path / "run"
+    result = cli("train-head", "--recipe", recipe, "--features", store, "--out", out, "--epochs", "2",
+                 "--no-prefetch")
+    assert result.exit_code == 0, result.output
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["recipe"]["name"] == "tiny-tmass" and config["recipe"]["overridden"] == ["epochs"]
+    train = config["train"]
+    assert (train["optimizer"], train["batch_size"], train["lr"], train["group_lr"], train["epochs"]) == (
+        "adam", 8, 1e-5, {"radius": 3e-5}, 2)
+    assert config["resolved"]["lr_source"] == "recipe tiny-tmass" and config["head"]["num_samples"] == 3
+    groups = torch.load(out / "checkpoints" / "state.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert sorted(g["base_lr"] for g in groups) == [1e-5, 3e-5]
+    assert not any(g["decoupled_weight_decay"] for g in groups)
+
+
+def test_train_head_group_lr_without_a_recipe(store, tmp_path, cli):
+    result = cli("train-head", "--method", "tmass", "--features", store, "--out", tmp_path / "r", "--epochs", "1",
+                 "--lr", "1e-3", "--group-lr", "radius=1e-2", "--no-prefetch")
+    assert result.exit_code == 0, result.output
+    groups = torch.load(tmp_path / "r" / "checkpoints" / "state.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert sorted(g["base_lr"] for g in groups) == [1e-3, 1e-2]
+    result = cli("train-head", "--method", "xpool", "--features", store, "--out", tmp_path / "x", "--epochs", "1",
+                 "--group-lr", "radius=1e-2")
+    assert result.exit_code == 1 and "--group-lr radius: xpool has the parameter groups head" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def test_report_prints_the_published_row_under_a_recipe_run(recipe_run, tmp_path, monkeypatch):
+    from tvrpipe.report import write_report
+
+    out, _ = recipe_run
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(out, run)
+    # the report reads the recipe by name: ship the test recipe where recipes are found
+    from tvrpipe.training import recipes as recipes_module
+
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    write_recipe(folder / "tiny-tmass.yaml", TINY_TMASS)
+    monkeypatch.setattr(recipes_module, "recipes_dir", lambda: folder)
+    path = write_report([tmp_path / "runs"], tmp_path / "report")
+    text = path.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("| ↳ published"))
+    assert "Table 9" in line and "| 50.2 | 75.3 | 85.1 | 1.0 | 11.9 |" in line
+    rows = pd.read_csv(path.parent / "report.csv")
+    pub = rows[rows["scores"] == "published"]
+    assert len(pub) == 1 and pub.iloc[0]["direction"] == "t2v"
+    assert [pub.iloc[0][m] for m in METRICS] == [50.2, 75.3, 85.1, 1.0, 11.9]
+
+
+def test_recipes_command_lists_them_and_show_prints_every_source(cli):
+    result = cli("recipes")
+    assert result.exit_code == 0, result.output
+    for name in list_recipes():
+        assert name in result.output
+    r = load_recipe("tmass-msrvtt")
+    result = cli("recipes", "show", "tmass-msrvtt")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for key in SETTINGS:
+        assert key in text
+    assert f"{r.published.metrics['t2v']['R@1']:.1f}" in text and "the head's default" in text
+
+
+def test_reproduce_doc_holds_the_tables_of_the_shipped_recipes():
+    """docs/reproduce.md lists every recipe with its settings and published row, as the recipes say now."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "recipe_tables.py"
+    spec = importlib.util.spec_from_file_location("recipe_tables", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.DOC.read_text()
+    assert text == module.document(text), "docs/reproduce.md is behind the recipes: python scripts/recipe_tables.py --write"
+    assert all(f"`{n}`" in text for n in list_recipes())

@@ -1,0 +1,79 @@
+"""``tvrpipe recipes`` and ``tvrpipe recipes show NAME``: the papers' protocols, one per (paper, dataset)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tvrpipe.cli.app import PAPERS, app, new_app
+
+console = Console()
+recipes_app = new_app(help="The papers' training protocols, one recipe per (paper, dataset): `finetune --recipe NAME` "
+                           "runs one, `train-head --recipe NAME` trains its head the same way on cached features.",
+                      no_args_is_help=False)
+app.add_typer(recipes_app, name="recipes", rich_help_panel=PAPERS)
+
+
+@recipes_app.callback(invoke_without_command=True)
+def recipes_list(ctx: typer.Context) -> None:
+    """List the recipes: head, dataset, backbone, frames, batch, epochs, learning rates and the paper's t2v R@1."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from tvrpipe.training.recipes import list_recipes, load_recipe
+
+    table = Table(title="recipes (tvrpipe recipes show NAME; tvrpipe finetune --recipe NAME)")
+    for col in ("name", "head", "dataset", "backbone", "F", "batch", "epochs", "lr clip / head", "paper R@1"):
+        table.add_column(col, overflow="fold", no_wrap=col == "name")
+    for name in list_recipes():
+        r = load_recipe(name)
+        v = r.values()
+        lr = f"{v['clip_lr']:g} / {v['head_lr']:g}" + "".join(f", {g} {x:g}" for g, x in v["group_lr"].items())
+        pub = r.published.metrics.get("t2v", {}).get("R@1") if r.published else None
+        table.add_row(name, r.method, f"{r.dataset} {r.split_set.value}", v["model"], str(v["frames"]),
+                      str(v["batch_size"]), str(v["epochs"]), lr, "-" if pub is None else f"{pub:.1f}")
+    console.print(table)
+
+
+@recipes_app.command("show")
+def show(name: Annotated[str, typer.Argument(help="A recipe (`tvrpipe recipes`) or a recipe file.")]) -> None:
+    """Print a recipe resolved: every setting with its source, the head's whole config, the published row."""
+    from tvrpipe.evaluation.rundir import METRICS
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.training.recipes import load_recipe
+
+    r = load_recipe(name)
+    console.print(f"[bold]{r.name}[/]: {r.paper}; head {r.method}; {r.dataset}, split set {r.split_set.value} "
+                  f"({r.split_set.source})\n{r.path} (sha256 {r.sha256[:12]})", highlight=False, soft_wrap=True)
+    table = Table(title="settings (an explicit finetune option overrides one)")
+    for col in ("setting", "value", "source"):
+        table.add_column(col)
+    for k, s in r.settings.items():
+        table.add_row(k, str(s.value), s.source)
+    console.print(table)
+    head = Table(title=f"head config ({r.method}); the rest are the head's defaults (docs/methods.md)")
+    for col in ("field", "value", "source"):
+        head.add_column(col)
+    defaults = head_class(r.method).Config()
+    for f in dataclasses.fields(defaults):
+        if f.name in r.head:
+            head.add_row(f.name, str(r.head[f.name].value), r.head[f.name].source)
+        elif f.name in ("embed_dim", "logit_scale_init"):
+            head.add_row(f.name, "from CLIP", "the run's CLIP: its width, its learned logit scale")
+        else:
+            head.add_row(f.name, str(getattr(defaults, f.name)), "the head's default")
+    console.print(head)
+    if r.published is None:
+        console.print("published: none for this row")
+        return
+    pub = Table(title=f"published ({r.published.source}, {r.published.backbone})")
+    for col in ("", *METRICS):
+        pub.add_column(col, justify="right")
+    for d, row in r.published.metrics.items():
+        pub.add_row(d, *("-" if row[m] is None else f"{row[m]:.1f}" for m in METRICS))
+    console.print(pub)
+    if r.published.note:
+        console.print(f"note: {r.published.note}", highlight=False)

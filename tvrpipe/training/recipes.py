@@ -1,0 +1,284 @@
+"""Recipes: one paper's training protocol on one dataset, as data (``recipes/<name>.yaml``).
+
+A recipe holds every setting of a ``finetune`` run (backbone, frames, words, sampling, optimiser,
+learning rate per parameter group, schedule, batch, epochs, precision) and the head's config
+overrides, each value with its source, plus the numbers the paper publishes for that row::
+
+    paper: T-MASS (Wang et al., CVPR 2024)
+    method: tmass
+    dataset: msrvtt
+    split_set: {value: 9k, source: "Sec. 4.1: 9k training videos, 1k-A test"}
+    settings:
+      batch_size: {value: 32, source: "Sec. 4.1: batch size 32"}
+      group_lr: {value: {radius: 3.0e-5}, source: "Sec. 4.1: ..."}
+      ...
+    head:
+      num_samples: {value: 20, source: "Sec. 4.1: M = 20"}
+    published:
+      source: "Table 1"
+      backbone: ViT-B/32
+      t2v: {R@1: 50.2, R@5: 75.3, R@10: 85.1, MdR: 1.0, MnR: 11.9}
+      v2t: null
+
+A source is a paper's section or table, the official code's file, or ``choice: ...`` where both
+are silent. ``finetune --recipe NAME`` and ``train-head --recipe NAME`` take every value an option
+does not give explicitly (:func:`resolve`); the run records the recipe's name and hash beside the
+resolved values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.evaluation.rundir import METRICS
+
+# Every setting a recipe holds, in the order `recipes show` prints them. Each is a FinetuneConfig
+# field but for the two tvrpipe implements one way only, which a recipe records so that a reader sees
+# the paper's value beside ours (docs/reproduce.md says where they differ).
+SETTINGS = ("model", "pretrained", "end_to_end", "frames", "max_words", "frame_sampling", "epoch_pairs",
+            "batch_size", "epochs", "optimizer", "clip_lr", "head_lr", "group_lr", "weight_decay",
+            "warmup_fraction", "schedule", "grad_clip", "precision", "init_from_clip")
+IMPLEMENTED = {
+    "frame_sampling": ("uniform",),  # F segments of equal length: a random frame in each (training), its centre (evaluation)
+    "schedule": ("cosine",),  # linear warmup over warmup_fraction of the steps, then cosine decay to 0
+}
+OPTION_SETTINGS = tuple(k for k in SETTINGS if k not in IMPLEMENTED)  # each a finetune option of the same name
+# what train-head takes from a recipe (the rest belongs to the features, fixed when they were extracted)
+TRAIN_HEAD = {"batch_size": "batch_size", "epochs": "epochs", "optimizer": "optimizer", "head_lr": "lr",
+              "group_lr": "group_lr", "weight_decay": "weight_decay", "warmup_fraction": "warmup_fraction"}
+DIRECTIONS = ("t2v", "v2t")
+
+
+def recipes_dir() -> Path:
+    """Directory holding the recipe files (``recipes/`` at the repository root, ``tvrpipe/_recipes`` installed)."""
+    packaged = resources.files("tvrpipe") / "_recipes"
+    if packaged.is_dir():  # installed from a wheel
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def list_recipes() -> list[str]:
+    """Names of the shipped recipes (file stems)."""
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+@dataclass(frozen=True)
+class Sourced:
+    """A recipe value and where it comes from."""
+
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class Published:
+    """The numbers a paper publishes for a recipe's row: ``{direction: {metric: value or None}}``."""
+
+    source: str
+    backbone: str
+    metrics: dict[str, dict[str, float | None]]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed recipe (see the module docstring for the file)."""
+
+    name: str
+    path: Path
+    paper: str
+    method: str
+    dataset: str
+    split_set: Sourced
+    settings: dict[str, Sourced]
+    head: dict[str, Sourced]
+    published: Published | None
+    sha256: str
+
+    def values(self) -> dict[str, Any]:
+        """``{setting: value}`` of every setting."""
+        return {k: s.value for k, s in self.settings.items()}
+
+    def head_overrides(self) -> dict[str, Any]:
+        return {k: s.value for k, s in self.head.items()}
+
+    def record(self, overridden: Iterable[str] = ()) -> dict[str, Any]:
+        """What a run trained from this recipe records in its ``config.yaml``."""
+        return {"name": self.name, "sha256": self.sha256, "overridden": sorted(overridden)}
+
+
+def _sourced(raw: Any, where: str) -> Sourced:
+    if not isinstance(raw, Mapping) or set(raw) != {"value", "source"}:
+        raise ConfigError(f"{where}: expected {{value: ..., source: \"...\"}}, got {raw!r}")
+    source = raw["source"]
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError(f"{where}: the source must be a paper section or table, a code file or 'choice: ...'")
+    return Sourced(raw["value"], source.strip())
+
+
+def _typed(value: Any, kind: Any, where: str) -> Any:
+    """``value`` as the type ``kind`` of a config field (an int where a float is asked is a float);
+    YAML reads ``3e-5`` as a string (it wants ``3.0e-5``), which is refused here by name.
+
+    Raises:
+        ConfigError: ``value`` is not of that type.
+    """
+    args = typing.get_args(kind)
+    if type(None) in args:
+        if value is None:
+            return None
+        kind = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(kind)
+    ok = True
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, str)
+    elif origin is dict:
+        ok = isinstance(value, Mapping)
+        if ok:
+            key_kind, value_kind = typing.get_args(kind)
+            return {_typed(k, key_kind, where): _typed(v, value_kind, f"{where}.{k}") for k, v in value.items()}
+    elif origin in (tuple, list):
+        ok = isinstance(value, (list, tuple))
+    if not ok:
+        hint = " (YAML reads 3e-5 as text: write 3.0e-5)" if isinstance(value, str) and kind is float else ""
+        raise ConfigError(f"{where}: {value!r} is not a {getattr(kind, '__name__', kind)}{hint}")
+    return value
+
+
+def _published(raw: Any, where: str) -> Published | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not {"source", "backbone", *DIRECTIONS} <= set(raw) or \
+            set(raw) - {"source", "backbone", "note", *DIRECTIONS}:
+        raise ConfigError(f"{where}: expected source, backbone, t2v, v2t (and an optional note)")
+    metrics = {}
+    for d in DIRECTIONS:
+        row = raw[d]
+        if row is None:
+            continue
+        if not isinstance(row, Mapping) or set(row) != set(METRICS):
+            raise ConfigError(f"{where}.{d}: expected the metrics {', '.join(METRICS)} (null where not printed)")
+        for m, v in row.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise ConfigError(f"{where}.{d}.{m}: {v!r} is not a number")
+        metrics[d] = {m: None if row[m] is None else float(row[m]) for m in METRICS}
+    if not metrics:
+        raise ConfigError(f"{where}: neither t2v nor v2t is given")
+    return Published(str(raw["source"]), str(raw["backbone"]), metrics, str(raw.get("note") or ""))
+
+
+def load_recipe(name: str | Path) -> Recipe:
+    """The recipe ``name`` (a shipped recipe's name, or a path to a YAML file of the same form).
+
+    Raises:
+        ConfigError: unknown recipe, or a file that is not a complete recipe (naming the file and key).
+    """
+    from tvrpipe.heads.base import head_class, list_heads
+
+    path = Path(name)
+    if path.suffix not in (".yaml", ".yml") or not path.is_file():
+        path = recipes_dir() / f"{name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"--recipe {name}: no such recipe; `tvrpipe recipes` lists them "
+                              f"({', '.join(list_recipes())})")
+    text = path.read_bytes()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    keys = {"paper", "method", "dataset", "split_set", "settings", "head", "published"}
+    if not isinstance(raw, Mapping) or set(raw) != keys:
+        got = set(raw) if isinstance(raw, Mapping) else set()
+        raise ConfigError(f"{path}: a recipe has the keys {', '.join(sorted(keys))}"
+                          + (f"; missing {', '.join(sorted(keys - got))}" if keys - got else "")
+                          + (f"; unknown {', '.join(sorted(got - keys))}" if got - keys else ""))
+    method = str(raw["method"])
+    if method not in list_heads():
+        raise ConfigError(f"{path}: method {method!r} is not a head ({', '.join(list_heads())})")
+    settings_raw = raw["settings"] if isinstance(raw["settings"], Mapping) else {}
+    missing = [k for k in SETTINGS if k not in settings_raw]
+    unknown = sorted(set(settings_raw) - set(SETTINGS))
+    if missing or unknown:
+        raise ConfigError(f"{path}: settings " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    from tvrpipe.config import field_types
+    from tvrpipe.training.finetune import FinetuneConfig
+
+    types = field_types(FinetuneConfig)
+    settings = {}
+    for k in SETTINGS:
+        item = _sourced(settings_raw[k], f"{path}: settings.{k}")
+        settings[k] = Sourced(_typed(item.value, types.get(k, str), f"{path}: settings.{k}"), item.source)
+    for k, allowed in IMPLEMENTED.items():
+        if settings[k].value not in allowed:
+            raise ConfigError(f"{path}: settings.{k} {settings[k].value!r}: tvrpipe implements {', '.join(allowed)}")
+    head_raw = raw["head"] or {}
+    if not isinstance(head_raw, Mapping):
+        raise ConfigError(f"{path}: head must map config fields to {{value, source}}")
+    head_types = field_types(head_class(method).Config)
+    bad = sorted(set(head_raw) - set(head_types))
+    if bad:
+        raise ConfigError(f"{path}: head.{bad[0]} is not a field of {method}'s config")
+    head = {}
+    for k, v in head_raw.items():
+        item = _sourced(v, f"{path}: head.{k}")
+        head[k] = Sourced(_typed(item.value, head_types[k], f"{path}: head.{k}"), item.source)
+    recipe = Recipe(name=path.stem, path=path, paper=str(raw["paper"]), method=method, dataset=str(raw["dataset"]),
+                    split_set=_sourced(raw["split_set"], f"{path}: split_set"), settings=settings, head=head,
+                    published=_published(raw["published"], f"{path}: published"),
+                    sha256=hashlib.sha256(text).hexdigest())
+    try:  # every value within its option's range, as a run checks it (use_gpu: a recipe may ask for fp16)
+        FinetuneConfig(**resolve(recipe, {})[0], use_gpu=True)
+        head_class(method).Config(**recipe.head_overrides())
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return recipe
+
+
+def resolve(recipe: Recipe, explicit: Mapping[str, Any], keys: Mapping[str, str] | None = None) -> tuple[dict, list[str]]:
+    """The settings of a run from ``recipe``: each of ``keys`` ({recipe setting: option field}, default
+    every setting under its own name) from the recipe, unless ``explicit`` (the options the user gave,
+    by field) has it. ``group_lr`` merges per group, the explicit group winning.
+
+    Returns:
+        ``(values by field, the recipe settings the options overrode)``.
+    """
+    keys = keys or {k: k for k in OPTION_SETTINGS}
+    values, overridden = {}, []
+    for setting, option in keys.items():
+        value = recipe.settings[setting].value
+        if option in explicit:
+            given = explicit[option]
+            if setting == "group_lr":
+                given = {**value, **given}
+            if given != value:
+                overridden.append(setting)
+            value = given
+        values[option] = value
+    return values, overridden
+
+
+def finetune_config(recipe: Recipe, explicit: Mapping[str, Any]):
+    """``(FinetuneConfig, overridden settings)`` of ``recipe`` with the ``explicit`` options on top
+    (fields outside the recipe, e.g. ``use_gpu``, come from ``explicit`` or their defaults)."""
+    from tvrpipe.training.finetune import FinetuneConfig
+
+    values, overridden = resolve(recipe, explicit)
+    return FinetuneConfig(**{**explicit, **values}), overridden
