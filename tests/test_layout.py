@@ -83,3 +83,15 @@ def test_the_checks_fail_on_a_private_import_and_on_an_upward_import(tmp_path):
     found = tvrpipe_imports(bad)
     assert found == [(2, "tvrpipe.training.fit", ["_read_config"]), (3, "tvrpipe.cli.app", [])]
     assert LAYERS[stage("tvrpipe.cli.app")] > LAYERS[stage("tvrpipe.heads.base")]
+
+
+def test_pyproject_lists_every_package_and_ships_the_specs_and_recipes():
+    """A wheel holds what pyproject lists: every folder of the package with an __init__.py, and the dataset
+    specs (manifests/) and recipes (recipes/) mapped into it, which automatic discovery would miss."""
+    import tomllib
+
+    setup = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert set(setup["packages"]) == folders | {"tvrpipe._specs", "tvrpipe._recipes"}
+    assert setup["package-dir"] == {"tvrpipe._specs": "manifests", "tvrpipe._recipes": "recipes"}
+    assert setup["package-data"]["tvrpipe._specs"] == ["*.yaml"] == setup["package-data"]["tvrpipe._recipes"]
