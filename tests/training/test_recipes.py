@@ -207,6 +207,17 @@ def test_dry_run_writes_nothing_and_says_what_the_run_will_do(synth, tmp_path, c
     assert "optimizer=adam" in text and "batch_size=4" in text
 
 
+def test_a_recipe_switch_can_be_turned_off(synth, tmp_path, cli):
+    doc = changed(TINY_TMASS, "settings.init_from_clip", {"value": True, "source": "x"})
+    recipe = write_recipe(tmp_path / "r.yaml", doc)
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", tmp_path / "run", "--dry-run", "--frozen-clip", "--no-init-from-clip")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "end_to_end=False" in text and "init_from_clip=False" in text
+    assert "overridden: end_to_end, init_from_clip" in text
+
+
 def test_dry_run_checks_what_a_run_checks(synth, tmp_path, cli):
     recipe = write_recipe(tmp_path / "r.yaml", TINY_TMASS)
     result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", tmp_path,

@@ -38,8 +38,9 @@ def finetune_cmd(
                           "images per step, estimated peak memory per worker from short CPU steps) and stop; "
                           "writes nothing.")] = False,
     end_to_end: Annotated[
-        bool, typer.Option("--end-to-end", help="Unfreeze both CLIP towers (the papers' setting). Without it CLIP "
-                                                "stays frozen and only the head trains, on live features.")
+        bool, typer.Option("--end-to-end/--frozen-clip", help="Unfreeze both CLIP towers (the papers' setting); "
+                           "--frozen-clip (the default without a recipe) keeps CLIP frozen and trains only the head, on "
+                           "live features.")
     ] = False,
     model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = "ViT-B-32",
     pretrained: Annotated[
@@ -85,8 +86,9 @@ def finetune_cmd(
         bool, typer.Option("--grad-checkpointing", help="Recompute CLIP activations in backward (less memory).")
     ] = False,
     init_from_clip: Annotated[
-        bool, typer.Option("--init-from-clip", help="Start the head's temporal transformer from CLIP's text transformer "
-                                                   "(CLIP4Clip seqTransf, ProTA, UATVR's DSA), where widths and heads agree.")
+        bool, typer.Option("--init-from-clip/--no-init-from-clip",
+                           help="Start the head's temporal transformer from CLIP's text transformer (CLIP4Clip seqTransf, "
+                                "ProTA, UATVR's DSA), where widths and heads agree.")
     ] = False,
     loader_workers: Annotated[
         Optional[int], typer.Option(help="Decoding processes per worker (default: its CPUs, at most 8).")
