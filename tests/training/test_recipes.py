@@ -294,6 +294,28 @@ def test_estimate_grows_with_the_batch_and_counts_the_optimizer(synth):
     assert f.activations < small.activations
 
 
+def test_with_several_workers_the_head_share_is_read_at_the_gathered_batch():
+    """Ray Train gathers every worker's pairs before the head's loss: a head whose loss holds n x n terms
+    (prota) costs more at 4 pairs of a 16-pair global batch than at 4 pairs alone; meanpool barely."""
+    from tvrpipe.features.clip import load_clip
+    from tvrpipe.heads.base import clip_head_config, head_class
+    from tvrpipe.training.live import LiveModel
+    from tvrpipe.training.plan import estimate_step_memory, head_activation_bytes
+
+    bundle = load_clip("tvrpipe-tiny", "none")
+    bundle.model.requires_grad_(True)
+    extra = {}
+    for method, overrides in (("prota", {"num_heads": 2}), ("meanpool", {})):
+        head = head_class(method)(clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides))
+        model = LiveModel(bundle, head, True, "fp32")
+        alone = estimate_step_memory(model, ["a red ball"], 4, 8, 4)
+        assert estimate_step_memory(model, ["a red ball"], 4, 8, 4, gathered=4).activations == alone.activations
+        extra[method] = estimate_step_memory(model, ["a red ball"], 4, 8, 4, gathered=16).activations - alone.activations
+        share = [head_activation_bytes(head, n, 4, 8, bundle.embed_dim, set()) for n in (4, 16)]
+        assert share[1] > share[0]
+    assert extra["prota"] > 10 * extra["meanpool"] > 0
+
+
 # ------------------------------------------------------------------------------ train-head --recipe
 
 

@@ -649,7 +649,8 @@ def plan_run(job: _Job, bundle, config: dict, gpu_missing: bool) -> dict:
     # fp16 autocast is measured as bf16 on the CPU: the same bytes per activation
     model = _live_model(job, "cpu", bundle, "fp32" if cfg.precision == "fp32" else "bf16")
     texts = [str(t) for t in job.table.texts[job.train_texts[:8]]] or ["a video"]
-    memory = estimate_step_memory(model, texts, job.frames, job.max_words, cfg.batch_size // world)
+    memory = estimate_step_memory(model, texts, job.frames, job.max_words, cfg.batch_size // world,
+                                  gathered=cfg.batch_size)
     counts = {name: {"videos": int(len(v)), "captions": int(len(c))} for name, (v, c) in (
         ("train", (job.train_videos, job.train_texts)), ("val", job.val), ("test", job.test))}
     return {

@@ -1,18 +1,22 @@
 """What a ``finetune`` run will do, before it does it (``finetune --dry-run``): the peak memory of a
 training step per worker, estimated from short steps measured on this machine's CPU.
 
-The estimate adds what a step keeps in memory at its peak, the end of the forward pass:
+The estimate adds up the tensors of a step:
 
 - the weights, and for every trainable one its gradient and the optimiser's two moments (fp32);
 - the step's input frames (uint8, as the loader delivers them) and their normalised float copy;
 - the activations autograd saves for the backward pass.
 
+A real step never holds all of these at once (the gradients grow as the saved activations are
+freed), so the sum is an upper bound of the tensors, which leaves room for what it does not count:
+the CUDA context (about 0.5 GB), the allocator's fragmentation and cuDNN / cuBLAS workspaces.
+
 The saved activations are counted, by storage, with :func:`torch.autograd.graph.saved_tensors_hooks`
 in real forward passes of 2, 3 and 4 pairs (the same model, frames, words, precision and gradient
-checkpointing), and fitted exactly by ``a + b n + c n^2`` (a head's loss holds n x n similarity
-tensors), then read at the worker's batch. Under fp16 the CPU measures bf16 autocast, whose
-activations have the same size. Not counted: the CUDA context (about 0.5 GB), the allocator's
-fragmentation and cuDNN / cuBLAS workspaces, so the figure is an estimate, printed as one.
+checkpointing), fitted exactly by ``a + b n + c n^2`` (a head's loss holds n x n similarity
+tensors) and read at the worker's batch. With several workers the head's loss runs over the gathered
+global batch: its share, measured alone on random features, is read at that size. Under fp16 the
+CPU measures bf16 autocast, whose activations have the same size.
 """
 
 from __future__ import annotations
@@ -74,11 +78,26 @@ def fit_quadratic(points: list[tuple[int, int]]) -> np.ndarray:
     return np.array([a, b, c])
 
 
+def head_activation_bytes(head, n: int, frames: int, max_words: int, dim: int, exclude: set[int]) -> int:
+    """Bytes autograd saves in ``head``'s loss over ``n`` pairs of random features (with gradients, as the
+    live CLIP's are end-to-end)."""
+    from tvrpipe.heads.base import TextBatch, VideoBatch
+
+    gen = torch.Generator().manual_seed(n)
+    texts = TextBatch(torch.randn(n, max_words, dim, generator=gen, requires_grad=True),
+                      torch.ones(n, max_words, dtype=torch.bool), torch.randn(n, dim, generator=gen, requires_grad=True))
+    videos = VideoBatch(torch.randn(n, frames, dim, generator=gen, requires_grad=True),
+                        torch.ones(n, frames, dtype=torch.bool))
+    return saved_activation_bytes(lambda: head.loss(texts, videos).total.backward(), exclude)
+
+
 def estimate_step_memory(model, texts: list[str], frames: int, max_words: int, pairs: int,
-                         optimizer_states: int = 2) -> MemoryEstimate:
+                         optimizer_states: int = 2, gathered: int | None = None) -> MemoryEstimate:
     """Measure forward passes of ``model`` (a :class:`~tvrpipe.training.live.LiveModel` on the CPU) at
     :data:`SIZES` pairs with random frames and the captions ``texts`` (cycled), and read the fit at
-    ``pairs`` (one worker's batch). ``optimizer_states``: fp32 tensors the optimiser keeps per weight."""
+    ``pairs`` (one worker's batch). ``optimizer_states``: fp32 tensors the optimiser keeps per weight.
+    ``gathered``: the pairs the head's loss sees (every worker's, gathered; default ``pairs``): the head's
+    own share, measured alone on random features, is then read at that size instead."""
     S = model._bundle.image_size
     params = list(model.parameters())
     exclude = {p.untyped_storage().data_ptr() for p in params}
@@ -98,11 +117,18 @@ def estimate_step_memory(model, texts: list[str], frames: int, max_words: int, p
         measured.append((n, saved_activation_bytes(step, exclude)))
         model.zero_grad(set_to_none=True)
     a, b, c = fit_quadratic(measured)
+    activations = a + b * pairs + c * pairs * pairs
+    if gathered is not None and gathered != pairs:  # the head's loss runs over the gathered batch
+        head = fit_quadratic([(n, head_activation_bytes(model.head, n, frames, max_words, model._bundle.embed_dim,
+                                                        exclude)) for n in SIZES])
+        at = lambda n: head[0] + head[1] * n + head[2] * n * n  # noqa: E731
+        activations += at(gathered) - at(pairs)
+        model.zero_grad(set_to_none=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     return MemoryEstimate(
         pairs=pairs, weights=weight_bytes, gradients=trainable_bytes,
         optimizer=optimizer_states * sum(p.numel() * 4 for p in trainable),
         inputs=pairs * frames * S * S * 3 * (1 + 4),  # uint8 frames and their float32 normalised copy
-        activations=int(max(0.0, a + b * pairs + c * pairs * pairs)), activations_per_pair=float(b + 2 * c * pairs),
+        activations=int(max(0.0, activations)), activations_per_pair=float(b + 2 * c * pairs),
         measured=tuple(measured), seconds=time.perf_counter() - t0)
