@@ -37,3 +37,14 @@ def atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
         df.to_parquet(tmp, index=False)
         os.replace(tmp, path)
 
+
+def shipped_folder(package: str, repository: str) -> Path:
+    """A folder of data files that lives at the repository root (``repository``, e.g. ``manifests``) and
+    ships inside the installed package as ``tvrpipe/<package>`` (pyproject's package-dir): the installed
+    copy when there is one (a wheel), else the repository's (a checkout, an editable install)."""
+    from importlib import resources
+
+    packaged = resources.files("tvrpipe") / package
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[1] / repository

@@ -18,7 +18,6 @@ import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from tvrpipe.data.manifest import (
     write_manifest,
 )
 from tvrpipe.errors import ConfigError, ManifestError
+from tvrpipe.files import shipped_folder
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,7 @@ def register_reader(name: str) -> Callable[[Reader], Reader]:
 
 def specs_dir() -> Path:
     """Directory holding the dataset YAML specs (``manifests/`` at the repository root)."""
-    packaged = resources.files("tvrpipe") / "_specs"
-    if packaged.is_dir():  # installed from a wheel
-        return Path(str(packaged))
-    return Path(__file__).resolve().parents[2] / "manifests"
+    return shipped_folder("_specs", "manifests")
 
 
 def list_datasets() -> list[str]:

@@ -33,7 +33,6 @@ import math
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import yaml
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.rundir import METRICS
+from tvrpipe.files import shipped_folder
 
 # Every setting a recipe holds, in the order `recipes show` prints them. Each is a FinetuneConfig
 # field but for the two tvrpipe implements one way only, which a recipe records so that a reader sees
@@ -61,10 +61,7 @@ DIRECTIONS = ("t2v", "v2t")
 
 def recipes_dir() -> Path:
     """Directory holding the recipe files (``recipes/`` at the repository root, ``tvrpipe/_recipes`` installed)."""
-    packaged = resources.files("tvrpipe") / "_recipes"
-    if packaged.is_dir():  # installed from a wheel
-        return Path(str(packaged))
-    return Path(__file__).resolve().parents[2] / "recipes"
+    return shipped_folder("_recipes", "recipes")
 
 
 def list_recipes() -> list[str]:
