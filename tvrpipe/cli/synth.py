@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import TOOLS, app, finite_float
+from tvrpipe.cli.app import TOOLS, app, explicit_options, finite_float
 from tvrpipe.cli.manifest import print_counts
 from tvrpipe.errors import ConfigError
 
@@ -58,8 +58,7 @@ def synth(
     With --features-only, write a generated feature store instead (`tvrpipe train-head --features OUT`).
     """
     if features_only:
-        # typer may bring its own click: compare the source by name, not by enum identity
-        given = [n for n in _VIDEO_OPTIONS if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE"]
+        given = [n for n in _VIDEO_OPTIONS if n in explicit_options(ctx)]
         if given:
             option = "--" + given[0].replace("_", "-")
             raise ConfigError(f"{option} sets rendered videos; with --features-only use --preset and --set "

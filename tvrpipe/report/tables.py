@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ class Row:
     def seeds(self) -> list[int | None]:
         return [r.seed for r in self.runs]
 
+    @cached_property  # read once: every table and CSV line of the row asks
     def published(self) -> tuple[str, Published] | None:
         """``(recipe name, the numbers its paper publishes)`` when every run of the row was trained from
         one recipe that records them (:mod:`tvrpipe.training.recipes`); None otherwise."""
@@ -224,7 +226,7 @@ def _table(section: Section, variant: str, direction: str) -> list[str]:
             text = _cell(row.values(variant, direction, m))
             cells.append(f"**{text}**" if len(rows) > 1 and means[m][i] == best[m] else text)
         lines.append(f"| {row.label} | {len(row.values(variant, direction, 'R@1'))} | " + " | ".join(cells) + " |")
-        published = row.published() if variant == "raw" else None  # the papers print raw scores
+        published = row.published if variant == "raw" else None  # the papers print raw scores
         if published and direction in published[1].metrics:
             name, pub = published
             values = pub.metrics[direction]
@@ -296,7 +298,7 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                     rec["runs"] = " ".join(str(r.dir) for r in runs)
                     rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
                     rows.append(rec)
-                    published = row.published() if variant == "raw" else None
+                    published = row.published if variant == "raw" else None
                     if published and direction in published[1].metrics:
                         name, pub = published
                         rows.append({**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},

@@ -242,9 +242,7 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
     process may use); rank 0 returns the metrics."""
     cfg, out = job.cfg, Path(job.out)
     pairs = _train_pairs(job)
-    steps_per_epoch = epoch_steps(pairs, cfg.batch_size, cfg.epoch_pairs)
-    if cfg.max_steps is not None:
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps)
+    steps_per_epoch = _steps_per_epoch(pairs, cfg)
     schedule = Schedule.fixed(steps_per_epoch, cfg.epochs, cfg.warmup_fraction)
 
     # ---- model, optimiser
@@ -399,6 +397,12 @@ def _train_pairs(job: _Job) -> TrainPairs:
             and cfg.epochs > 0:
         raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(pairs.videos)} training videos; lower it")
     return pairs
+
+
+def _steps_per_epoch(pairs: TrainPairs, cfg: FinetuneConfig) -> int:
+    """Optimizer steps an epoch of ``pairs`` takes (at most ``max_steps``)."""
+    steps = epoch_steps(pairs, cfg.batch_size, cfg.epoch_pairs)
+    return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
 
 
 def _report_progress(out: Path, done: int, total: int, info: str, every_s: float = 1.0) -> None:
@@ -602,7 +606,7 @@ def finetune(
                val=(rows.val_videos, rows.val_texts), test=(rows.test_videos, rows.test_texts),
                video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
                val_source=rows.val_source, post=post, progress=progress)
-    _train_pairs(job)  # the batch fits the training set: checked before the run directory is written
+    pairs = _train_pairs(job)  # the batch fits the training set: checked before the run directory is written
     _check_files(job, root)
     settings = dataclasses.asdict(cfg)
     config = {
@@ -623,7 +627,7 @@ def finetune(
     }
     gpu_missing = cfg.use_gpu and cfg.num_workers == 0 and not torch.cuda.is_available()
     if dry_run:
-        return plan_run(job, bundle, config, gpu_missing)
+        return plan_run(job, pairs, bundle, config, gpu_missing)
     if gpu_missing:
         raise ConfigError("--use-gpu: no CUDA device is available here; leave it out to train on the CPU")
     del bundle
@@ -634,18 +638,15 @@ def finetune(
         return _ray_train(job)
 
 
-def plan_run(job: _Job, bundle, config: dict, gpu_missing: bool) -> dict:
-    """What the run of ``job`` will do: its resolved settings, split counts, steps and images per step,
+def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: bool) -> dict:
+    """What the run of ``job`` (training ``pairs``) will do: its resolved settings, split counts, steps and images per step,
     and the estimated peak memory of a training step per worker (:mod:`tvrpipe.training.plan`),
     measured on the CPU with ``bundle`` (the run's CLIP) and a fresh head."""
     from tvrpipe.training.plan import estimate_step_memory
 
     cfg = job.cfg
     world = max(1, cfg.num_workers)
-    pairs = _train_pairs(job)
-    steps = epoch_steps(pairs, cfg.batch_size, cfg.epoch_pairs)
-    if cfg.max_steps is not None:
-        steps = min(steps, cfg.max_steps)
+    steps = _steps_per_epoch(pairs, cfg)
     # fp16 autocast is measured as bf16 on the CPU: the same bytes per activation
     model = _live_model(job, "cpu", bundle, "fp32" if cfg.precision == "fp32" else "bf16")
     texts = [str(t) for t in job.table.texts[job.train_texts[:8]]] or ["a video"]
