@@ -114,6 +114,16 @@ def test_a_broken_recipe_is_one_error_naming_the_file_and_key(tmp_path, where, v
 def test_unknown_recipe_lists_the_shipped_ones():
     with pytest.raises(ConfigError, match="no such recipe.*tmass-msrvtt"):
         load_recipe("tmass-nowhere")
+    with pytest.raises(ConfigError, match="a recipe file is YAML ending in .yaml"):
+        load_recipe(__file__)
+
+
+def test_train_head_names_a_bad_option_before_looking_for_a_store(tmp_path, monkeypatch, cli):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TVRPIPE_FEATURES", raising=False)
+    result = cli("train-head", "--recipe", "tmass-msrvtt", "--optimizer", "sgd")
+    assert result.exit_code == 1 and "--optimizer must be one of adamw, adam" in result.output
+    assert "no feature store" not in result.output
 
 
 def test_resolve_takes_the_recipe_unless_an_option_is_explicit(tmp_path):

@@ -157,12 +157,12 @@ def train_head(
 
         r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options, TRAIN_HEAD)
         out = out if out is not None else Path("runs") / f"{r.name}-head"
+    cfg = TrainConfig(**options)  # the options first: a bad one is named before the store is looked for
     if features is None:
         from tvrpipe.features.store import default_store
 
         features = default_store()
         console.print(f"features: {features}", highlight=False)
-    cfg = TrainConfig(**options)
     metrics = fit(features, method, out, cfg, overrides, parse_post(post or []), recipe=record)
     sch = metrics["schedule"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"

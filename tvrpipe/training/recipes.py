@@ -190,7 +190,10 @@ def load_recipe(name: str | Path) -> Recipe:
     from tvrpipe.heads.base import head_class, list_heads
 
     path = Path(name)
-    if path.suffix not in (".yaml", ".yml") or not path.is_file():
+    if path.is_file() and path.suffix not in (".yaml", ".yml"):
+        raise ConfigError(f"--recipe {name}: a recipe file is YAML ending in .yaml (`tvrpipe recipes show "
+                          f"tmass-msrvtt` shows the form)")
+    if not path.is_file():
         path = recipes_dir() / f"{name}.yaml"
         if not path.is_file():
             raise ConfigError(f"--recipe {name}: no such recipe; `tvrpipe recipes` lists them "
