@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -86,11 +87,24 @@ def gpu_line() -> str:
     return p.stdout.strip() or p.stderr.strip()
 
 
+def positive_seconds(text: str) -> float:
+    """A time limit in seconds, finite and > 0, for argparse (which names the option in its usage line):
+    ``nan`` would pass every comparison as False and run each step without a limit, and a limit <= 0
+    would stop every step at once."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number of seconds > 0 is needed")
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "gpu-check-results", help="the results folder")
     ap.add_argument("--wheelhouse", type=Path, default=REPO / "wheelhouse")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for each step at most")
+    ap.add_argument("--timeout", type=positive_seconds, default=3600.0, help="seconds for each step at most")
     a = ap.parse_args(argv)
     out = a.out.resolve()
     shutil.rmtree(out, ignore_errors=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import sys
 import tomllib
 import urllib.request
@@ -99,6 +100,8 @@ def download(wheels: list[dict], out: Path) -> None:
         tmp.replace(path)
     for stale in set(out.glob("*.whl")) - {out / w["file"] for w in wheels}:
         stale.unlink()  # a wheel of another version: gpu-check installs every file here
+    for part in out.glob("*.whl.part"):
+        part.unlink()  # what an interrupted download of a wheel no longer in the set left behind
 
 
 def major_minor(text: str) -> tuple[int, int]:
@@ -107,6 +110,18 @@ def major_minor(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"{text!r} is not MAJOR.MINOR, e.g. 3.12")
     return int(parts[0]), int(parts[1])
+
+
+def positive_mb(text: str) -> float:
+    """A size in MB > 0 and finite, for argparse (which names the option in its usage line): ``nan``
+    passes every comparison as False, so the size check would never fire, and ``inf`` or ``0`` is no limit."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number of MB > 0 is needed")
+    return x
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="x86_64", help="its machine (default x86_64)")
     ap.add_argument("--also", action="append", default=[], help="another package of uv.lock (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="resolve and size from uv.lock; download nothing")
-    ap.add_argument("--limit-mb", type=float, default=LIMIT_MB, help=f"refuse a larger set (default {LIMIT_MB:.0f})")
+    ap.add_argument("--limit-mb", type=positive_mb, default=LIMIT_MB, help=f"refuse a larger set (default {LIMIT_MB:.0f})")
     a = ap.parse_args(argv)
     python, glibc = a.python, a.glibc
     wheels = resolve([*PACKAGES, *a.also], python, glibc, a.arch)
@@ -127,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     for w in wheels:
         print(f"{w['size'] / 1e6:7.1f} MB  {w['file']}")
     print(f"{total:7.1f} MB  in all, for CPython {python[0]}.{python[1]} on manylinux_{glibc[0]}_{glibc[1]}_{a.arch} "
-          f"(limit {a.limit_mb:.0f} MB){'; dry run: nothing downloaded' if a.dry_run else ''}")
+          f"(limit {a.limit_mb:g} MB){'; dry run: nothing downloaded' if a.dry_run else ''}")
     if total > a.limit_mb:
-        print(f"wheelhouse: {total:.1f} MB exceeds {a.limit_mb:.0f} MB (--limit-mb)", file=sys.stderr)
+        print(f"wheelhouse: {total:.1f} MB exceeds {a.limit_mb:g} MB (--limit-mb)", file=sys.stderr)
         return 1
     if not a.dry_run:
         download(wheels, a.out)

@@ -45,6 +45,36 @@ def test_a_malformed_python_version_is_one_usage_line(capsys):
     assert e.value.code == 2 and "argument --python: '3' is not MAJOR.MINOR, e.g. 3.12" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-5", "lots"])
+def test_a_limit_that_is_not_a_finite_positive_size_is_one_usage_line(value, capsys):
+    """--limit-mb nan passed and its check never fired (nan > x is False); every numeric option of the
+    script is read by a parser that refuses what the check could not use."""
+    with pytest.raises(SystemExit) as e:
+        wheelhouse.main(["--dry-run", f"--limit-mb={value}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --limit-mb: '{value}'" in err, err
+    assert ("is not a number" if value == "lots" else "a finite number of MB > 0 is needed") in err
+    assert wheelhouse.main(["--dry-run", "--limit-mb", "0.5"]) == 1  # a small finite limit still refuses
+    assert "exceeds 0.5 MB (--limit-mb)" in capsys.readouterr().err
+
+
+def test_the_real_script_refuses_a_nan_limit_before_resolving():
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "wheelhouse.py"), "--dry-run", "--limit-mb", "nan"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.strip().splitlines()[-1] == ("wheelhouse.py: error: argument --limit-mb: 'nan': a finite number "
+                                                 "of MB > 0 is needed")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "soon"])
+def test_gpu_check_refuses_a_timeout_it_could_not_use_before_it_runs(value, tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "o"),
+                        f"--timeout={value}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and not (tmp_path / "o").exists(), r.stderr
+    why = "'soon' is not a number" if value == "soon" else f"'{value}': a finite number of seconds > 0 is needed"
+    assert r.stderr.strip().splitlines()[-1] == f"gpu_check.py: error: argument --timeout: {why}"
+
+
 @no_cuda
 def test_pytest_m_gpu_collects_every_gpu_test_and_skips_each_with_its_reason():
     collect = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
@@ -75,3 +105,12 @@ def test_gpu_check_runs_through_on_a_cpu_machine_and_writes_its_results(tmp_path
     assert facts["packages"]["torch"] == torch.__version__ and facts["cuda_available"] is False
     assert not [m for m, v in facts["packages"].items() if v.startswith("MISSING")]
     assert (out / "pytest.xml").is_file() and "skipped" in (out / "pytest.txt").read_text()
+
+
+def test_a_download_removes_what_an_interrupted_one_left(tmp_path):
+    """Wheels of another version and the partial download of a wheel no longer in the set do not stay."""
+    (tmp_path / "old-1.0-py3-none-any.whl").write_bytes(b"x")
+    (tmp_path / "gone-2.0-py3-none-any.whl.part").write_bytes(b"half")
+    (tmp_path / "README").write_text("kept")
+    wheelhouse.download([], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README"]

@@ -162,3 +162,53 @@ def test_a_full_disk_while_writing_a_shard_names_its_chunk(tmp_path, monkeypatch
             w.write_videos(s, np.zeros((3, F, D)), np.ones((3, F), bool), np.zeros((3, F)), [])
         monkeypatch.undo()
         assert 1 in [p.index for p in w.pending("videos")]
+
+
+# ------------------------------------------------------------------------------ discovery (train-head without --features)
+
+
+def _tiny_store(path):
+    from tvrpipe.features.genstore import GenSpec, generate_store
+
+    return generate_store(path, GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6, embed_dim=8, seed=0))
+
+
+def test_train_head_finds_a_store_reached_through_a_symbolic_link(tmp_path, monkeypatch, cli):
+    """features/ holds only links: to a store kept elsewhere (found, by its name under features/), a second
+    link to the same store (listed once), a link back to features/ (a cycle: not walked forever) and a
+    dangling link (no folder)."""
+    store = _tiny_store(tmp_path / "scratch" / "msrvtt-tiny")
+    features = tmp_path / "features"
+    features.mkdir()
+    (features / "msrvtt").symlink_to(store, target_is_directory=True)
+    (features / "zz-same-store").symlink_to(store, target_is_directory=True)
+    (features / "loop").symlink_to(features, target_is_directory=True)
+    (features / "gone").symlink_to(tmp_path / "nowhere", target_is_directory=True)
+    monkeypatch.setenv("TVRPIPE_FEATURES", str(features))
+    from tvrpipe.features.store import default_store, find_stores
+
+    assert find_stores(features) == [features / "msrvtt"]
+    r = cli("train-head", "--method", "meanpool", "--out", tmp_path / "run", "--epochs", "0")
+    assert r.exit_code == 0, r.output
+    assert f"features: {features / 'msrvtt'}" in " ".join(r.output.split())
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())  # trained on it
+    # the same store, also at its real path under features/: listed once, by that path
+    real = features / "real"
+    store.rename(real)
+    (features / "msrvtt").unlink()
+    (features / "msrvtt").symlink_to(real, target_is_directory=True)
+    (features / "zz-same-store").unlink()
+    assert find_stores(features) == [real] and default_store() == real
+
+
+def test_two_stores_behind_links_are_both_named(tmp_path, monkeypatch, cli):
+    features = tmp_path / "features"
+    features.mkdir()
+    for name in ("a", "b"):
+        (features / name).symlink_to(_tiny_store(tmp_path / "elsewhere" / name), target_is_directory=True)
+    monkeypatch.setenv("TVRPIPE_FEATURES", str(features))
+    r = cli("train-head", "--method", "meanpool", "--out", tmp_path / "run")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and "2 feature stores under" in text, r.output
+    assert f"pass --features with one of {features / 'a'}, {features / 'b'}" in text
+    assert not (tmp_path / "run").exists()

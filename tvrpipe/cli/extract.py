@@ -26,12 +26,15 @@ def extract_cmd(
     manifest: Annotated[Optional[Path], typer.Option(
         help="Manifest directory (videos.parquet, captions.parquet); default: --dataset's under --data-root.")] = None,
     video_root: Annotated[Optional[Path], typer.Option(
-        help="Folder the manifest's video paths are relative to; default: --dataset's under --data-root.")] = None,
+        help="Folder the manifest's video paths are relative to; default: --dataset's under --data-root. With "
+             "--dataset alone, the manifest's videos are checked there too (a manifest checked elsewhere is "
+             "rebuilt).")] = None,
     out: Annotated[Optional[Path], typer.Option(
         help="Feature store directory; rerun the same command to resume. Default: "
              "features/<dataset>-<model>-<pretrained> (features/: $TVRPIPE_FEATURES if set).")] = None,
     data_root: Annotated[Optional[Path], typer.Option(
-        help="Where datasets live, one folder each (data/msrvtt/...); default: $TVRPIPE_DATA, else data/.")] = None,
+        help="With --dataset and no --manifest: where datasets live, one folder each (data/msrvtt/...); default: "
+             "$TVRPIPE_DATA, else data/.")] = None,
     model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = "ViT-B-32",
     pretrained: Annotated[
         str, typer.Option(help="open_clip pretrained tag (e.g. openai), a local checkpoint file, or 'none' (seeded random).")
@@ -76,11 +79,15 @@ def extract_cmd(
                               "and --video-root")
         from tvrpipe.data.layout import prepare_dataset
 
-        lay = prepare_dataset(dataset, data_root)
-        manifest, video_root = lay.manifest, video_root or lay.videos
+        # --video-root, when given, is the folder the manifest's videos are checked in and extracted from
+        lay = prepare_dataset(dataset, data_root, video_root=video_root)
+        manifest, video_root = lay.manifest, lay.videos
         console.print(f"manifest: {manifest}; videos: {video_root}", highlight=False)
     elif video_root is None:
         raise ConfigError(f"--manifest {manifest}: give --video-root too (the folder its video paths are relative to)")
+    elif data_root is not None:
+        raise ConfigError(f"--data-root {data_root} finds --dataset's files when no --manifest is given; with "
+                          f"--manifest {manifest} it would be ignored: drop one of them")
     have = read_manifest(manifest).meta.get("dataset")
     if dataset is not None and have != dataset:
         raise ConfigError(f"--dataset {dataset!r} but the manifest in {manifest} is {have!r}")

@@ -127,16 +127,26 @@ def finetune_cmd(
                                                              ("video_root", video_root), ("out", out)) if v is None]
         if missing:
             raise ConfigError(f"give {', '.join(missing)}, or a --recipe (`tvrpipe recipes`)")
+        if data_root is not None:
+            raise ConfigError(f"--data-root {data_root} finds a recipe's dataset; without --recipe the data is "
+                              f"--manifest {manifest} and --video-root {video_root}: drop --data-root")
         overrides = parse_overrides(method, set_ or [])
     else:
         r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options)
         if manifest is None:
+            import tempfile
+
             from tvrpipe.data.layout import prepare_dataset
 
-            lay = prepare_dataset(r.dataset, data_root, r.split_set.value)
-            manifest, video_root = lay.manifest, video_root or lay.videos
+            # a dry run builds a manifest it needs in a scratch folder, removed when the command ends
+            scratch = ctx.with_resource(tempfile.TemporaryDirectory(prefix="tvrpipe-dry-run-")) if dry_run else None
+            lay = prepare_dataset(r.dataset, data_root, r.split_set.value, video_root=video_root, scratch=scratch)
+            manifest, video_root = lay.manifest, lay.videos
         elif video_root is None:
             raise ConfigError(f"--manifest {manifest}: give --video-root too")
+        elif data_root is not None:
+            raise ConfigError(f"--data-root {data_root} finds the recipe's dataset when no --manifest is given; with "
+                              f"--manifest {manifest} it would be ignored: drop one of them")
         out = out if out is not None else Path("runs") / r.name
     cfg = FinetuneConfig(**options)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []), recipe=record,

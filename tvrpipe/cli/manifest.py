@@ -12,6 +12,7 @@ from rich.table import Table
 from tvrpipe.cli.app import MAIN_PATH, app, new_app
 from tvrpipe.data.datasets import build_manifest, list_datasets, load_spec
 from tvrpipe.data.manifest import Manifest, read_manifest
+from tvrpipe.errors import ConfigError
 
 manifest_app = new_app(help="Build and inspect dataset manifests (videos.parquet + captions.parquet).")
 app.add_typer(manifest_app, name="manifest", rich_help_panel=MAIN_PATH)
@@ -49,6 +50,9 @@ def build(
     ] = False,
 ) -> None:
     """Build a manifest from a dataset's annotation files."""
+    if allow_missing and video_root is None:
+        raise ConfigError("--allow-missing drops the videos not found under --video-root: give --video-root too "
+                          "(without it no video is looked for)")
     m = build_manifest(dataset, annotations, out, split_set, video_root, allow_missing)
     print_counts(m, f"{dataset} ({m.meta['split_set']}) -> {out}")
     if m.meta.get("missing_videos"):

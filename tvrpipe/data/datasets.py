@@ -25,10 +25,12 @@ import pandas as pd
 import yaml
 
 from tvrpipe.data.manifest import (
+    MISSING_ADVICE,
     SPLITS,
     Manifest,
     isin_mask,
     make_tables,
+    read_text_file,
     resolve_paths,
     visible,
     write_manifest,
@@ -172,10 +174,9 @@ def _text(value: Any) -> str:
 
 def _read_lines(path: Path) -> Iterator[tuple[int, str]]:
     """Non-blank lines of a text file with their 1-based line numbers."""
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                yield i, line.rstrip("\n").rstrip("\r")
+    for i, line in enumerate(io.StringIO(read_text_file(path), newline=None), 1):
+        if line.strip():
+            yield i, line.rstrip("\n")
 
 
 def _read_id_list(path: Path) -> list[str]:
@@ -197,8 +198,8 @@ def _read_id_list(path: Path) -> list[str]:
 
 
 def _read_dict_csv(path: Path, required: list[str]) -> list[tuple[int, dict[str, str]]]:
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
+    reader = csv.DictReader(io.StringIO(read_text_file(path), newline=""))
+    try:
         missing = [c for c in required if c not in (reader.fieldnames or [])]
         if missing:
             raise ManifestError(f"{path}: missing column(s) {missing} (header: {reader.fieldnames})")
@@ -207,13 +208,14 @@ def _read_dict_csv(path: Path, required: list[str]) -> list[tuple[int, dict[str,
             if None in row or any(row.get(c) is None for c in required):
                 raise ManifestError(f"{path} line {reader.line_num}: wrong number of fields")
             rows.append((reader.line_num, row))
+    except csv.Error as e:
+        raise ManifestError(f"{path} line {reader.line_num}: cannot read CSV ({e})") from None
     return rows
 
 
 def _load_json(path: Path) -> Any:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(read_text_file(path))
     except json.JSONDecodeError as e:
         raise ManifestError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
 
@@ -457,18 +459,16 @@ def _read_custom_table(path: Path) -> tuple[list[str], list[tuple[str, dict[str,
     One strict reader, for both formats: a CSV row with more or fewer fields than the header (an
     unquoted delimiter in a caption) and a Parquet column of the wrong type are errors naming the
     line or column, never shifted or coerced (pandas would make an extra first field the index, and
-    turn a null caption into the text "nan"). A UTF-8 byte order mark (Excel's "CSV UTF-8") is read
-    as such, not as part of the first column's name.
+    turn a null caption into the text "nan"). The text is decoded by :func:`read_text_file` (a byte
+    order mark, Excel's "CSV UTF-8" or UTF-16 "Unicode text", is read as such, not as part of the first
+    column's name); Parquet strings that are not UTF-8 are an error naming the row and column.
 
     Raises:
         ManifestError: the file cannot be read, or a row or column is malformed.
     """
     if path.suffix.lower() == ".parquet":
         return _read_custom_parquet(path)
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ManifestError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the table as UTF-8") from None
+    text = read_text_file(path)
     first = next((line for line in text.splitlines() if line.strip()), "")
     try:
         dialect = csv.Sniffer().sniff(first, delimiters=",\t;|")
@@ -522,7 +522,21 @@ def _read_custom_parquet(path: Path) -> tuple[list[str], list[tuple[str, dict[st
         if name in _SECONDS_COLUMNS and not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
                                              or pa.types.is_null(kind)):
             raise ManifestError(f"{path}: column {name!r} holds {words(kind)}, not numbers of seconds")
-    return table.column_names, [(f"{path} row {i}", r) for i, r in enumerate(table.to_pylist())]
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:  # pyarrow checks a string column's UTF-8 only when it makes Python strings
+        for name in table.column_names:
+            for i, value in enumerate(table.column(name).cast(pa.binary()).to_pylist()):
+                try:
+                    if value is not None:
+                        value.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ManifestError(
+                        f"{path} row {i}: column {name!r} is not UTF-8 text (byte 0x{value[e.start]:02x} at byte "
+                        f"{e.start} of the value); write the table again from text decoded with its real "
+                        "encoding, e.g. pandas.read_csv(..., encoding='latin1')") from None
+        raise
+    return table.column_names, [(f"{path} row {i}", r) for i, r in enumerate(rows)]
 
 
 def _seconds(value: Any, column: str, where: str) -> float | None:
@@ -597,6 +611,7 @@ def build_manifest(
     split_set: str | None = None,
     video_root: str | os.PathLike[str] | None = None,
     allow_missing: bool = False,
+    missing_advice: str = MISSING_ADVICE,
 ) -> Manifest:
     """Build and write a dataset's manifest from its annotation files.
 
@@ -609,6 +624,8 @@ def build_manifest(
             extension-insensitively); missing ones are reported.
         allow_missing: with ``video_root``, drop missing videos (and their captions) instead
             of failing.
+        missing_advice: what the error about missing videos advises, in the options of the command
+            that builds (the default names ``tvrpipe manifest build``'s).
 
     Returns:
         The manifest as written.
@@ -641,7 +658,7 @@ def build_manifest(
     videos, captions = make_tables(*_collect(parts))
     missing: list[str] = []
     if video_root is not None:
-        videos, missing = resolve_paths(videos, video_root, allow_missing)
+        videos, missing = resolve_paths(videos, video_root, allow_missing, missing_advice)
         captions = captions.loc[isin_mask(captions["video_id"], videos["video_id"])].reset_index(drop=True)
     meta = {
         "dataset": dataset,
@@ -650,6 +667,8 @@ def build_manifest(
         "max_words": spec.max_words,
         "annotation_files": {p.name: file_sha256(p) for p in used},
         "missing_videos": missing,
+        # the folder the videos were checked in (absolute): the data root rebuilds a manifest checked elsewhere
+        "video_root": str(Path(video_root).resolve()) if video_root is not None else None,
         "tvrpipe_version": _version(),
     }
     return write_manifest(out_dir, videos, captions, meta, source=f"{dataset} ({split_set})")

@@ -11,6 +11,10 @@ for MSR-VTT::
 
 The synthetic dataset has no files to fetch: ``data/synthetic/`` is generated (``tvrpipe synth``'s
 defaults) the first time it is asked for.
+
+``--video-root`` replaces the layout's video folder, for the build's checks as for extraction; a
+manifest checked in another folder is rebuilt. A dry run builds in a scratch folder the caller
+removes, so it checks everything a build checks and writes nothing under the data root.
 """
 
 from __future__ import annotations
@@ -62,42 +66,96 @@ def dataset_layout(dataset: str, root: str | os.PathLike[str] | None = None) -> 
 
 
 def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, split_set: str | None = None,
-                    progress: bool = True) -> DatasetLayout:
+                    progress: bool = True, *, video_root: str | os.PathLike[str] | None = None,
+                    scratch: str | os.PathLike[str] | None = None) -> DatasetLayout:
     """The dataset's manifest under the data root, ready: reused when it was built from the annotation
-    files there as they are now, else built from them (checking every video under the layout's video
-    folder); the synthetic dataset is generated once. The default split set's manifest is
-    ``<dataset>/manifest``, another's ``<dataset>/manifest-<split set>``.
+    files there as they are now, with its videos checked in the same video folder; else built from them
+    (checking every video under the video folder); the synthetic dataset is generated once. The default
+    split set's manifest is ``<dataset>/manifest``, another's ``<dataset>/manifest-<split set>``.
+
+    Args:
+        dataset: a dataset with a layout (``tvrpipe manifest datasets``).
+        root: the data root (default ``$TVRPIPE_DATA``, else ``data``).
+        split_set: default: the spec's.
+        progress: show the synthetic dataset's progress bar.
+        video_root: the user's video folder (``--video-root``), in place of the layout's: the videos are
+            checked there and the returned layout names it.
+        scratch: a dry run: whatever would be built under the data root (the manifest, the synthetic
+            dataset) is built in this folder instead, with every check of a real build, and the returned
+            layout points there; nothing under the data root is written. The caller removes the folder.
+
+    Returns:
+        Where the manifest and the videos are.
 
     Raises:
-        ConfigError: a file of the layout is missing: one line naming it and what to pass instead.
+        ConfigError: a file of the layout is missing, or ``video_root`` is given for a generated dataset:
+            one line naming it and what to pass instead.
+        ManifestError: an annotation file is malformed, or videos are missing (naming the command that
+            builds the manifest without them).
+
+    Example:
+        >>> lay = prepare_dataset("msrvtt", "data", video_root="/mnt/videos/msrvtt")  # doctest: +SKIP
+        >>> lay.manifest, lay.videos  # doctest: +SKIP
+        (PosixPath('data/msrvtt/manifest'), PosixPath('/mnt/videos/msrvtt'))
     """
     from tvrpipe.data.datasets import build_manifest, load_spec
 
     lay = dataset_layout(dataset, root)
     default = load_spec(dataset).default_split_set
-    if split_set and split_set != default and lay.annotations is not None:  # a generated dataset has one
-        lay = dataclasses.replace(lay, manifest=lay.folder / f"{MANIFEST_DIR}-{split_set}")
     where = f"(the {dataset} layout under the data root {lay.folder.parent}: docs/datasets.md; or pass --data-root, " \
             f"or ${DATA_ROOT_ENV})"
     if lay.annotations is None:  # generated
-        if not (lay.manifest / "videos.parquet").is_file():
-            from tvrpipe.data.synth import synthesize
+        if video_root is not None:
+            raise ConfigError(f"--video-root {video_root}: the {dataset} dataset is generated with its videos under the "
+                              f"data root ({lay.videos}); leave --video-root out, or pass --manifest and --video-root "
+                              "of a dataset made by `tvrpipe synth --out DIR`")
+        if (lay.manifest / "videos.parquet").is_file():
+            return lay
+        if scratch is not None:
+            folder = Path(scratch) / dataset
+            lay = dataclasses.replace(lay, folder=folder, videos=folder / lay.videos.relative_to(lay.folder),
+                                      manifest=folder / MANIFEST_DIR)
+        from tvrpipe.data.synth import synthesize
 
-            synthesize(lay.folder, 200, seed=0, progress=progress)
+        synthesize(lay.folder, 200, seed=0, progress=progress)
         return lay
-    if _manifest_current(lay, split_set or default):
+    if split_set and split_set != default:  # another split set's manifest lives beside the default's
+        lay = dataclasses.replace(lay, manifest=lay.folder / f"{MANIFEST_DIR}-{split_set}")
+    if video_root is not None:
+        lay = dataclasses.replace(lay, videos=Path(video_root))
+    if _manifest_current(lay, split_set or default, layout_videos=video_root is None):
         return lay
     if not lay.annotations.is_dir():
         raise ConfigError(f"{dataset}: annotation folder {lay.annotations} not found {where}")
     if not lay.videos.is_dir():
+        if video_root is not None:
+            raise ConfigError(f"--video-root {video_root}: not a directory; point it at the folder that holds the "
+                              f"{dataset} videos")
         raise ConfigError(f"{dataset}: video folder {lay.videos} not found {where}")
-    build_manifest(dataset, lay.annotations, lay.manifest, split_set, video_root=lay.videos)
-    return lay
+    out = lay.manifest if scratch is None else Path(scratch) / lay.manifest.name
+    build_manifest(dataset, lay.annotations, out, split_set, video_root=lay.videos,
+                   missing_advice=_missing_advice(lay, split_set if split_set != default else None))
+    return dataclasses.replace(lay, manifest=out)
 
 
-def _manifest_current(lay: DatasetLayout, split_set: str | None) -> bool:
+def _missing_advice(lay: DatasetLayout, split_set: str | None) -> str:
+    """What to do about missing videos, in options every command that prepares a dataset has (extract,
+    finetune): put them in the folder, or build the manifest without them, which is then reused."""
+    import shlex
+
+    cmd = ["tvrpipe", "manifest", "build", "--dataset", lay.dataset, "--annotations", str(lay.annotations),
+           "--video-root", str(lay.videos), *(["--split-set", split_set] if split_set else []), "--allow-missing",
+           "--out", str(lay.manifest)]
+    return (f"put them in that folder (or pass --video-root with the folder that holds them), or drop them: "
+            f"`{shlex.join(cmd)}` builds the manifest without them, and this command then uses it")
+
+
+def _manifest_current(lay: DatasetLayout, split_set: str | None, layout_videos: bool = True) -> bool:
     """Whether ``lay.manifest`` was built for this dataset and split set from the annotation files that
-    are there now (unchanged sha256; a manifest whose annotation folder is gone is kept as it is)."""
+    are there now (unchanged sha256), with its videos checked in ``lay.videos``; a manifest whose
+    annotation folder is gone is kept as it is. A manifest that does not record where its videos were
+    checked (built before tvrpipe recorded it) counts as checked in the layout's folder: current only
+    when ``layout_videos``."""
     from tvrpipe.files import file_sha256
 
     try:
@@ -107,7 +165,12 @@ def _manifest_current(lay: DatasetLayout, split_set: str | None) -> bool:
     if meta.get("dataset") != lay.dataset or (split_set and meta.get("split_set") != split_set):
         return False
     if lay.annotations is None or not lay.annotations.is_dir():
-        return True
+        return True  # nothing to rebuild it from; its paths are relative, so a moved video folder still serves
+    if "video_root" in meta:
+        if meta["video_root"] is None or Path(meta["video_root"]) != lay.videos.resolve():
+            return False
+    elif not layout_videos:
+        return False
     files = meta.get("annotation_files") or {}
     return all((lay.annotations / name).is_file() and file_sha256(lay.annotations / name) == sha
                for name, sha in files.items())

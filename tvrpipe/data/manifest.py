@@ -10,14 +10,20 @@ Contract (DESIGN.md, "Manifest"), in ``<data_dir>/manifest/``:
 defaults (frames, max words), which ``tvrpipe extract`` uses when not told otherwise.
 
 Every table is validated before anything is written, and files are written under temporary
-names and renamed, so a failed build leaves nothing half-written behind.
+names and renamed, so a failed build leaves nothing half-written behind. A build killed before its
+renames (``kill -9``) leaves its staged files; the next build into the same folder removes them.
+Annotation files are read through :func:`read_text_file`, the one place that decodes their text.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
+import re
+import shlex
+import time
 import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -90,6 +96,62 @@ class Manifest:
 def isin_mask(values: pd.Series, pool: pd.Series) -> np.ndarray:
     """Boolean mask of ``values`` found in ``pool`` (hash lookup; pandas' Arrow-string isin is a Python loop)."""
     return pd.Index(pool.unique()).get_indexer(values) >= 0
+
+
+# The byte order marks a text file may open with, longest first (UTF-32 LE's begins with UTF-16 LE's).
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32", "UTF-32"), (codecs.BOM_UTF32_BE, "utf-32", "UTF-32"),
+         (codecs.BOM_UTF8, "utf-8-sig", "UTF-8"), (codecs.BOM_UTF16_LE, "utf-16", "UTF-16"),
+         (codecs.BOM_UTF16_BE, "utf-16", "UTF-16"))
+
+
+def read_text_file(path: str | os.PathLike[str]) -> str:
+    """The text of an annotation file (JSON, CSV, TSV, a list of ids), decoded as benchmarks ship them:
+    UTF-8, with or without a byte order mark (Excel's "CSV UTF-8"), or UTF-16 / UTF-32 that opens with
+    its byte order mark (Windows' "Unicode" text). Line ends are left as they are.
+
+    Anything else is one line naming the file, the line and the byte, and how to convert it: Latin-1
+    or Windows-1252 bytes that are not UTF-8, and NUL bytes (UTF-16 without a byte order mark, or not a
+    text file at all), which would otherwise parse into ids and captions that hold NULs.
+
+    Raises:
+        ManifestError: the file cannot be read, or is not text in one of those encodings.
+
+    Example:
+        >>> read_text_file("data/msvd/annotations/test_list.txt").splitlines()[:1]  # doctest: +SKIP
+        ['-4wsuPCjDBc_5_15']
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ManifestError(f"{p}: cannot read it ({e.strerror or e})") from None
+    codec, name = "utf-8", "UTF-8"
+    for bom, bom_codec, bom_name in _BOMS:
+        if data.startswith(bom):
+            codec, name = bom_codec, bom_name
+            break
+
+    def iconv(source: str) -> str:  # converts the file in place
+        f, t = shlex.quote(str(p)), shlex.quote(f"{p}.utf8")
+        return f"iconv -f {source} -t utf-8 {f} > {t} && mv {t} {f}"
+
+    try:
+        text = data.decode(codec)
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        if name != "UTF-8":
+            raise ManifestError(f"{p} line {line}: not valid {name} text ({e.reason} at byte offset {e.start}, "
+                                f"after a {name} byte order mark); save the file again as UTF-8") from None
+        raise ManifestError(
+            f"{p} line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte offset {e.start}); convert the "
+            f"file to UTF-8, e.g. from Latin-1: `{iconv('latin1')}` (from Windows-1252: -f cp1252)") from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        line = text.count("\n", 0, nul) + 1
+        raise ManifestError(
+            f"{p} line {line}: a NUL byte: not a text file, or UTF-16 without a byte order mark; convert the file "
+            f"to UTF-8, e.g. from UTF-16: `{iconv('utf-16le')}`")
+    return text
 
 
 def _name_some(items: Iterable[Any]) -> str:
@@ -178,8 +240,9 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
         first = outside.iloc[0]
         raise ManifestError(
             f"{source}: the path of video(s) {_name_some(outside['video_id'])} leaves the video root "
-            f"({first['path']!r}); paths are relative to --video-root and stay inside it: set --video-root "
-            "to a folder that holds every video")
+            f"({first['path']!r}); paths are relative to the video root and stay inside it: write them relative "
+            "to one folder that holds every video, and give that folder as the video root (--video-root of "
+            "manifest build, extract and finetune)")
     clipped = videos.dropna(subset=["start_s", "end_s"])
     bad_clip = clipped.loc[~(clipped["start_s"] < clipped["end_s"]) | (clipped["start_s"] < 0)]
     if len(bad_clip):
@@ -219,6 +282,48 @@ def write_parquet(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
     # No pandas metadata and no timestamps: the same rows give the same bytes.
     arrow = arrow.replace_schema_metadata(None)
     pq.write_table(arrow, path, compression="zstd")
+
+
+def staged_name(name: str, pid: int) -> str:
+    """The temporary name under which a process stages the manifest file ``name`` before its rename."""
+    return f".{name}.tmp-{pid}"
+
+
+_STAGED = re.compile(r"\.(" + "|".join(re.escape(n) for n in (VIDEOS_FILE, CAPTIONS_FILE, META_FILE)) + r")\.tmp-(\d+)")
+_STALE_AFTER_S = 3600.0  # a staged file lives for the seconds a build takes to write three files
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (this process included: another of its threads may be
+    writing; a staged file of a pid reused since is left to the age limit)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_staged(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Remove the files a manifest build staged in ``out_dir`` and never renamed (the build was killed:
+    ``kill -9``, a power cut): names of :func:`staged_name`'s pattern whose process is gone, or that are
+    over an hour old. Another file is never touched, nor a live build's. Returns what was removed."""
+    removed = []
+    for p in Path(out_dir).iterdir():
+        m = _STAGED.fullmatch(p.name)
+        if m is None or not p.is_file():
+            continue
+        try:
+            stale = not _pid_alive(int(m.group(2))) or time.time() - p.stat().st_mtime > _STALE_AFTER_S
+            if stale:
+                p.unlink()
+                removed.append(p)
+        except FileNotFoundError:
+            continue  # its own build renamed or removed it meanwhile
+    if removed:
+        log.info("removed %d staged file(s) of an interrupted manifest build in %s", len(removed), out_dir)
+    return removed
 
 
 def write_manifest(
@@ -271,6 +376,7 @@ def write_manifest(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_staged(out)
     staged: list[tuple[Path, Path]] = []
     try:
         for name, write in (
@@ -278,7 +384,7 @@ def write_manifest(
             (CAPTIONS_FILE, lambda p: write_parquet(captions, _CAPTION_SCHEMA, p)),
             (META_FILE, lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")),
         ):
-            tmp = out / f".{name}.tmp-{os.getpid()}"
+            tmp = out / staged_name(name, os.getpid())
             write(tmp)
             staged.append((tmp, out / name))
     except BaseException:
@@ -315,7 +421,7 @@ def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:
     mp = d / META_FILE
     if mp.is_file():
         try:
-            meta = json.loads(mp.read_text())
+            meta = json.loads(read_text_file(mp))
         except json.JSONDecodeError as e:
             raise ManifestError(f"{mp}: not valid JSON ({e})") from e
     validate(videos, captions, str(d))
@@ -346,14 +452,25 @@ def index_video_files(video_root: str | os.PathLike[str]) -> dict[str, str]:
     return found
 
 
+MISSING_ADVICE = "fix --video-root or pass --allow-missing to drop them"  # `tvrpipe manifest build`'s options
+
+
 def resolve_paths(
-    videos: pd.DataFrame, video_root: str | os.PathLike[str], allow_missing: bool = False
+    videos: pd.DataFrame, video_root: str | os.PathLike[str], allow_missing: bool = False,
+    advice: str = MISSING_ADVICE,
 ) -> tuple[pd.DataFrame, list[str]]:
     """Point each video's ``path`` at an existing file under ``video_root``.
 
     A path that exists is kept; otherwise the file is looked up by the path's stem
     (extension-insensitive, in any subfolder), so DiDeMo's ``.mov``/``.mp4``/``.m4v`` variants
     and LSMDC's per-movie folders resolve without a dataset-specific rule.
+
+    Args:
+        videos: the videos table.
+        video_root: the folder the paths are relative to.
+        allow_missing: drop missing videos instead of failing.
+        advice: what the error about missing videos tells the user to do, in the options of the command
+            they ran (the default names ``tvrpipe manifest build``'s).
 
     Returns:
         The table with resolved paths (missing videos dropped when ``allow_missing``) and the
@@ -382,7 +499,7 @@ def resolve_paths(
     if missing and not allow_missing:
         raise ManifestError(
             f"{len(missing)} of {len(videos)} videos not found under {root}: "
-            f"{_name_some(missing)}; fix --video-root or pass --allow-missing to drop them"
+            f"{_name_some(missing)}; {advice}"
         )
     if missing:
         log.warning("dropping %d videos not found under %s: %s", len(missing), root, _name_some(missing))

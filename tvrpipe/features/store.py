@@ -561,17 +561,43 @@ FEATURES_ROOT_ENV = "TVRPIPE_FEATURES"  # where `train-head` without --features 
 
 def find_stores(root: str | os.PathLike[str], depth: int = 3) -> list[Path]:
     """The feature store directories under ``root`` (it included), at most ``depth`` folders down,
-    sorted; a store's own folders are not searched."""
-    root, found = Path(root), []
+    sorted; a store's own folders are not searched.
+
+    Symbolic links to folders are followed (``features/msrvtt -> /scratch/stores/msrvtt`` is found), a
+    link back to a folder above it is not walked again, and a store reached by several names is listed
+    once: by its real path where that is under ``root``, else by its first name in sorted order.
+    """
+    root = Path(root)
     if not root.is_dir():
-        return found
-    for d, subdirs, _ in os.walk(root):
-        here = Path(d)
+        return []
+    names: dict[str, list[Path]] = {}  # real path of a store -> the names it was reached by
+
+    def walk(here: Path, level: int, above: frozenset[str]) -> None:
+        real = os.path.realpath(here)
+        if real in above:  # a link back to a folder on this path: a cycle
+            return
         if (here / STORE_NAME).is_dir():
-            found.append(here)
-            subdirs.clear()
-        elif len(here.relative_to(root).parts) >= depth:
-            subdirs.clear()
+            names.setdefault(real, []).append(here)
+            return
+        if level >= depth:
+            return
+        try:
+            children = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError:  # unreadable, or a link that broke meanwhile
+            return
+        for child in children:
+            try:
+                if child.is_dir():  # follows links; a dangling one is no folder
+                    walk(Path(child.path), level + 1, above | {real})
+            except OSError:
+                continue
+
+    walk(root, 0, frozenset())
+    real_root = Path(os.path.realpath(root))
+    found = []
+    for real, reached in names.items():
+        direct = [p for p in reached if Path(real) == real_root / p.relative_to(root)]
+        found.append((direct or sorted(reached))[0])
     return sorted(found)
 
 
