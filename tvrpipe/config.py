@@ -175,5 +175,7 @@ def parse_fields(cls: type, items: list[str], owner: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, raw = split_item(item)
+        if key in out:  # the last one would win silently
+            raise ConfigError(f"--set {key} is given twice ({key}={out[key]!r} and {item}); give each field once")
         out[key] = parse_value(cls, key, raw, owner)
     return out

@@ -126,6 +126,23 @@ class DirLock:
             self.release()
 
 
+def check_unlocked(directory: str | os.PathLike[str], option: str = "--out") -> None:
+    """Raise :class:`LockError` if another process holds ``directory``'s lock, as :class:`DirLock` would,
+    without creating or writing anything (a dry run's check: the lock file is opened read-only)."""
+    try:
+        fd = os.open(Path(directory) / LOCK_NAME, os.O_RDONLY)
+    except OSError:  # no lock file (or none readable): nobody holds it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+        raise LockError(f"{Path(directory)} is being written by {holder}; wait for it to finish or choose another "
+                        f"{option}") from None
+    finally:
+        os.close(fd)  # closing drops the shared lock, if taken
+
+
 @contextmanager
 def locked(directory: str | os.PathLike[str], option: str = "--out") -> Iterator[Path]:
     """``with locked(run_dir):`` hold :class:`DirLock` on ``run_dir`` for the block."""

@@ -90,6 +90,12 @@ def _split_values(raw: str) -> list[str]:
     return [v.strip() for v in out]
 
 
+def _once(axes: dict[str, list[Any]], name: str, key: str) -> None:
+    """A field swept by two ``--set`` items would take the last one's values silently: refused."""
+    if name in axes:
+        raise ConfigError(f"--set {key}: {name} is set twice; list all its values in one item ({name}=a,b)")
+
+
 def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str] = ()) -> list[SweepRun]:
     """Every combination of ``methods`` x the ``--set`` values that apply to each x ``seeds``.
 
@@ -129,11 +135,13 @@ def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str]
             if not scope and any(name in f for f in head_fields.values()):
                 raise ConfigError(f"--set {key}: both a trainer field and a head field; write train.{name} "
                                   f"or METHOD.{name}")
+            _once(train_axes, name, key)
             train_axes[name] = [parse_value(TrainConfig, name, v, "train") for v in _split_values(raw)]
         elif scope:
             if scope not in head_axes:
                 raise ConfigError(f"--set {key}: {scope!r} is neither 'train' nor a method of --methods "
                                   f"({', '.join(methods)})")
+            _once(head_axes[scope], name, key)
             head_axes[scope][name] = [parse_value(head_class(scope).Config, name, v, scope)
                                       for v in _split_values(raw)]
         else:
@@ -142,6 +150,7 @@ def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str]
                 raise ConfigError(f"--set {key}: no listed method has a config key {name!r}, nor the trainer "
                                   "(`tvrpipe heads` lists each head's keys)")
             for m in having:
+                _once(head_axes[m], name, key)
                 head_axes[m][name] = [parse_value(head_class(m).Config, name, v, m) for v in _split_values(raw)]
     for axes in (train_axes, *head_axes.values()):
         for name, values in axes.items():

@@ -383,6 +383,12 @@ def test_bench_convergence_reads_a_per_width_default_lr_at_each_stores_width(tmp
     assert {p: p.stat().st_mtime for p in tmp_path.glob("runs/*/*/*/metrics.json")} == stamp
 
 
+def test_bench_finetune_names_its_own_options_before_rendering(cli, tmp_path):
+    r = cli("bench", "finetune", "--out", tmp_path / "b", "--model", "tvrpipe-tiny", "--precision", "fp16")
+    assert r.exit_code == 1 and "--precision fp16 needs --device cuda" in r.output and "--use-gpu" not in r.output
+    assert not (tmp_path / "b").exists()
+
+
 def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
     r = cli("bench", "finetune", "--out", tmp_path / "b", "--model", "tvrpipe-tiny", "--method", "meanpool",
             "--steps", "3", "--batch-size", "2", "--frames", "4", "--width", "96", "--height", "64",

@@ -398,7 +398,7 @@ def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):
               "--out", out, "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "2", "--batch-size", "8",
               "--head-lr", "1e-3", "--loader-workers", "1", "--max-failed-fraction", "0.2")  # 1 of 8 test videos
     assert res.exit_code == 0, res.output
-    assert "2 videos failed to decode" in res.output and "t2v" in res.output
+    assert "2 videos failed to decode" in " ".join(res.output.split()) and "t2v" in res.output
     failed = pd.read_csv(out / "failures.csv")
     assert sorted(failed["video_id"]) == sorted(r["video_id"] for r in bad.values())
     assert failed["error"].str.contains("unreadable").all()
@@ -495,8 +495,12 @@ def test_cli_group_lr_is_parsed_and_recorded(tmp_path, cli):
     assert r.exit_code == 0, r.output
     import yaml
 
-    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["finetune"]
-    assert recorded["group_lr"] == {"radius": 3e-5} and recorded["init_from_clip"] is True
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    recorded = config["finetune"]
+    # tmass has no module that starts from CLIP: the run records that nothing was copied
+    assert recorded["group_lr"] == {"radius": 3e-5} and recorded["init_from_clip"] is False
+    assert config["resolved"]["init_from_clip"] == "nothing: tmass has no module that starts from CLIP"
+    assert config["resolved"]["lr_groups"]["radius"] == {"lr": 3e-5, "source": "--group-lr"}
     r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
             tmp_path / "run2", "--group-lr", "radius")
     assert r.exit_code == 1 and "--group-lr expects key=value, got 'radius'" in r.output

@@ -23,7 +23,7 @@ BASELINES = {"meanpool", "seqtransf", "xpool"}
 # a complete recipe for the tiny test CLIP: T-MASS's groups, Adam, distinct learning rates
 TINY_TMASS = {
     "paper": "test", "method": "tmass", "dataset": "synthetic",
-    "split_set": {"value": "generated", "source": "choice: test"},
+    "split_set": {"value": "synthetic", "source": "choice: test"},
     "settings": {k: {"value": v, "source": f"choice: test {k}"} for k, v in {
         "model": "tvrpipe-tiny", "pretrained": "none", "end_to_end": True, "frames": 4, "max_words": 8,
         "frame_sampling": "uniform", "epoch_pairs": "videos", "batch_size": 8, "epochs": 1, "optimizer": "adam",
@@ -133,7 +133,7 @@ def test_resolve_takes_the_recipe_unless_an_option_is_explicit(tmp_path):
     values, overridden = resolve(r, {"head_lr": 2e-5, "group_lr": {"head": 4e-5}, "epochs": 1})
     assert values["head_lr"] == 2e-5  # the explicit option wins
     assert values["group_lr"] == {"radius": 3e-5, "head": 4e-5}  # groups merge
-    assert sorted(overridden) == ["group_lr", "head_lr"]  # epochs=1 is the recipe's own value
+    assert sorted(overridden) == ["group_lr.head", "head_lr"]  # per group; epochs=1 is the recipe's own value
 
 
 # ------------------------------------------------------------------------------ finetune --recipe

@@ -446,7 +446,7 @@ def test_early_stopping_stops_after_patience_and_halves_on_plateaus(store, tmp_p
     sch = m["schedule"]
     assert sch["epochs_run"] == 9 and sch["stopped_early"] and sch["lr_halvings"] == 3
     with open(tmp_path / "r" / "epochs.csv") as f:
-        lrs = [float(r["lr"]) for r in csv.DictReader(f)]
+        lrs = [float(r["lr_head"]) for r in csv.DictReader(f)]
     # constant after the warmup epoch, halved after epochs 5 and 7 (2 and 4 epochs without improvement)
     assert lrs[1] == pytest.approx(1e-3) and lrs[4] == pytest.approx(1e-3)
     assert lrs[5] == pytest.approx(5e-4) and lrs[6] == pytest.approx(5e-4) and lrs[7] == pytest.approx(2.5e-4)
@@ -530,7 +530,7 @@ def test_min_steps_scales_patience_and_plateau(store, tmp_path, monkeypatch):
     assert sch["lr_halvings"] == 3  # after epochs 7, 11 and 15
     assert "halved after every 4 epochs" in sch["description"] and "stop after 12" in sch["description"]
     with open(tmp_path / "r" / "epochs.csv") as f:
-        lrs = [float(r["lr"]) for r in csv.DictReader(f)]
+        lrs = [float(r["lr_head"]) for r in csv.DictReader(f)]
     assert lrs[6] == pytest.approx(1e-3) and lrs[7] == pytest.approx(5e-4) and lrs[10] == pytest.approx(5e-4)
     assert lrs[11] == pytest.approx(2.5e-4) and lrs[14] == pytest.approx(2.5e-4) and len(lrs) == 15
     # a store too small for min_steps within max_epochs trains past max_epochs to reach it

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tvrpipe.bench.extract import BenchVideos, make_bench_videos
+from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.rundir import read_epochs
 
 MSRVTT_LIKE = BenchVideos(count=0, width=320, height=240, seconds=15.0, fps=30, gop=250)
@@ -104,13 +105,18 @@ def bench_finetune(
 
     from tvrpipe.training.finetune import FinetuneConfig, finetune
 
+    # in this command's options, before videos are rendered (FinetuneConfig's own messages name finetune's)
+    cuda = device.startswith("cuda")
+    if precision == "fp16" and not cuda:
+        raise ConfigError("--precision fp16 needs --device cuda (CPU autocast supports bf16: --precision bf16)")
+    if cuda and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is available here; use --device cpu")
     out = Path(out)
     train = batch_size * steps
     spec = BenchVideos(**{**asdict(videos), "count": train + 4})
     manifest = _manifest(out, spec, train)
     run = out / "run"
     shutil.rmtree(run, ignore_errors=True)  # a bench measures a fresh run, never a resumed one
-    cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     cfg = FinetuneConfig(end_to_end=True, model=model, pretrained="none", epochs=1, batch_size=batch_size,

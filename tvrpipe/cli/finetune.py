@@ -34,9 +34,10 @@ def finetune_cmd(
         help="With --recipe and no --manifest: where datasets live, one folder each (docs/datasets.md); "
              "default: $TVRPIPE_DATA, else data/.")] = None,
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Check everything a run checks, print what it will do (settings, split counts, steps, "
-                          "images per step, estimated peak memory per worker from short CPU steps) and stop; "
-                          "writes nothing.")] = False,
+        "--dry-run", help="Check everything a run checks before it writes, print what it will do (settings, the "
+                          "learning rate of each parameter group, split counts, steps, images per step, estimated "
+                          "peak memory per worker from short CPU steps) and stop; writes nothing. Exits 1 where the "
+                          "run would stop (with --use-gpu on a machine without CUDA, after the plan).")] = False,
     end_to_end: Annotated[
         bool, typer.Option("--end-to-end/--frozen-clip", help="Unfreeze both CLIP towers (the papers' setting); "
                            "--frozen-clip (the default without a recipe) keeps CLIP frozen and trains only the head, on "
@@ -112,7 +113,8 @@ def finetune_cmd(
     With --end-to-end both CLIP towers train too and the selected CLIP is exported as OUT/clip.safetensors,
     which `tvrpipe extract --pretrained` loads. Rerun the same command to resume after the last complete epoch.
     """
-    from tvrpipe.training.finetune import FinetuneConfig, finetune
+    from tvrpipe.training.core import describe_lrs
+    from tvrpipe.training.finetune import NO_GPU, FinetuneConfig, finetune
 
     options = dict(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs, epoch_pairs=epoch_pairs,
                    batch_size=batch_size, frames=frames, max_words=max_words, optimizer=optimizer, clip_lr=clip_lr,
@@ -153,9 +155,12 @@ def finetune_cmd(
                        dry_run=dry_run)
     if dry_run:
         print_plan(metrics)
+        if metrics["gpu"]:  # the plan is for a machine with CUDA; here the run itself would stop
+            raise ConfigError(f"{NO_GPU} (the dry run above plans the run for a machine with CUDA)")
         return
     tr = metrics["train"]
-    console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']}"
+    console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']} "
+                  f"({describe_lrs(metrics['lr_groups'])})"
                   + (f"; {metrics['failed_videos']} videos failed to decode (see {out / 'failures.csv'})"
                      if metrics["failed_videos"] else ""), highlight=False)
     print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
@@ -166,6 +171,9 @@ def finetune_cmd(
 
 def print_plan(plan: dict) -> None:
     """What ``finetune --dry-run`` found: the settings, the data, the steps and the estimated memory."""
+    from tvrpipe.training.core import describe_lrs
+    from tvrpipe.training.recipes import mismatch_warning
+
     cfg = plan["config"]
     recipe = cfg.get("recipe")
     console.print(f"dry run of finetune {plan['method']}" + (f" (recipe {recipe['name']})" if recipe else "")
@@ -174,6 +182,14 @@ def print_plan(plan: dict) -> None:
         console.print(f"{section}: " + ", ".join(f"{k}={v}" for k, v in cfg[section].items()), highlight=False,
                       soft_wrap=True)
     console.print("head: " + ", ".join(f"{k}={v}" for k, v in cfg["head"].items()), highlight=False, soft_wrap=True)
+    resolved = cfg["resolved"]
+    console.print(f"learning rates: {describe_lrs(resolved['lr_groups'])}", highlight=False, soft_wrap=True)
+    if resolved["init_from_clip"] is not None:
+        init = resolved["init_from_clip"]
+        console.print("from CLIP: " + (", ".join(init) if isinstance(init, list) else init), highlight=False,
+                      soft_wrap=True)
+    if recipe and recipe.get("mismatch"):
+        console.print(f"note: {mismatch_warning(recipe)}", highlight=False, soft_wrap=True)
     console.print("data: " + "; ".join(f"{s} {c['videos']} videos / {c['captions']} captions"
                                        for s, c in plan["splits"].items()) + f" (validation: {plan['validation']})",
                   highlight=False, soft_wrap=True)
@@ -187,5 +203,3 @@ def print_plan(plan: dict) -> None:
                   f"activations {gb(m['activations'])} at {m['pairs']} pairs, from CPU steps of "
                   f"{', '.join(str(n) for n, _ in m['measured'])} pairs; a GPU adds its context, about 0.5 GiB)",
                   highlight=False, soft_wrap=True)
-    if plan["gpu"]:
-        console.print(f"note: {plan['gpu']}", highlight=False)

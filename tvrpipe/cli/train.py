@@ -46,9 +46,12 @@ def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
 
 def parse_group_lr(items: list[str]) -> dict[str, float]:
     """``--group-lr NAME=LR`` items -> ``{NAME: LR}``."""
-    groups = {}
+    groups: dict[str, float] = {}
     for item in items:
         name, raw = split_item(item, "--group-lr")
+        if name in groups:
+            raise ConfigError(f"--group-lr {name} is given twice ({name}={groups[name]:g} and {item}); give each "
+                              "group once")
         try:
             groups[name] = finite_float(raw)
         except typer.BadParameter as e:
@@ -77,7 +80,12 @@ def apply_recipe(ctx: typer.Context, name: str, method: str | None, set_items: l
     values, overridden = resolve(r, {k: v for k, v in options.items() if k in given}, keys)
     options.update(values)
     explicit_head = parse_overrides(r.method, set_items)
-    overridden += [f"head.{k}" for k, v in explicit_head.items() if k in r.head and r.head[k].value != v]
+    from tvrpipe.heads.base import head_class
+
+    # against what the recipe's head would be: its own value of a field, else the head's default
+    defaults = {f.name: f.default for f in dataclasses.fields(head_class(r.method).Config)}
+    overridden += [f"head.{k}" for k, v in explicit_head.items()
+                   if v != (r.head[k].value if k in r.head else defaults.get(k))]
     console.print(f"recipe {r.name}" + (f"; overridden: {', '.join(sorted(overridden))}" if overridden else ""),
                   highlight=False)
     return r, r.method, {**r.head_overrides(), **explicit_head}, r.record(overridden)
@@ -142,6 +150,7 @@ def train_head(
     post: PostOption = None,
 ) -> None:
     """Train a retrieval head on cached features; select on validation; evaluate on test."""
+    from tvrpipe.training.core import describe_lrs
     from tvrpipe.training.fit import TrainConfig, fit
 
     options = dict(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, optimizer=optimizer,
@@ -166,7 +175,7 @@ def train_head(
     metrics = fit(features, method, out, cfg, overrides, parse_post(post or []), recipe=record)
     sch = metrics["schedule"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
-                  f" (lr {sch['lr']:g} from {sch['lr_source']}{', stopped early' if sch['stopped_early'] else ''})",
+                  f" ({describe_lrs(sch['lr_groups'])}{', stopped early' if sch['stopped_early'] else ''})",
                   highlight=False)
     print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
 

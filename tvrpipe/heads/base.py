@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -125,6 +125,16 @@ class HeadConfig:
         """Checks of several fields together (each head's Config adds its own); raise ConfigError."""
 
 
+
+class Copied(list):
+    """What :meth:`Head.init_from_clip` copied from CLIP (a list of names); ``reason`` says why nothing
+    was, when it is empty (no such module, or a width, head count or MLP ratio that differs)."""
+
+    def __init__(self, names: Iterable[str] = (), reason: str = "") -> None:
+        super().__init__(names)
+        self.reason = reason
+
+
 class Head(nn.Module):
     """Base class of every retrieval head.
 
@@ -146,11 +156,11 @@ class Head(nn.Module):
     # smaller lr); :meth:`lr_for` reads it at a store's width.
     default_lr: ClassVar[float | Mapping[int, float]] = 1e-3
 
-    def init_from_clip(self, clip: nn.Module) -> list[str]:
+    def init_from_clip(self, clip: nn.Module) -> Copied:
         """Initialise modules from the live CLIP where the head's paper does (finetune ``--init-from-clip``;
         CLIP4Clip's seqTransf, ProTA and UATVR copy CLIP's text transformer into their temporal one).
-        Returns what was copied; a head with nothing to take from CLIP copies nothing."""
-        return []
+        Returns what was copied; a head with nothing to take from CLIP copies nothing, and says why."""
+        return Copied([], f"{self.name} has no module that starts from CLIP")
 
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
         """The head's trainable parameters by group, for a learning rate per group (finetune's

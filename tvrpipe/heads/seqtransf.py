@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from tvrpipe.config import at_least
 from tvrpipe.errors import ConfigError
-from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
+from tvrpipe.heads.base import Copied, Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import masked_mean
 
 
@@ -127,21 +127,29 @@ def attention_heads(head: str, option: str, width: int, heads: int | None) -> in
     return heads
 
 
-def copy_clip_text_layers(clip: nn.Module, blocks: nn.ModuleList, positions: nn.Embedding | None) -> list[str]:
+def copy_clip_text_layers(clip: nn.Module, blocks: nn.ModuleList, positions: nn.Embedding | None) -> Copied:
     """CLIP4Clip's initialisation of a temporal transformer from CLIP's text transformer (CLIP4Clip code,
     ``modeling.py``: ``transformer.resblocks.i`` -> block i, ``positional_embedding`` -> the frame
     positions): block i takes CLIP's text block i and ``positions`` CLIP's first rows, when the widths,
-    heads and MLP ratios agree. Returns the names of what was copied ([] when they do not agree).
+    heads and MLP ratios agree. Returns the names of what was copied (none, with the reason, when they
+    do not agree).
     """
     text = getattr(clip, "transformer", None)
     resblocks = getattr(text, "resblocks", None)
-    if resblocks is None or not len(blocks):
-        return []
+    if resblocks is None or not len(resblocks):
+        return Copied([], "CLIP has no text transformer")
+    if not len(blocks):
+        return Copied([], "the head's temporal transformer has no layer")
     src0, dst0 = resblocks[0], blocks[0]
-    fits = (src0.attn.in_proj_weight.shape == dst0.in_proj.weight.shape and src0.attn.num_heads == dst0.heads
-            and dst0.mlp_ratio and src0.mlp.c_fc.weight.shape == dst0.c_fc.weight.shape)
-    if not fits:
-        return []
+    src_width, dst_width = src0.attn.in_proj_weight.shape[1], dst0.in_proj.weight.shape[1]
+    if src_width != dst_width:
+        return Copied([], f"widths differ (CLIP's text transformer {src_width}, the head's {dst_width})")
+    if src0.attn.num_heads != dst0.heads:
+        return Copied([], f"attention heads differ (CLIP's text transformer {src0.attn.num_heads}, "
+                          f"the head's {dst0.heads})")
+    if not dst0.mlp_ratio or src0.mlp.c_fc.weight.shape != dst0.c_fc.weight.shape:
+        return Copied([], f"MLP widths differ (CLIP's text transformer {src0.mlp.c_fc.weight.shape[0]}, the "
+                          f"head's {dst0.c_fc.weight.shape[0] if dst0.mlp_ratio else 0})")
     copied = []
     with torch.no_grad():
         for i, (src, dst) in enumerate(zip(resblocks, blocks)):
@@ -158,7 +166,7 @@ def copy_clip_text_layers(clip: nn.Module, blocks: nn.ModuleList, positions: nn.
             rows = min(positions.num_embeddings, table.shape[0])
             positions.weight[:rows].copy_(table[:rows])
             copied.append(f"positions 0-{rows - 1}")
-    return copied
+    return Copied(copied)
 
 
 def init_sequence_transformer(positions: nn.Embedding, blocks: nn.ModuleList, zero_init: bool) -> None:
@@ -239,7 +247,7 @@ class SeqTransf(Head):
         )
         init_sequence_transformer(self.frame_position_embeddings, self.blocks, config.zero_init)
 
-    def init_from_clip(self, clip: nn.Module) -> list[str]:
+    def init_from_clip(self, clip: nn.Module) -> Copied:
         """The temporal transformer from CLIP's text transformer, as CLIP4Clip initialises seqTransf."""
         return copy_clip_text_layers(clip, self.blocks, self.frame_position_embeddings)
 

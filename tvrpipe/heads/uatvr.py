@@ -72,7 +72,7 @@ from torch import Tensor, nn
 
 from tvrpipe.config import above, at_least, one_of
 from tvrpipe.errors import ConfigError
-from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
+from tvrpipe.heads.base import Copied, Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean, symmetric_infonce
 from tvrpipe.heads.seqtransf import (
     ResidualAttentionBlock,
@@ -174,16 +174,17 @@ class UATVR(Head):
     def _dua(self) -> bool:
         return self.config.dua_weight > 0 or self.config.kl_weight > 0
 
-    def init_from_clip(self, clip: nn.Module) -> list[str]:
+    def init_from_clip(self, clip: nn.Module) -> Copied:
         """DSA's transformers from CLIP's text transformer, as CLIP4Clip (which UATVR builds on) initialises
         seqTransf: the video side with the frame positions, the text side (when not shared) with the word
         positions. Nothing without DSA."""
         if not self.config.dsa:
-            return []
-        copied = [f"video {c}" for c in copy_clip_text_layers(clip, self.video_blocks, self.frame_position_embeddings)]
+            return Copied([], "uatvr without DSA (dsa=False) has no transformer")
+        video = copy_clip_text_layers(clip, self.video_blocks, self.frame_position_embeddings)
+        copied = [f"video {c}" for c in video]
         if self.text_blocks is not self.video_blocks:
             copied += [f"text {c}" for c in copy_clip_text_layers(clip, self.text_blocks, self.word_position_embeddings)]
-        return copied
+        return Copied(copied, video.reason)
 
     def _enlarge(self, x: Tensor, mask: Tensor, positions: nn.Embedding, blocks: nn.ModuleList,
                  extra: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -53,21 +53,62 @@ class Row:
         return [r.seed for r in self.runs]
 
     @cached_property  # read once: every table and CSV line of the row asks
-    def published(self) -> tuple[str, Published] | None:
-        """``(recipe name, the numbers its paper publishes)`` when every run of the row was trained from
-        one recipe that records them (:mod:`tvrpipe.training.recipes`); None otherwise."""
-        names = {(r.config.get("recipe") or {}).get("name") for r in self.runs}
-        if len(names) != 1 or None in names:
-            return None
-        from tvrpipe.errors import ConfigError
-        from tvrpipe.training.recipes import load_recipe
+    def published(self) -> PublishedRow | None:
+        """The paper's published row for the recipe the row's runs trained from, or why it is left out
+        (:func:`published_row`); None when no run of the row was trained from a recipe."""
+        return published_row([r.config.get("recipe") for r in self.runs])
 
-        name = names.pop()
-        try:
-            recipe = load_recipe(name)
-        except ConfigError:  # a recipe since removed or renamed: the row stands without it
-            return None
-        return (name, recipe.published) if recipe.published else None
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """What the report prints under a row trained from a recipe.
+
+    Attributes:
+        name: the recipe's name.
+        numbers: the paper's published numbers, as the recipe held them when the runs trained; None
+            when the row is left out.
+        differs: the settings in which the runs differ from the recipe (overridden, or fixed by the
+            trainer: train-head never trains CLIP), named in the row's label.
+        left_out: why the published row is not printed (the runs are not the experiment it describes).
+    """
+
+    name: str
+    numbers: Published | None
+    differs: tuple[str, ...] = ()
+    left_out: str = ""
+
+
+def published_row(records: Sequence[dict | None]) -> PublishedRow | None:
+    """The published row that describes runs whose ``config.yaml`` recorded ``records`` (their ``recipe``
+    blocks, :meth:`~tvrpipe.training.recipes.Recipe.record`), or why there is none.
+
+    The numbers are the ones the recipe held when the runs trained (its file's sha256 is recorded beside
+    them), never those of a file of the same name today. They are printed only where every run trained from
+    the same recipe file on its dataset, split set, backbone and weights; a run that changed other
+    settings keeps the row, which names them.
+    """
+    if not any(records):
+        return None
+    first = next(r for r in records if r)
+    name = str(first.get("name"))
+    if any(not r or r.get("sha256") != first.get("sha256") for r in records):
+        return PublishedRow(name, None, left_out="the row's runs were not all trained from one recipe file")
+    snapshot = first.get("published", _MISSING)
+    if snapshot is _MISSING:  # recorded before runs kept their recipe's numbers: only an unchanged file has them
+        return PublishedRow(name, None, left_out="the run predates the check of a run's data and backbone against "
+                                                 "its recipe; train it again to compare it with the paper")
+    if snapshot is None:
+        return None  # a recipe whose paper prints no row
+    mismatch = list(dict.fromkeys(m for r in records for m in r.get("mismatch") or ()))
+    if mismatch:
+        return PublishedRow(name, None, left_out="the paper's row is another experiment: " + "; ".join(mismatch))
+    differs = tuple(dict.fromkeys(k for r in records for k in (r.get("differs") or {})))
+    numbers = Published(str(snapshot["source"]), str(snapshot["backbone"]),
+                        {d: snapshot[d] for d in DIRECTIONS if snapshot.get(d)}, str(snapshot.get("note") or ""))
+    return PublishedRow(name, numbers, differs)
+
+
+_MISSING = object()
 
 
 @dataclass
@@ -227,12 +268,19 @@ def _table(section: Section, variant: str, direction: str) -> list[str]:
             cells.append(f"**{text}**" if len(rows) > 1 and means[m][i] == best[m] else text)
         lines.append(f"| {row.label} | {len(row.values(variant, direction, 'R@1'))} | " + " | ".join(cells) + " |")
         published = row.published if variant == "raw" else None  # the papers print raw scores
-        if published and direction in published[1].metrics:
-            name, pub = published
-            values = pub.metrics[direction]
-            lines.append(f"| ↳ published ({pub.source}; recipe {name}) | – | "
+        if published and published.left_out:
+            lines.append(f"| ↳ no published row (recipe {published.name}): {published.left_out} | – | "
+                         + " | ".join("–" for _ in METRICS) + " |")
+        elif published and direction in published.numbers.metrics:
+            values = published.numbers.metrics[direction]
+            lines.append(f"| {_published_label(published)} | – | "
                          + " | ".join("–" if values[m] is None else f"{values[m]:.1f}" for m in METRICS) + " |")
     return lines
+
+
+def _published_label(published: PublishedRow) -> str:
+    differs = f"; the runs differ in {', '.join(published.differs)}" if published.differs else ""
+    return f"↳ published ({published.numbers.source}; recipe {published.name}{differs})"
 
 
 def _split_line(section: Section) -> str:
@@ -299,14 +347,16 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                     rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
                     rows.append(rec)
                     published = row.published if variant == "raw" else None
-                    if published and direction in published[1].metrics:
-                        name, pub = published
+                    if published and not published.left_out and direction in published.numbers.metrics:
+                        pub = published.numbers
+                        differs = f"; the runs differ in {' '.join(published.differs)}" if published.differs else ""
                         rows.append({**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},
                                      "n_videos": None, "n_texts": None, "scores": "published",
                                      "row": f"{row.label}: published", "seeds": 0, "seed_values": "",
                                      **{k: v for m, x in pub.metrics[direction].items()
                                         for k, v in ((m, x), (f"{m} std", None))},
-                                     "runs": f"{pub.source} ({pub.backbone}), recipe {name}", "versions": ""})
+                                     "runs": f"{pub.source} ({pub.backbone}), recipe {published.name}{differs}",
+                                     "versions": ""})
     return rows
 
 
@@ -333,7 +383,9 @@ def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, 
                "Cells are the mean ± the sample standard deviation (ddof=1) over the seeds of a row (`seeds` "
                "column); a row of one seed has no ±. Recall in %, median and mean rank 1-based; the best mean of "
                "each column is in bold. Under a row trained from a recipe, ↳ published is what its paper prints "
-               "for that row (docs/reproduce.md says why ours may differ)."), ""]
+               "for that row, as the recipe held it when the runs trained, naming the settings in which the runs "
+               "differ from the recipe; it is left out, saying why, where the runs' dataset, split set, backbone or "
+               "weights are not the recipe's (docs/reproduce.md says why ours may differ)."), ""]
     for s in sections:
         lines += [f"## {s.title}", "", _split_line(s), ""]
         for variant in s.variants():

@@ -217,25 +217,89 @@ def optimizer_step(opt: torch.optim.Optimizer | None, loss: torch.Tensor, multip
     scaler.update()
 
 
-def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
-              explain: Callable[[dict, dict], str | None] | None = None) -> None:
-    """Write ``config.yaml`` (with the versions of this environment) and ``checkpoints/`` in the locked
-    run directory ``out``; a run already there must have the same configuration, but for the keys in
-    ``ignore`` (how and where it runs), the environment, and the label of its lr's source.
+def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
+                  explain: Callable[[dict, dict], str | None] | None = None) -> dict | None:
+    """Before anything is written (a run, and the dry run of one): a run already in ``out`` must have
+    the same configuration, but for the keys in ``ignore`` (how and where it runs), the environment, and
+    the labels of its learning rates' sources. Returns that run's config (None: ``out`` holds none).
 
     Raises:
         ConfigError: ``out`` holds another run; ``explain(old, new)`` may give the reason instead.
     """
     def same(c: dict) -> dict:
         c = {k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k not in ignore}
-        return {**c, "resolved": {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}}
+        resolved = {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}
+        if isinstance(resolved.get("lr_groups"), dict):
+            resolved["lr_groups"] = {g: {k: v for k, v in r.items() if k != "source"} if isinstance(r, dict) else r
+                                     for g, r in resolved["lr_groups"].items()}
+        return {**c, "resolved": resolved}
 
-    old = read_config(out) if (out / CONFIG).is_file() else None
+    old = read_config(out) if (Path(out) / CONFIG).is_file() else None
     if old is not None and same(old) != same(new := json.loads(json.dumps(config))):
         raise ConfigError((explain and explain(old, new)) or
                           f"{out} holds a run with another configuration; choose another --out")
+    return old
+
+
+def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
+              explain: Callable[[dict, dict], str | None] | None = None) -> None:
+    """Write ``config.yaml`` (with the versions of this environment) and ``checkpoints/`` in the locked
+    run directory ``out``, once :func:`check_run_dir` has passed.
+
+    Raises:
+        ConfigError: ``out`` holds another run (:func:`check_run_dir`).
+    """
+    old = check_run_dir(out, config, ignore, explain)
     write_config(out, {**config, **run_versions(old)})
     (out / CHECKPOINTS).mkdir(exist_ok=True)
+
+
+def lr_groups(groups: Mapping[str, list[nn.Parameter]], lr: float, lr_source: str,
+              group_lr: Mapping[str, float], group_source: Callable[[str], str]) -> dict[str, dict[str, Any]]:
+    """The learning rate each parameter group trains at, and where it comes from: ``{group: {"lr", "source"}}``
+    for every group of ``groups`` that has a trainable parameter (an empty group trains at no rate). A
+    group named in ``group_lr`` trains at its own rate (its source from ``group_source(name)``), the others
+    at ``lr`` (``lr_source``). This, not the options, is what a run records as its learning rates."""
+    return {g: ({"lr": float(group_lr[g]), "source": group_source(g)} if g in group_lr
+                else {"lr": float(lr), "source": lr_source})
+            for g, params in groups.items() if any(p.requires_grad for p in params)}
+
+
+def group_lr_source(group: str, recipe: Mapping[str, Any] | None, option: str = "--group-lr") -> str:
+    """Where a parameter group's own rate came from: the recipe a run records (:meth:`Recipe.record`),
+    unless the option overrode that group (``group_lr.<group>`` among its overridden settings)."""
+    if recipe and f"group_lr.{group}" not in (recipe.get("overridden") or ()):
+        return f"recipe {recipe['name']}"
+    return option
+
+
+def base_lr(rates: Mapping[str, Mapping[str, Any]], lr: float, lr_source: str) -> tuple[float | None, str]:
+    """``(lr, source)`` of a run whose groups train at ``rates`` (:func:`lr_groups`): ``lr`` when some
+    group trains at it, else None, with a source that says why (every group has a rate of its own, or
+    the head has nothing to train)."""
+    if any(r["source"] == lr_source for r in rates.values()):
+        return lr, lr_source
+    if not rates:
+        return None, "none: the head has no trainable parameter"
+    return None, f"none: every parameter group trains at a rate of its own ({', '.join(rates)})"
+
+
+def describe_lrs(rates: Mapping[str, Mapping[str, Any]]) -> str:
+    """The learning rates of :func:`lr_groups` for people: ``lr 0.001 (--lr)`` when every group trains at
+    one rate from one source, else ``lr head 3e-05 (--group-lr), radius 3e-05 (recipe tmass-msrvtt)``."""
+    if not rates:
+        return "no trainable parameter"
+    pairs = {(r["lr"], r["source"]) for r in rates.values()}
+    if len(pairs) == 1:
+        lr, source = pairs.pop()
+        return f"lr {lr:g} ({source})"
+    return "lr " + ", ".join(f"{g} {r['lr']:g} ({r['source']})" for g, r in rates.items())
+
+
+def group_rates(opt: torch.optim.Optimizer | None, prefix: str = "lr_") -> dict[str, float]:
+    """The rate each named group of ``opt`` (its ``name`` key) stepped at last, as ``{prefix + name: lr}``:
+    an epoch's learning-rate columns, read from the optimiser rather than the options."""
+    return {f"{prefix}{g['name']}": float(g["lr"]) for g in (opt.param_groups if opt else [])}
 
 
 class RunLoop:

@@ -58,13 +58,17 @@ from tvrpipe.evaluation.rundir import BEST, LAST, load_head, load_optimizer_stat
 from tvrpipe.features.decode import check_timeout
 from tvrpipe.files import atomic_write_text
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
-from tvrpipe.lock import locked
+from tvrpipe.lock import check_unlocked, locked
 from tvrpipe.training.core import (
     OPTIMIZERS,
     RunLoop,
     Schedule,
-    check_head_groups,
+    check_group_lr,
     check_lr_values,
+    check_run_dir,
+    group_lr_source,
+    group_rates,
+    lr_groups,
     make_optimizer,
     optimizer_step,
     seed_step,
@@ -173,7 +177,7 @@ class _Job:
     val_source: str
     post: tuple[str, ...]
     progress: bool
-
+    lr_groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # {group: {lr, source}}, what metrics.json records
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -315,9 +319,8 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                 t0 = time.perf_counter()
             failures.update(_all_failures(new_failed, job, world))
             if rank == 0:
-                last_step = schedule.multiplier(epoch, steps_per_epoch - 1)  # the lr of the epoch's last step
                 loop.end_epoch(epoch, _evaluate(model, loader_for, job.val, job, failures), {
-                    "lr_clip": cfg.clip_lr * last_step if cfg.end_to_end else 0.0, "lr_head": cfg.head_lr * last_step,
+                    **group_rates(opt),  # the rate each parameter group stepped at last
                     **_throughput(timing), "failed_videos": len(failures),
                 }, {"failures": failures, "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()})
                 if failures:
@@ -348,7 +351,8 @@ def _live_model(job: _Job, device: str | torch.device, bundle=None, precision: s
     head = head_class(job.method)(job.head_cfg)
     if cfg.init_from_clip:
         copied = head.init_from_clip(bundle.model)
-        log.info("%s from CLIP's text transformer: %s", job.method, ", ".join(copied) or "nothing (widths differ)")
+        log.info("%s from CLIP's text transformer: %s", job.method,
+                 ", ".join(copied) or f"nothing ({copied.reason})")
     model = LiveModel(bundle, head.to(bundle.device), cfg.end_to_end, precision or cfg.precision)
     model.clip.requires_grad_(cfg.end_to_end)
     if cfg.grad_checkpointing:
@@ -511,7 +515,7 @@ def _finish(model: LiveModel, loop: RunLoop, loader_for, job: _Job, failures: di
         _write_failures(failures, out)
     rows = loop.rows
     return loop.write_results(job.method, job.val_source, test, {
-        "provenance": provenance, "export": export, "failed_videos": len(failures),
+        "provenance": provenance, "export": export, "failed_videos": len(failures), "lr_groups": job.lr_groups,
         "train": {"clips_per_s": float(np.mean([r["clips_per_s"] for r in rows])) if rows else None,
                   "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
                   "epochs_run": len(rows)}})
@@ -541,6 +545,29 @@ def _extract_model_name(bundle) -> str:
 # Settings that decide how a run executes, not what it computes: a rerun may change them and resume.
 _EXECUTION = ("num_workers", "use_gpu", "address", "cpus_per_worker", "loader_workers", "eval_batch", "timeout_s",
               "max_failed_fraction")
+_RESUMABLE = ("execution",)  # the config.yaml sections a resumed run may change (how and where it runs)
+NO_GPU = "--use-gpu: no CUDA device is available here; leave it out to train on the CPU"
+
+
+def _probe_head(method: str, head_cfg: Any, cfg: FinetuneConfig, bundle, recipe: dict[str, Any] | None):
+    """Before anything is written, on a throwaway head (the run's random stream untouched): the rate each
+    parameter group will train at (:func:`~tvrpipe.training.core.lr_groups`; CLIP's only end-to-end) and,
+    with ``init_from_clip``, what the head copies from the run's CLIP (None without it).
+
+    Raises:
+        ConfigError: ``group_lr`` names a group the head does not have.
+    """
+    def source(setting: str, option: str) -> str:
+        return f"recipe {recipe['name']}" if recipe and setting not in recipe["overridden"] else option
+
+    with torch.random.fork_rng(devices=[]):
+        head = head_class(method)(head_cfg)
+        groups = check_group_lr(head, cfg.group_lr)
+        copied = head.init_from_clip(bundle.model) if cfg.init_from_clip else None
+    rates = {"clip": {"lr": float(cfg.clip_lr), "source": source("clip_lr", "--clip-lr")}} if cfg.end_to_end else {}
+    rates.update(lr_groups(groups, cfg.head_lr, source("head_lr", "--head-lr"), cfg.group_lr,
+                           lambda g: group_lr_source(g, recipe)))
+    return rates, copied
 
 
 def finetune(
@@ -590,7 +617,12 @@ def finetune(
     manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
                                                cfg.model, cfg.pretrained, cfg.seed)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
-    check_head_groups(method, head_cfg, cfg.group_lr)
+    cfg = dataclasses.replace(cfg, frames=F, max_words=L)  # what the run uses, the manifest's where not given
+    rates, copied = _probe_head(method, head_cfg, cfg, bundle, recipe)
+    if cfg.init_from_clip and not copied:
+        log.warning("--init-from-clip: %s, so nothing is copied: %s keeps its own initialisation", copied.reason,
+                    method)
+        cfg = dataclasses.replace(cfg, init_from_clip=False)
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     text_video = vrow.loc[captions["video_id"]].to_numpy()
@@ -605,9 +637,14 @@ def finetune(
                train_videos=rows.train_videos, train_texts=rows.train_texts, text_video=text_video,
                val=(rows.val_videos, rows.val_texts), test=(rows.test_videos, rows.test_texts),
                video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
-               val_source=rows.val_source, post=post, progress=progress)
+               val_source=rows.val_source, post=post, progress=progress, lr_groups=rates)
     pairs = _train_pairs(job)  # the batch fits the training set: checked before the run directory is written
     _check_files(job, root)
+    if recipe:  # how the run differs from its recipe: the manifest's data, and every setting as cfg runs it
+        from tvrpipe.training.recipes import OPTION_SETTINGS, deviations
+
+        recipe = deviations(recipe, {"dataset": manifest.meta.get("dataset"), "split_set": manifest.meta.get("split_set"),
+                                     **{k: getattr(cfg, k) for k in OPTION_SETTINGS}})
     settings = dataclasses.asdict(cfg)
     config = {
         "method": method,
@@ -623,16 +660,22 @@ def finetune(
                        "image_size": bundle.image_size, "preprocessing": preprocess_description(bundle),
                        "manifest_sha256": manifest_sha256(videos, captions)},
         "validation": rows.val_source,
+        # what ran, where the options alone do not say it: each parameter group's rate, what CLIP initialised
+        "resolved": {"lr_groups": rates,
+                     "init_from_clip": list(copied) if copied else (f"nothing: {copied.reason}" if copied is not None
+                                                                    else None)},
         **({"recipe": recipe} if recipe else {}),
     }
     gpu_missing = cfg.use_gpu and cfg.num_workers == 0 and not torch.cuda.is_available()
-    if dry_run:
+    if dry_run:  # every check the run makes before its first write, writing nothing
+        check_unlocked(out, "--out")
+        check_run_dir(out, config, ignore=_RESUMABLE)
         return plan_run(job, pairs, bundle, config, gpu_missing)
     if gpu_missing:
-        raise ConfigError("--use-gpu: no CUDA device is available here; leave it out to train on the CPU")
+        raise ConfigError(NO_GPU)
     del bundle
     with locked(out, "--out"):
-        start_run(out, config, ignore=("execution",))  # how and where it runs may change on a resume
+        start_run(out, config, ignore=_RESUMABLE)
         if cfg.num_workers == 0:
             return run_job(job, 0, 1, "cuda" if cfg.use_gpu else "cpu")
         return _ray_train(job)

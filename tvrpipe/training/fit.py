@@ -60,9 +60,13 @@ from tvrpipe.training.core import (
     OPTIMIZERS,
     RunLoop,
     Schedule,
+    base_lr,
     check_group_lr,
     check_head_groups,
     check_lr_values,
+    group_lr_source,
+    group_rates,
+    lr_groups,
     make_optimizer,
     optimizer_step,
     seed_step,
@@ -278,11 +282,24 @@ def fit(
     if train_split.n_videos < 2:
         raise ConfigError("the training split needs at least 2 videos")
     check_head_groups(method, head_cfg, train.group_lr)
+    if recipe:
+        recipe = _recipe_deviations(recipe, store.provenance, train)
     out = Path(out_dir)
     tune_allocator()  # a step's large temporaries reused from the heap, not re-faulted (allocator.py)
     with locked(out, "--out"):
         return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features, on_epoch,
                       recipe)
+
+
+def _recipe_deviations(recipe: dict[str, Any], provenance: Mapping[str, Any], train: TrainConfig) -> dict[str, Any]:
+    """The recipe's record completed with how this run differs from it (:func:`~tvrpipe.training.recipes.deviations`):
+    the store fixes the data, backbone, frames and words, train-head never trains CLIP, and the recipe's
+    other settings it takes (``recipes.TRAIN_HEAD``) ran as ``train`` says."""
+    from tvrpipe.training.recipes import TRAIN_HEAD, deviations
+
+    ran = {k: provenance.get(k) for k in ("dataset", "split_set", "model", "pretrained", "frames", "max_words")}
+    ran.update({"end_to_end": False, **{setting: getattr(train, field) for setting, field in TRAIN_HEAD.items()}})
+    return deviations(recipe, ran)
 
 
 def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: TrainConfig, post: tuple[str, ...],
@@ -299,11 +316,19 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     patience, plateau, max_epochs = open_ended_epochs(train, steps_per_epoch)
     schedule = (Schedule.open_ended(steps_per_epoch, max_epochs, patience, plateau) if train.epochs is None
                 else Schedule.fixed(steps_per_epoch, train.epochs, train.warmup_fraction))
+
+    # ---- model, and the rate each of its parameter groups trains at (what the run records)
+    device = torch.device(train.device)
+    torch.manual_seed(train.seed)
+    head = head_class(method)(head_cfg).to(device)
+    groups = check_group_lr(head, train.group_lr)
+    rates = lr_groups(groups, lr, lr_source, train.group_lr, lambda g: group_lr_source(g, recipe))
+    lr, lr_source = base_lr(rates, lr, lr_source)
     start_run(out, {
         "method": method,
         "head": dataclasses.asdict(head_cfg),
         "train": dataclasses.asdict(train),
-        "resolved": {"lr": lr, "lr_source": lr_source, "schedule": schedule.description},
+        "resolved": {"lr": lr, "lr_source": lr_source, "lr_groups": rates, "schedule": schedule.description},
         "post": list(post),
         "features": str(Path(features).resolve()),
         "provenance": store_identity(store.provenance),
@@ -312,15 +337,11 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         **({"recipe": recipe} if recipe else {}),
     }, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source))
 
-    # ---- model, optimiser
-    device = torch.device(train.device)
-    torch.manual_seed(train.seed)
-    head = head_class(method)(head_cfg).to(device)
-    # every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does; docs/training.md)
+    # ---- optimiser: every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does;
+    # docs/training.md)
     opt = make_optimizer(train.optimizer, [
-        {"params": [p for p in params if p.requires_grad], "lr": train.group_lr.get(g, lr),
-         "base_lr": train.group_lr.get(g, lr), "weight_decay": train.weight_decay}
-        for g, params in check_group_lr(head, train.group_lr).items()])
+        {"params": [p for p in params if p.requires_grad], "lr": rates[g]["lr"], "base_lr": rates[g]["lr"],
+         "weight_decay": train.weight_decay, "name": g} for g, params in groups.items() if g in rates])
     loop = RunLoop(out, schedule, {"": lambda path: save_head(head, path)}, on_epoch=on_epoch)
 
     def restore(state: dict) -> None:
@@ -362,7 +383,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
             val = evaluate_split(head, splits.val, train)
             busy = max(t_data + t_step, 1e-9)
             loop.end_epoch(epoch, val, {
-                "lr": opt.param_groups[0]["lr"] if opt else 0.0,
+                **group_rates(opt),  # the rate each parameter group stepped at last
                 "samples_per_s": steps_per_epoch * batch / busy, "data_share": t_data / busy,
                 "seconds": time.perf_counter() - t_epoch,  # wall time of the epoch, validation included
             }, {"optimizer": opt.state_dict() if opt else None})
@@ -374,7 +395,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                           querybank=splits.train if "qbnorm" in post else None)
     rows = loop.rows
     return loop.write_results(method, splits.val_source, test, {
-        "schedule": {"lr": lr, "lr_source": lr_source, "description": schedule.description, "epochs_run": len(rows),
+        "schedule": {"lr": lr, "lr_source": lr_source, "lr_groups": rates, "description": schedule.description,
+                     "epochs_run": len(rows),
                      "stopped_early": loop.stopped, "lr_halvings": loop.halvings,
                      **({"patience_epochs": patience, "plateau_epochs": plateau,
                          "max_epochs": max_epochs} if train.epochs is None else {})},
@@ -388,7 +410,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
 def _lr_changed(out: Path, old: dict, new: dict, lr: float, lr_source: str) -> str | None:
     """The reason a run directory's config differs, when only the default lr behind it changed."""
     was = old.get("resolved") or {}
-    if [k for k in new if old.get(k) != new[k]] == ["resolved"] and was.get("lr") != lr:
+    if [k for k in new if old.get(k) != new[k]] == ["resolved"] and was.get("lr") != lr and None not in (
+            was.get("lr"), lr):
         return (f"{out} was trained at lr {was.get('lr'):g} ({was.get('lr_source')}), and {lr_source} is now "
                 f"{lr:g}; choose another --out (add --lr {was.get('lr'):g} to train as before)")
     return None

@@ -144,14 +144,14 @@ def param_groups(model: LiveModel, clip_lr: float, head_lr: float, weight_decay:
     """
     head_groups = check_group_lr(model.head, group_lr)
     names = {id(p): n for n, p in model.named_parameters()}
-    parts = [(list(model.clip.parameters()), clip_lr)] if model.end_to_end else []
-    parts += [(params, (group_lr or {}).get(g, head_lr)) for g, params in head_groups.items()]
+    parts = [("clip", list(model.clip.parameters()), clip_lr)] if model.end_to_end else []
+    parts += [(g, params, (group_lr or {}).get(g, head_lr)) for g, params in head_groups.items()]
     groups = []
-    for params, lr in parts:
+    for name, params, lr in parts:  # name: the group's, for the rates an epoch records (core.group_rates)
         named = [(names[id(p)], p) for p in params if p.requires_grad]
         exempt = lambda n, p: p.ndim < 2 or any(k in n for k in ("bn", "ln", "bias", "logit_scale", "embedding"))  # noqa: E731
         decay = [p for n, p in named if not exempt(n, p)]
         no_decay = [p for n, p in named if exempt(n, p)]
-        groups += [{"params": decay, "lr": lr, "base_lr": lr, "weight_decay": weight_decay},
-                   {"params": no_decay, "lr": lr, "base_lr": lr, "weight_decay": 0.0}]
+        groups += [{"params": decay, "lr": lr, "base_lr": lr, "weight_decay": weight_decay, "name": name},
+                   {"params": no_decay, "lr": lr, "base_lr": lr, "weight_decay": 0.0, "name": name}]
     return [g for g in groups if g["params"]]

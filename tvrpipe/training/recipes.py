@@ -29,6 +29,7 @@ resolved values.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import typing
 from collections.abc import Iterable, Mapping
@@ -57,6 +58,8 @@ OPTION_SETTINGS = tuple(k for k in SETTINGS if k not in IMPLEMENTED)  # each a f
 TRAIN_HEAD = {"batch_size": "batch_size", "epochs": "epochs", "optimizer": "optimizer", "head_lr": "lr",
               "group_lr": "group_lr", "weight_decay": "weight_decay", "warmup_fraction": "warmup_fraction"}
 DIRECTIONS = ("t2v", "v2t")
+
+log = logging.getLogger(__name__)
 
 
 def recipes_dir() -> Path:
@@ -110,8 +113,17 @@ class Recipe:
         return {k: s.value for k, s in self.head.items()}
 
     def record(self, overridden: Iterable[str] = ()) -> dict[str, Any]:
-        """What a run trained from this recipe records in its ``config.yaml``."""
-        return {"name": self.name, "sha256": self.sha256, "overridden": sorted(overridden)}
+        """What a run trained from this recipe records in its ``config.yaml``: the file (name, path, sha256),
+        the settings the options overrode, and what the recipe said when the run started (its dataset,
+        split set and settings, and the published row), so that the report compares the run with the recipe
+        it trained from, not with whatever file bears that name later. The trainer adds how the run
+        differs from the recipe (:func:`deviations`)."""
+        pub = self.published
+        return {"name": self.name, "path": str(self.path.resolve()), "sha256": self.sha256,
+                "overridden": sorted(overridden), "paper": self.paper, "dataset": self.dataset,
+                "split_set": self.split_set.value, "settings": self.values(),
+                "published": None if pub is None else {"source": pub.source, "backbone": pub.backbone,
+                                                       "note": pub.note, **pub.metrics}}
 
 
 def _sourced(raw: Any, where: str) -> Sourced:
@@ -246,10 +258,108 @@ def load_recipe(name: str | Path) -> Recipe:
                     sha256=hashlib.sha256(text).hexdigest())
     try:  # every value within its option's range, as a run checks it (use_gpu: a recipe may ask for fp16)
         FinetuneConfig(**resolve(recipe, {})[0], use_gpu=True)
-        head_class(method).Config(**recipe.head_overrides())
+        head_config = head_class(method).Config(**recipe.head_overrides())
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{path}: {e}") from None
+    _check_data(recipe)
+    _check_groups(recipe, head_config)
     return recipe
+
+
+def _check_data(recipe: Recipe) -> None:
+    """The recipe's dataset is a dataset spec and its split set one of that spec's, checked as the file
+    loads (a run would otherwise fail later, naming no recipe).
+
+    Raises:
+        ConfigError: naming the file, the key and the values allowed.
+    """
+    from tvrpipe.data.datasets import list_datasets, load_spec
+
+    if recipe.dataset not in list_datasets():
+        raise ConfigError(f"{recipe.path}: dataset {recipe.dataset!r} is not a dataset tvrpipe knows "
+                          f"({', '.join(list_datasets())})")
+    # a dataset without split sets (synthetic) names its one split by itself, as its manifests record it
+    allowed = list(load_spec(recipe.dataset).split_sets) or [recipe.dataset]
+    split_set = recipe.split_set.value
+    if split_set not in allowed:
+        raise ConfigError(f"{recipe.path}: split_set {split_set!r} is not a split set of {recipe.dataset} "
+                          f"({', '.join(allowed)})")
+
+
+def _check_groups(recipe: Recipe, head_config) -> None:
+    """Every group the recipe's ``group_lr`` names is one of its head's parameter groups (a small head is
+    built for its group names, without touching the random stream).
+
+    Raises:
+        ConfigError: naming the file and the groups the head has.
+    """
+    import dataclasses
+
+    import torch
+
+    from tvrpipe.heads.base import head_class
+
+    group_lr = recipe.settings["group_lr"].value or {}
+    if not group_lr:
+        return
+    with torch.random.fork_rng(devices=[]):  # the groups' names do not depend on the width: a small head
+        try:
+            groups = head_class(recipe.method)(dataclasses.replace(head_config, embed_dim=64)).param_groups()
+        except (ConfigError, TypeError, ValueError, RuntimeError):  # a config that needs its own width
+            groups = head_class(recipe.method)(head_config).param_groups()
+    unknown = sorted(set(group_lr) - set(groups))
+    if unknown:
+        raise ConfigError(f"{recipe.path}: settings.group_lr names {unknown[0]!r}, which is not a parameter group of "
+                          f"{recipe.method} ({', '.join(groups)})")
+
+
+# What makes a run the experiment a paper's row describes: the report prints that row beside a run only
+# where all four agree with the recipe (a run that changed other settings shows it, naming them).
+IDENTITY = ("dataset", "split_set", "model", "pretrained")
+
+
+def _backbone(model: Any) -> str:
+    """An architecture's name without open_clip's ``-quickgelu`` (the same weights under either name)."""
+    text = str(model)
+    return text[: -len("-quickgelu")] if text.endswith("-quickgelu") else text
+
+
+def deviations(record: Mapping[str, Any], ran: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` (:meth:`Recipe.record`) completed with how the run differs from its recipe.
+
+    Args:
+        record: what the run records of its recipe.
+        ran: what the run trained with, by recipe key: ``dataset``, ``split_set``, ``model`` and
+            ``pretrained`` (of its store or manifest and CLIP), and each setting it has (a trainer without
+            a setting, e.g. train-head's ``clip_lr``, leaves it out).
+
+    Returns:
+        The record with ``mismatch`` (the keys of :data:`IDENTITY` that differ, in words: the published row
+        does not describe such a run; a warning says so) and ``differs`` ({setting: {"recipe": value, "run": value}}: the
+        other settings that ran otherwise, overridden or fixed by the trainer).
+    """
+    wanted = {"dataset": record["dataset"], "split_set": record["split_set"],
+              **{k: record["settings"].get(k) for k in ("model", "pretrained")}}
+    mismatch = []
+    for key in IDENTITY:
+        want, have = wanted[key], ran.get(key)
+        if (_backbone(want) != _backbone(have)) if key == "model" else want != have:
+            mismatch.append(f"{key}: the recipe's {want}, this run's {have}")
+    differs = {k: {"recipe": record["settings"][k], "run": v} for k, v in ran.items()
+               if k not in IDENTITY and k in record["settings"] and v != record["settings"][k]}
+    record = {**record, "mismatch": mismatch, "differs": differs}
+    if (warning := mismatch_warning(record)) is not None:  # said as the run starts, not only in the report
+        log.warning("%s", warning)
+    return record
+
+
+def mismatch_warning(record: Mapping[str, Any]) -> str | None:
+    """The line a run prints when it is not the experiment its recipe's published row describes."""
+    if not record.get("mismatch"):
+        return None
+    return (f"recipe {record['name']} is {record['dataset']} ({record['split_set']}) with "
+            f"{record['settings'].get('model')} {record['settings'].get('pretrained')}, and this run differs ("
+            + "; ".join(record["mismatch"]) + "): the report will not print the paper's published row beside it")
 
 
 def resolve(recipe: Recipe, explicit: Mapping[str, Any], keys: Mapping[str, str] | None = None) -> tuple[dict, list[str]]:
@@ -266,11 +376,13 @@ def resolve(recipe: Recipe, explicit: Mapping[str, Any], keys: Mapping[str, str]
         value = recipe.settings[setting].value
         if option in explicit:
             given = explicit[option]
-            if setting == "group_lr":
-                given = {**value, **given}
-            if given != value:
-                overridden.append(setting)
-            value = given
+            if setting == "group_lr":  # per group: the recipe's other groups keep their rates
+                overridden += [f"group_lr.{g}" for g, lr in given.items() if value.get(g) != lr]
+                value = {**value, **given}
+            else:
+                if given != value:
+                    overridden.append(setting)
+                value = given
         values[option] = value
     return values, overridden
 

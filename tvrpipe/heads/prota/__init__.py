@@ -109,7 +109,7 @@ from torch import Tensor, nn
 
 from tvrpipe.config import above, at_least, one_of
 from tvrpipe.errors import ConfigError
-from tvrpipe.heads.base import Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
+from tvrpipe.heads.base import Copied, Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean
 from tvrpipe.heads.prota.equations import (  # noqa: F401  (re-exported: the equations of the head)
     dpa_scores,
@@ -254,7 +254,7 @@ class ProTA(Head):
 
     # -- per-item work ------------------------------------------------------------------------------
 
-    def init_from_clip(self, clip: nn.Module) -> list[str]:
+    def init_from_clip(self, clip: nn.Module) -> Copied:
         """The temporal transformer from CLIP's text transformer (ProTA Supp. B, as CLIP4Clip's seqTransf)."""
         return copy_clip_text_layers(clip, self.blocks, self.frame_position_embeddings)
 

@@ -1,0 +1,316 @@
+"""What a run records is what it did: learning rates per parameter group, CLIP initialisation, the recipe and
+how the run differs from it, the published row the report shows beside it, and a dry run that refuses what the
+run refuses. Each through the CLI, on generated data and the tiny CLIP."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+from test_recipes import TINY_TMASS, changed, write_recipe
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    from tvrpipe.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("records-data")
+    synthesize(root, 24, seed=0, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from tvrpipe.features.genstore import GenSpec, generate_store
+
+    spec = GenSpec(train_videos=64, test_videos=16, captions_per_train_video=2, frames=4, max_words=8,
+                   embed_dim=32, seed=0)
+    return generate_store(tmp_path_factory.mktemp("records-store"), spec, video_shard=32, text_shard=64)
+
+
+def _config(run: Path) -> dict:
+    return yaml.safe_load((run / "config.yaml").read_text())
+
+
+def _metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def _base_lrs(run: Path) -> list[float]:
+    groups = torch.load(run / "checkpoints" / "state.pt", weights_only=False)["optimizer"]["param_groups"]
+    return sorted({g["base_lr"] for g in groups})
+
+
+def _finetune(synth: Path, out: Path, *args) -> list:
+    return ["finetune", "--manifest", synth / "manifest", "--video-root", synth / "videos", "--out", out,
+            "--model", "tvrpipe-tiny", "--pretrained", "none", "--loader-workers", "0", *args]
+
+
+# ------------------------------------------------------------------------------ learning rates
+
+
+def test_train_head_records_the_rate_each_group_trained_at(store, tmp_path, cli):
+    """--group-lr head=... covers every parameter of xpool: no parameter trains at the default lr, so the
+    run neither records nor prints it as the rate it trained at."""
+    from tvrpipe.heads.base import head_class
+
+    out = tmp_path / "run"
+    result = cli("train-head", "--method", "xpool", "--features", store, "--out", out, "--epochs", "1",
+                 "--group-lr", "head=3e-5", "--no-prefetch")
+    assert result.exit_code == 0, result.output
+    default = head_class("xpool").lr_for(32)
+    assert default != 3e-5
+    text = " ".join(result.output.split())
+    assert "(lr 3e-05 (--group-lr))" in text and f"{default:g}" not in text
+    for record in (_config(out)["resolved"], _metrics(out)["schedule"]):
+        assert record["lr"] is None and "every parameter group trains at a rate of its own" in record["lr_source"]
+        assert record["lr_groups"] == {"head": {"lr": 3e-5, "source": "--group-lr"}}
+    assert _base_lrs(out) == [3e-5]
+    with open(out / "epochs.csv") as f:
+        row = next(csv.DictReader(f))
+    assert "lr" not in row and 0 < float(row["lr_head"]) <= 3e-5  # the rate the optimiser stepped at last
+
+
+def test_train_head_names_each_groups_rate_and_source(store, tmp_path, cli):
+    out = tmp_path / "run"
+    result = cli("train-head", "--method", "tmass", "--features", store, "--out", out, "--epochs", "1",
+                 "--lr", "1e-3", "--group-lr", "radius=1e-2", "--no-prefetch")
+    assert result.exit_code == 0, result.output
+    assert "lr head 0.001 (--lr), radius 0.01 (--group-lr)" in " ".join(result.output.split())
+    resolved = _config(out)["resolved"]
+    assert (resolved["lr"], resolved["lr_source"]) == (1e-3, "--lr")
+    assert resolved["lr_groups"] == {"head": {"lr": 1e-3, "source": "--lr"}, "radius": {"lr": 1e-2, "source": "--group-lr"}}
+    with open(out / "epochs.csv") as f:
+        row = next(csv.DictReader(f))
+    assert float(row["lr_radius"]) == pytest.approx(10 * float(row["lr_head"]))
+
+
+def test_finetune_records_each_groups_rate_from_the_optimiser(synth, tmp_path, cli):
+    """A frozen CLIP trains at no rate: no clip group is recorded, and an epoch's rates are the optimiser's."""
+    out = tmp_path / "run"
+    result = cli(*_finetune(synth, out, "--method", "tmass", "--epochs", "1", "--batch-size", "4",
+                            "--epoch-pairs", "videos", "--head-lr", "1e-4",
+                            "--group-lr", "head=2e-4", "--group-lr", "radius=4e-4"))
+    assert result.exit_code == 0, result.output
+    expected = {"head": {"lr": 2e-4, "source": "--group-lr"}, "radius": {"lr": 4e-4, "source": "--group-lr"}}
+    assert _config(out)["resolved"]["lr_groups"] == expected and _metrics(out)["lr_groups"] == expected
+    assert _base_lrs(out) == [2e-4, 4e-4]  # nothing at --head-lr 1e-4, nothing for CLIP
+    with open(out / "epochs.csv") as f:
+        row = next(csv.DictReader(f))
+    assert "lr_clip" not in row and float(row["lr_radius"]) == pytest.approx(2 * float(row["lr_head"]))
+    assert "lr head 0.0002 (--group-lr), radius 0.0004 (--group-lr)" in " ".join(result.output.split())
+
+
+def test_a_group_lr_given_twice_is_refused(store, tmp_path, cli):
+    result = cli("train-head", "--method", "tmass", "--features", store, "--out", tmp_path / "r", "--epochs", "1",
+                 "--group-lr", "radius=1e-3", "--group-lr", "radius=1e-2")
+    assert result.exit_code == 1
+    assert "--group-lr radius is given twice (radius=0.001 and radius=1e-2); give each group once" in \
+        " ".join(result.output.split())
+    result = cli("train-head", "--method", "tmass", "--features", store, "--out", tmp_path / "r", "--epochs", "1",
+                 "--set", "num_samples=3", "--set", "num_samples=4")
+    assert result.exit_code == 1 and "--set num_samples is given twice" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------------------ initialisation from CLIP
+
+
+@pytest.mark.parametrize("method, overrides, reason", [
+    ("xpool", [], "xpool has no module that starts from CLIP"),
+    # the tiny CLIP's text transformer has 2 heads of width 64
+    ("seqtransf", ["--set", "num_heads=4"], "attention heads differ (CLIP's text transformer 2, the head's 4)"),
+])
+def test_init_from_clip_that_copies_nothing_is_recorded_as_nothing(synth, tmp_path, cli, method, overrides, reason):
+    out = tmp_path / "run"
+    result = cli(*_finetune(synth, out, "--method", method, "--epochs", "0", "--init-from-clip", *overrides))
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"--init-from-clip: {reason}, so nothing is copied: {method} keeps its own initialisation" in text
+    config = _config(out)
+    assert config["finetune"]["init_from_clip"] is False
+    assert config["resolved"]["init_from_clip"] == f"nothing: {reason}"
+
+
+def test_init_from_clip_records_what_it_copied(synth, tmp_path, cli):
+    out = tmp_path / "run"
+    result = cli(*_finetune(synth, out, "--method", "seqtransf", "--epochs", "0", "--init-from-clip",
+                            "--set", "num_heads=2"))
+    assert result.exit_code == 0, result.output
+    config = _config(out)
+    assert config["finetune"]["init_from_clip"] is True
+    assert config["resolved"]["init_from_clip"] == ["block 0", "block 1", "positions 0-76"]
+
+
+def test_finetune_records_the_frames_and_words_it_used(synth, tmp_path, cli):
+    """Without --frames and --max-words the run takes the manifest's, and records those numbers."""
+    from tvrpipe.data.manifest import read_manifest
+
+    meta = read_manifest(synth / "manifest").meta
+    out = tmp_path / "run"
+    assert cli(*_finetune(synth, out, "--method", "meanpool", "--epochs", "0")).exit_code == 0
+    ft = _config(out)["finetune"]
+    assert (ft["frames"], ft["max_words"]) == (meta["frames"], meta["max_words"])
+
+
+# ------------------------------------------------------------------------------ the dry run
+
+
+def test_dry_run_refuses_what_the_run_refuses(synth, tmp_path, cli):
+    """A run directory of another configuration, and one another process is writing, stop the dry run as
+    they stop the run; neither is written to."""
+    from tvrpipe.lock import DirLock
+
+    out = tmp_path / "run"
+    assert cli(*_finetune(synth, out, "--method", "meanpool", "--epochs", "0")).exit_code == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    args = _finetune(synth, out, "--method", "meanpool", "--epochs", "0", "--batch-size", "4")
+    for dry in (["--dry-run"], []):
+        result = cli(*args, *dry)
+        assert result.exit_code == 1 and "holds a run with another configuration" in result.output, result.output
+    lock = DirLock(out)
+    try:
+        for dry in (["--dry-run"], []):
+            result = cli(*_finetune(synth, out, "--method", "meanpool", "--epochs", "0"), *dry)
+            assert result.exit_code == 1 and "is being written by pid" in result.output, result.output
+    finally:
+        lock.release()
+    assert cli(*_finetune(synth, out, "--method", "meanpool", "--epochs", "0", "--dry-run")).exit_code == 0
+    after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name != ".tvrpipe.lock"}
+    assert after == {p: t for p, t in before.items() if p.name != ".tvrpipe.lock"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_dry_run_of_a_gpu_run_plans_it_then_fails_as_the_run_would(synth, tmp_path, cli):
+    result = cli(*_finetune(synth, tmp_path / "run", "--method", "meanpool", "--epochs", "0", "--use-gpu",
+                            "--dry-run"))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "estimated peak memory per worker" in text
+    assert "--use-gpu: no CUDA device is available here" in text and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ recipes: what they describe
+
+
+def test_a_recipe_file_is_checked_as_it_loads(tmp_path, cli):
+    for where, value, message in [
+        ("dataset", "msrvt", "dataset 'msrvt' is not a dataset tvrpipe knows"),
+        ("split_set", {"value": "10k", "source": "x"}, "split_set '10k' is not a split set of synthetic (synthetic)"),
+        ("settings.group_lr", {"value": {"fusion": 1e-4}, "source": "x"},
+         "settings.group_lr names 'fusion', which is not a parameter group of tmass (head, radius)"),
+    ]:
+        path = write_recipe(tmp_path / "r.yaml", changed(TINY_TMASS, where, value))
+        result = cli("recipes", "show", path)
+        assert result.exit_code == 1 and f"{path}: {message}" in " ".join(result.output.split()), result.output
+    msrvtt = write_recipe(tmp_path / "m.yaml", changed(changed(TINY_TMASS, "dataset", "msrvtt"), "split_set",
+                                                        {"value": "9k", "source": "x"}))
+    assert cli("recipes", "show", msrvtt).exit_code == 0
+
+
+def test_a_run_records_how_it_differs_from_its_recipe(store, synth, tmp_path, cli):
+    """train-head on a generated store with a recipe made for the synthetic videos: the store is another
+    dataset, said at train time and recorded; train-head never trains CLIP, which the record says too."""
+    recipe = write_recipe(tmp_path / "tiny-tmass.yaml", TINY_TMASS)
+    out = tmp_path / "head"
+    result = cli("train-head", "--recipe", recipe, "--features", store, "--out", out, "--no-prefetch")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "will not print the paper's published row beside it" in text
+    record = _config(out)["recipe"]
+    assert "dataset: the recipe's synthetic, this run's synthetic-features" in record["mismatch"]
+    assert record["differs"]["end_to_end"] == {"recipe": True, "run": False}
+    assert record["path"] == str(recipe.resolve()) and record["published"]["t2v"]["R@1"] == 50.2
+    # finetune on the recipe's own data: nothing of what it describes differs; the explicit --epochs does
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", tmp_path / "ft", "--epochs", "0", "--loader-workers", "0", "--dry-run")
+    assert result.exit_code == 0 and "will not print" not in result.output, result.output
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", tmp_path / "ft", "--epochs", "0", "--loader-workers", "0")
+    assert result.exit_code == 0, result.output
+    record = _config(tmp_path / "ft")["recipe"]
+    assert record["mismatch"] == [] and record["differs"] == {"epochs": {"recipe": 1, "run": 0}}
+
+
+def _report(runs: Path, out: Path) -> tuple[list[str], pd.DataFrame]:
+    from tvrpipe.report import write_report
+
+    path = write_report([runs], out)
+    return path.read_text().splitlines(), pd.read_csv(path.parent / "report.csv")
+
+
+def test_the_report_shows_the_published_row_the_run_trained_against(store, synth, tmp_path, cli, monkeypatch):
+    """The numbers are those of the recipe file the run trained from (a user's file named like a shipped
+    recipe, or named otherwise), as it was then: a file edited later, or a shipped one of the same name, does
+    not change them. A run on another dataset shows no published row, and the report says why."""
+    from tvrpipe.training import recipes as recipes_module
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    write_recipe(shipped / "tiny-tmass.yaml", changed(TINY_TMASS, "published.t2v.R@1", 99.9))
+    monkeypatch.setattr(recipes_module, "recipes_dir", lambda: shipped)
+    (tmp_path / "mine").mkdir()
+    mine = write_recipe(tmp_path / "mine" / "tiny-tmass.yaml", changed(TINY_TMASS, "published.t2v.R@1", 41.5))
+    other_doc = changed(TINY_TMASS, "published.t2v.R@1", 33.3)
+    other = write_recipe(tmp_path / "mine" / "my-tmass.yaml", other_doc)
+    runs = tmp_path / "runs"
+    data = ["--manifest", synth / "manifest", "--video-root", synth / "videos", "--loader-workers", "0"]
+    for recipe, out, extra in ((mine, "a", []), (other, "b", ["--batch-size", "4"])):
+        result = cli("finetune", "--recipe", recipe, *data, "--out", runs / out, "--epochs", "0", *extra)
+        assert result.exit_code == 0, result.output
+    write_recipe(other, changed(other_doc, "published.t2v.R@1", 12.3))  # edited after the run
+    # the same user file on a store the recipe is not made for
+    result = cli("train-head", "--recipe", mine, "--features", store, "--out", runs / "c", "--no-prefetch",
+                 "--epochs", "1")
+    assert result.exit_code == 0, result.output
+    lines, rows = _report(runs, tmp_path / "report")
+    published = [x for x in lines if x.startswith("| ↳ published")]
+    assert len(published) == 2, lines
+    assert any("recipe tiny-tmass; the runs differ in epochs)" in x and "| 41.5 | 75.3 |" in x for x in published)
+    assert any("recipe my-tmass; the runs differ in batch_size, epochs)" in x and "| 33.3 | 75.3 |" in x
+               for x in published)
+    note = next(x for x in lines if x.startswith("| ↳ no published row (recipe tiny-tmass)"))
+    assert "another experiment: dataset: the recipe's synthetic, this run's synthetic-features" in note
+    pub = rows[rows["scores"] == "published"]
+    assert sorted(pub["R@1"]) == [33.3, 41.5] and not (pub["R@1"] == 99.9).any()
+
+
+def test_a_shipped_recipe_changed_since_the_run_leaves_its_row_out(tmp_path):
+    """A run recorded before runs kept their recipe's numbers: only its name and hash are known, so the
+    report leaves the row out rather than print numbers it cannot tie to the run."""
+    from tvrpipe.report.tables import published_row
+
+    old = {"name": "tmass-msrvtt", "sha256": "0" * 64, "overridden": []}
+    row = published_row([old])
+    assert row.numbers is None and "predates" in row.left_out
+    row = published_row([old, None])
+    assert row.numbers is None and "not all trained from one recipe file" in row.left_out
+    assert published_row([None, None]) is None
+
+
+def test_published_rows_of_two_recipe_files_are_not_mixed():
+    from tvrpipe.report.tables import published_row
+
+    base = {"name": "x", "overridden": [], "published": {"source": "T", "backbone": "b", "t2v": None,
+                                                          "v2t": {"R@1": 1.0}}, "mismatch": [], "differs": {}}
+    row = published_row([{**base, "sha256": "a"}, {**base, "sha256": "b"}])
+    assert row.numbers is None and "not all trained from one recipe file" in row.left_out
+    row = published_row([{**base, "sha256": "a"}, {**base, "sha256": "a", "differs": {"batch_size": {}}}])
+    assert row.numbers.metrics == {"v2t": {"R@1": 1.0}} and row.differs == ("batch_size",)
+
+
+def test_the_shipped_recipes_record_their_published_rows():
+    from tvrpipe.training.recipes import list_recipes, load_recipe
+
+    for name in list_recipes():
+        r = load_recipe(name)
+        rec = r.record()
+        assert rec["sha256"] == r.sha256 and rec["dataset"] == r.dataset and rec["settings"] == r.values()
+        if r.published is not None:
+            assert {d: rec["published"][d] for d in r.published.metrics} == r.published.metrics
