@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -32,6 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 # what the gpu suite and the two benchmarks import (Ray is not among them)
 MODULES = ("torch", "torchvision", "numpy", "pandas", "pyarrow", "yaml", "safetensors", "typer", "rich",
            "matplotlib", "pytest", "packaging", "open_clip", "decord", "av", "zarr", "numcodecs")
+# --timeout's maximum, tvrpipe's own decode --timeout's (tvrpipe.features.decode.MAX_TIMEOUT_S, which this script
+# does not import: it runs before the wheelhouse is installed)
+MAX_TIMEOUT_S = 2_000_000
 
 
 def run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> int:
@@ -88,15 +90,16 @@ def gpu_line() -> str:
 
 
 def positive_seconds(text: str) -> float:
-    """A time limit in seconds, finite and > 0, for argparse (which names the option in its usage line):
-    ``nan`` would pass every comparison as False and run each step without a limit, and a limit <= 0
-    would stop every step at once."""
+    """A time limit in seconds from 1 to MAX_TIMEOUT_S, for argparse (which names the option in its usage line):
+    ``nan`` would pass every comparison as False and run each step without a limit, a limit near 0 stops
+    every step at once, and one past what the clock can wait for (``1e15``) crashes subprocess.run."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(x) or x <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a finite number of seconds > 0 is needed")
+    if not 1 <= x <= MAX_TIMEOUT_S:  # nan and the infinities fail this too
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds from 1 to {MAX_TIMEOUT_S:,} (23 days) "
+                                         "is needed")
     return x
 
 

@@ -66,13 +66,24 @@ def test_the_real_script_refuses_a_nan_limit_before_resolving():
                                                  "of MB > 0 is needed")
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "soon"])
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "1e-300", "0.5", "1e15", "1e308", "2000001", "soon"])
 def test_gpu_check_refuses_a_timeout_it_could_not_use_before_it_runs(value, tmp_path):
+    """1e15 passed and crashed subprocess.run with OverflowError after the install; 1e-300 stopped every step."""
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "o"),
                         f"--timeout={value}"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and not (tmp_path / "o").exists(), r.stderr
-    why = "'soon' is not a number" if value == "soon" else f"'{value}': a finite number of seconds > 0 is needed"
+    why = ("'soon' is not a number" if value == "soon"
+           else f"'{value}': a number of seconds from 1 to 2,000,000 (23 days) is needed")
     assert r.stderr.strip().splitlines()[-1] == f"gpu_check.py: error: argument --timeout: {why}"
+
+
+def test_gpu_check_takes_the_timeout_bounds_and_shares_tvrpipes_maximum():
+    import gpu_check
+
+    from tvrpipe.features.decode import MAX_TIMEOUT_S
+
+    assert gpu_check.MAX_TIMEOUT_S == MAX_TIMEOUT_S
+    assert gpu_check.positive_seconds("1") == 1.0 and gpu_check.positive_seconds("2e6") == 2_000_000.0
 
 
 @no_cuda

@@ -11,6 +11,9 @@ and the dataclass's ``__post_init__`` calls :func:`check_fields`, which refuses 
 infinity unless the field allows it, and any value outside the field's declared range, with one
 message form: ``<owner>: <field> must be >= 1, got 0`` (or the CLI option, ``--batch-size must be
 >= 2, got 1``, where the field names one).
+
+User-written YAML (recipes, dataset specs) is read with :func:`load_yaml`, which refuses a key given
+twice in one mapping (plain ``yaml.safe_load`` keeps the last one silently).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import dataclasses
 import json
 import math
 import typing
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tvrpipe.errors import ConfigError
 
@@ -179,3 +185,51 @@ def parse_fields(cls: type, items: list[str], owner: str) -> dict[str, Any]:
             raise ConfigError(f"--set {key} is given twice ({key}={out[key]!r} and {item}); give each field once")
         out[key] = parse_value(cls, key, raw, owner)
     return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose mappings refuse a key given twice (its own keys: a key a ``<<`` merge
+    brings in may still be overridden, as YAML intends)."""
+
+    def __init__(self, stream: Any, path: str | Path) -> None:
+        super().__init__(stream)
+        self.path = path
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    twice = key in seen
+                except TypeError:  # an unhashable key: SafeLoader refuses it below, as YAML
+                    continue
+                if twice:
+                    raise ConfigError(f"{self.path} line {key_node.start_mark.line + 1}: key {key!r} is given "
+                                      "twice; keep one")
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str | bytes, path: str | Path) -> Any:
+    """``text`` (the contents of the user-written YAML file ``path``) parsed as ``yaml.safe_load`` does,
+    except that a key given twice in one mapping is refused rather than the last one kept silently.
+
+    Raises:
+        ConfigError: a key given twice, naming ``path``, the key and the line of its second use.
+        yaml.YAMLError: ``text`` is not valid YAML (the caller names the file).
+
+    Example:
+        >>> load_yaml("a: 1\\nb: 2\\n", "x.yaml")
+        {'a': 1, 'b': 2}
+        >>> load_yaml("a: 1\\na: 2\\n", "x.yaml")
+        Traceback (most recent call last):
+        tvrpipe.errors.ConfigError: x.yaml line 2: key 'a' is given twice; keep one
+    """
+    loader = _UniqueKeyLoader(text, path)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()

@@ -71,6 +71,30 @@ def test_a_missing_layout_is_one_line_naming_the_folder_and_what_to_pass(tmp_pat
     assert not (tmp_path / "features").exists()
 
 
+def test_a_missing_layout_says_which_data_root_it_looked_under(tmp_path, monkeypatch, cli):
+    """An explicit --data-root is named as such, with no advice to pass what was passed; without one the
+    message says whether $TVRPIPE_DATA or the default gave the root, and points at both."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TVRPIPE_DATA", str(tmp_path / "env"))  # an explicit --data-root wins over it
+    given = ("error: msrvtt: annotation folder /nonexistent/x/msrvtt/msrvtt_data not found (the msrvtt layout under "
+             "--data-root /nonexistent/x, docs/datasets.md: put the files there, or point --data-root at the folder "
+             "that holds msrvtt/)")
+    for command in (("extract", "--dataset", "msrvtt"), ("finetune", "--recipe", "tmass-msrvtt", "--dry-run")):
+        result = cli(*command, "--data-root", "/nonexistent/x")
+        assert result.exit_code == 1 and " ".join(result.output.split()).endswith(given), result.output
+    advice = "docs/datasets.md: put the files there, or point --data-root or $TVRPIPE_DATA at the folder that holds msrvtt/)"
+    result = cli("extract", "--dataset", "msrvtt")
+    assert result.exit_code == 1 and " ".join(result.output.split()) == (
+        f"error: msrvtt: annotation folder {tmp_path}/env/msrvtt/msrvtt_data not found (the msrvtt layout under "
+        f"$TVRPIPE_DATA={tmp_path}/env, {advice}")
+    monkeypatch.delenv("TVRPIPE_DATA")
+    result = cli("extract", "--dataset", "msrvtt")
+    assert result.exit_code == 1 and " ".join(result.output.split()) == (
+        f"error: msrvtt: annotation folder data/msrvtt/msrvtt_data not found (the msrvtt layout under the default "
+        f"data root data/, {advice}")
+    assert not (tmp_path / "features").exists() and not (tmp_path / "data").exists()
+
+
 def test_extract_with_only_the_dataset_finds_everything_under_the_data_root(synth, tmp_path, monkeypatch, cli):
     """`tvrpipe extract --dataset msrvtt` (the tiny random CLIP in place of ViT-B-32: no weights here) in a
     folder holding data/ as documented: the manifest is built there, the store lands in features/, and

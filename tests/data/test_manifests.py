@@ -210,6 +210,34 @@ def test_every_spec_loads_and_has_defaults():
     assert (load_spec("msrvtt").frames, load_spec("msrvtt").max_words) == (12, 32)
 
 
+def test_a_key_given_twice_in_a_spec_is_refused_naming_its_line(tmp_path, monkeypatch, cli):
+    """yaml.safe_load keeps the last of two keys silently: msrvtt read with 16 frames where its spec says 12."""
+    from tvrpipe.data import datasets
+
+    original = (datasets.specs_dir() / "msrvtt.yaml").read_text()
+    assert "\nmax_words: 32 " in original
+    text = original.replace("\nmax_words: 32 ", "\nframes: 16\nmax_words: 32 ", 1)
+    (tmp_path / "msrvtt.yaml").write_text(text)
+    monkeypatch.setattr(datasets, "specs_dir", lambda: tmp_path)
+    line = text.splitlines().index("frames: 16") + 1
+    want = f"{tmp_path / 'msrvtt.yaml'} line {line}: key 'frames' is given twice; keep one"
+    with pytest.raises(ConfigError) as e:
+        load_spec("msrvtt")
+    assert str(e.value) == want
+    result = cli("extract", "--dataset", "msrvtt", "--data-root", tmp_path / "data")
+    assert result.exit_code == 1 and " ".join(result.output.split()) == f"error: {want}"
+
+
+def test_load_yaml_refuses_a_nested_key_given_twice_and_keeps_merge_overrides():
+    from tvrpipe.config import load_yaml
+
+    with pytest.raises(ConfigError, match=r"^spec.yaml line 4: key 'reader' is given twice; keep one$"):
+        load_yaml("split_sets:\n  9k:\n    - reader: a\n      reader: b\n", "spec.yaml")
+    # a key a << merge brings in may be overridden (YAML's own rule), and the same key in two mappings is no repeat
+    assert load_yaml("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 3\ne: {x: 4}\n", "f.yaml") == {
+        "base": {"x": 1, "y": 2}, "d": {"x": 3, "y": 2}, "e": {"x": 4}}
+
+
 # ---------------------------------------------------------------------------- determinism
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from tvrpipe.config import load_yaml
 from tvrpipe.data.manifest import (
     MISSING_ADVICE,
     SPLITS,
@@ -103,7 +104,7 @@ def load_spec(name: str) -> DatasetSpec:
     if not path.is_file():
         raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(list_datasets())}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text(), path)  # a key given twice is refused, not last-wins
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({e})") from e
     try:

@@ -102,8 +102,7 @@ def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, sp
 
     lay = dataset_layout(dataset, root)
     default = load_spec(dataset).default_split_set
-    where = f"(the {dataset} layout under the data root {lay.folder.parent}: docs/datasets.md; or pass --data-root, " \
-            f"or ${DATA_ROOT_ENV})"
+    where = _where(dataset, root)
     if lay.annotations is None:  # generated
         if video_root is not None:
             raise ConfigError(f"--video-root {video_root}: the {dataset} dataset is generated with its videos under the "
@@ -136,6 +135,19 @@ def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, sp
     build_manifest(dataset, lay.annotations, out, split_set, video_root=lay.videos,
                    missing_advice=_missing_advice(lay, split_set if split_set != default else None))
     return dataclasses.replace(lay, manifest=out)
+
+
+def _where(dataset: str, root: str | os.PathLike[str] | None) -> str:
+    """Which data root the layout was looked for under and what would look elsewhere: a --data-root the
+    user gave is named as such (passing it is no advice then); else whether $TVRPIPE_DATA or the default
+    gave the root."""
+    if root is not None:
+        return (f"(the {dataset} layout under --data-root {root}, docs/datasets.md: put the files there, or point "
+                f"--data-root at the folder that holds {dataset}/)")
+    env = os.environ.get(DATA_ROOT_ENV)
+    source = f"${DATA_ROOT_ENV}={env}" if env is not None else f"the default data root {data_root()}/"
+    return (f"(the {dataset} layout under {source}, docs/datasets.md: put the files there, or point --data-root "
+            f"or ${DATA_ROOT_ENV} at the folder that holds {dataset}/)")
 
 
 def _missing_advice(lay: DatasetLayout, split_set: str | None) -> str:
