@@ -418,3 +418,32 @@ def test_reproduce_doc_holds_the_tables_of_the_shipped_recipes():
     text = module.DOC.read_text()
     assert text == module.document(text), "docs/reproduce.md is behind the recipes: python scripts/recipe_tables.py --write"
     assert all(f"`{n}`" in text for n in list_recipes())
+
+
+def test_a_key_given_twice_in_a_recipe_file_is_refused_naming_its_line(tmp_path, cli):
+    """yaml.safe_load keeps the last of two keys silently: a recipe read as batch_size 64 where it says 8 too."""
+    text = yaml.safe_dump(TINY_TMASS, sort_keys=False)
+    line = text.splitlines().index("  epochs:") + 1  # the second batch_size goes there
+    path = tmp_path / "twice.yaml"
+    path.write_text(text.replace("  epochs:\n", "  batch_size:\n    value: 64\n    source: x\n  epochs:\n", 1))
+    result = cli("recipes", "show", path)
+    assert result.exit_code == 1
+    assert " ".join(result.output.split()) == f"error: {path} line {line}: key 'batch_size' is given twice; keep one"
+
+
+@pytest.mark.parametrize("metric, value, message", [
+    ("R@1", -5, "published.t2v.R@1 -5 is not a recall in [0, 100]"),
+    ("R@5", 175.3, "published.t2v.R@5 175.3 is not a recall in [0, 100]"),
+    ("MdR", 0.5, "published.t2v.MdR 0.5 is not a rank >= 1"),
+    ("MnR", 0, "published.t2v.MnR 0 is not a rank >= 1"),
+])
+def test_a_published_number_out_of_its_range_is_refused(tmp_path, cli, metric, value, message):
+    path = write_recipe(tmp_path / "r.yaml", changed(TINY_TMASS, f"published.t2v.{metric}", value))
+    result = cli("recipes", "show", path)
+    assert result.exit_code == 1 and " ".join(result.output.split()) == f"error: {path}: {message}"
+
+
+def test_published_numbers_at_their_bounds_load(tmp_path):
+    doc = changed(changed(TINY_TMASS, "published.t2v.R@1", 0), "published.t2v.R@10", 100)
+    r = load_recipe(write_recipe(tmp_path / "r.yaml", changed(doc, "published.t2v.MnR", 1)))
+    assert (r.published.metrics["t2v"]["R@1"], r.published.metrics["t2v"]["R@10"]) == (0.0, 100.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -272,10 +273,12 @@ def test_the_report_shows_the_published_row_the_run_trained_against(store, synth
     lines, rows = _report(runs, tmp_path / "report")
     published = [x for x in lines if x.startswith("| ↳ published")]
     assert len(published) == 2, lines
-    assert any("recipe tiny-tmass; the runs differ in epochs)" in x and "| 41.5 | 75.3 |" in x for x in published)
-    assert any("recipe my-tmass; the runs differ in batch_size, epochs)" in x and "| 33.3 | 75.3 |" in x
+    # a file of the user's is named by its path, never as the shipped recipe of the same name
+    assert any(f"recipe {mine.resolve()}; the runs differ in epochs)" in x and "| 41.5 | 75.3 |" in x
                for x in published)
-    note = next(x for x in lines if x.startswith("| ↳ no published row (recipe tiny-tmass)"))
+    assert any(f"recipe {other.resolve()}; the runs differ in batch_size, epochs)" in x and "| 33.3 | 75.3 |" in x
+               for x in published)
+    note = next(x for x in lines if x.startswith(f"| ↳ no published row (recipe {mine.resolve()})"))
     assert "another experiment: dataset: the recipe's synthetic, this run's synthetic-features" in note
     pub = rows[rows["scores"] == "published"]
     assert sorted(pub["R@1"]) == [33.3, 41.5] and not (pub["R@1"] == 99.9).any()
@@ -314,3 +317,131 @@ def test_the_shipped_recipes_record_their_published_rows():
         assert rec["sha256"] == r.sha256 and rec["dataset"] == r.dataset and rec["settings"] == r.values()
         if r.published is not None:
             assert {d: rec["published"][d] for d in r.published.metrics} == r.published.metrics
+
+
+# ------------------------------------------------------------------------------ options that would have no effect
+
+
+def test_options_without_effect_are_refused_not_recorded(store, synth, tmp_path, cli):
+    """--clip-lr and --grad-checkpointing with a frozen CLIP, --max-epochs and --patience with a fixed
+    number of epochs, and a trainer field given both as an option and by sweep's --set."""
+    result = cli(*_finetune(synth, tmp_path / "f", "--method", "meanpool", "--epochs", "0", "--clip-lr", "5e-6",
+                            "--grad-checkpointing"))
+    assert result.exit_code == 1
+    assert "--clip-lr, --grad-checkpointing: CLIP stays frozen without --end-to-end" in " ".join(result.output.split())
+    result = cli("train-head", "--method", "xpool", "--features", store, "--out", tmp_path / "t", "--epochs", "1",
+                 "--patience", "2")
+    assert result.exit_code == 1 and "--patience: they shape a run until validation stops improving, and this one " \
+        "trains exactly 1 epochs (--epochs)" in " ".join(result.output.split())
+    result = cli("sweep", "--features", store, "--methods", "xpool", "--seeds", "0", "--lr", "0.5",
+                 "--set", "train.lr=1e-3", "--out", tmp_path / "s")
+    assert result.exit_code == 1 and "--lr: --set sweeps it too" in " ".join(result.output.split())
+    assert not any((tmp_path / d).exists() for d in ("f", "t", "s"))
+
+
+def test_train_head_records_the_batch_it_used(store, tmp_path, cli):
+    """Fewer training videos than the default batch of 128: a step holds them all, and the run says so."""
+    from tvrpipe.features.store import open_store
+    from tvrpipe.training.data import load_splits
+
+    n_train = load_splits(open_store(store), tokens=False).train.n_videos  # 64 less those carved for validation
+    out = tmp_path / "run"
+    assert cli("train-head", "--method", "meanpool", "--features", store, "--out", out, "--epochs", "1",
+               "--no-prefetch").exit_code == 0
+    assert _config(out)["train"]["batch_size"] == 128 and n_train < 128
+    assert _config(out)["resolved"]["batch_size"] == _metrics(out)["schedule"]["batch_size"] == n_train
+
+
+def test_a_run_of_no_step_records_no_learning_rate(store, tmp_path, cli):
+    out = tmp_path / "run"
+    result = cli("train-head", "--method", "xpool", "--features", store, "--out", out, "--epochs", "0")
+    assert result.exit_code == 0, result.output
+    assert "(no training step)" in result.output
+    for record in (_config(out)["resolved"], _metrics(out)["schedule"]):
+        assert record["lr"] is None and record["lr_groups"] == {} and "no training step" in record["lr_source"]
+
+
+def test_a_head_that_does_not_take_the_data_stops_before_anything_is_written(store, synth, tmp_path, cli):
+    """T-MASS's W of R = exp(S W) has num_frames rows: with fewer than the videos' frames the run stops
+    before its directory exists, so the corrected command then runs there."""
+    out = tmp_path / "run"
+    result = cli("train-head", "--method", "tmass", "--features", store, "--out", out, "--epochs", "1",
+                 "--set", "num_frames=2")
+    assert result.exit_code == 1 and "tmass: videos have 4 frame slots" in " ".join(result.output.split())
+    assert not out.exists()
+    assert cli("train-head", "--method", "tmass", "--features", store, "--out", out, "--epochs", "1",
+               "--set", "num_frames=4", "--no-prefetch").exit_code == 0
+    result = cli(*_finetune(synth, tmp_path / "ft", "--method", "tmass", "--epochs", "0", "--frames", "6",
+                            "--set", "num_frames=4"))
+    assert result.exit_code == 1 and "videos have 6 frame slots" in " ".join(result.output.split())
+    assert not (tmp_path / "ft").exists()
+
+
+def test_a_feature_store_is_not_a_run_directory(store, tmp_path, cli):
+    result = cli("train-head", "--method", "meanpool", "--features", store, "--out", store, "--epochs", "0")
+    assert result.exit_code == 1 and f"--out {store} is a feature store" in " ".join(result.output.split())
+    assert not (Path(store) / "config.yaml").exists()
+
+
+def test_a_resumed_run_keeps_what_its_epochs_ran_with(store, tmp_path, cli):
+    """How a run executes may change on a resume; config.yaml keeps the first invocation's values and
+    lists each later change, and leaves the staged file of a killed write behind no more."""
+    out = tmp_path / "run"
+    args = ["train-head", "--method", "meanpool", "--features", store, "--out", out, "--epochs", "1"]
+    assert cli(*args, "--no-prefetch").exit_code == 0
+    (out / ".metrics.json.tmp-999999").write_text("{")  # what a write killed before its rename leaves
+    assert cli(*args, "--prefetch").exit_code == 0
+    config = _config(out)
+    assert config["train"]["prefetch"] is False and config["resumed_execution"] == [{"train.prefetch": True}]
+    assert not list(out.glob(".*.tmp-*"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks a machine with fewer than 2 GPUs")
+def test_ray_train_workers_without_the_gpus_stop_before_anything_is_written(synth, tmp_path, cli, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for dry in (["--dry-run"], []):
+        result = cli(*_finetune(synth, tmp_path / "run", "--method", "meanpool", "--epochs", "0", "--use-gpu",
+                                "--num-workers", "2", *dry))
+        text = " ".join(result.output.split())
+        assert result.exit_code == 1 and "--use-gpu with --num-workers 2: needs 2 GPUs, and this machine has" in text
+        assert not (tmp_path / "run").exists()
+
+
+def test_missing_videos_are_named_without_a_list_that_was_not_written(synth, tmp_path, cli):
+    videos = tmp_path / "videos"
+    shutil.copytree(synth / "videos", videos)
+    for p in sorted(videos.rglob("*.mp4"))[:12]:
+        p.unlink()
+    result = cli("finetune", "--method", "meanpool", "--manifest", synth / "manifest", "--video-root", videos,
+                 "--out", tmp_path / "run", "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "0")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "nothing was written" in text and "the first: " in text
+    assert "failures.csv" not in text and not (tmp_path / "run").exists()
+
+
+def test_head_overrides_and_user_files_are_named_beside_the_published_row(store, synth, tmp_path, cli,
+                                                                          monkeypatch):
+    from tvrpipe.training import recipes as recipes_module
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(recipes_module, "recipes_dir", lambda: shipped)
+    (tmp_path / "mine").mkdir()
+    mine = write_recipe(tmp_path / "mine" / "tiny-tmass.yaml", TINY_TMASS)
+    runs = tmp_path / "runs"
+    result = cli("finetune", "--recipe", mine, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", runs / "a", "--epochs", "0", "--loader-workers", "0", "--set", "alpha=0.8")
+    assert result.exit_code == 0, result.output
+    assert f"recipe tiny-tmass ({mine})" in " ".join(result.output.split())
+    record = _config(runs / "a")["recipe"]
+    assert record["shipped"] is False and record["differs"]["head.alpha"] == {"recipe": 1.2, "run": 0.8}
+    lines, rows = _report(runs, tmp_path / "report")
+    line = next(x for x in lines if x.startswith("| ↳ published"))
+    assert f"recipe {mine.resolve()}; the runs differ in epochs, head.alpha)" in line
+    # a row left out is in report.csv too, with its reason
+    assert cli("train-head", "--recipe", mine, "--features", store, "--out", runs / "c", "--epochs", "1",
+               "--no-prefetch").exit_code == 0
+    _, rows = _report(runs, tmp_path / "report2")
+    left = rows[rows["scores"] == "published-left-out"]
+    assert sorted(left["direction"]) == ["t2v", "v2t"]  # beside each table the run is in
+    assert left["runs"].str.contains("dataset: the recipe's synthetic, this run's synthetic-features").all()

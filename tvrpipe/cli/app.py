@@ -10,6 +10,7 @@ import logging
 import math
 import signal
 import threading
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import click
@@ -92,6 +93,22 @@ def explicit_options(ctx: click.Context) -> set[str]:
     given = {"COMMANDLINE", "ENVIRONMENT"}
     return {p.name for p in ctx.command.params
             if p.name and getattr(ctx.get_parameter_source(p.name), "name", None) in given}
+
+
+def refuse_unused(ctx: click.Context, names: Iterable[str], why: str) -> None:
+    """Refuse the options of ``names`` (parameter names) that the user gave explicitly although the run
+    would not use them (``why`` says so): a run records its options, so one without effect would be
+    recorded as if it had one.
+
+    Raises:
+        ConfigError: naming them.
+    """
+    from tvrpipe.errors import ConfigError
+
+    given = explicit_options(ctx)
+    unused = [f"--{n.replace('_', '-')}" for n in names if n in given]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)}: {why}")
 
 
 def _one_line(message: str) -> None:

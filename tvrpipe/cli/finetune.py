@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import PAPERS, app, finite_float
+from tvrpipe.cli.app import PAPERS, app, finite_float, refuse_unused
 from tvrpipe.cli.train import apply_recipe, parse_group_lr, parse_overrides, parse_post, print_metrics
 from tvrpipe.errors import ConfigError
 
@@ -114,7 +114,7 @@ def finetune_cmd(
     which `tvrpipe extract --pretrained` loads. Rerun the same command to resume after the last complete epoch.
     """
     from tvrpipe.training.core import describe_lrs
-    from tvrpipe.training.finetune import NO_GPU, FinetuneConfig, finetune
+    from tvrpipe.training.finetune import FinetuneConfig, finetune
 
     options = dict(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs, epoch_pairs=epoch_pairs,
                    batch_size=batch_size, frames=frames, max_words=max_words, optimizer=optimizer, clip_lr=clip_lr,
@@ -150,13 +150,16 @@ def finetune_cmd(
             raise ConfigError(f"--data-root {data_root} finds the recipe's dataset when no --manifest is given; with "
                               f"--manifest {manifest} it would be ignored: drop one of them")
         out = out if out is not None else Path("runs") / r.name
+    if not options["end_to_end"]:
+        refuse_unused(ctx, ("clip_lr", "grad_checkpointing"), "CLIP stays frozen without --end-to-end, so it would "
+                      "have no effect; give --end-to-end, or leave it out")
     cfg = FinetuneConfig(**options)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []), recipe=record,
                        dry_run=dry_run)
     if dry_run:
         print_plan(metrics)
-        if metrics["gpu"]:  # the plan is for a machine with CUDA; here the run itself would stop
-            raise ConfigError(f"{NO_GPU} (the dry run above plans the run for a machine with CUDA)")
+        if metrics["gpu"]:  # the plan is for a machine with the GPUs; here the run itself would stop
+            raise ConfigError(f"{metrics['gpu']} (the dry run above plans the run for a machine with them)")
         return
     tr = metrics["train"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']} "

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import PAPERS, app, finite_float
+from tvrpipe.cli.app import PAPERS, app, finite_float, refuse_unused
 from tvrpipe.cli.train import (
     BatchSizeOption,
     EpochsOption,
@@ -35,6 +35,7 @@ def _ints(option: str, text: str) -> list[int]:
 
 @app.command("sweep", rich_help_panel=PAPERS)
 def sweep(
+    ctx: typer.Context,
     features: Annotated[Path, typer.Option(help="A complete feature store, at this path on every node.")],
     methods: Annotated[
         Optional[str], typer.Option(help="Comma-separated heads, e.g. xpool,tmass (default: every registered head).")
@@ -77,6 +78,11 @@ def sweep(
 
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods is not None else list_heads()
     runs = plan_sweep(names, _ints("--seeds", seeds), set_ or [])
+    swept = {k for r in runs for k in r.train}  # trainer fields --set sweeps: they win over the options
+    refuse_unused(ctx, sorted(swept), "--set sweeps it too, and its values would win; give it once")
+    if epochs is not None or "epochs" in swept:
+        refuse_unused(ctx, ("max_epochs", "patience"), "they shape a run until validation stops improving, and "
+                      "these train a fixed number of epochs; leave them out")
     cfg = TrainConfig(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
                       weight_decay=weight_decay)
     console.print(f"{len(runs)} runs ({len(names)} methods x {len(_ints('--seeds', seeds))} seeds"

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, finite_float
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, finite_float, refuse_unused
 from tvrpipe.config import parse_fields, split_item
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.rundir import METRICS, POST_PROCESSINGS, Scores
@@ -86,9 +86,11 @@ def apply_recipe(ctx: typer.Context, name: str, method: str | None, set_items: l
     defaults = {f.name: f.default for f in dataclasses.fields(head_class(r.method).Config)}
     overridden += [f"head.{k}" for k, v in explicit_head.items()
                    if v != (r.head[k].value if k in r.head else defaults.get(k))]
-    console.print(f"recipe {r.name}" + (f"; overridden: {', '.join(sorted(overridden))}" if overridden else ""),
-                  highlight=False)
-    return r, r.method, {**r.head_overrides(), **explicit_head}, r.record(overridden)
+    record = r.record(overridden)
+    name = r.name if record["shipped"] else f"{r.name} ({r.path})"  # a file of the user's is named by its path
+    console.print(f"recipe {name}" + (f"; overridden: {', '.join(sorted(overridden))}" if overridden else ""),
+                  highlight=False, soft_wrap=True)
+    return r, r.method, {**r.head_overrides(), **explicit_head}, record
 
 
 def parse_post(post: list[str]) -> tuple[str, ...]:
@@ -166,6 +168,10 @@ def train_head(
 
         r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options, TRAIN_HEAD)
         out = out if out is not None else Path("runs") / f"{r.name}-head"
+    if options["epochs"] is not None:
+        whence = "--epochs" if "epochs" in explicit_options(ctx) else f"recipe {recipe}"
+        refuse_unused(ctx, ("max_epochs", "patience"), "they shape a run until validation stops improving, and this "
+                      f"one trains exactly {options['epochs']} epochs ({whence}); leave them out")
     cfg = TrainConfig(**options)  # the options first: a bad one is named before the store is looked for
     if features is None:
         from tvrpipe.features.store import default_store

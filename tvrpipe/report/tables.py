@@ -90,7 +90,8 @@ def published_row(records: Sequence[dict | None]) -> PublishedRow | None:
     if not any(records):
         return None
     first = next(r for r in records if r)
-    name = str(first.get("name"))
+    # a shipped recipe by its name; a file of the user's by its path (it may bear a shipped recipe's name)
+    name = str(first.get("name")) if first.get("shipped", True) else str(first.get("path"))
     if any(not r or r.get("sha256") != first.get("sha256") for r in records):
         return PublishedRow(name, None, left_out="the row's runs were not all trained from one recipe file")
     snapshot = first.get("published", _MISSING)
@@ -347,7 +348,13 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                     rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
                     rows.append(rec)
                     published = row.published if variant == "raw" else None
-                    if published and not published.left_out and direction in published.numbers.metrics:
+                    if published and published.left_out:  # said here too, not only in report.md
+                        rows.append({**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},
+                                     "n_videos": None, "n_texts": None, "scores": "published-left-out",
+                                     "row": f"{row.label}: published", "seeds": 0, "seed_values": "",
+                                     **{k: None for m in METRICS for k in (m, f"{m} std")},
+                                     "runs": f"recipe {published.name}: {published.left_out}", "versions": ""})
+                    elif published and direction in published.numbers.metrics:
                         pub = published.numbers
                         differs = f"; the runs differ in {' '.join(published.differs)}" if published.differs else ""
                         rows.append({**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},

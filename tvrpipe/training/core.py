@@ -64,7 +64,7 @@ from tvrpipe.evaluation.rundir import (
     write_plots,
 )
 from tvrpipe.files import file_sha256
-from tvrpipe.heads.base import Head, head_class
+from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class
 
 log = logging.getLogger(__name__)
 
@@ -217,17 +217,34 @@ def optimizer_step(opt: torch.optim.Optimizer | None, loss: torch.Tensor, multip
     scaler.update()
 
 
+def _without(config: dict, keys: tuple[str, ...]) -> dict:
+    """``config`` without ``keys``: top-level names (``execution``) or dotted ones (``train.device``)."""
+    out = {k: v for k, v in config.items() if k not in keys}
+    for key in keys:
+        section, _, name = key.partition(".")
+        if name and isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k != name}
+    return out
+
+
 def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
                   explain: Callable[[dict, dict], str | None] | None = None) -> dict | None:
-    """Before anything is written (a run, and the dry run of one): a run already in ``out`` must have
-    the same configuration, but for the keys in ``ignore`` (how and where it runs), the environment, and
-    the labels of its learning rates' sources. Returns that run's config (None: ``out`` holds none).
+    """Before anything is written (a run, and the dry run of one): ``out`` is not a feature store, and a
+    run already there has the same configuration, but for the keys in ``ignore`` (how and where it runs:
+    top-level sections or dotted ``section.field``), the environment, and the labels of its learning
+    rates' sources. Returns that run's config (None: ``out`` holds none).
 
     Raises:
-        ConfigError: ``out`` holds another run; ``explain(old, new)`` may give the reason instead.
+        ConfigError: ``out`` is a feature store, or holds another run; ``explain(old, new)`` may give the
+            reason instead.
     """
+    from tvrpipe.features.store import STORE_NAME
+
+    if (Path(out) / STORE_NAME).exists():
+        raise ConfigError(f"--out {out} is a feature store; a run goes into a folder of its own (e.g. runs/NAME)")
+
     def same(c: dict) -> dict:
-        c = {k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k not in ignore}
+        c = _without({k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k != RESUMED}, ignore)
         resolved = {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}
         if isinstance(resolved.get("lr_groups"), dict):
             resolved["lr_groups"] = {g: {k: v for k, v in r.items() if k != "source"} if isinstance(r, dict) else r
@@ -241,23 +258,84 @@ def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (
     return old
 
 
+# where config.yaml lists the settings of ``ignore`` (how a run executes) that a resumed invocation changed
+RESUMED = "resumed_execution"
+
+
+def _picked(config: dict, keys: tuple[str, ...]) -> dict:
+    """The values of ``keys`` (top-level or dotted) in ``config``, flattened by key."""
+    out = {}
+    for key in keys:
+        section, _, name = key.partition(".")
+        if not name:
+            out[key] = config.get(key)
+        elif isinstance(config.get(section), dict):
+            out[key] = config[section].get(name)
+    return out
+
+
 def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
               explain: Callable[[dict, dict], str | None] | None = None) -> None:
     """Write ``config.yaml`` (with the versions of this environment) and ``checkpoints/`` in the locked
-    run directory ``out``, once :func:`check_run_dir` has passed.
+    run directory ``out``, once :func:`check_run_dir` has passed. A resumed run keeps the first
+    invocation's values of ``ignore`` (what its first epochs ran with) and appends each later invocation's
+    changed ones to ``resumed_execution``, so the record says what every epoch ran with. Staged files of
+    a write that was killed (``.NAME.tmp-PID``) are removed: nobody else writes here while ``out`` is locked.
 
     Raises:
         ConfigError: ``out`` holds another run (:func:`check_run_dir`).
     """
     old = check_run_dir(out, config, ignore, explain)
+    for folder in (out, out / "plots"):
+        for staged in folder.glob(".*.tmp-*") if folder.is_dir() else ():
+            staged.unlink(missing_ok=True)
+    config = dict(config)
+    if old is not None:
+        then, now = _picked(old, ignore), _picked(json.loads(json.dumps(config)), ignore)
+        history = list(old.get(RESUMED) or [])
+        last = {**then, **{k: v for h in history for k, v in h.items()}}
+        changed = {k: v for k, v in now.items() if last.get(k) != v}
+        config = {**config, **{k: old[k] for k in ignore if "." not in k and k in old}}
+        for key in (k for k in ignore if "." in k):
+            section, _, name = key.partition(".")
+            if isinstance(config.get(section), dict) and key in then:
+                config[section] = {**config[section], name: then[key]}
+        if history or changed:
+            config[RESUMED] = history + ([changed] if changed else [])
     write_config(out, {**config, **run_versions(old)})
     (out / CHECKPOINTS).mkdir(exist_ok=True)
+
+
+def check_head_inputs(head: Head, texts: TextBatch, videos: VideoBatch) -> None:
+    """Before anything is written: ``head`` (a throwaway or the run's, untouched) takes batches of the run's
+    shapes, through its loss and its evaluation, so that a config that does not fit the data (T-MASS's W with
+    fewer frames than the videos have, a seqTransf shorter than them) stops the command before the run
+    directory exists, not at the first step. Runs in eval mode without gradients, the random stream kept.
+
+    Raises:
+        ConfigError: the head's own message, or one naming the head and the shapes.
+    """
+    was_training = head.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            head.eval()
+            head.loss(texts, videos)
+            head.similarity(head.encode_texts(texts), head.encode_videos(videos))
+    except TvrpipeError:
+        raise
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise ConfigError(f"{head.name} does not take this data (videos {tuple(videos.frames.shape)}, word tokens "
+                          f"{tuple(texts.tokens.shape)}): {' '.join(str(e).split())[:200]}; check its --set options "
+                          "against the features' frames and width") from None
+    finally:
+        head.train(was_training)
 
 
 def lr_groups(groups: Mapping[str, list[nn.Parameter]], lr: float, lr_source: str,
               group_lr: Mapping[str, float], group_source: Callable[[str], str]) -> dict[str, dict[str, Any]]:
     """The learning rate each parameter group trains at, and where it comes from: ``{group: {"lr", "source"}}``
-    for every group of ``groups`` that has a trainable parameter (an empty group trains at no rate). A
+    for every group of ``groups`` that has a trainable parameter (an empty group trains at no rate; a run
+    of no step records ``{}``: nothing trained at any rate). A
     group named in ``group_lr`` trains at its own rate (its source from ``group_source(name)``), the others
     at ``lr`` (``lr_source``). This, not the options, is what a run records as its learning rates."""
     return {g: ({"lr": float(group_lr[g]), "source": group_source(g)} if g in group_lr
@@ -273,10 +351,13 @@ def group_lr_source(group: str, recipe: Mapping[str, Any] | None, option: str = 
     return option
 
 
-def base_lr(rates: Mapping[str, Mapping[str, Any]], lr: float, lr_source: str) -> tuple[float | None, str]:
-    """``(lr, source)`` of a run whose groups train at ``rates`` (:func:`lr_groups`): ``lr`` when some
-    group trains at it, else None, with a source that says why (every group has a rate of its own, or
-    the head has nothing to train)."""
+def base_lr(rates: Mapping[str, Mapping[str, Any]], lr: float, lr_source: str,
+            steps: int) -> tuple[float | None, str]:
+    """``(lr, source)`` of a run of ``steps`` optimiser steps whose groups train at ``rates``
+    (:func:`lr_groups`): ``lr`` when some group trains at it, else None, with a source that says why (no
+    step at all, every group has a rate of its own, or the head has nothing to train)."""
+    if steps == 0:
+        return None, "none: no training step (--epochs 0)"
     if any(r["source"] == lr_source for r in rates.values()):
         return lr, lr_source
     if not rates:
@@ -288,7 +369,7 @@ def describe_lrs(rates: Mapping[str, Mapping[str, Any]]) -> str:
     """The learning rates of :func:`lr_groups` for people: ``lr 0.001 (--lr)`` when every group trains at
     one rate from one source, else ``lr head 3e-05 (--group-lr), radius 3e-05 (recipe tmass-msrvtt)``."""
     if not rates:
-        return "no trainable parameter"
+        return "no training step"
     pairs = {(r["lr"], r["source"]) for r in rates.values()}
     if len(pairs) == 1:
         lr, source = pairs.pop()

@@ -64,6 +64,7 @@ from tvrpipe.training.core import (
     RunLoop,
     Schedule,
     check_group_lr,
+    check_head_inputs,
     check_lr_values,
     check_run_dir,
     group_lr_source,
@@ -448,10 +449,12 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _too_many_failed(failures: dict[str, str], rows: np.ndarray, what: str, job: _Job, after: str) -> str | None:
+def _too_many_failed(failures: dict[str, str], rows: np.ndarray, what: str, job: _Job, after: str,
+                     listed: bool = True) -> str | None:
     """The error when more than ``--max-failed-fraction`` of the videos ``rows`` (row numbers of the
     manifest) are in ``failures`` ({video id: error}); None otherwise. ``what`` says what happened to them
-    ("training videos failed to decode"), ``after`` what became of the run."""
+    ("training videos failed to decode"), ``after`` what became of the run; ``listed``: whether the run
+    writes them to ``failures.csv`` (else the message names the first few)."""
     from tvrpipe.features.extract import over_failure_limit
 
     failed = {vid: failures[vid] for vid in (str(job.video_ids[v]) for v in rows) if vid in failures}
@@ -459,9 +462,10 @@ def _too_many_failed(failures: dict[str, str], rows: np.ndarray, what: str, job:
     if over is None:
         return None
     example = min(failed)
+    where = (f"the list is in {Path(job.out) / 'failures.csv'}" if listed else
+             "the first: " + ", ".join(sorted(failed)[:5]) + (f" (+{len(failed) - 5} more)" if len(failed) > 5 else ""))
     return (f"{over.text} (e.g. {example}: {failed[example]}); {after} Fix them (check --video-root) and rerun "
-            f"the same command, or accept the failures with --max-failed-fraction {over.accept:.2f}; the list is "
-            f"in {Path(job.out) / 'failures.csv'}")
+            f"the same command, or accept the failures with --max-failed-fraction {over.accept:.2f}; {where}")
 
 
 def _check_files(job: _Job, root: Path) -> None:
@@ -475,7 +479,7 @@ def _check_files(job: _Job, root: Path) -> None:
         missing = {str(job.video_ids[v]): f"missing: {job.table.paths[v]}" for v in rows
                    if not Path(job.table.paths[v]).is_file()}
         message = _too_many_failed(missing, rows, f"{what} videos are not files under --video-root {root}", job,
-                                   "nothing was written.")
+                                   "nothing was written.", listed=False)
         if message:
             raise ConfigError(message)
 
@@ -564,10 +568,30 @@ def _probe_head(method: str, head_cfg: Any, cfg: FinetuneConfig, bundle, recipe:
         head = head_class(method)(head_cfg)
         groups = check_group_lr(head, cfg.group_lr)
         copied = head.init_from_clip(bundle.model) if cfg.init_from_clip else None
+        D, F, L = bundle.embed_dim, cfg.frames, cfg.max_words  # two pairs of the run's shapes
+        check_head_inputs(head, TextBatch(torch.randn(2, L, D), torch.ones(2, L, dtype=torch.bool), torch.randn(2, D)),
+                          VideoBatch(torch.randn(2, F, D), torch.ones(2, F, dtype=torch.bool)))
+    if cfg.epochs == 0:  # no step: nothing trains at any rate
+        return {}, copied
     rates = {"clip": {"lr": float(cfg.clip_lr), "source": source("clip_lr", "--clip-lr")}} if cfg.end_to_end else {}
     rates.update(lr_groups(groups, cfg.head_lr, source("head_lr", "--head-lr"), cfg.group_lr,
                            lambda g: group_lr_source(g, recipe)))
     return rates, copied
+
+
+def _gpu_missing(cfg: FinetuneConfig) -> str | None:
+    """Why the run cannot have the GPUs ``--use-gpu`` asks for here, checked before anything is written
+    (None: it can, or it joins a cluster, whose GPUs :func:`_join_ray` counts before the first write)."""
+    if not cfg.use_gpu or (cfg.num_workers and (cfg.address or os.environ.get("RAY_ADDRESS"))):
+        return None
+    need = max(1, cfg.num_workers)
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= need:
+        return None
+    if cfg.num_workers == 0:
+        return NO_GPU
+    return (f"--use-gpu with --num-workers {cfg.num_workers}: needs {need} GPUs, and this machine has {have}; lower "
+            "--num-workers, drop --use-gpu, or join a cluster with GPUs (--address)")
 
 
 def finetune(
@@ -644,7 +668,9 @@ def finetune(
         from tvrpipe.training.recipes import OPTION_SETTINGS, deviations
 
         recipe = deviations(recipe, {"dataset": manifest.meta.get("dataset"), "split_set": manifest.meta.get("split_set"),
-                                     **{k: getattr(cfg, k) for k in OPTION_SETTINGS}})
+                                     # CLIP's rate only where CLIP trains
+                                     **{k: getattr(cfg, k) for k in OPTION_SETTINGS if k != "clip_lr" or cfg.end_to_end},
+                                     "head": dataclasses.asdict(head_cfg)})
     settings = dataclasses.asdict(cfg)
     config = {
         "method": method,
@@ -666,14 +692,16 @@ def finetune(
                                                                     else None)},
         **({"recipe": recipe} if recipe else {}),
     }
-    gpu_missing = cfg.use_gpu and cfg.num_workers == 0 and not torch.cuda.is_available()
+    gpu_missing = _gpu_missing(cfg)
     if dry_run:  # every check the run makes before its first write, writing nothing
         check_unlocked(out, "--out")
         check_run_dir(out, config, ignore=_RESUMABLE)
         return plan_run(job, pairs, bundle, config, gpu_missing)
     if gpu_missing:
-        raise ConfigError(NO_GPU)
+        raise ConfigError(gpu_missing)
     del bundle
+    if cfg.num_workers:
+        _join_ray(cfg)  # the cluster's GPUs and CPUs, counted before the first write
     with locked(out, "--out"):
         start_run(out, config, ignore=_RESUMABLE)
         if cfg.num_workers == 0:
@@ -681,7 +709,7 @@ def finetune(
         return _ray_train(job)
 
 
-def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: bool) -> dict:
+def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: str | None) -> dict:
     """What the run of ``job`` (training ``pairs``) will do: its resolved settings, split counts, steps and images per step,
     and the estimated peak memory of a training step per worker (:mod:`tvrpipe.training.plan`),
     measured on the CPU with ``bundle`` (the run's CLIP) and a fresh head."""
@@ -703,7 +731,7 @@ def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: bo
         "workers": world, "pairs_per_step": cfg.batch_size, "images_per_step": cfg.batch_size * job.frames,
         "images_per_step_per_worker": cfg.batch_size // world * job.frames,
         "memory": {**dataclasses.asdict(memory), "total": memory.total},
-        "gpu": "no CUDA device here: a run with --use-gpu needs one" if gpu_missing else None,
+        "gpu": gpu_missing,  # why the run would stop here for want of GPUs (None: it would not)
     }
 
 
@@ -713,14 +741,10 @@ def _ray_train(job: _Job) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from tvrpipe.cluster import ray_init, require_gpus
     from tvrpipe.errors import TvrpipeError
 
     cfg = job.cfg
-    ray_init(cfg.address)
-    if cfg.use_gpu:
-        require_gpus(cfg.num_workers, f"--use-gpu with --num-workers {cfg.num_workers}",
-                     "drop --use-gpu or lower --num-workers", per_task=1)
+    _join_ray(cfg)
     cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
     cpus = cfg.cpus_per_worker or max(1, cluster_cpus // cfg.num_workers)
     resources = {"CPU": cpus, **({"GPU": 1} if cfg.use_gpu else {})}
@@ -747,6 +771,17 @@ def _ray_train(job: _Job) -> dict:
                        f"from the last complete epoch") from e
     path = Path(job.out) / "metrics.json"
     return json.loads(path.read_text())
+
+
+def _join_ray(cfg: FinetuneConfig) -> None:
+    """Start or join Ray for ``num_workers`` Ray Train workers, and check that the cluster has a GPU for
+    each with ``--use-gpu`` (Ray would otherwise wait forever to place them)."""
+    from tvrpipe.cluster import ray_init, require_gpus
+
+    ray_init(cfg.address)
+    if cfg.use_gpu:
+        require_gpus(cfg.num_workers, f"--use-gpu with --num-workers {cfg.num_workers}",
+                     "drop --use-gpu or lower --num-workers", per_task=1)
 
 
 def _fit_with_progress(trainer, out: Path, job: _Job) -> None:

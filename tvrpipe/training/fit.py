@@ -63,6 +63,7 @@ from tvrpipe.training.core import (
     base_lr,
     check_group_lr,
     check_head_groups,
+    check_head_inputs,
     check_lr_values,
     group_lr_source,
     group_rates,
@@ -131,6 +132,11 @@ class TrainConfig:
         check_lr_values(self.group_lr)
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"--device must be cpu or cuda (cuda:N), got {self.device!r}")
+
+
+# trainer settings that decide how a run executes, not what it learns: a resumed run may change them
+# (config.yaml keeps the first invocation's and lists the changes under resumed_execution)
+EXECUTION = ("train.device", "train.prefetch", "train.eval_batch", "train.block_texts")
 
 
 def open_ended_epochs(train: TrainConfig, steps_per_epoch: int) -> tuple[int, int, int]:
@@ -283,7 +289,7 @@ def fit(
         raise ConfigError("the training split needs at least 2 videos")
     check_head_groups(method, head_cfg, train.group_lr)
     if recipe:
-        recipe = _recipe_deviations(recipe, store.provenance, train)
+        recipe = _recipe_deviations(recipe, store.provenance, train, train_batch(train, train_split), head_cfg)
     out = Path(out_dir)
     tune_allocator()  # a step's large temporaries reused from the heap, not re-faulted (allocator.py)
     with locked(out, "--out"):
@@ -291,14 +297,22 @@ def fit(
                       recipe)
 
 
-def _recipe_deviations(recipe: dict[str, Any], provenance: Mapping[str, Any], train: TrainConfig) -> dict[str, Any]:
+def train_batch(train: TrainConfig, split: SplitData) -> int:
+    """The pairs a step of ``split`` holds: ``--batch-size``, or every training video when there are fewer
+    (a batch holds no video twice); what the run records as its batch."""
+    return min(train.batch_size, split.n_videos)
+
+
+def _recipe_deviations(recipe: dict[str, Any], provenance: Mapping[str, Any], train: TrainConfig,
+                       batch: int, head_cfg: HeadConfig) -> dict[str, Any]:
     """The recipe's record completed with how this run differs from it (:func:`~tvrpipe.training.recipes.deviations`):
     the store fixes the data, backbone, frames and words, train-head never trains CLIP, and the recipe's
-    other settings it takes (``recipes.TRAIN_HEAD``) ran as ``train`` says."""
+    other settings it takes (``recipes.TRAIN_HEAD``) ran as ``train`` says, the batch as it was used."""
     from tvrpipe.training.recipes import TRAIN_HEAD, deviations
 
     ran = {k: provenance.get(k) for k in ("dataset", "split_set", "model", "pretrained", "frames", "max_words")}
-    ran.update({"end_to_end": False, **{setting: getattr(train, field) for setting, field in TRAIN_HEAD.items()}})
+    ran.update({"end_to_end": False, **{setting: getattr(train, field) for setting, field in TRAIN_HEAD.items()},
+                "batch_size": batch, "head": dataclasses.asdict(head_cfg)})
     return deviations(recipe, ran)
 
 
@@ -321,21 +335,28 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     device = torch.device(train.device)
     torch.manual_seed(train.seed)
     head = head_class(method)(head_cfg).to(device)
+    vids = np.arange(min(2, train_split.n_videos))  # two pairs of the data: the head takes it (before any write)
+    caps = np.array([np.flatnonzero(train_split.text_video == v)[0] for v in vids])
+    check_head_inputs(head, train_split.text_batch(caps, head.uses_tokens, trim=True).to(device),
+                      train_split.video_batch(vids).to(device))
     groups = check_group_lr(head, train.group_lr)
-    rates = lr_groups(groups, lr, lr_source, train.group_lr, lambda g: group_lr_source(g, recipe))
-    lr, lr_source = base_lr(rates, lr, lr_source)
+    steps = 0 if train.epochs == 0 else steps_per_epoch
+    rates = lr_groups(groups, lr, lr_source, train.group_lr, lambda g: group_lr_source(g, recipe)) if steps else {}
+    lr, lr_source = base_lr(rates, lr, lr_source, steps)
+    batch = train_batch(train, train_split)
     start_run(out, {
         "method": method,
         "head": dataclasses.asdict(head_cfg),
         "train": dataclasses.asdict(train),
-        "resolved": {"lr": lr, "lr_source": lr_source, "lr_groups": rates, "schedule": schedule.description},
+        "resolved": {"lr": lr, "lr_source": lr_source, "lr_groups": rates, "batch_size": batch,
+                     "schedule": schedule.description},
         "post": list(post),
         "features": str(Path(features).resolve()),
         "provenance": store_identity(store.provenance),
         "validation": splits.val_source,
         "max_steps": max_steps,
         **({"recipe": recipe} if recipe else {}),
-    }, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source))
+    }, ignore=EXECUTION, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source))
 
     # ---- optimiser: every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does;
     # docs/training.md)
@@ -351,7 +372,6 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     loop.resume(restore)
 
     # ---- data: an epoch visits every video once, with one of its captions drawn at random
-    batch = min(train.batch_size, train_split.n_videos)
     pairs = CaptionPairs(train_split.text_video, train_split.n_videos)
 
     def batches(epoch: int):
@@ -395,8 +415,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                           querybank=splits.train if "qbnorm" in post else None)
     rows = loop.rows
     return loop.write_results(method, splits.val_source, test, {
-        "schedule": {"lr": lr, "lr_source": lr_source, "lr_groups": rates, "description": schedule.description,
-                     "epochs_run": len(rows),
+        "schedule": {"lr": lr, "lr_source": lr_source, "lr_groups": rates, "batch_size": batch,
+                     "description": schedule.description, "epochs_run": len(rows),
                      "stopped_early": loop.stopped, "lr_halvings": loop.halvings,
                      **({"patience_epochs": patience, "plateau_epochs": plateau,
                          "max_epochs": max_epochs} if train.epochs is None else {})},

@@ -28,6 +28,7 @@ resolved values.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -39,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from tvrpipe.config import load_yaml
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.rundir import METRICS
 from tvrpipe.files import shipped_folder
@@ -120,8 +122,9 @@ class Recipe:
         differs from the recipe (:func:`deviations`)."""
         pub = self.published
         return {"name": self.name, "path": str(self.path.resolve()), "sha256": self.sha256,
-                "overridden": sorted(overridden), "paper": self.paper, "dataset": self.dataset,
-                "split_set": self.split_set.value, "settings": self.values(),
+                "shipped": self.path.resolve().parent == recipes_dir().resolve(),  # or a file of the user's
+                "overridden": sorted(overridden), "paper": self.paper, "method": self.method, "dataset": self.dataset,
+                "split_set": self.split_set.value, "settings": self.values(), "head": self.head_overrides(),
                 "published": None if pub is None else {"source": pub.source, "backbone": pub.backbone,
                                                        "note": pub.note, **pub.metrics}}
 
@@ -187,6 +190,10 @@ def _published(raw: Any, where: str) -> Published | None:
         for m, v in row.items():
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
                 raise ConfigError(f"{where}.{d}.{m}: {v!r} is not a number")
+            if v is not None and m.startswith("R@") and not 0 <= v <= 100:
+                raise ConfigError(f"{where}.{d}.{m} {v} is not a recall in [0, 100]")
+            if v is not None and not m.startswith("R@") and v < 1:  # MdR, MnR: the best rank is 1
+                raise ConfigError(f"{where}.{d}.{m} {v} is not a rank >= 1")
         metrics[d] = {m: None if row[m] is None else float(row[m]) for m in METRICS}
     if not metrics:
         raise ConfigError(f"{where}: neither t2v nor v2t is given")
@@ -212,7 +219,7 @@ def load_recipe(name: str | Path) -> Recipe:
                               f"({', '.join(list_recipes())})")
     text = path.read_bytes()
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text, path)  # a key given twice is refused, not last-wins
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     keys = {"paper", "method", "dataset", "split_set", "settings", "head", "published"}
@@ -293,8 +300,6 @@ def _check_groups(recipe: Recipe, head_config) -> None:
     Raises:
         ConfigError: naming the file and the groups the head has.
     """
-    import dataclasses
-
     import torch
 
     from tvrpipe.heads.base import head_class
@@ -330,8 +335,8 @@ def deviations(record: Mapping[str, Any], ran: Mapping[str, Any]) -> dict[str, A
     Args:
         record: what the run records of its recipe.
         ran: what the run trained with, by recipe key: ``dataset``, ``split_set``, ``model`` and
-            ``pretrained`` (of its store or manifest and CLIP), and each setting it has (a trainer without
-            a setting, e.g. train-head's ``clip_lr``, leaves it out).
+            ``pretrained`` (of its store or manifest and CLIP), each setting it has (a trainer without
+            a setting, e.g. train-head's ``clip_lr``, leaves it out), and ``head``: its head's config.
 
     Returns:
         The record with ``mismatch`` (the keys of :data:`IDENTITY` that differ, in words: the published row
@@ -347,6 +352,15 @@ def deviations(record: Mapping[str, Any], ran: Mapping[str, Any]) -> dict[str, A
             mismatch.append(f"{key}: the recipe's {want}, this run's {have}")
     differs = {k: {"recipe": record["settings"][k], "run": v} for k, v in ran.items()
                if k not in IDENTITY and k in record["settings"] and v != record["settings"][k]}
+    if ran.get("head"):  # the head's config against the recipe's (its values, else the head's defaults)
+        from tvrpipe.heads.base import head_class
+
+        defaults = {f.name: f.default for f in dataclasses.fields(head_class(record["method"]).Config)}
+        given = record.get("head") or {}
+        for k, v in ran["head"].items():
+            want = given.get(k, defaults.get(k))
+            if (k in given or f"head.{k}" in record["overridden"]) and v != want:
+                differs[f"head.{k}"] = {"recipe": want, "run": v}
     record = {**record, "mismatch": mismatch, "differs": differs}
     if (warning := mismatch_warning(record)) is not None:  # said as the run starts, not only in the report
         log.warning("%s", warning)
