@@ -225,6 +225,7 @@ def test_damaged_runs_other_default_lrs_and_replaced_stores(runs, tmp_path):
     cfg = yaml.safe_load((tmp_path / "runs" / "b" / "config.yaml").read_text())
     assert cfg["train"]["lr"] is None and cfg["resolved"]["lr"] == 1e-3
     cfg["resolved"]["lr"] = 1e-2  # trained without --lr when xpool's default_lr was 1e-2
+    cfg["resolved"]["lr_groups"]["head"]["lr"] = 1e-2  # the rate its one group trained at
     (tmp_path / "runs" / "b" / "config.yaml").write_text(yaml.safe_dump(cfg))
     m = _metrics(tmp_path / "runs" / "lost-r1")
     del m["test"]["t2v"]["R@1"]

@@ -490,8 +490,8 @@ def test_group_lr_gives_a_head_group_its_own_learning_rate(tmp_path):
 def test_cli_group_lr_is_parsed_and_recorded(tmp_path, cli):
     d = _small(tmp_path, n=12)
     r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
-            tmp_path / "run", "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "0",
-            "--loader-workers", "0", "--group-lr", "radius=3e-5", "--init-from-clip")
+            tmp_path / "run", "--model", "tvrpipe-tiny", "--pretrained", "none", "--epochs", "1", "--batch-size", "4",
+            "--epoch-pairs", "videos", "--loader-workers", "0", "--group-lr", "radius=3e-5", "--init-from-clip")
     assert r.exit_code == 0, r.output
     import yaml
 
@@ -500,7 +500,8 @@ def test_cli_group_lr_is_parsed_and_recorded(tmp_path, cli):
     # tmass has no module that starts from CLIP: the run records that nothing was copied
     assert recorded["group_lr"] == {"radius": 3e-5} and recorded["init_from_clip"] is False
     assert config["resolved"]["init_from_clip"] == "nothing: tmass has no module that starts from CLIP"
-    assert config["resolved"]["lr_groups"] == {}  # --epochs 0: no group trained at any rate
+    assert config["resolved"]["lr_groups"] == {"head": {"lr": 1e-5, "source": "--head-lr"},
+                                               "radius": {"lr": 3e-5, "source": "--group-lr"}}
     r = cli("finetune", "--method", "tmass", "--manifest", d / "manifest", "--video-root", d / "videos", "--out",
             tmp_path / "run2", "--group-lr", "radius")
     assert r.exit_code == 1 and "--group-lr expects key=value, got 'radius'" in r.output

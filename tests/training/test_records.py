@@ -172,7 +172,7 @@ def test_dry_run_refuses_what_the_run_refuses(synth, tmp_path, cli):
     out = tmp_path / "run"
     assert cli(*_finetune(synth, out, "--method", "meanpool", "--epochs", "0")).exit_code == 0
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    args = _finetune(synth, out, "--method", "meanpool", "--epochs", "0", "--batch-size", "4")
+    args = _finetune(synth, out, "--method", "meanpool", "--epochs", "0", "--seed", "1")
     for dry in (["--dry-run"], []):
         result = cli(*args, *dry)
         assert result.exit_code == 1 and "holds a run with another configuration" in result.output, result.output
@@ -262,7 +262,7 @@ def test_the_report_shows_the_published_row_the_run_trained_against(store, synth
     other = write_recipe(tmp_path / "mine" / "my-tmass.yaml", other_doc)
     runs = tmp_path / "runs"
     data = ["--manifest", synth / "manifest", "--video-root", synth / "videos", "--loader-workers", "0"]
-    for recipe, out, extra in ((mine, "a", []), (other, "b", ["--batch-size", "4"])):
+    for recipe, out, extra in ((mine, "a", []), (other, "b", ["--max-words", "6"])):
         result = cli("finetune", "--recipe", recipe, *data, "--out", runs / out, "--epochs", "0", *extra)
         assert result.exit_code == 0, result.output
     write_recipe(other, changed(other_doc, "published.t2v.R@1", 12.3))  # edited after the run
@@ -276,10 +276,11 @@ def test_the_report_shows_the_published_row_the_run_trained_against(store, synth
     # a file of the user's is named by its path, never as the shipped recipe of the same name
     assert any(f"recipe {mine.resolve()}; the runs differ in epochs)" in x and "| 41.5 | 75.3 |" in x
                for x in published)
-    assert any(f"recipe {other.resolve()}; the runs differ in batch_size, epochs)" in x and "| 33.3 | 75.3 |" in x
+    assert any(f"recipe {other.resolve()}; the runs differ in max_words, epochs)" in x and "| 33.3 | 75.3 |" in x
                for x in published)
-    note = next(x for x in lines if x.startswith(f"| ↳ no published row (recipe {mine.resolve()})"))
-    assert "another experiment: dataset: the recipe's synthetic, this run's synthetic-features" in note
+    notes = [x for x in lines if x.startswith(f"| ↳ no published row (recipe {mine.resolve()})")]
+    assert any("another experiment: dataset: the recipe's synthetic, this run's synthetic-features" in x for x in notes)
+    assert any("its paper prints no v2t row" in x for x in notes)  # the recipe publishes t2v only
     pub = rows[rows["scores"] == "published"]
     assert sorted(pub["R@1"]) == [33.3, 41.5] and not (pub["R@1"] == 99.9).any()
 
@@ -358,7 +359,7 @@ def test_a_run_of_no_step_records_no_learning_rate(store, tmp_path, cli):
     assert result.exit_code == 0, result.output
     assert "(no training step)" in result.output
     for record in (_config(out)["resolved"], _metrics(out)["schedule"]):
-        assert record["lr"] is None and record["lr_groups"] == {} and "no training step" in record["lr_source"]
+        assert record["lr"] is None and record["lr_groups"] == {} and "no training step (0 epochs)" in record["lr_source"]
 
 
 def test_a_head_that_does_not_take_the_data_stops_before_anything_is_written(store, synth, tmp_path, cli):
@@ -387,13 +388,27 @@ def test_a_resumed_run_keeps_what_its_epochs_ran_with(store, tmp_path, cli):
     """How a run executes may change on a resume; config.yaml keeps the first invocation's values and
     lists each later change, and leaves the staged file of a killed write behind no more."""
     out = tmp_path / "run"
-    args = ["train-head", "--method", "meanpool", "--features", store, "--out", out, "--epochs", "1"]
-    assert cli(*args, "--no-prefetch").exit_code == 0
+    args = ["train-head", "--method", "meanpool", "--features", store, "--out", out, "--epochs", "2"]
+    with pytest.raises(KeyboardInterrupt):  # cut after epoch 1, as Ctrl-C would
+        fit_cut_after_one_epoch(store, out)
     (out / ".metrics.json.tmp-999999").write_text("{")  # what a write killed before its rename leaves
     assert cli(*args, "--prefetch").exit_code == 0
     config = _config(out)
-    assert config["train"]["prefetch"] is False and config["resumed_execution"] == [{"train.prefetch": True}]
+    assert config["train"]["prefetch"] is False
+    assert config["resumed_execution"] == [{"from_epoch": 2, "train.prefetch": True}]
     assert not list(out.glob(".*.tmp-*"))
+    assert cli(*args, "--no-prefetch").exit_code == 0  # finished: it trains nothing more, and says nothing more
+    assert _config(out)["resumed_execution"] == [{"from_epoch": 2, "train.prefetch": True}]
+
+
+def fit_cut_after_one_epoch(store: Path, out: Path) -> None:
+    """train-head --epochs 2 --no-prefetch, interrupted once its first epoch is committed."""
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    def stop(row: dict) -> None:
+        raise KeyboardInterrupt
+
+    fit(store, "meanpool", out, TrainConfig(epochs=2, prefetch=False), progress=False, on_epoch=stop)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks a machine with fewer than 2 GPUs")
@@ -445,3 +460,77 @@ def test_head_overrides_and_user_files_are_named_beside_the_published_row(store,
     left = rows[rows["scores"] == "published-left-out"]
     assert sorted(left["direction"]) == ["t2v", "v2t"]  # beside each table the run is in
     assert left["runs"].str.contains("dataset: the recipe's synthetic, this run's synthetic-features").all()
+
+
+# ------------------------------------------------------------------------------ a third look
+
+
+def test_more_options_without_effect_are_refused(store, synth, tmp_path, cli):
+    for args, message in [
+        (("train-head", "--method", "xpool", "--features", store, "--out", tmp_path / "a", "--epochs", "0",
+          "--lr", "0.5"), "--lr: --epochs 0 trains nothing"),
+        (("train-head", "--method", "xpool", "--features", store, "--out", tmp_path / "a", "--epochs", "1",
+          "--lr", "0.5", "--group-lr", "head=1e-3"),
+         "--lr 0.5: every parameter group of xpool trains at its --group-lr rate (head), so --lr would train nothing"),
+        (_finetune(synth, tmp_path / "a", "--method", "meanpool", "--epochs", "0", "--head-lr", "0.3"),
+         "--head-lr: --epochs 0 trains nothing"),
+        (_finetune(synth, tmp_path / "a", "--method", "meanpool", "--epochs", "1", "--cpus-per-worker", "2"),
+         "--cpus-per-worker: only Ray Train workers use it"),
+        (("sweep", "--features", store, "--methods", "meanpool", "--seeds", "0", "--epochs", "0", "--out", store),
+         "is a feature store; a sweep goes into a folder of its own"),
+    ]:
+        result = cli(*args)
+        assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "a").exists() and not (Path(store) / "runs.csv").exists()
+
+
+def test_a_group_given_the_rate_it_has_anyway_differs_in_nothing(synth, tmp_path, cli):
+    recipe = write_recipe(tmp_path / "tiny-tmass.yaml", TINY_TMASS)  # head_lr 1e-5, radius 3e-5
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", tmp_path / "run", "--loader-workers", "0", "--group-lr", "head=1e-5",
+                 "--group-lr", "radius=3e-5", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "overridden" not in result.output.split("\n")[0]
+    assert "lr clip 2e-06 (recipe tiny-tmass), head 1e-05 (recipe tiny-tmass), radius 3e-05 (recipe tiny-tmass)" \
+        in " ".join(result.output.split())
+
+
+def test_a_recipe_batch_that_does_not_fit_is_named_as_the_recipes(synth, tmp_path, cli):
+    recipe = write_recipe(tmp_path / "b64.yaml", changed(TINY_TMASS, "settings.batch_size", {"value": 64, "source": "x"}))
+    result = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+                 "--out", tmp_path / "run", "--loader-workers", "0", "--dry-run")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and f"recipe b64's batch_size 64 ({recipe.resolve()}) exceeds the" in text
+    assert "lower it with --batch-size" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_cuda_device_that_is_not_here_is_one_line_and_evaluation_falls_back_to_the_cpu(store, tmp_path, cli):
+    result = cli("train-head", "--method", "meanpool", "--features", store, "--out", tmp_path / "c", "--device", "cuda")
+    assert result.exit_code == 1 and "--device cuda: no such CUDA device here (0 found); use --device cpu" in \
+        " ".join(result.output.split())
+    assert not (tmp_path / "c").exists()
+    out = tmp_path / "run"
+    assert cli("train-head", "--method", "meanpool", "--features", store, "--out", out, "--epochs", "0").exit_code == 0
+    config = _config(out)
+    config["train"]["device"] = "cuda"  # as a run trained on a GPU machine records it
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = cli("evaluate", "--run", out, "--split", "test")
+    assert result.exit_code == 0, result.output
+    evaluated = json.loads((out / "eval_test.json").read_text())
+    assert evaluated["device"] == "cpu" and evaluated["features"] == str(Path(store).resolve())
+    assert evaluated["t2v"] == _metrics(out)["test"]["t2v"]
+
+
+def test_the_report_counts_seeds_not_runs_and_says_when_a_paper_prints_no_row(store, tmp_path, cli, monkeypatch):
+    from tvrpipe.report.tables import published_row
+
+    runs = tmp_path / "runs"
+    for name, prefetch in (("a", "--prefetch"), ("b", "--no-prefetch")):  # the same seed twice, run otherwise
+        assert cli("train-head", "--method", "meanpool", "--features", store, "--out", runs / name,
+                   "--epochs", "0", prefetch).exit_code == 0
+    lines, rows = _report(runs, tmp_path / "report")
+    assert any(x.startswith("| meanpool | 1 (2 runs) |") for x in lines), lines
+    assert set(rows[rows["scores"] == "raw"]["seeds"]) == {1}
+    row = published_row([{"name": "m", "sha256": "a", "published": None, "overridden": []}])
+    assert row.numbers is None and row.left_out == "its paper prints no row for this recipe"

@@ -153,6 +153,13 @@ def finetune_cmd(
     if not options["end_to_end"]:
         refuse_unused(ctx, ("clip_lr", "grad_checkpointing"), "CLIP stays frozen without --end-to-end, so it would "
                       "have no effect; give --end-to-end, or leave it out")
+    if options["epochs"] == 0:
+        refuse_unused(ctx, ("batch_size", "epoch_pairs", "optimizer", "clip_lr", "head_lr", "group_lr", "weight_decay",
+                            "grad_clip", "grad_checkpointing"),
+                      "--epochs 0 trains nothing (the untrained models are evaluated); leave it out")
+    if options["num_workers"] == 0:
+        refuse_unused(ctx, ("address", "cpus_per_worker"), "only Ray Train workers use it (--num-workers N); give "
+                      "--num-workers, or leave it out")
     cfg = FinetuneConfig(**options)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []), recipe=record,
                        dry_run=dry_run)

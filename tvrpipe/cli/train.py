@@ -168,6 +168,9 @@ def train_head(
 
         r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options, TRAIN_HEAD)
         out = out if out is not None else Path("runs") / f"{r.name}-head"
+    if options["epochs"] == 0:
+        refuse_unused(ctx, ("batch_size", "optimizer", "lr", "group_lr", "weight_decay"),
+                      "--epochs 0 trains nothing (the untrained head is evaluated); leave it out")
     if options["epochs"] is not None:
         whence = "--epochs" if "epochs" in explicit_options(ctx) else f"recipe {recipe}"
         refuse_unused(ctx, ("max_epochs", "patience"), "they shape a run until validation stops improving, and this "

@@ -99,7 +99,7 @@ def published_row(records: Sequence[dict | None]) -> PublishedRow | None:
         return PublishedRow(name, None, left_out="the run predates the check of a run's data and backbone against "
                                                  "its recipe; train it again to compare it with the paper")
     if snapshot is None:
-        return None  # a recipe whose paper prints no row
+        return PublishedRow(name, None, left_out="its paper prints no row for this recipe")
     mismatch = list(dict.fromkeys(m for r in records for m in r.get("mismatch") or ()))
     if mismatch:
         return PublishedRow(name, None, left_out="the paper's row is another experiment: " + "; ".join(mismatch))
@@ -148,9 +148,19 @@ def _identity(run: RunRecord) -> dict[str, Any]:
     section = "finetune" if "finetune" in run.config else "train"
     settings = run.settings
     flat.update({f"{section}.{k}": v for k, v in settings.items() if k not in _NOT_IDENTITY})
-    resolved = (run.config.get("resolved") or {}).get("lr")
-    if resolved is not None and settings.get("lr") is None:  # a head's default_lr, which can change
-        flat["train.lr"] = resolved
+    resolved = run.config.get("resolved") or {}
+    if isinstance(resolved.get("lr_groups"), dict):  # the rates the groups trained at, not the options behind them
+        for k in ("lr", "group_lr", "head_lr", "clip_lr"):
+            flat.pop(f"{section}.{k}", None)
+        rates = {g: r["lr"] for g, r in resolved["lr_groups"].items()}
+        flat[f"{section}.lr"] = (None if not rates else next(iter(rates.values())) if len(set(rates.values())) == 1
+                                 else rates)
+    elif resolved.get("lr") is not None and settings.get("lr") is None:  # a head's default_lr, which can change
+        flat["train.lr"] = resolved["lr"]
+    if resolved.get("batch_size") is not None:  # the batch used (every training video, when fewer)
+        flat[f"{section}.batch_size"] = resolved["batch_size"]
+    if section == "train" and settings.get("epochs") == 0:  # nothing trained: only the head and the data count
+        flat = {k: v for k, v in flat.items() if not k.startswith("train.") or k == "train.epochs"}
     if run.config.get("max_steps") is not None:
         flat["train.max_steps"] = run.config["max_steps"]
     return flat
@@ -267,7 +277,7 @@ def _table(section: Section, variant: str, direction: str) -> list[str]:
         for m in METRICS:
             text = _cell(row.values(variant, direction, m))
             cells.append(f"**{text}**" if len(rows) > 1 and means[m][i] == best[m] else text)
-        lines.append(f"| {row.label} | {len(row.values(variant, direction, 'R@1'))} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row.label} | {_seeds_cell(row, variant, direction)} | " + " | ".join(cells) + " |")
         published = row.published if variant == "raw" else None  # the papers print raw scores
         if published and published.left_out:
             lines.append(f"| ↳ no published row (recipe {published.name}): {published.left_out} | – | "
@@ -276,7 +286,18 @@ def _table(section: Section, variant: str, direction: str) -> list[str]:
             values = published.numbers.metrics[direction]
             lines.append(f"| {_published_label(published)} | – | "
                          + " | ".join("–" if values[m] is None else f"{values[m]:.1f}" for m in METRICS) + " |")
+        elif published:
+            lines.append(f"| ↳ no published row (recipe {published.name}): its paper prints no {direction} row | – | "
+                         + " | ".join("–" for _ in METRICS) + " |")
     return lines
+
+
+def _seeds_cell(row: Row, variant: str, direction: str) -> str:
+    """The seeds behind a row's cells: their count, and the runs where a seed ran more than once (the ± is
+    then not a spread over seeds alone)."""
+    seeds = [r.seed for r in row.runs if r.scores(variant, direction) is not None]
+    distinct = len(set(seeds))
+    return str(distinct) if distinct == len(seeds) else f"{distinct} ({len(seeds)} runs)"
 
 
 def _published_label(published: PublishedRow) -> str:
@@ -340,7 +361,7 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                            "n_videos": runs[0].metrics["test"].get("n_videos"),
                            "n_texts": runs[0].metrics["test"].get("n_texts"),
                            "scores": variant, "direction": direction, "row": row.label, "method": row.method,
-                           "seeds": len(runs), "seed_values": " ".join(str(r.seed) for r in runs)}
+                           "seeds": len({r.seed for r in runs}), "seed_values": " ".join(str(r.seed) for r in runs)}
                     for m in METRICS:
                         mean, std = mean_std(row.values(variant, direction, m))
                         rec[m], rec[f"{m} std"] = mean, std

@@ -274,12 +274,19 @@ def _picked(config: dict, keys: tuple[str, ...]) -> dict:
     return out
 
 
+def _epochs_done(out: Path) -> int:
+    """Epochs a run directory's ``epochs.csv`` holds (its committed epochs; 0 without one)."""
+    path = out / "epochs.csv"
+    return max(0, len(path.read_text().splitlines()) - 1) if path.is_file() else 0
+
+
 def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
               explain: Callable[[dict, dict], str | None] | None = None) -> None:
     """Write ``config.yaml`` (with the versions of this environment) and ``checkpoints/`` in the locked
     run directory ``out``, once :func:`check_run_dir` has passed. A resumed run keeps the first
     invocation's values of ``ignore`` (what its first epochs ran with) and appends each later invocation's
-    changed ones to ``resumed_execution``, so the record says what every epoch ran with. Staged files of
+    changed ones to ``resumed_execution`` with the first epoch they ran (``from_epoch``; a finished run,
+    which trains nothing more, adds none), so the record says what every epoch ran with. Staged files of
     a write that was killed (``.NAME.tmp-PID``) are removed: nobody else writes here while ``out`` is locked.
 
     Raises:
@@ -293,8 +300,11 @@ def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
     if old is not None:
         then, now = _picked(old, ignore), _picked(json.loads(json.dumps(config)), ignore)
         history = list(old.get(RESUMED) or [])
-        last = {**then, **{k: v for h in history for k, v in h.items()}}
-        changed = {k: v for k, v in now.items() if last.get(k) != v}
+        last = {**then, **{k: v for h in history for k, v in h.items() if k != "from_epoch"}}
+        # a change counts from the first epoch it runs; a finished run trains none
+        changed = {} if (out / "metrics.json").is_file() else {k: v for k, v in now.items() if last.get(k) != v}
+        if changed:
+            changed = {"from_epoch": _epochs_done(out) + 1, **changed}
         config = {**config, **{k: old[k] for k in ignore if "." not in k and k in old}}
         for key in (k for k in ignore if "." in k):
             section, _, name = key.partition(".")
@@ -357,7 +367,7 @@ def base_lr(rates: Mapping[str, Mapping[str, Any]], lr: float, lr_source: str,
     (:func:`lr_groups`): ``lr`` when some group trains at it, else None, with a source that says why (no
     step at all, every group has a rate of its own, or the head has nothing to train)."""
     if steps == 0:
-        return None, "none: no training step (--epochs 0)"
+        return None, "none: no training step (0 epochs)"
     if any(r["source"] == lr_source for r in rates.values()):
         return lr, lr_source
     if not rates:

@@ -662,7 +662,14 @@ def finetune(
                val=(rows.val_videos, rows.val_texts), test=(rows.test_videos, rows.test_texts),
                video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
                val_source=rows.val_source, post=post, progress=progress, lr_groups=rates)
-    pairs = _train_pairs(job)  # the batch fits the training set: checked before the run directory is written
+    try:  # the batch fits the training set: checked before the run directory is written
+        pairs = _train_pairs(job)
+    except ConfigError as e:  # a batch the recipe gave, not --batch-size: say so
+        if not recipe or "batch_size" in recipe["overridden"]:
+            raise
+        raise ConfigError(str(e).replace(f"--batch-size {cfg.batch_size}", f"recipe {recipe['name']}'s batch_size "
+                                         f"{cfg.batch_size} ({recipe['path']})", 1).replace("; lower it",
+                                         "; lower it with --batch-size", 1)) from None
     _check_files(job, root)
     if recipe:  # how the run differs from its recipe: the manifest's data, and every setting as cfg runs it
         from tvrpipe.training.recipes import OPTION_SETTINGS, deviations

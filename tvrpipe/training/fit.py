@@ -139,6 +139,17 @@ class TrainConfig:
 EXECUTION = ("train.device", "train.prefetch", "train.eval_batch", "train.block_texts")
 
 
+def check_device(device: str) -> None:
+    """Raise :class:`ConfigError` when ``device`` (``cpu``, ``cuda``, ``cuda:N``) is not on this machine."""
+    if device.startswith("cuda"):
+        index = device.partition(":")[2] or "0"
+        if not index.isdigit():
+            raise ConfigError(f"--device {device}: write cuda or cuda:N")
+        if not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: no such CUDA device here ({torch.cuda.device_count()} found); "
+                              "use --device cpu")
+
+
 def open_ended_epochs(train: TrainConfig, steps_per_epoch: int) -> tuple[int, int, int]:
     """(patience, plateau, max_epochs) in epochs for a run without ``epochs``, on a store of
     ``steps_per_epoch`` optimizer steps an epoch.
@@ -275,6 +286,7 @@ def fit(
     """
     # ---- options and data (nothing is written before they are checked; ``train`` checked itself)
     check_writable(out_dir, "--out")
+    check_device(train.device)
     store = open_store(features)
     head_cfg = store_head_config(store, method, overrides)
     if store.provenance.get("logit_scale") is None and "generator" not in store.provenance \
@@ -342,6 +354,9 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     groups = check_group_lr(head, train.group_lr)
     steps = 0 if train.epochs == 0 else steps_per_epoch
     rates = lr_groups(groups, lr, lr_source, train.group_lr, lambda g: group_lr_source(g, recipe)) if steps else {}
+    if lr_source == "--lr" and rates and not any(r["source"] == "--lr" for r in rates.values()):
+        raise ConfigError(f"--lr {lr:g}: every parameter group of {method} trains at its --group-lr rate "
+                          f"({', '.join(rates)}), so --lr would train nothing; leave it out")
     lr, lr_source = base_lr(rates, lr, lr_source, steps)
     batch = train_batch(train, train_split)
     start_run(out, {
@@ -455,6 +470,10 @@ def evaluate_run(
     config = read_config(run)
     try:  # a finetune run has no trainer section: the defaults give evaluation's block sizes
         tc = train or TrainConfig(**config.get("train", {}))
+        if tc.device != "cpu" and train is None and not torch.cuda.is_available():
+            # trained on a GPU, evaluated here: the scores do not depend on the device (to rounding)
+            log.info("%s was trained on %s; evaluating on the CPU (no CUDA here)", run, tc.device)
+            tc = dataclasses.replace(tc, device="cpu")
     except TypeError as e:
         raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
                        "restore it or train the run again into a new --out") from None
@@ -481,8 +500,8 @@ def evaluate_run(
         if data.n_videos == 0:
             raise ConfigError(f"{store.dir}: the {split} split is empty")
         querybank = load_split(store, "train", rows, tokens=head.uses_tokens) if "qbnorm" in post else None
-        metrics = {"split": split, "validation": rows.val_source,
-                   **evaluate_split(head, data, tc, post=post, querybank=querybank)}
+        metrics = {"split": split, "validation": rows.val_source, "features": str(Path(store.dir).resolve()),
+                   "device": tc.device, **evaluate_split(head, data, tc, post=post, querybank=querybank)}
         write_metrics(run, metrics, f"eval_{split}.json")
     return metrics
 

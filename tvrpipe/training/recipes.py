@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import typing
@@ -350,8 +351,14 @@ def deviations(record: Mapping[str, Any], ran: Mapping[str, Any]) -> dict[str, A
         want, have = wanted[key], ran.get(key)
         if (_backbone(want) != _backbone(have)) if key == "model" else want != have:
             mismatch.append(f"{key}: the recipe's {want}, this run's {have}")
-    differs = {k: {"recipe": record["settings"][k], "run": v} for k, v in ran.items()
-               if k not in IDENTITY and k in record["settings"] and v != record["settings"][k]}
+    settings = record["settings"]
+    differs = {k: {"recipe": settings[k], "run": v} for k, v in ran.items()
+               if k not in IDENTITY and k in settings and k != "group_lr" and v != settings[k]}
+    if "group_lr" in ran:  # by the rate each group trains at: a group given the head's rate differs in nothing
+        want, have = settings["group_lr"] or {}, ran["group_lr"] or {}
+        head_want, head_have = settings["head_lr"], ran.get("head_lr", settings["head_lr"])
+        if any(want.get(g, head_want) != have.get(g, head_have) for g in {*want, *have}):
+            differs["group_lr"] = {"recipe": want, "run": have}
     if ran.get("head"):  # the head's config against the recipe's (its values, else the head's defaults)
         from tvrpipe.heads.base import head_class
 
@@ -361,7 +368,8 @@ def deviations(record: Mapping[str, Any], ran: Mapping[str, Any]) -> dict[str, A
             want = given.get(k, defaults.get(k))
             if (k in given or f"head.{k}" in record["overridden"]) and v != want:
                 differs[f"head.{k}"] = {"recipe": want, "run": v}
-    record = {**record, "mismatch": mismatch, "differs": differs}
+    # a copy of its own (YAML would write a value shared with the settings as an alias)
+    record = json.loads(json.dumps({**record, "mismatch": mismatch, "differs": differs}))
     if (warning := mismatch_warning(record)) is not None:  # said as the run starts, not only in the report
         log.warning("%s", warning)
     return record
@@ -390,8 +398,10 @@ def resolve(recipe: Recipe, explicit: Mapping[str, Any], keys: Mapping[str, str]
         value = recipe.settings[setting].value
         if option in explicit:
             given = explicit[option]
-            if setting == "group_lr":  # per group: the recipe's other groups keep their rates
-                overridden += [f"group_lr.{g}" for g, lr in given.items() if value.get(g) != lr]
+            if setting == "group_lr":  # per group: the recipe's other groups keep their rates; a group given
+                # the rate it has in the recipe anyway (its own, else the head's) overrides nothing
+                head_lr = recipe.settings["head_lr"].value
+                overridden += [f"group_lr.{g}" for g, lr in given.items() if value.get(g, head_lr) != lr]
                 value = {**value, **given}
             else:
                 if given != value:
