@@ -256,7 +256,7 @@ def run_sweep(
     Example:
         >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
     """
-    from tvrpipe.features.store import STORE_NAME, open_store, store_identity
+    from tvrpipe.features.store import check_not_a_store, open_store, store_identity
     from tvrpipe.lock import check_writable
     from tvrpipe.training.fit import TrainConfig
 
@@ -270,8 +270,7 @@ def run_sweep(
     if gpus_per_run > 0:
         base = dataclasses.replace(base, device="cuda")  # checked again as it is made
     check_writable(out, "--out")
-    if (Path(out) / STORE_NAME).exists():
-        raise ConfigError(f"--out {out} is a feature store; a sweep goes into a folder of its own (e.g. runs/sweep)")
+    check_not_a_store(out, "a sweep")
     store = open_store(features)
     identity = store_identity(store.provenance)  # what fit records as the run's store
     features = Path(features).resolve()

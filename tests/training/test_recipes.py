@@ -140,15 +140,6 @@ def test_resolve_takes_the_recipe_unless_an_option_is_explicit(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def synth(tmp_path_factory):
-    from tvrpipe.data.synth import synthesize
-
-    root = tmp_path_factory.mktemp("recipe-data")
-    synthesize(root, 40, seed=0, progress=False)
-    return root
-
-
-@pytest.fixture(scope="module")
 def recipe_run(synth, tmp_path_factory):
     """finetune --recipe (the tiny T-MASS one) with --head-lr given explicitly, one epoch."""
     from typer.testing import CliRunner
@@ -327,15 +318,6 @@ def test_with_several_workers_the_head_share_is_read_at_the_gathered_batch():
 
 
 # ------------------------------------------------------------------------------ train-head --recipe
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from tvrpipe.features.genstore import GenSpec, generate_store
-
-    spec = GenSpec(train_videos=64, test_videos=16, captions_per_train_video=2, frames=4, max_words=8,
-                   embed_dim=32, seed=0)
-    return generate_store(tmp_path_factory.mktemp("recipe-store"), spec, video_shard=32, text_shard=64)
 
 
 def test_train_head_recipe_trains_the_head_as_written(store, tmp_path, cli):

@@ -18,24 +18,6 @@ from test_recipes import TINY_TMASS, changed, write_recipe
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@pytest.fixture(scope="module")
-def synth(tmp_path_factory):
-    from tvrpipe.data.synth import synthesize
-
-    root = tmp_path_factory.mktemp("records-data")
-    synthesize(root, 24, seed=0, progress=False)
-    return root
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from tvrpipe.features.genstore import GenSpec, generate_store
-
-    spec = GenSpec(train_videos=64, test_videos=16, captions_per_train_video=2, frames=4, max_words=8,
-                   embed_dim=32, seed=0)
-    return generate_store(tmp_path_factory.mktemp("records-store"), spec, video_shard=32, text_shard=64)
-
-
 def _config(run: Path) -> dict:
     return yaml.safe_load((run / "config.yaml").read_text())
 

@@ -104,13 +104,13 @@ def bench_finetune(
     import torch
 
     from tvrpipe.training.finetune import FinetuneConfig, finetune
+    from tvrpipe.training.fit import check_device
 
     # in this command's options, before videos are rendered (FinetuneConfig's own messages name finetune's)
     cuda = device.startswith("cuda")
     if precision == "fp16" and not cuda:
         raise ConfigError("--precision fp16 needs --device cuda (CPU autocast supports bf16: --precision bf16)")
-    if cuda and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    check_device(device)
     out = Path(out)
     train = batch_size * steps
     spec = BenchVideos(**{**asdict(videos), "count": train + 4})

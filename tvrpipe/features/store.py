@@ -559,6 +559,14 @@ def _read_sidecar(path: Path, rows: int, made_by: str, columns: Iterable[str]) -
 FEATURES_ROOT_ENV = "TVRPIPE_FEATURES"  # where `train-head` without --features looks for stores
 
 
+def check_not_a_store(out: str | os.PathLike[str], what: str) -> None:
+    """Raise :class:`ConfigError` when ``out`` (an ``--out`` for ``what``: "a run", "a sweep") is a feature
+    store, whose folder a run or a sweep would otherwise write into."""
+    if (Path(out) / STORE_NAME).exists():
+        example = "runs/sweep" if what == "a sweep" else "runs/NAME"
+        raise ConfigError(f"--out {out} is a feature store; {what} goes into a folder of its own (e.g. {example})")
+
+
 def find_stores(root: str | os.PathLike[str], depth: int = 3) -> list[Path]:
     """The feature store directories under ``root`` (it included), at most ``depth`` folders down,
     sorted; a store's own folders are not searched.

@@ -369,22 +369,20 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                     rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
                     rows.append(rec)
                     published = row.published if variant == "raw" else None
+                    line = {**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},
+                            "n_videos": None, "n_texts": None, "row": f"{row.label}: published", "seeds": 0,
+                            "seed_values": "", "versions": ""}
                     if published and published.left_out:  # said here too, not only in report.md
-                        rows.append({**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},
-                                     "n_videos": None, "n_texts": None, "scores": "published-left-out",
-                                     "row": f"{row.label}: published", "seeds": 0, "seed_values": "",
+                        rows.append({**line, "scores": "published-left-out",
                                      **{k: None for m in METRICS for k in (m, f"{m} std")},
-                                     "runs": f"recipe {published.name}: {published.left_out}", "versions": ""})
+                                     "runs": f"recipe {published.name}: {published.left_out}"})
                     elif published and direction in published.numbers.metrics:
                         pub = published.numbers
                         differs = f"; the runs differ in {' '.join(published.differs)}" if published.differs else ""
-                        rows.append({**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},
-                                     "n_videos": None, "n_texts": None, "scores": "published",
-                                     "row": f"{row.label}: published", "seeds": 0, "seed_values": "",
+                        rows.append({**line, "scores": "published",
                                      **{k: v for m, x in pub.metrics[direction].items()
                                         for k, v in ((m, x), (f"{m} std", None))},
-                                     "runs": f"{pub.source} ({pub.backbone}), recipe {published.name}{differs}",
-                                     "versions": ""})
+                                     "runs": f"{pub.source} ({pub.backbone}), recipe {published.name}{differs}"})
     return rows
 
 

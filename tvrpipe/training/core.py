@@ -238,10 +238,9 @@ def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (
         ConfigError: ``out`` is a feature store, or holds another run; ``explain(old, new)`` may give the
             reason instead.
     """
-    from tvrpipe.features.store import STORE_NAME
+    from tvrpipe.features.store import check_not_a_store
 
-    if (Path(out) / STORE_NAME).exists():
-        raise ConfigError(f"--out {out} is a feature store; a run goes into a folder of its own (e.g. runs/NAME)")
+    check_not_a_store(out, "a run")
 
     def same(c: dict) -> dict:
         c = _without({k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k != RESUMED}, ignore)
@@ -353,10 +352,10 @@ def lr_groups(groups: Mapping[str, list[nn.Parameter]], lr: float, lr_source: st
             for g, params in groups.items() if any(p.requires_grad for p in params)}
 
 
-def group_lr_source(group: str, recipe: Mapping[str, Any] | None, option: str = "--group-lr") -> str:
-    """Where a parameter group's own rate came from: the recipe a run records (:meth:`Recipe.record`),
-    unless the option overrode that group (``group_lr.<group>`` among its overridden settings)."""
-    if recipe and f"group_lr.{group}" not in (recipe.get("overridden") or ()):
+def setting_source(setting: str, recipe: Mapping[str, Any] | None, option: str) -> str:
+    """Where a setting's value came from: the recipe a run records (:meth:`Recipe.record`), unless ``option``
+    overrode it (``setting`` among its overridden settings; a group's own rate is ``group_lr.<group>``)."""
+    if recipe and setting not in (recipe.get("overridden") or ()):
         return f"recipe {recipe['name']}"
     return option
 

@@ -67,12 +67,12 @@ from tvrpipe.training.core import (
     check_head_inputs,
     check_lr_values,
     check_run_dir,
-    group_lr_source,
     group_rates,
     lr_groups,
     make_optimizer,
     optimizer_step,
     seed_step,
+    setting_source,
     start_run,
 )
 from tvrpipe.training.live import LiveModel, pairs_in_step, param_groups
@@ -390,17 +390,23 @@ def _loaders(job: _Job, image_size: int, cpus: int | None):
     return train_sampler, train_loader, loader_for
 
 
-def _train_pairs(job: _Job) -> TrainPairs:
+def _train_pairs(job: _Job, recipe: dict[str, Any] | None = None) -> TrainPairs:
     """The (video, caption) pairs an epoch draws from.
 
     Raises:
-        ConfigError: ``--batch-size`` exceeds the training videos (a batch holds no video twice).
+        ConfigError: the batch exceeds the training videos (a batch holds no video twice), naming where the
+            batch came from: ``--batch-size``, or the ``recipe`` the run records.
     """
     cfg = job.cfg
     pairs = TrainPairs.build(job.train_videos, job.train_texts, job.text_video[job.train_texts])
     if (cfg.batch_size > len(pairs.videos) or epoch_steps(pairs, cfg.batch_size, cfg.epoch_pairs) == 0) \
             and cfg.epochs > 0:
-        raise ConfigError(f"--batch-size {cfg.batch_size} exceeds the {len(pairs.videos)} training videos; lower it")
+        given = setting_source("batch_size", recipe, "--batch-size")
+        what = ("--batch-size" if given == "--batch-size" else
+                f"{given}'s batch_size")  # a recipe's: the user never typed --batch-size
+        where, how = ("", "") if given == "--batch-size" else (f" ({recipe['path']})", " with --batch-size")
+        raise ConfigError(f"{what} {cfg.batch_size}{where} exceeds the {len(pairs.videos)} training videos; "
+                          f"lower it{how}")
     return pairs
 
 
@@ -561,9 +567,6 @@ def _probe_head(method: str, head_cfg: Any, cfg: FinetuneConfig, bundle, recipe:
     Raises:
         ConfigError: ``group_lr`` names a group the head does not have.
     """
-    def source(setting: str, option: str) -> str:
-        return f"recipe {recipe['name']}" if recipe and setting not in recipe["overridden"] else option
-
     with torch.random.fork_rng(devices=[]):
         head = head_class(method)(head_cfg)
         groups = check_group_lr(head, cfg.group_lr)
@@ -573,9 +576,10 @@ def _probe_head(method: str, head_cfg: Any, cfg: FinetuneConfig, bundle, recipe:
                           VideoBatch(torch.randn(2, F, D), torch.ones(2, F, dtype=torch.bool)))
     if cfg.epochs == 0:  # no step: nothing trains at any rate
         return {}, copied
-    rates = {"clip": {"lr": float(cfg.clip_lr), "source": source("clip_lr", "--clip-lr")}} if cfg.end_to_end else {}
-    rates.update(lr_groups(groups, cfg.head_lr, source("head_lr", "--head-lr"), cfg.group_lr,
-                           lambda g: group_lr_source(g, recipe)))
+    rates = ({"clip": {"lr": float(cfg.clip_lr), "source": setting_source("clip_lr", recipe, "--clip-lr")}}
+             if cfg.end_to_end else {})
+    rates.update(lr_groups(groups, cfg.head_lr, setting_source("head_lr", recipe, "--head-lr"), cfg.group_lr,
+                           lambda g: setting_source(f"group_lr.{g}", recipe, "--group-lr")))
     return rates, copied
 
 
@@ -662,14 +666,7 @@ def finetune(
                val=(rows.val_videos, rows.val_texts), test=(rows.test_videos, rows.test_texts),
                video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
                val_source=rows.val_source, post=post, progress=progress, lr_groups=rates)
-    try:  # the batch fits the training set: checked before the run directory is written
-        pairs = _train_pairs(job)
-    except ConfigError as e:  # a batch the recipe gave, not --batch-size: say so
-        if not recipe or "batch_size" in recipe["overridden"]:
-            raise
-        raise ConfigError(str(e).replace(f"--batch-size {cfg.batch_size}", f"recipe {recipe['name']}'s batch_size "
-                                         f"{cfg.batch_size} ({recipe['path']})", 1).replace("; lower it",
-                                         "; lower it with --batch-size", 1)) from None
+    pairs = _train_pairs(job, recipe)  # the batch fits the training set: checked before the run directory is written
     _check_files(job, root)
     if recipe:  # how the run differs from its recipe: the manifest's data, and every setting as cfg runs it
         from tvrpipe.training.recipes import OPTION_SETTINGS, deviations
@@ -750,8 +747,7 @@ def _ray_train(job: _Job) -> dict:
 
     from tvrpipe.errors import TvrpipeError
 
-    cfg = job.cfg
-    _join_ray(cfg)
+    cfg = job.cfg  # Ray was started or joined (_join_ray) before the run directory was written
     cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
     cpus = cfg.cpus_per_worker or max(1, cluster_cpus // cfg.num_workers)
     resources = {"CPU": cpus, **({"GPU": 1} if cfg.use_gpu else {})}

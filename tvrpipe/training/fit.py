@@ -65,12 +65,12 @@ from tvrpipe.training.core import (
     check_head_groups,
     check_head_inputs,
     check_lr_values,
-    group_lr_source,
     group_rates,
     lr_groups,
     make_optimizer,
     optimizer_step,
     seed_step,
+    setting_source,
     start_run,
 )
 from tvrpipe.training.data import CaptionPairs, SplitData, Splits, load_split, load_splits, store_split_rows
@@ -334,8 +334,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     """The training run proper, with the run directory locked."""
     train_split = splits.train
     lr, lr_source = resolved_lr(method, train, head_cfg.embed_dim)
-    if recipe and "head_lr" not in recipe["overridden"]:
-        lr_source = f"recipe {recipe['name']}"
+    lr_source = setting_source("head_lr", recipe, lr_source)
     steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
     if max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, max_steps)
@@ -353,7 +352,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                       train_split.video_batch(vids).to(device))
     groups = check_group_lr(head, train.group_lr)
     steps = 0 if train.epochs == 0 else steps_per_epoch
-    rates = lr_groups(groups, lr, lr_source, train.group_lr, lambda g: group_lr_source(g, recipe)) if steps else {}
+    rates = lr_groups(groups, lr, lr_source, train.group_lr, lambda g: setting_source(f"group_lr.{g}", recipe, "--group-lr")) if steps else {}
     if lr_source == "--lr" and rates and not any(r["source"] == "--lr" for r in rates.values()):
         raise ConfigError(f"--lr {lr:g}: every parameter group of {method} trains at its --group-lr rate "
                           f"({', '.join(rates)}), so --lr would train nothing; leave it out")
