@@ -25,7 +25,10 @@ from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("open-clip-torch", "decord", "av", "zarr", "numcodecs", "donfig", "google-crc32c", "ftfy", "wcwidth")
+PACKAGES = ("open-clip-torch", "decord", "av", "zarr", "numcodecs", "donfig", "google-crc32c", "msgspec", "ftfy", "wcwidth")
+# what a PyTorch GPU image is taken to have already (the docstring's list, with what those need)
+IMAGE = ("torch", "torchvision", "numpy", "pandas", "pyarrow", "safetensors", "typer", "rich", "pyyaml", "matplotlib",
+         "timm", "huggingface-hub", "regex", "tqdm", "pytest", "packaging", "typing-extensions")
 LIMIT_MB = 60.0  # what can be carried to such a machine beside the repository
 
 
@@ -68,6 +71,12 @@ def resolve(packages: list[str], python: tuple[int, int], glibc: tuple[int, int]
             raise SystemExit(f"wheelhouse: {name} is not in uv.lock for Python {python[0]}.{python[1]}; "
                              "add it to pyproject.toml and run `make lock`")
         pkg = candidates[0]
+        missing = [d["name"] for d in pkg.get("dependencies", [])
+                   if canonicalize_name(d["name"]) not in {canonicalize_name(n) for n in (*packages, *IMAGE)}
+                   and (not d.get("marker") or Marker(d["marker"]).evaluate(env))]
+        if missing:  # it would install, then fail to import on the GPU machine
+            raise SystemExit(f"wheelhouse: {name} {pkg['version']} needs {', '.join(missing)}, which is neither in "
+                             "the set nor in what a PyTorch image has; add it with --also NAME")
         best = None
         for w in pkg.get("wheels", []):
             file = w["url"].rsplit("/", 1)[1]

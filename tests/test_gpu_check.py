@@ -34,6 +34,12 @@ def test_the_wheelhouse_resolves_from_the_lock_for_the_gpu_machine_and_fits(caps
     assert wheelhouse.main(["--dry-run", "--limit-mb", "1"]) == 1  # a set too large is refused
 
 
+def test_a_set_without_a_dependency_of_its_packages_is_refused():
+    # zarr imports msgspec: a set without it installed on the GPU machine and then failed to import zarr
+    with pytest.raises(SystemExit, match=r"zarr \S+ needs msgspec"):
+        wheelhouse.resolve([p for p in wheelhouse.PACKAGES if p != "msgspec"], (3, 12), (2, 28), "x86_64")
+
+
 def test_a_package_missing_from_the_lock_is_named():
     with pytest.raises(SystemExit, match="no-such-package is not in uv.lock"):
         wheelhouse.resolve(["no-such-package"], (3, 12), (2, 28), "x86_64")
