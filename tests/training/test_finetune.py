@@ -361,6 +361,46 @@ def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
                 torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_chunked_run_equals_the_whole_batch_run_and_resumes_with_any_chunk_size(tmp_path, interrupt_call):
+    """--chunk-size changes the memory, not the run: the same steps (within float summation order), the
+    same run directory on a resume with another chunk size, and a chunked run resumed equals one that was
+    not interrupted."""
+    import tvrpipe.training.finetune as ft
+    from tvrpipe.config import load_yaml
+
+    d = _small(tmp_path)
+    cfg = FinetuneConfig(end_to_end=True, epochs=2, batch_size=4, max_steps=2, clip_lr=1e-3, head_lr=1e-3, **TINY)
+    chunked = dataclasses.replace(cfg, chunk_size=3)  # a batch of 4 as 3 + 1
+    whole = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "whole", cfg, progress=False)
+    full = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "full", chunked, progress=False)
+    losses = [pd.read_csv(tmp_path / r / "epochs.csv")["loss"].to_numpy() for r in ("whole", "full")]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert full["test"]["t2v"]["R@1"] == pytest.approx(whole["test"]["t2v"]["R@1"])
+    config = load_yaml((tmp_path / "full" / "config.yaml").read_bytes(), "config.yaml")
+    assert config["execution"]["chunk_size"] == 3 and "chunk_size" not in config["finetune"]
+
+    restore = interrupt_call(ft, "_evaluate", 2)  # stops in epoch two
+    with pytest.raises(KeyboardInterrupt):
+        finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", chunked, progress=False)
+    restore()
+    finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", chunked, progress=False)
+    for name in ("clip_last.safetensors", "last.safetensors", "clip_best.safetensors", "best.safetensors"):
+        a, b = (load_file(str(tmp_path / r / "checkpoints" / name)) for r in ("cut", "full"))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+    restore = interrupt_call(ft, "_evaluate", 2)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(d / "manifest", d / "videos", "xpool", tmp_path / "other", chunked, progress=False)
+    restore()
+    finetune(d / "manifest", d / "videos", "xpool", tmp_path / "other", dataclasses.replace(cfg, chunk_size=1),
+             progress=False)  # the same run, its second epoch a pair at a time
+    config = load_yaml((tmp_path / "other" / "config.yaml").read_bytes(), "config.yaml")
+    assert config["execution"]["chunk_size"] == 3  # what the first epoch ran with
+    [resumed] = config["resumed_execution"]
+    assert resumed["from_epoch"] == 2 and resumed["execution"]["chunk_size"] == 1
+
+
 def test_a_step_whose_videos_all_fail_to_decode_is_skipped(tmp_path):
     """Every training video unreadable: each step has no pair, and a loss over none is NaN. The
     step is skipped (it stopped the run with 'lower the learning rates'); the failures are kept."""
@@ -419,14 +459,17 @@ def test_ray_train_two_workers_step_equals_one_process_step(tmp_path):
     one = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "one", cfg, progress=False)
     two = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "two",
                    FinetuneConfig(**{**cfg.__dict__, "num_workers": 2}), progress=False)
+    # each worker's 4 pairs encoded 3 + 1 at a time: the gradients averaged once, as DDP averages them
+    chunked = finetune(d / "manifest", d / "videos", "xpool", tmp_path / "chunked",
+                       FinetuneConfig(**{**cfg.__dict__, "num_workers": 2, "chunk_size": 3}), progress=False)
     start = load_file(str(tmp_path / "one" / "checkpoints" / "clip_last.safetensors"))
     from tvrpipe.features.clip import load_clip
 
     init = load_clip("tvrpipe-tiny", "none").model.state_dict()
     moved = 0
-    for name in ("clip_last.safetensors", "last.safetensors"):
+    for name, run in [(n, r) for n in ("clip_last.safetensors", "last.safetensors") for r in ("two", "chunked")]:
         a = load_file(str(tmp_path / "one" / "checkpoints" / name))
-        b = load_file(str(tmp_path / "two" / "checkpoints" / name))
+        b = load_file(str(tmp_path / run / "checkpoints" / name))
         for k in a:
             x, y = a[k], b[k]
             if k.endswith("attn.in_proj_bias"):
@@ -442,9 +485,10 @@ def test_ray_train_two_workers_step_equals_one_process_step(tmp_path):
     for k in start:
         moved += int((start[k] - init[k]).abs().max() > 5e-4)
     assert moved > 10  # the step moved the weights by about lr
-    assert pd.read_csv(tmp_path / "two" / "epochs.csv")["loss"].iloc[0] == pytest.approx(
-        pd.read_csv(tmp_path / "one" / "epochs.csv")["loss"].iloc[0], rel=1e-5)
-    assert two["test"]["t2v"]["R@1"] == pytest.approx(one["test"]["t2v"]["R@1"])
+    for run, m in (("two", two), ("chunked", chunked)):
+        assert pd.read_csv(tmp_path / run / "epochs.csv")["loss"].iloc[0] == pytest.approx(
+            pd.read_csv(tmp_path / "one" / "epochs.csv")["loss"].iloc[0], rel=1e-5)
+        assert m["test"]["t2v"]["R@1"] == pytest.approx(one["test"]["t2v"]["R@1"])
 
 
 def test_bf16_autocast_and_gradient_checkpointing_train(tmp_path):

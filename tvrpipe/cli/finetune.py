@@ -86,6 +86,12 @@ def finetune_cmd(
     grad_checkpointing: Annotated[
         bool, typer.Option("--grad-checkpointing", help="Recompute CLIP activations in backward (less memory).")
     ] = False,
+    chunk_size: Annotated[
+        Optional[int], typer.Option(help="Pairs CLIP encodes at a time on each worker: the step still computes the whole "
+                                         "batch's gradient (every negative), with CLIP's activations for one chunk "
+                                         "in memory instead of the batch's (docs/training.md). Default: the batch "
+                                         "at once.")
+    ] = None,
     init_from_clip: Annotated[
         bool, typer.Option("--init-from-clip/--no-init-from-clip",
                            help="Start the head's temporal transformer from CLIP's text transformer (CLIP4Clip seqTransf, "
@@ -119,7 +125,7 @@ def finetune_cmd(
     options = dict(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs, epoch_pairs=epoch_pairs,
                    batch_size=batch_size, frames=frames, max_words=max_words, optimizer=optimizer, clip_lr=clip_lr,
                    head_lr=head_lr, group_lr=parse_group_lr(group_lr or []), weight_decay=weight_decay,
-                   grad_clip=grad_clip, precision=precision, grad_checkpointing=grad_checkpointing,
+                   grad_clip=grad_clip, precision=precision, grad_checkpointing=grad_checkpointing, chunk_size=chunk_size,
                    init_from_clip=init_from_clip, num_workers=num_workers, use_gpu=use_gpu, address=address,
                    cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed, timeout_s=timeout,
                    max_failed_fraction=max_failed_fraction)
@@ -155,7 +161,7 @@ def finetune_cmd(
                       "have no effect; give --end-to-end, or leave it out")
     if options["epochs"] == 0:
         refuse_unused(ctx, ("batch_size", "epoch_pairs", "optimizer", "clip_lr", "head_lr", "group_lr", "weight_decay",
-                            "grad_clip", "grad_checkpointing"),
+                            "grad_clip", "grad_checkpointing", "chunk_size"),
                       "--epochs 0 trains nothing (the untrained models are evaluated); leave it out")
     if options["num_workers"] == 0:
         refuse_unused(ctx, ("address", "cpus_per_worker"), "only Ray Train workers use it (--num-workers N); give "

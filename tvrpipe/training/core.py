@@ -148,6 +148,22 @@ def seed_step(seed: int, epoch: int, step: int) -> None:
         torch.mps.manual_seed(s)
 
 
+RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def rng_state(device: torch.device) -> RngState:
+    """The CPU generator's state, and ``device``'s where it is a CUDA device."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_rng_state(state: RngState, device: torch.device) -> None:
+    """Put the generators back to a :func:`rng_state`."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
 def check_group_lr(head: Head, group_lr: Mapping[str, float] | None) -> dict[str, list[nn.Parameter]]:
     """The head's parameter groups, when ``group_lr`` names only groups it has.
 
@@ -202,14 +218,26 @@ def optimizer_step(opt: torch.optim.Optimizer | None, loss: torch.Tensor, multip
     (a head with nothing to train) nothing happens."""
     if opt is None:
         return
+    start_step(opt, multiplier)
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    apply_step(opt, scaler, grad_clip)
+
+
+def start_step(opt: torch.optim.Optimizer, multiplier: float) -> None:
+    """Before a step's backward: every group at its ``base_lr`` times ``multiplier``, no gradient left."""
     for g in opt.param_groups:
         g["lr"] = g["base_lr"] * multiplier
     opt.zero_grad(set_to_none=True)
+
+
+def apply_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, grad_clip: float = 0.0) -> None:
+    """After a step's backward: the gradients unscaled (``scaler``, fp16), their norm clipped to ``grad_clip``
+    when > 0, then the update."""
     if scaler is None:
-        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], grad_clip)
         opt.step()
         return
-    scaler.scale(loss).backward()
     if grad_clip > 0:
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], grad_clip)

@@ -63,6 +63,7 @@ from tvrpipe.training.core import (
     OPTIMIZERS,
     RunLoop,
     Schedule,
+    apply_step,
     check_group_lr,
     check_head_inputs,
     check_lr_values,
@@ -70,12 +71,13 @@ from tvrpipe.training.core import (
     group_rates,
     lr_groups,
     make_optimizer,
-    optimizer_step,
     seed_step,
     setting_source,
     start_run,
+    start_step,
 )
 from tvrpipe.training.live import LiveModel, pairs_in_step, param_groups
+from tvrpipe.training.step import step_gradients
 from tvrpipe.training.videodata import (
     EPOCH_PAIRS,
     ClipBatch,
@@ -121,6 +123,9 @@ class FinetuneConfig:
     # fp16 (GPU) / bf16: autocast of the CLIP towers; heads run in fp32
     precision: str = one_of(PRECISIONS, "fp32", option="--precision")
     grad_checkpointing: bool = False  # open_clip's activation checkpointing of the towers
+    # pairs CLIP encodes at a time on each worker (training.step: the whole batch's gradient, less memory);
+    # None: the worker's batch at once
+    chunk_size: int | None = at_least(1, None, option="--chunk-size")
     # CLIP4Clip / ProTA Supp. B / UATVR (via CLIP4Clip): the head's temporal transformer starts from CLIP's
     # text transformer (Head.init_from_clip); off: the head's own initialisation
     init_from_clip: bool = False
@@ -301,12 +306,19 @@ def run_job(job: _Job, rank: int = 0, world: int = 1, device: str | torch.device
                     continue
                 # the head's own noise (sampling heads) is the same on every rank and after a resume
                 seed_step(cfg.seed, epoch, step)
-                total_loss, loss_terms = wrapped(batch.frames, batch.frame_mask, batch.texts, job.max_words)
-                if not torch.isfinite(total_loss.detach()):
-                    vids = ", ".join(str(job.video_ids[v]) for v in batch.videos[:5])
-                    raise NonFiniteError(f"epoch {epoch + 1} step {step + 1}: the loss is {float(total_loss)} on the "
-                                         f"batch of videos {vids}; lower --clip-lr / --head-lr and train into a new --out")
-                optimizer_step(opt, total_loss, loop.lr(epoch, step), scaler, cfg.grad_clip)
+
+                def check(loss: torch.Tensor) -> None:
+                    if not torch.isfinite(loss.detach()):
+                        vids = ", ".join(str(job.video_ids[v]) for v in batch.videos[:5])
+                        raise NonFiniteError(f"epoch {epoch + 1} step {step + 1}: the loss is {float(loss)} on the "
+                                             f"batch of videos {vids}; lower --clip-lr / --head-lr and train into a "
+                                             "new --out")
+                if opt is not None:
+                    start_step(opt, loop.lr(epoch, step))
+                total_loss, loss_terms = step_gradients(model, wrapped, batch.frames, batch.frame_mask, batch.texts,
+                                                        job.max_words, cfg.chunk_size, scaler, opt is not None, check)
+                if opt is not None:
+                    apply_step(opt, scaler, cfg.grad_clip)
                 if bundle.device.type == "cuda":
                     torch.cuda.synchronize(bundle.device)
                 t2 = time.perf_counter()
@@ -553,8 +565,8 @@ def _extract_model_name(bundle) -> str:
 # ----------------------------------------------------------------------------- driver
 
 # Settings that decide how a run executes, not what it computes: a rerun may change them and resume.
-_EXECUTION = ("num_workers", "use_gpu", "address", "cpus_per_worker", "loader_workers", "eval_batch", "timeout_s",
-              "max_failed_fraction")
+_EXECUTION = ("num_workers", "use_gpu", "address", "cpus_per_worker", "loader_workers", "chunk_size", "eval_batch",
+              "timeout_s", "max_failed_fraction")
 _RESUMABLE = ("execution",)  # the config.yaml sections a resumed run may change (how and where it runs)
 NO_GPU = "--use-gpu: no CUDA device is available here; leave it out to train on the CPU"
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
-from tvrpipe.training.core import check_group_lr
+from tvrpipe.training.core import check_group_lr, set_rng_state
 
 
 class _AllGather(torch.autograd.Function):
@@ -126,8 +126,13 @@ class LiveModel(nn.Module):
             tokens, sentence = text_features(self._bundle, ids, self.clip)
         return TextBatch(tokens.float(), mask.to(self._bundle.device), sentence.float())
 
-    def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str], max_words: int):
+    def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str], max_words: int,
+                head_rng: tuple | None = None):
+        """The head's loss over every worker's pairs: ``(total, terms)``. ``head_rng``: the random state the
+        head draws its noise from (:func:`~tvrpipe.training.core.rng_state`; default: where CLIP left it)."""
         t, v = gather_pairs(*self.features(frames, frame_mask, texts, max_words))
+        if head_rng is not None:
+            set_rng_state(head_rng, self._bundle.device)
         out = self.head.loss(t, v)  # heads run in fp32, outside autocast
         return out.total, out.terms
 

@@ -21,7 +21,9 @@ overrides, each value with its source, plus the numbers the paper publishes for 
       v2t: null
 
 A source is a paper's section or table, the official code's file, or ``choice: ...`` where both
-are silent. ``finetune --recipe NAME`` and ``train-head --recipe NAME`` take every value an option
+are silent. A recipe may also name how its run executes, where no paper does: ``chunk_size`` (pairs
+CLIP encodes at a time, ``finetune --chunk-size``) lets a batch fit a smaller GPU and changes
+nothing the run computes, so it is never among the settings a run differs in. ``finetune --recipe NAME`` and ``train-head --recipe NAME`` take every value an option
 does not give explicitly (:func:`resolve`); the run records the recipe's name and hash beside the
 resolved values.
 """
@@ -57,6 +59,9 @@ IMPLEMENTED = {
     "schedule": ("cosine",),  # linear warmup over warmup_fraction of the steps, then cosine decay to 0
 }
 OPTION_SETTINGS = tuple(k for k in SETTINGS if k not in IMPLEMENTED)  # each a finetune option of the same name
+# what a recipe may add: how the run executes, not what it computes (no paper gives it, a run records it, and it
+# is no part of the experiment: never among the settings a run differs in)
+EXECUTION_SETTINGS = ("chunk_size",)
 # what train-head takes from a recipe (the rest belongs to the features, fixed when they were extracted)
 TRAIN_HEAD = {"batch_size": "batch_size", "epochs": "epochs", "optimizer": "optimizer", "head_lr": "lr",
               "group_lr": "group_lr", "weight_decay": "weight_decay", "warmup_fraction": "warmup_fraction"}
@@ -234,7 +239,7 @@ def load_recipe(name: str | Path) -> Recipe:
         raise ConfigError(f"{path}: method {method!r} is not a head ({', '.join(list_heads())})")
     settings_raw = raw["settings"] if isinstance(raw["settings"], Mapping) else {}
     missing = [k for k in SETTINGS if k not in settings_raw]
-    unknown = sorted(set(settings_raw) - set(SETTINGS))
+    unknown = sorted(set(settings_raw) - set(SETTINGS) - set(EXECUTION_SETTINGS))
     if missing or unknown:
         raise ConfigError(f"{path}: settings " + "; ".join(
             ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
@@ -243,7 +248,7 @@ def load_recipe(name: str | Path) -> Recipe:
 
     types = field_types(FinetuneConfig)
     settings = {}
-    for k in SETTINGS:
+    for k in (*SETTINGS, *(k for k in EXECUTION_SETTINGS if k in settings_raw)):
         item = _sourced(settings_raw[k], f"{path}: settings.{k}")
         settings[k] = Sourced(_typed(item.value, types.get(k, str), f"{path}: settings.{k}"), item.source)
     for k, allowed in IMPLEMENTED.items():
@@ -392,9 +397,11 @@ def resolve(recipe: Recipe, explicit: Mapping[str, Any], keys: Mapping[str, str]
     Returns:
         ``(values by field, the recipe settings the options overrode)``.
     """
-    keys = keys or {k: k for k in OPTION_SETTINGS}
+    keys = keys or {k: k for k in (*OPTION_SETTINGS, *EXECUTION_SETTINGS)}
     values, overridden = {}, []
     for setting, option in keys.items():
+        if setting not in recipe.settings:  # an execution setting the recipe does not name
+            continue
         value = recipe.settings[setting].value
         if option in explicit:
             given = explicit[option]
