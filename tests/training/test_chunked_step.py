@@ -46,7 +46,7 @@ def gradients(model: LiveModel, chunk: int | None, frames, mask, texts) -> tuple
     model.zero_grad(set_to_none=True)
     seed_step(0, 0, 0)
     loss, _ = step_gradients(model, model, frames, mask, texts, L, chunk)
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_same_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:

@@ -317,6 +317,108 @@ def test_with_several_workers_the_head_share_is_read_at_the_gathered_batch():
     assert extra["prota"] > 10 * extra["meanpool"] > 0
 
 
+def _step(vision=(0.0, 50.0), text=(0.0, 20.0), precision="fp32", checkpointing=False):
+    """A step's memory with round numbers: 8 pairs of 2 frames (10-byte images), 4 words, D = 2; 400 bytes of
+    weights, gradients and moments; the head's loss 10 n + n^2 at the gathered 8 pairs (144)."""
+    from tvrpipe.training.plan import StepMemory
+
+    return StepMemory(precision=precision, grad_checkpointing=checkpointing, pairs=8, gathered=8, frames=2, max_words=4,
+                      embed_dim=2, image_bytes=10, weights=100, gradients=100, optimizer=200, vision=vision, text=text,
+                      head=(0.0, 10.0, 1.0))
+
+
+def test_the_chunked_estimate_holds_clip_s_activations_for_one_chunk():
+    step = _step()
+    whole = step.at(None)  # CLIP 50 x 16 images + 20 x 8 captions; uint8 frames 160 + their float copy 640
+    assert (whole.chunk, whole.clip_activations, whole.head_activations, whole.cached) == (8, 960, 144, 0)
+    assert whole.inputs == 800 and whole.total == 400 + 800 + 960 + 144 == step.at(8).total == step.at(99).total
+    two = step.at(2)  # CLIP for 2 pairs; the cached features' gradients: 8 pairs x (2 + 4 + 1) x 2 x 4 bytes
+    assert (two.clip_activations, two.cached, two.inputs) == (240, 448, 160 + 160)
+    assert two.total == 400 + 320 + 240 + 144 + 448 == 1552
+    assert step.at(1).total == 1352 and step.at(3).total == 1752
+    assert step.largest_chunk(1600) == 2 and step.largest_chunk(10**6) == 8 and step.largest_chunk(1351) is None
+
+
+def test_the_advice_names_the_fewest_changes_that_fit():
+    from tvrpipe.training.plan import advise
+
+    steps = {("fp32", False): _step(), ("fp32", True): _step((0.0, 5.0), (0.0, 2.0), checkpointing=True),
+             ("bf16", False): _step((0.0, 25.0), (0.0, 10.0), "bf16"),
+             ("bf16", True): _step((0.0, 2.0), (0.0, 1.0), "bf16", True)}
+    fits = advise(steps, "fp32", False, None, 4000)
+    assert fits == {"budget": 4000, "fits": True, "total": 2304, "largest_chunk": 8, "needs": []}
+    assert advise(steps, "fp32", False, None, 1600)["needs"] == ["--chunk-size 2"]  # chunking alone does it
+    assert advise(steps, "fp32", False, 2, 1600)["fits"]
+    # not one pair at a time as set (1352); checkpointing a pair at a time: 400 + 240 + 12 + 144 + 448 = 1244
+    tight = advise(steps, "fp32", False, None, 1300)
+    assert tight["largest_chunk"] is None and tight["needs"] == ["--grad-checkpointing", "--chunk-size 1"]
+    assert advise(steps, "fp32", False, None, 1400)["needs"] == ["--chunk-size 1"]  # 1352
+    steps[("fp32", True)] = _step(checkpointing=True)  # checkpointing that saves nothing: half precision it is,
+    # a pair at a time: 400 + 240 + 50 + 10 + 144 + 448 = 1292 (bf16 with checkpointing would fit too, a change more)
+    assert advise(steps, "fp32", False, None, 1300, half="fp16")["needs"] == ["--precision fp16", "--chunk-size 1"]
+    assert advise(steps, "bf16", True, None, 1300)["needs"] == ["--chunk-size 1"]  # 1235; 1318 at 2
+    assert advise(steps, "fp32", False, None, 500)["needs"] is None  # nothing fits the weights and the moments
+
+
+def test_memory_sizes_parse_with_their_units():
+    from tvrpipe.training.plan import parse_memory
+
+    assert parse_memory("24GiB") == 24 * 2**30 == parse_memory("24") == parse_memory(" 24 gib ")
+    assert parse_memory("40GB") == 40 * 10**9 and parse_memory("81559MiB") == 81559 * 2**20
+    assert parse_memory("0.5TiB") == 2**39
+    for bad in ("", "0GiB", "-3GiB", "24 parsecs", "GiB", "nan"):
+        with pytest.raises(ConfigError, match="--gpu-memory .*: give a size above 0 such as 24GiB"):
+            parse_memory(bad)
+
+
+def test_dry_run_plans_chunks_and_a_gpu_s_memory(synth, tmp_path, cli):
+    """A recipe's chunk size reaches the plan and the run's record; --gpu-memory says what fits."""
+    from tvrpipe.config import load_yaml
+
+    doc = changed(TINY_TMASS, "settings.chunk_size", {"value": 2, "source": "choice: a small GPU"})
+    recipe = write_recipe(tmp_path / "r.yaml", doc)
+    args = ("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+            "--batch-size", "4")
+    result = cli(*args, "--out", tmp_path / "dry", "--dry-run", "--gpu-memory", "80GiB")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "chunk_size=2" in text and "CLIP encoding 2 of its 4 pairs at a time; the batch at once:" in text
+    assert "GPU memory: the step fits 80.00 GiB per worker; the largest --chunk-size that fits: 4 (the batch at once)" in text
+    result = cli(*args, "--out", tmp_path / "dry", "--dry-run", "--gpu-memory", "1MiB")
+    text = " ".join(result.output.split())
+    assert "does not fit 0.00 GiB per worker with any precision, gradient checkpointing or chunk size" in text
+    result = cli(*args, "--out", tmp_path / "run", "--epochs", "1", "--gpu-memory", "24GiB")
+    assert result.exit_code == 1 and "--gpu-memory is the dry run's question" in result.output
+    assert not (tmp_path / "run").exists() and not (tmp_path / "dry").exists()
+    result = cli(*args, "--out", tmp_path / "run", "--epochs", "1")
+    assert result.exit_code == 0, result.output
+    config = load_yaml((tmp_path / "run" / "config.yaml").read_bytes(), "config.yaml")
+    assert config["execution"]["chunk_size"] == 2 and config["recipe"]["settings"]["chunk_size"] == 2
+    assert "chunk_size" not in config["recipe"]["differs"] and config["recipe"]["overridden"] == ["batch_size"]
+    # an explicit --chunk-size wins, and is no difference from the recipe either
+    result = cli(*args, "--out", tmp_path / "run1", "--epochs", "1", "--chunk-size", "1")
+    assert result.exit_code == 0, result.output
+    config = load_yaml((tmp_path / "run1" / "config.yaml").read_bytes(), "config.yaml")
+    assert config["execution"]["chunk_size"] == 1 and "chunk_size" not in config["recipe"]["differs"]
+
+
+def test_recipes_memory_estimates_what_the_dry_run_estimates(synth, tmp_path, cli, monkeypatch):
+    """`recipes memory` needs no dataset: its figure for a recipe is the dry run's on data of that recipe."""
+    import re
+
+    recipe = write_recipe(tmp_path / "r.yaml", TINY_TMASS)
+    dry = cli("finetune", "--recipe", recipe, "--manifest", synth / "manifest", "--video-root", synth / "videos",
+              "--out", tmp_path / "run", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    peak = re.search(r"estimated peak memory per worker: ([0-9.]+) GiB", " ".join(dry.output.split())).group(1)
+    monkeypatch.setenv("COLUMNS", "200")  # the table's cells unwrapped
+    result = cli("recipes", "memory", recipe, "--gpu-memory", "80GiB", "--gpu-memory", "1MiB")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.strip("│ ").startswith("r "))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells == ["r", "8 x 4", "fp32", f"{float(peak):.1f} GiB", "all", "none"]
+
+
 # ------------------------------------------------------------------------------ train-head --recipe
 
 

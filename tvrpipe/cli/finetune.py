@@ -36,8 +36,12 @@ def finetune_cmd(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Check everything a run checks before it writes, print what it will do (settings, the "
                           "learning rate of each parameter group, split counts, steps, images per step, estimated "
-                          "peak memory per worker from short CPU steps) and stop; writes nothing. Exits 1 where the "
+                          "peak memory per worker, from a few images encoded on the CPU) and stop; writes nothing. Exits 1 where the "
                           "run would stop (with --use-gpu on a machine without CUDA, after the plan).")] = False,
+    gpu_memory: Annotated[Optional[str], typer.Option(
+        help="With --dry-run: a GPU's memory per worker (24GiB, 40GB, 81559MiB; a bare number is GiB). The plan says "
+             "whether a step fits it, the largest --chunk-size that does, and which of --precision, "
+             "--grad-checkpointing and --chunk-size the run needs to fit at all.")] = None,
     end_to_end: Annotated[
         bool, typer.Option("--end-to-end/--frozen-clip", help="Unfreeze both CLIP towers (the papers' setting); "
                            "--frozen-clip (the default without a recipe) keeps CLIP frozen and trains only the head, on "
@@ -166,9 +170,17 @@ def finetune_cmd(
     if options["num_workers"] == 0:
         refuse_unused(ctx, ("address", "cpus_per_worker"), "only Ray Train workers use it (--num-workers N); give "
                       "--num-workers, or leave it out")
+    budget = None
+    if gpu_memory is not None:
+        if not dry_run:
+            raise ConfigError("--gpu-memory is the dry run's question (does a step fit this GPU?); give --dry-run, "
+                              "or leave it out")
+        from tvrpipe.training.plan import parse_memory
+
+        budget = parse_memory(gpu_memory)
     cfg = FinetuneConfig(**options)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []), recipe=record,
-                       dry_run=dry_run)
+                       dry_run=dry_run, gpu_memory=budget)
     if dry_run:
         print_plan(metrics)
         if metrics["gpu"]:  # the plan is for a machine with the GPUs; here the run itself would stop
@@ -214,8 +226,28 @@ def print_plan(plan: dict) -> None:
                   f"({plan['images_per_step_per_worker']} on each of {plan['workers']} worker(s))", highlight=False)
     m = plan["memory"]
     gb = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    console.print(f"estimated peak memory per worker: {gb(m['total'])} (an estimate: weights {gb(m['weights'])}, "
+    chunked = m["chunk"] < m["pairs"]
+    how = (f"CLIP encoding {m['chunk']} of its {m['pairs']} pairs at a time; the batch at once: "
+           f"{gb(m['unchunked_total'])}" if chunked else f"CLIP encoding its {m['pairs']} pairs at once")
+    console.print(f"estimated peak memory per worker: {gb(m['total'])} ({how}; an estimate: weights {gb(m['weights'])}, "
                   f"gradients {gb(m['gradients'])}, optimiser {gb(m['optimizer'])}, input frames {gb(m['inputs'])}, "
-                  f"activations {gb(m['activations'])} at {m['pairs']} pairs, from CPU steps of "
-                  f"{', '.join(str(n) for n, _ in m['measured'])} pairs; a GPU adds its context, about 0.5 GiB)",
+                  f"activations {gb(m['activations'])}: CLIP {gb(m['clip_activations'])}, the head over "
+                  f"{m['gathered']} pairs {gb(m['head_activations'])}"
+                  + (f", cached features {gb(m['cached'])}" if chunked else "")
+                  + f"; measured on {m['seconds']:.1f} s of CPU passes; a GPU adds its context, about 0.5 GiB)",
                   highlight=False, soft_wrap=True)
+    fit = plan.get("fit")
+    if fit:
+        budget = gb(fit["budget"])
+        largest = fit["largest_chunk"]
+        chunk_line = ("not one pair at a time fits as set" if largest is None else
+                      f"the largest --chunk-size that fits: {largest}" + (" (the batch at once)" if largest >= m["pairs"]
+                                                                          else ""))
+        if fit["fits"]:
+            verdict = f"fits {budget} per worker"
+        elif fit["needs"]:
+            verdict = f"does not fit {budget} per worker as set; it fits with {' '.join(fit['needs'])}"
+        else:
+            verdict = (f"does not fit {budget} per worker with any precision, gradient checkpointing or chunk size "
+                       "tvrpipe offers: lower --frames or --batch-size, or use more workers (--num-workers)")
+        console.print(f"GPU memory: the step {verdict}; {chunk_line}", highlight=False, soft_wrap=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -77,3 +77,36 @@ def show(name: Annotated[str, typer.Argument(help="A recipe (`tvrpipe recipes`) 
     console.print(pub)
     if r.published.note:
         console.print(f"note: {r.published.note}", highlight=False)
+
+
+@recipes_app.command("memory")
+def memory(
+    names: Annotated[Optional[list[str]], typer.Argument(help="Recipes or recipe files (default: every recipe).")] = None,
+    gpu_memory: Annotated[Optional[list[str]], typer.Option(
+        help="A GPU's memory per worker (repeatable; default 24GiB, 40GiB and 80GiB).")] = None,
+    num_workers: Annotated[int, typer.Option(min=1, help="Ray Train workers sharing the batch.")] = 1,
+) -> None:
+    """Each recipe's estimated peak memory per worker with its batch at once, and the largest --chunk-size that
+    fits each GPU memory (as `finetune --dry-run --gpu-memory` estimates it, without a dataset: random weights)."""
+    from rich.progress import track
+
+    from tvrpipe.training.plan import parse_memory, recipe_memory
+    from tvrpipe.training.recipes import list_recipes, load_recipe
+
+    budgets = [(g, parse_memory(g)) for g in (gpu_memory or ["24GiB", "40GiB", "80GiB"])]
+    recipes = [load_recipe(n) for n in (names or list_recipes())]
+    rows = [recipe_memory(r, [b for _, b in budgets], num_workers)
+            for r in track(recipes, description="measuring", transient=True, disable=len(recipes) < 2)]
+    table = Table(title=f"peak memory per worker ({num_workers} worker(s); an estimate: the GPU adds its context, "
+                        "about 0.5 GiB) and the largest --chunk-size that fits")
+    for col in ("recipe", "pairs x frames", "precision", "batch at once", *(f"chunk for {g}" for g, _ in budgets)):
+        table.add_column(col, justify="left" if col == "recipe" else "right")
+    for m in rows:
+        cells = []
+        for _, b in budgets:
+            c = m["largest_chunk"][b]
+            cells.append("none" if c is None else "all" if c >= m["pairs"] else str(c))
+        table.add_row(m["name"], f"{m['pairs']} x {m['frames']}", m["precision"] + (" + ckpt" if m["grad_checkpointing"]
+                                                                                  else ""),
+                      f"{m['unchunked'] / 2**30:.1f} GiB", *cells)
+    console.print(table)

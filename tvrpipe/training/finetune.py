@@ -621,6 +621,7 @@ def finetune(
     progress: bool = True,
     recipe: dict[str, Any] | None = None,
     dry_run: bool = False,
+    gpu_memory: int | None = None,
 ) -> dict:
     """Train ``method`` on live CLIP features of decoded videos; select on validation, test once.
 
@@ -637,6 +638,8 @@ def finetune(
         recipe: what the run records of the recipe it was trained from (:meth:`Recipe.record`).
         dry_run: check everything a run checks, then return the plan (:func:`plan_run`) instead of
             training; writes nothing.
+        gpu_memory: with ``dry_run``, a GPU's memory in bytes: the plan says whether a worker's step fits it,
+            the largest chunk that does, and what else the run needs to fit.
 
     Returns:
         The run's metrics (also in ``out_dir/metrics.json``), or with ``dry_run`` the plan.
@@ -712,7 +715,7 @@ def finetune(
     if dry_run:  # every check the run makes before its first write, writing nothing
         check_unlocked(out, "--out")
         check_run_dir(out, config, ignore=_RESUMABLE)
-        return plan_run(job, pairs, bundle, config, gpu_missing)
+        return plan_run(job, pairs, bundle, config, gpu_missing, gpu_memory)
     if gpu_missing:
         raise ConfigError(gpu_missing)
     del bundle
@@ -725,11 +728,13 @@ def finetune(
         return _ray_train(job)
 
 
-def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: str | None) -> dict:
-    """What the run of ``job`` (training ``pairs``) will do: its resolved settings, split counts, steps and images per step,
-    and the estimated peak memory of a training step per worker (:mod:`tvrpipe.training.plan`),
-    measured on the CPU with ``bundle`` (the run's CLIP) and a fresh head."""
-    from tvrpipe.training.plan import estimate_step_memory
+def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: str | None,
+             gpu_memory: int | None = None) -> dict:
+    """What the run of ``job`` (training ``pairs``) will do: its resolved settings, split counts, steps and images
+    per step, and the estimated peak memory of a training step per worker, with its chunks and without
+    (:mod:`tvrpipe.training.plan`), measured on the CPU with ``bundle`` (the run's CLIP) and a fresh head; with
+    ``gpu_memory`` (bytes per worker), whether it fits and what it needs to (:func:`~tvrpipe.training.plan.advise`)."""
+    from tvrpipe.training.plan import advise, measure_step, variants
 
     cfg = job.cfg
     world = max(1, cfg.num_workers)
@@ -737,8 +742,11 @@ def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: st
     # fp16 autocast is measured as bf16 on the CPU: the same bytes per activation
     model = _live_model(job, "cpu", bundle, "fp32" if cfg.precision == "fp32" else "bf16")
     texts = [str(t) for t in job.table.texts[job.train_texts[:8]]] or ["a video"]
-    memory = estimate_step_memory(model, texts, job.frames, job.max_words, cfg.batch_size // world,
-                                  gathered=cfg.batch_size)
+    measured = measure_step(model, texts, job.frames, job.max_words, cfg.batch_size // world, cfg.grad_checkpointing,
+                            gathered=cfg.batch_size,
+                            settings=variants(cfg.precision, cfg.grad_checkpointing) if gpu_memory else None)
+    own = measured[(cfg.precision, cfg.grad_checkpointing)]
+    memory, whole = own.at(cfg.chunk_size), own.at(None)
     counts = {name: {"videos": int(len(v)), "captions": int(len(c))} for name, (v, c) in (
         ("train", (job.train_videos, job.train_texts)), ("val", job.val), ("test", job.test))}
     return {
@@ -746,7 +754,10 @@ def plan_run(job: _Job, pairs: TrainPairs, bundle, config: dict, gpu_missing: st
         "validation": job.val_source, "steps_per_epoch": steps, "epochs": cfg.epochs, "total_steps": steps * cfg.epochs,
         "workers": world, "pairs_per_step": cfg.batch_size, "images_per_step": cfg.batch_size * job.frames,
         "images_per_step_per_worker": cfg.batch_size // world * job.frames,
-        "memory": {**dataclasses.asdict(memory), "total": memory.total},
+        "memory": {**dataclasses.asdict(memory), "total": memory.total, "unchunked_total": whole.total,
+                   "measured": {k: [list(x) for x in v] for k, v in own.measured.items()}},
+        "fit": None if gpu_memory is None else advise(measured, cfg.precision, cfg.grad_checkpointing, cfg.chunk_size,
+                                                       gpu_memory, half="fp16" if cfg.use_gpu else "bf16"),
         "gpu": gpu_missing,  # why the run would stop here for want of GPUs (None: it would not)
     }
 
