@@ -226,7 +226,7 @@ def test_nonfinite_loss_stops_at_its_step_and_keeps_the_finite_epoch(pristine, t
     assert "the run keeps epoch 1" in msg
     state = torch.load(tmp_path / "run" / "checkpoints" / "state.pt", weights_only=False)
     assert state["epoch"] == 0 and state["best"]["epoch"] == 1  # nothing of epoch 2 was kept
-    from tvrpipe.evaluation.rundir import load_head
+    from tvrpipe.rundir import load_head
 
     head = load_head(tmp_path / "run" / "checkpoints" / "best.safetensors")
     assert all(torch.isfinite(p).all() for p in head.parameters())
@@ -241,7 +241,7 @@ def test_checkpoint_bytes_depend_only_on_the_weights_and_metadata(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from tvrpipe.evaluation.rundir import save_weights
+    from tvrpipe.rundir import save_weights
 
     state = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(5, dtype=torch.float16)}
     # 8 keys (in the file sorted by chance 1 time in 40,320), values that JSON escapes
@@ -259,8 +259,8 @@ def test_checkpoint_bytes_depend_only_on_the_weights_and_metadata(tmp_path):
 
 
 def test_nonfinite_weights_are_never_saved(tmp_path):
-    from tvrpipe.evaluation.rundir import save_head
     from tvrpipe.heads.base import create_head
+    from tvrpipe.rundir import save_head
 
     head = create_head("xpool", embed_dim=8)
     with torch.no_grad():

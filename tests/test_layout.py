@@ -18,6 +18,7 @@ LAYERS = {
     "tvrpipe": 0, "tvrpipe.errors": 0, "tvrpipe.config": 0, "tvrpipe.environment": 0, "tvrpipe.lock": 0,
     "tvrpipe.files": 0, "tvrpipe.cluster": 0,
     "tvrpipe.heads": 1,
+    "tvrpipe.rundir": 2,  # the run directory: trainers write it, report and evaluation read it (heads for its weights)
     "tvrpipe.data": 2,
     "tvrpipe.features": 3, "tvrpipe.evaluation": 3,
     "tvrpipe.training": 4,

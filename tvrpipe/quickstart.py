@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.evaluation.rundir import Scores
+from tvrpipe.rundir import Scores
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def r1_by_difficulty(run: Path, split, masks: dict[str, np.ndarray]) -> dict[str
     """Text-to-video R@1 (percent) of a run's selected checkpoint over all captions of ``split`` and over
     each subset in ``masks`` (None for an empty one); the same scores and tie rule as its test metrics."""
     from tvrpipe.evaluation.metrics import t2v_ranks
-    from tvrpipe.evaluation.rundir import BEST, CHECKPOINTS
+    from tvrpipe.rundir import BEST, CHECKPOINTS
     from tvrpipe.training.fit import checkpoint_similarity
 
     sim = checkpoint_similarity(run / CHECKPOINTS / BEST, split)

@@ -39,8 +39,8 @@ import pandas as pd
 
 from tvrpipe.config import field_types, parse_value, split_item
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
-from tvrpipe.evaluation.rundir import read_results
 from tvrpipe.lock import locked
+from tvrpipe.rundir import read_results
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _is_complete(run_dir: Path, method: str, head_cfg: dict[str, Any], train: di
     learning rate this configuration resolves to now: a run without ``lr`` trained at a head's
     earlier ``default_lr`` is not this run (``fit`` then says so), and neither is one trained on a
     store that has since been replaced at the same path (``provenance``: the store's identity now)."""
-    from tvrpipe.evaluation.rundir import read_config, recorded
+    from tvrpipe.rundir import read_config, recorded
     from tvrpipe.training.fit import TrainConfig, resolved_lr
 
     try:

@@ -345,8 +345,8 @@ def test_token_weight_mlps_have_no_output_bias_and_old_checkpoints_load(tmp_path
 
     from safetensors.torch import save_file
 
-    from tvrpipe.evaluation.rundir import load_head
     from tvrpipe.heads.prota import TokenMLP
+    from tvrpipe.rundir import load_head
 
     head = perturbed("prota", num_layers=1, num_heads=2)
     assert head.text_weight[2].bias is None and head.video_weight[2].bias is None

@@ -18,10 +18,10 @@ from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.engine import evaluate_head
 from tvrpipe.evaluation.metrics import t2v_ranks
-from tvrpipe.evaluation.rundir import load_head
 from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import StoreWriter, make_provenance, manifest_sha256, open_store
 from tvrpipe.report import find_runs, gallery_data, group_runs, write_report
+from tvrpipe.rundir import load_head
 from tvrpipe.training.data import load_splits
 from tvrpipe.training.fit import TrainConfig, fit
 

@@ -119,9 +119,9 @@ def test_the_learned_logit_scale_travels_from_finetune_to_train_head(e2e, data, 
 
     import yaml
 
-    from tvrpipe.evaluation.rundir import load_head
     from tvrpipe.features.clip import load_clip
     from tvrpipe.features.store import open_store
+    from tvrpipe.rundir import load_head
     from tvrpipe.training.fit import TrainConfig, fit
 
     out, metrics, store = e2e
@@ -295,7 +295,7 @@ def test_missing_or_undecodable_videos_stop_the_run_with_nothing_lost(tmp_path, 
 
 def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
     import tvrpipe.training.finetune as ft
-    from tvrpipe.evaluation import rundir
+    from tvrpipe import rundir
 
     d = _small(tmp_path)
     cfg = FinetuneConfig(end_to_end=True, epochs=2, batch_size=4, max_steps=2, clip_lr=1e-3, head_lr=1e-3, **TINY)

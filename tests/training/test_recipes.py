@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.evaluation.rundir import METRICS
+from tvrpipe.rundir import METRICS
 from tvrpipe.training.recipes import IMPLEMENTED, SETTINGS, list_recipes, load_recipe, resolve
 
 PAPERS = {"uatvr", "duq", "prota", "tmass"}
@@ -171,7 +171,7 @@ def test_recipe_run_records_the_recipe_and_every_resolved_value(recipe_run):
 def test_recipe_sets_the_optimizer_groups_as_written(recipe_run):
     """The optimiser state of the run: Adam (not AdamW), CLIP at clip_lr, T-MASS's radius module at its own
     rate, the rest of the head at the explicit --head-lr; decay on weight matrices only."""
-    from tvrpipe.evaluation.rundir import load_head
+    from tvrpipe.rundir import load_head
 
     out, _ = recipe_run
     state = torch.load(out / "checkpoints" / "state.pt", weights_only=False)

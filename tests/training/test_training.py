@@ -16,10 +16,10 @@ import yaml
 
 from tvrpipe.environment import versions
 from tvrpipe.errors import ConfigError, RunError
-from tvrpipe.evaluation.rundir import load_head
 from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import StoreError
 from tvrpipe.heads.base import list_heads
+from tvrpipe.rundir import load_head
 from tvrpipe.training import core
 from tvrpipe.training import fit as fit_module
 from tvrpipe.training.fit import TrainConfig, evaluate_run, fit

@@ -34,9 +34,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tvrpipe.errors import ConfigError, RunError
-from tvrpipe.evaluation.rundir import CHECKPOINTS, METRICS_FILE, RunResults, read_epochs, read_results
 from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.lock import DirLock
+from tvrpipe.rundir import CHECKPOINTS, METRICS_FILE, RunResults, read_epochs, read_results
 
 log = logging.getLogger(__name__)
 

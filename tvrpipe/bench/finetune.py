@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tvrpipe.bench.extract import BenchVideos, make_bench_videos
 from tvrpipe.errors import ConfigError
-from tvrpipe.evaluation.rundir import read_epochs
+from tvrpipe.rundir import read_epochs
 
 MSRVTT_LIKE = BenchVideos(count=0, width=320, height=240, seconds=15.0, fps=30, gop=250)
 

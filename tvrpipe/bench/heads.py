@@ -58,8 +58,8 @@ class _PeakRss:
 def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     import torch
 
-    from tvrpipe.evaluation.rundir import BEST, CHECKPOINTS, load_head
     from tvrpipe.features.store import open_store
+    from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
     from tvrpipe.training.data import load_split
     from tvrpipe.training.fit import TrainConfig, evaluate_split, fit
 

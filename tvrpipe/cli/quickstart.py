@@ -30,8 +30,8 @@ def quickstart(
 
     Rerun the same command to resume: each stage skips or resumes what is done.
     """
-    from tvrpipe.evaluation.rundir import METRICS
     from tvrpipe.quickstart import DIFFICULTIES, QuickstartPlan, run_quickstart
+    from tvrpipe.rundir import METRICS
 
     plan = QuickstartPlan.fast() if fast else QuickstartPlan()
     if videos is not None:

@@ -41,8 +41,8 @@ def recipes_list(ctx: typer.Context) -> None:
 @recipes_app.command("show")
 def show(name: Annotated[str, typer.Argument(help="A recipe (`tvrpipe recipes`) or a recipe file.")]) -> None:
     """Print a recipe resolved: every setting with its source, the head's whole config, the published row."""
-    from tvrpipe.evaluation.rundir import METRICS
     from tvrpipe.heads.base import head_class
+    from tvrpipe.rundir import METRICS
     from tvrpipe.training.recipes import load_recipe
 
     r = load_recipe(name)

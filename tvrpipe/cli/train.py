@@ -13,7 +13,7 @@ from rich.table import Table
 from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, finite_float, refuse_unused
 from tvrpipe.config import parse_fields, split_item
 from tvrpipe.errors import ConfigError
-from tvrpipe.evaluation.rundir import METRICS, POST_PROCESSINGS, Scores
+from tvrpipe.rundir import METRICS, POST_PROCESSINGS, Scores
 
 console = Console()
 

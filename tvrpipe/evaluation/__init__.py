@@ -4,10 +4,11 @@
   from a similarity matrix, text-to-video and multi-caption video-to-text;
 - :mod:`~tvrpipe.evaluation.engine`: encode each item once, compute ``head.similarity`` block by
   block, evaluate a head (:func:`evaluate_head`);
-- :mod:`~tvrpipe.evaluation.post`: dual softmax and QB-Norm, reported under their own keys;
-- :mod:`~tvrpipe.evaluation.rundir`: the run directory and the typed schema of its results.
+- :mod:`~tvrpipe.evaluation.post`: dual softmax and QB-Norm, reported under their own keys.
 
-Names load on first use, so that reading a run directory does not import torch.
+The run directory the trainers write and the readers read is :mod:`tvrpipe.rundir`.
+
+Names load on first use, so that importing the package does not import torch.
 
 See DESIGN.md, "Evaluation protocol".
 """

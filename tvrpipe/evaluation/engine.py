@@ -38,8 +38,8 @@ from tvrpipe.evaluation.post import (
     apply_qb_norm,
     dual_softmax,
 )
-from tvrpipe.evaluation.rundir import POST_PROCESSINGS
 from tvrpipe.heads.base import Emb, Head, Reranked, TextBatch, VideoBatch
+from tvrpipe.rundir import POST_PROCESSINGS
 
 log = logging.getLogger(__name__)
 

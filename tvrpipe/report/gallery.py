@@ -90,8 +90,8 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
         ('video7', 0.61)
     """
     from tvrpipe.evaluation.metrics import t2v_ranks
-    from tvrpipe.evaluation.rundir import read_config
     from tvrpipe.features.store import StoreError, open_store
+    from tvrpipe.rundir import read_config
     from tvrpipe.training.data import load_split, store_split_rows
     from tvrpipe.training.fit import checkpoint_similarity
 

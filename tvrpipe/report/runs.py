@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from tvrpipe import rundir
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.environment import ENVIRONMENT_KEYS
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
-from tvrpipe.evaluation import rundir
-from tvrpipe.evaluation.rundir import METRICS, Scores
+from tvrpipe.rundir import METRICS, Scores
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def find_runs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[RunRecord],
     Example:
         >>> runs, skipped = find_runs(["runs/"])  # doctest: +SKIP
     """
-    from tvrpipe.evaluation.rundir import read_config
+    from tvrpipe.rundir import read_config
 
     runs: list[RunRecord] = []
     skipped: list[Skipped] = []

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from tvrpipe.environment import versions_text
-from tvrpipe.evaluation.rundir import METRICS, ordered_variants
 from tvrpipe.report.runs import DIRECTIONS, RunRecord, Skipped
+from tvrpipe.rundir import METRICS, ordered_variants
 from tvrpipe.training.recipes import Published
 
 HIGHER_IS_BETTER = {"R@1": True, "R@5": True, "R@10": True, "MdR": False, "MnR": False}
@@ -132,7 +132,7 @@ class Section:
         return [r for row in self.rows for r in row.runs]
 
     def variants(self) -> list[str]:
-        """Score variants any run of the section reports, in :data:`~tvrpipe.evaluation.rundir.SCORE_VARIANTS`
+        """Score variants any run of the section reports, in :data:`~tvrpipe.rundir.SCORE_VARIANTS`
         order (raw first), then any other by name."""
         return ordered_variants({v for run in self.runs for v in run.test.variants()} | {"raw"})
 

@@ -23,12 +23,12 @@ What the loop owns, once for both trainers:
   papers'), or, open-ended, a constant rate halved after ``plateau`` epochs without a better
   validation score and a stop after ``patience`` such epochs.
 - **Selection**: the epoch whose validation t2v (R@1, R@5, R@10) is highest, compared in that order
-  (:meth:`~tvrpipe.evaluation.rundir.Scores.selection_key`); test is evaluated once, with it.
+  (:meth:`~tvrpipe.rundir.Scores.selection_key`); test is evaluated once, with it.
 - **Checkpoints**: each epoch stages every model's ``last`` file, and its ``best`` file when
   validation improved, then commits them with the resume state (:class:`Checkpoints`), so a run cut
   anywhere resumes to the uninterrupted result.
 - **Run files**: ``epochs.csv`` after every epoch, ``metrics.json`` and ``plots/`` at the end
-  (:mod:`tvrpipe.evaluation.rundir`).
+  (:mod:`tvrpipe.rundir`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ import torch.nn as nn
 
 from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
-from tvrpipe.evaluation.rundir import (
+from tvrpipe.files import file_sha256
+from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class
+from tvrpipe.rundir import (
     BEST,
     CHECKPOINTS,
     CONFIG,
@@ -63,8 +65,6 @@ from tvrpipe.evaluation.rundir import (
     write_metrics,
     write_plots,
 )
-from tvrpipe.files import file_sha256
-from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class
 
 log = logging.getLogger(__name__)
 

@@ -54,11 +54,11 @@ import torch.nn as nn
 
 from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
-from tvrpipe.evaluation.rundir import BEST, LAST, load_head, load_optimizer_state, save_head, save_weights
 from tvrpipe.features.decode import check_timeout
 from tvrpipe.files import atomic_write_text
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.lock import check_unlocked, locked
+from tvrpipe.rundir import BEST, LAST, load_head, load_optimizer_state, save_head, save_weights
 from tvrpipe.training.core import (
     OPTIMIZERS,
     RunLoop,

@@ -18,7 +18,7 @@ finite as they load; a non-finite loss stops training at its step, naming the ba
 captions, and a non-finite score stops evaluation; no checkpoint with non-finite weights is ever
 written, so none can be selected as best. The selected checkpoint's sha256 is recorded in
 ``metrics.json`` and checked whenever the run is evaluated again. An epoch's checkpoint files and
-resume state are committed together (:class:`~tvrpipe.evaluation.rundir.Checkpoints`), so a run cut anywhere resumes to the
+resume state are committed together (:class:`~tvrpipe.rundir.Checkpoints`), so a run cut anywhere resumes to the
 uninterrupted result.
 """
 
@@ -40,7 +40,11 @@ import torch
 
 from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError
-from tvrpipe.evaluation.rundir import (
+from tvrpipe.features.store import open_store, store_identity
+from tvrpipe.files import file_sha256
+from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, head_class
+from tvrpipe.lock import check_writable, locked
+from tvrpipe.rundir import (
     BEST,
     CHECKPOINTS,
     LAST,
@@ -51,10 +55,6 @@ from tvrpipe.evaluation.rundir import (
     save_head,
     write_metrics,
 )
-from tvrpipe.features.store import open_store, store_identity
-from tvrpipe.files import file_sha256
-from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, head_class
-from tvrpipe.lock import check_writable, locked
 from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.core import (
     OPTIMIZERS,

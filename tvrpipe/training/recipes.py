@@ -45,8 +45,8 @@ import yaml
 
 from tvrpipe.config import load_yaml
 from tvrpipe.errors import ConfigError
-from tvrpipe.evaluation.rundir import METRICS
 from tvrpipe.files import shipped_folder
+from tvrpipe.rundir import METRICS
 
 # Every setting a recipe holds, in the order `recipes show` prints them. Each is a FinetuneConfig
 # field but for the two tvrpipe implements one way only, which a recipe records so that a reader sees
