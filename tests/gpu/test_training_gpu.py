@@ -57,7 +57,7 @@ def _cfg(device: torch.device, precision: str, **kw) -> FinetuneConfig:
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_finetune_end_to_end_on_the_gpu_learns_and_resumes(videos, tmp_path, device, precision, interrupt_call):
-    import tvrpipe.training.finetune as ft
+    import tvrpipe.training.finetune.loop as ft
 
     if precision == "fp16" and device.type != "cuda":
         pytest.skip("fp16 autocast trains on CUDA only (--precision fp16 needs --use-gpu)")
@@ -67,7 +67,7 @@ def test_finetune_end_to_end_on_the_gpu_learns_and_resumes(videos, tmp_path, dev
     assert losses.notna().all() and losses.iloc[-1] < losses.iloc[0], f"{precision}: the loss did not fall: {list(losses)}"
     assert full["export"] and (tmp_path / "full" / "clip.safetensors").is_file()
 
-    restore = interrupt_call(ft, "_evaluate", 2)  # Ctrl-C in epoch two's validation
+    restore = interrupt_call(ft, "evaluate", 2)  # Ctrl-C in epoch two's validation
     with pytest.raises(KeyboardInterrupt):
         finetune(videos / "manifest", videos / "videos", "xpool", tmp_path / "cut", cfg, progress=False)
     restore()

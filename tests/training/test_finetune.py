@@ -294,14 +294,14 @@ def test_missing_or_undecodable_videos_stop_the_run_with_nothing_lost(tmp_path, 
 
 
 def test_resume_continues_from_the_last_epoch(tmp_path, interrupt_call):
-    import tvrpipe.training.finetune as ft
+    import tvrpipe.training.finetune.loop as ft
     from tvrpipe import rundir
 
     d = _small(tmp_path)
     cfg = FinetuneConfig(end_to_end=True, epochs=2, batch_size=4, max_steps=2, clip_lr=1e-3, head_lr=1e-3, **TINY)
     finetune(d / "manifest", d / "videos", "xpool", tmp_path / "full", cfg, progress=False)
 
-    restore = interrupt_call(ft, "_evaluate", 2)  # stops in epoch two
+    restore = interrupt_call(ft, "evaluate", 2)  # stops in epoch two
     with pytest.raises(KeyboardInterrupt):
         finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", cfg, progress=False)
     restore()
@@ -365,7 +365,7 @@ def test_a_chunked_run_equals_the_whole_batch_run_and_resumes_with_any_chunk_siz
     """--chunk-size changes the memory, not the run: the same steps (within float summation order), the
     same run directory on a resume with another chunk size, and a chunked run resumed equals one that was
     not interrupted."""
-    import tvrpipe.training.finetune as ft
+    import tvrpipe.training.finetune.loop as ft
     from tvrpipe.config import load_yaml
 
     d = _small(tmp_path)
@@ -379,7 +379,7 @@ def test_a_chunked_run_equals_the_whole_batch_run_and_resumes_with_any_chunk_siz
     config = load_yaml((tmp_path / "full" / "config.yaml").read_bytes(), "config.yaml")
     assert config["execution"]["chunk_size"] == 3 and "chunk_size" not in config["finetune"]
 
-    restore = interrupt_call(ft, "_evaluate", 2)  # stops in epoch two
+    restore = interrupt_call(ft, "evaluate", 2)  # stops in epoch two
     with pytest.raises(KeyboardInterrupt):
         finetune(d / "manifest", d / "videos", "xpool", tmp_path / "cut", chunked, progress=False)
     restore()
@@ -389,7 +389,7 @@ def test_a_chunked_run_equals_the_whole_batch_run_and_resumes_with_any_chunk_siz
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
-    restore = interrupt_call(ft, "_evaluate", 2)
+    restore = interrupt_call(ft, "evaluate", 2)
     with pytest.raises(KeyboardInterrupt):
         finetune(d / "manifest", d / "videos", "xpool", tmp_path / "other", chunked, progress=False)
     restore()

@@ -1,0 +1,308 @@
+"""The training loop of one finetune process (rank ``rank`` of ``world``): the live model and its
+optimiser, resume, the DataLoaders that decode, the steps (:mod:`tvrpipe.training.step`), validation
+after each epoch, and on rank 0 the test of the selected epoch and the export."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from tvrpipe.errors import NonFiniteError, RunError
+from tvrpipe.files import atomic_write_text
+from tvrpipe.heads.base import TextBatch, VideoBatch, head_class
+from tvrpipe.rundir import BEST, LAST, load_head, load_optimizer_state, save_head
+from tvrpipe.training.core import (
+    RunLoop,
+    Schedule,
+    apply_step,
+    group_rates,
+    make_optimizer,
+    seed_step,
+    start_step,
+)
+from tvrpipe.training.finetune.export import export_clip, save_clip
+from tvrpipe.training.finetune.failures import all_failures, too_many_failed, write_failures
+from tvrpipe.training.finetune.job import FinetuneJob, steps_per_epoch, train_pairs
+from tvrpipe.training.live import LiveModel, pairs_in_step, param_groups
+from tvrpipe.training.step import step_gradients
+from tvrpipe.training.videodata import ClipBatch, Collate, DecodedClips, PlannedBatches, epoch_plan
+
+log = logging.getLogger(__name__)
+
+PROGRESS_FILE = ".progress.json"
+
+
+def encode_split(model: LiveModel, loader_for, videos: np.ndarray, captions: np.ndarray, job: FinetuneJob,
+                  failures: dict[str, str]) -> tuple[list[TextBatch], list[VideoBatch]]:
+    """The split's TextBatches and VideoBatches from the live CLIP in eval mode, on the CPU."""
+    model.eval()
+    vb: list[VideoBatch] = []
+    with torch.no_grad():
+        for batch in loader_for([[(int(v), -1, -1) for v in videos[i: i + job.cfg.eval_batch]]
+                                 for i in range(0, len(videos), job.cfg.eval_batch)]):
+            failures.update({str(job.video_ids[v]): e for v, e in batch.failed})
+            v = model.encode_videos(batch.frames, batch.frame_mask)
+            vb.append(VideoBatch(v.frames.cpu(), v.frame_mask.cpu()))
+        tb: list[TextBatch] = []
+        for i in range(0, len(captions), 256):
+            t = model.encode_texts([str(x) for x in job.table.texts[captions[i: i + 256]]], job.max_words)
+            tb.append(TextBatch(t.tokens.cpu(), t.token_mask.cpu(), t.sentence.cpu()))
+    return tb, vb
+
+
+def evaluate(model: LiveModel, loader_for, split: tuple[np.ndarray, np.ndarray], job: FinetuneJob,
+              failures: dict[str, str], post: tuple[str, ...] = (), readouts: bool = True) -> dict:
+    from tvrpipe.evaluation.engine import evaluate_head
+
+    videos, captions = split
+    key = (videos.tobytes(), captions.tobytes())
+    encoded = None if model.end_to_end else model.frozen_features.get(key)
+    if encoded is None:
+        encoded = encode_split(model, loader_for, videos, captions, job, failures)
+        if not model.end_to_end:  # a frozen CLIP encodes a split the same way every epoch: decode it once
+            model.frozen_features[key] = encoded
+    tb, vb = encoded
+    column = {int(v): i for i, v in enumerate(videos)}
+    text_video = np.array([column[int(v)] for v in job.text_video[captions]], np.int64)
+    querybank = None
+    if "qbnorm" in post:  # training captions, encoded by the same CLIP
+        querybank, _ = encode_split(model, loader_for, videos[:0], job.train_texts, job, failures)
+    dev = model._bundle.device
+    return evaluate_head(model.head, (b.to(dev) for b in tb), (b.to(dev) for b in vb), text_video,
+                         block_texts=job.cfg.block_texts, device=dev, post=post,
+                         querybank=None if querybank is None else (b.to(dev) for b in querybank),
+                         text_ids=job.caption_ids[captions], video_ids=job.video_ids[videos], readouts=readouts)
+
+
+def _loader(dataset: DecodedClips, sampler: PlannedBatches, collate: Collate, workers: int):
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                      persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+
+
+def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch.device = "cpu",
+            cpus: int | None = None) -> dict | None:
+    """The training loop of one process (rank ``rank`` of ``world``, ``cpus`` CPUs: default all this
+    process may use); rank 0 returns the metrics."""
+    cfg, out = job.cfg, Path(job.out)
+    pairs = train_pairs(job)
+    steps = steps_per_epoch(pairs, cfg)
+    schedule = Schedule.fixed(steps, cfg.epochs, cfg.warmup_fraction)
+
+    # ---- model, optimiser
+    model = live_model(job, device)
+    bundle, head = model._bundle, model.head
+    groups = param_groups(model, cfg.clip_lr, cfg.head_lr, cfg.weight_decay, cfg.group_lr)
+    opt = make_optimizer(cfg.optimizer, groups)
+    scaler = torch.amp.GradScaler(bundle.device.type, enabled=cfg.precision == "fp16")
+    loop = RunLoop(out, schedule, {"clip_": lambda path: save_clip(model.clip, path, {"model": cfg.model}),
+                                   "": lambda path: save_head(head, path)}, rank, world)
+    failures: dict[str, str] = {}  # video id -> error, every video that failed to decode
+    progress = ProgressFile(out)  # what the driver of Ray Train workers shows
+
+    def restore(state: dict) -> None:
+        from safetensors.torch import load_file
+
+        model.clip.load_state_dict(load_file(str(loop.checkpoints.folder / f"clip_{LAST}")))
+        head.load_state_dict(load_head(loop.checkpoints.folder / LAST).state_dict())
+        if opt and state["optimizer"]:
+            load_optimizer_state(opt, state["optimizer"], out)
+        if state["scaler"]:  # fp16 runs only: a disabled scaler's state is empty
+            scaler.load_state_dict(state["scaler"])
+        failures.update(state["failures"])
+    loop.resume(restore, barrier=lambda: _barrier(world))
+    if rank == 0 and failures:
+        write_failures(failures, out)
+    wrapped = distributed(model, world)  # DDP over Ray Train's workers (the model itself with one)
+
+    # ---- data: DataLoader workers decode; an epoch's batches are planned from (seed, epoch)
+    train_sampler, train_loader, loader_for = loaders(job, bundle.image_size, cpus)
+    id_row = {str(v): i for i, v in enumerate(job.video_ids)}
+
+    # ---- loop
+    with loop.progress(f"finetune {job.method}", enabled=job.progress and world == 1):
+        for epoch in loop.epochs():
+            model.train()
+            if not cfg.end_to_end:
+                model.clip.eval()  # frozen: CLIP stays in inference mode
+            skip = frozenset(id_row[v] for v in failures if v in id_row)
+            train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, cfg.batch_size, rank, world, skip, cfg.max_steps,
+                                            cfg.epoch_pairs)
+            new_failed = []
+            timing = []  # (seconds waiting for the batch, seconds of the step, clips) per step
+            t0 = time.perf_counter()
+            for step, batch in enumerate(train_loader):
+                batch: ClipBatch
+                t1 = time.perf_counter()
+                new_failed += batch.failed
+                if pairs_in_step(len(batch.videos), world, bundle.device) == 0:  # no video of the step decoded
+                    loop.advance(f"epoch {epoch + 1}/{cfg.epochs}: a step whose videos all failed to decode, skipped")
+                    t0 = time.perf_counter()
+                    continue
+                # the head's own noise (sampling heads) is the same on every rank and after a resume
+                seed_step(cfg.seed, epoch, step)
+
+                def check(loss: torch.Tensor) -> None:
+                    if not torch.isfinite(loss.detach()):
+                        vids = ", ".join(str(job.video_ids[v]) for v in batch.videos[:5])
+                        raise NonFiniteError(f"epoch {epoch + 1} step {step + 1}: the loss is {float(loss)} on the "
+                                             f"batch of videos {vids}; lower --clip-lr / --head-lr and train into a "
+                                             "new --out")
+                if opt is not None:
+                    start_step(opt, loop.lr(epoch, step))
+                total_loss, loss_terms = step_gradients(model, wrapped, batch.frames, batch.frame_mask, batch.texts,
+                                                        job.max_words, cfg.chunk_size, scaler, opt is not None, check)
+                if opt is not None:
+                    apply_step(opt, scaler, cfg.grad_clip)
+                if bundle.device.type == "cuda":
+                    torch.cuda.synchronize(bundle.device)
+                t2 = time.perf_counter()
+                timing.append((t1 - t0, t2 - t1, len(batch.videos) * world))
+                loss = loop.record(total_loss, loss_terms)
+                info = f"epoch {epoch + 1}/{cfg.epochs} loss {loss:.3f} {len(batch.videos) * world / (t2 - t0):.1f} clips/s"
+                loop.advance(info)
+                if world > 1 and rank == 0:  # the driver shows Ray workers' progress from this file
+                    progress.write((epoch - loop.start_epoch) * steps + step + 1,
+                                   steps * (cfg.epochs - loop.start_epoch), info)
+                t0 = time.perf_counter()
+            failures.update(all_failures(new_failed, job, world))
+            if rank == 0:
+                loop.end_epoch(epoch, evaluate(model, loader_for, job.val, job, failures), {
+                    **group_rates(opt),  # the rate each parameter group stepped at last
+                    **_throughput(timing), "failed_videos": len(failures),
+                }, {"failures": failures, "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()})
+                if failures:
+                    write_failures(failures, out)
+            _barrier(world)
+            message = too_many_failed(failures, job.train_videos, "training videos failed to decode", job,
+                                       f"training stopped after epoch {epoch + 1}, which is kept.")
+            if message:
+                raise RunError(message)
+    if rank != 0:
+        return None
+    return _finish(model, loop, loader_for, job, failures)
+
+
+def live_model(job: FinetuneJob, device: str | torch.device, bundle=None, precision: str | None = None) -> LiveModel:
+    """CLIP (loaded on ``device``, or ``bundle`` where given) and the head; the same seed on every rank
+    gives the same weights (DDP broadcasts rank 0's anyway). CLIP trains only end-to-end. ``precision``:
+    the autocast to use instead of the run's."""
+    from tvrpipe.features.clip import load_clip
+
+    cfg = job.cfg
+    torch.manual_seed(cfg.seed)
+    if bundle is None:
+        bundle = load_clip(cfg.model, cfg.pretrained, device=device, seed=cfg.seed)
+    head = head_class(job.method)(job.head_cfg)
+    if cfg.init_from_clip:
+        copied = head.init_from_clip(bundle.model)
+        log.info("%s from CLIP's text transformer: %s", job.method,
+                 ", ".join(copied) or f"nothing ({copied.reason})")
+    model = LiveModel(bundle, head.to(bundle.device), cfg.end_to_end, precision or cfg.precision)
+    model.clip.requires_grad_(cfg.end_to_end)
+    if cfg.grad_checkpointing:
+        model.clip.set_grad_checkpointing(True)
+    return model
+
+
+def distributed(model: LiveModel, world: int) -> nn.Module:
+    """``model`` under DistributedDataParallel when there are several workers."""
+    if world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = model._bundle.device
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+
+
+def loaders(job: FinetuneJob, image_size: int, cpus: int | None):
+    """The training batches (a sampler whose plan is set each epoch, and its DataLoader) and
+    ``loader_for(plan)``, which decodes evaluation batches; both decode in ``loader_workers`` processes."""
+    cfg, F = job.cfg, job.frames
+    dataset = DecodedClips(job.table, F, image_size, cfg.seed, cfg.timeout_s)
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = cfg.loader_workers if cfg.loader_workers is not None else min(8, cpus)
+    train_sampler, eval_sampler = PlannedBatches(), PlannedBatches()
+    train_loader = _loader(dataset, train_sampler, Collate(F, image_size, keep_failed=False), workers)
+    eval_loader = _loader(dataset, eval_sampler, Collate(F, image_size, keep_failed=True), workers)
+
+    def loader_for(plan):
+        eval_sampler.plan = plan
+        return iter(eval_loader)
+    return train_sampler, train_loader, loader_for
+
+
+def _throughput(timing: list[tuple[float, float, int]]) -> dict[str, float]:
+    """clips/s and the share of step time spent waiting for data, over the epoch and in steady state
+    (without the first step, which waits for the DataLoader workers to start)."""
+    out = {}
+    for suffix, part in (("", timing), ("_steady", timing[1:])):
+        wait, step, clips = (sum(t[i] for t in part) for i in range(3))
+        out[f"clips_per_s{suffix}"] = clips / max(wait + step, 1e-9)
+        out[f"data_share{suffix}"] = wait / max(wait + step, 1e-9)
+    return out
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _finish(model: LiveModel, loop: RunLoop, loader_for, job: FinetuneJob, failures: dict[str, str]) -> dict:
+    """Rank 0: test evaluation of the selected epoch, export, metrics.json and plots."""
+    from safetensors.torch import load_file
+
+    cfg, out, folder = job.cfg, Path(job.out), loop.checkpoints.folder
+    loop.selected(lambda: evaluate(model, loader_for, job.val, job, failures))
+    model.clip.load_state_dict(load_file(str(folder / f"clip_{BEST}")))
+    model.head.load_state_dict(load_head(folder / BEST).state_dict())
+    test = evaluate(model, loader_for, job.test, job, failures, post=job.post)
+    message = too_many_failed(failures, job.test[0], "test videos failed to decode", job,
+                               "no test metrics were written (the training is kept).")
+    if message:
+        if failures:
+            write_failures(failures, out)
+        raise RunError(message)
+    provenance, export = export_clip(model, out, job.method, cfg.end_to_end)
+    if failures:
+        write_failures(failures, out)
+    rows = loop.rows
+    return loop.write_results(job.method, job.val_source, test, {
+        "provenance": provenance, "export": export, "failed_videos": len(failures), "lr_groups": job.lr_groups,
+        "train": {"clips_per_s": float(np.mean([r["clips_per_s"] for r in rows])) if rows else None,
+                  "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
+                  "epochs_run": len(rows)}})
+
+
+class ProgressFile:
+    """Rank 0 of a Ray Train run writes its progress here for the driver's bar (Ray Train workers' own output
+    does not reach the driver's terminal), at most every ``every_s``; the driver reads it."""
+
+    def __init__(self, out: Path, every_s: float = 1.0) -> None:
+        self.path, self.every_s, self.last = Path(out) / PROGRESS_FILE, every_s, 0.0
+
+    def write(self, done: int, total: int, info: str) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last < self.every_s:
+            return
+        self.last = now
+        atomic_write_text(self.path, json.dumps({"done": done, "total": total, "info": info}))
+
+    def read(self) -> dict | None:
+        """``{"done", "total", "info"}``, or None before the first write (or while a write is replaced)."""
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
