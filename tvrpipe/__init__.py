@@ -18,7 +18,7 @@ _LAZY = {
     "list_heads": ("tvrpipe.heads.base", "list_heads"),
     "extract": ("tvrpipe.features.extract", "extract"),
     "fit": ("tvrpipe.training.fit", "fit"),
-    "evaluate": ("tvrpipe.training.fit", "evaluate_run"),
+    "evaluate": ("tvrpipe.training.evaluate", "evaluate_run"),
 }
 
 __all__ = ["TvrpipeError", "__version__", *_LAZY]

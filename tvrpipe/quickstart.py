@@ -171,7 +171,7 @@ def r1_by_difficulty(run: Path, split, masks: dict[str, np.ndarray]) -> dict[str
     each subset in ``masks`` (None for an empty one); the same scores and tie rule as its test metrics."""
     from tvrpipe.evaluation.metrics import t2v_ranks
     from tvrpipe.rundir import BEST, CHECKPOINTS
-    from tvrpipe.training.fit import checkpoint_similarity
+    from tvrpipe.training.evaluate import checkpoint_similarity
 
     sim = checkpoint_similarity(run / CHECKPOINTS / BEST, split)
     hit = t2v_ranks(sim, split.text_video) == 1

@@ -83,7 +83,7 @@ def test_finetune_records_each_groups_rate_from_the_optimiser(synth, tmp_path, c
                             "--group-lr", "head=2e-4", "--group-lr", "radius=4e-4"))
     assert result.exit_code == 0, result.output
     expected = {"head": {"lr": 2e-4, "source": "--group-lr"}, "radius": {"lr": 4e-4, "source": "--group-lr"}}
-    assert _config(out)["resolved"]["lr_groups"] == expected and _metrics(out)["lr_groups"] == expected
+    assert _config(out)["resolved"]["lr_groups"] == expected and _metrics(out)["schedule"]["lr_groups"] == expected
     assert _base_lrs(out) == [2e-4, 4e-4]  # nothing at --head-lr 1e-4, nothing for CLIP
     with open(out / "epochs.csv") as f:
         row = next(csv.DictReader(f))

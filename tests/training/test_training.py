@@ -22,7 +22,8 @@ from tvrpipe.heads.base import list_heads
 from tvrpipe.rundir import load_head
 from tvrpipe.training import core
 from tvrpipe.training import fit as fit_module
-from tvrpipe.training.fit import TrainConfig, evaluate_run, fit
+from tvrpipe.training.evaluate import evaluate_run
+from tvrpipe.training.fit import TrainConfig, fit
 
 pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
 

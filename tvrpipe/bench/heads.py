@@ -61,7 +61,8 @@ def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     from tvrpipe.features.store import open_store
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
     from tvrpipe.training.data import load_split
-    from tvrpipe.training.fit import TrainConfig, evaluate_split, fit
+    from tvrpipe.training.evaluate import evaluate_split
+    from tvrpipe.training.fit import TrainConfig, fit
 
     store_dir, method, steps, batch, run_dir, prefetch = args
     torch.set_num_threads(os.cpu_count() or 1)
@@ -74,7 +75,7 @@ def _one_method(args: tuple[str, str, int, int, str, bool]) -> dict:
     head = load_head(Path(run_dir) / CHECKPOINTS / BEST)
     with _PeakRss() as mem:
         t = time.perf_counter()
-        evaluate_split(head, test, cfg)
+        evaluate_split(head, test, cfg.device, cfg.eval_batch, cfg.block_texts)
         eval_seconds = time.perf_counter() - t
     return {
         "method": method,

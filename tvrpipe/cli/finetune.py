@@ -186,9 +186,9 @@ def finetune_cmd(
         if metrics["gpu"]:  # the plan is for a machine with the GPUs; here the run itself would stop
             raise ConfigError(f"{metrics['gpu']} (the dry run above plans the run for a machine with them)")
         return
-    tr = metrics["train"]
-    console.print(f"selected epoch {metrics['selected_epoch']} of {tr['epochs_run']} on {metrics['validation']} "
-                  f"({describe_lrs(metrics['lr_groups'])})"
+    sch = metrics["schedule"]
+    console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']} "
+                  f"({describe_lrs(sch['lr_groups'])})"
                   + (f"; {metrics['failed_videos']} videos failed to decode (see {out / 'failures.csv'})"
                      if metrics["failed_videos"] else ""), highlight=False)
     print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])

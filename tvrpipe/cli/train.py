@@ -200,7 +200,7 @@ def evaluate(
     ] = None,
 ) -> None:
     """Evaluate a trained run's selected checkpoint (raw scores, plus post-processing if asked)."""
-    from tvrpipe.training.fit import evaluate_run
+    from tvrpipe.training.evaluate import evaluate_run
 
     metrics = evaluate_run(run, split, parse_post(post or []), features)
     print_metrics(f"{run}: {split} ({run / f'eval_{split}.json'})", metrics)

@@ -93,7 +93,7 @@ def gallery_data(run_dir: str | os.PathLike[str], video_root: str | os.PathLike[
     from tvrpipe.features.store import StoreError, open_store
     from tvrpipe.rundir import read_config
     from tvrpipe.training.data import load_split, store_split_rows
-    from tvrpipe.training.fit import checkpoint_similarity
+    from tvrpipe.training.evaluate import checkpoint_similarity
 
     if queries < 1:
         raise ConfigError(f"--queries must be >= 1, got {queries}")

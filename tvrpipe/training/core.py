@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
-from tvrpipe.errors import ConfigError, RunError, TvrpipeError
+from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.files import file_sha256
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class
 from tvrpipe.rundir import (
@@ -162,6 +162,30 @@ def set_rng_state(state: RngState, device: torch.device) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+
+
+def check_finite_loss(total: torch.Tensor, terms: Mapping[str, Any], epoch: int, step: int, videos: Sequence[str],
+                      captions: Sequence[str] | None, rates: str) -> None:
+    """Before a step's update, so that every checkpoint stays finite: a non-finite loss stops the run, naming
+    the epoch and step (``epoch``, ``step``: 0-based), the loss and its terms, the batch's ``videos`` and
+    ``captions``, the learning-rate options to lower (``rates``) and the last epoch the run keeps.
+
+    Raises:
+        NonFiniteError: ``total`` is NaN or infinite.
+    """
+    if bool(torch.isfinite(total.detach())):
+        return
+
+    def names(ids: Sequence[str]) -> str:
+        ids = [str(i) for i in ids]
+        return ", ".join(ids[:5]) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
+    parts = ", ".join(f"{k} {float(v):.4g}" for k, v in terms.items())
+    batch = f"videos {names(videos)}" + (f" and captions {names(captions)}" if captions is not None else "")
+    kept = f"epoch {epoch}" if epoch else "no epoch"
+    raise NonFiniteError(
+        f"epoch {epoch + 1} step {step + 1}: the loss is {float(total.detach())}" + (f" ({parts})" if parts else "")
+        + f" on the batch of {batch}: training diverged; lower {rates} and train into a new --out (the run keeps "
+        f"{kept} as its last finite checkpoint)")
 
 
 def check_group_lr(head: Head, group_lr: Mapping[str, float] | None) -> dict[str, list[nn.Parameter]]:
@@ -580,12 +604,16 @@ class RunLoop:
             raise RunError(f"{path} changed after it was written (sha256 mismatch); delete {self.out} and train again")
         return self.best
 
-    def write_results(self, method: str, validation: str, test: dict, extras: Mapping[str, Any]) -> dict:
-        """``metrics.json`` (the selected epoch, its validation and test scores, ``extras``) and the plots."""
+    def write_results(self, method: str, validation: str, test: dict, schedule: Mapping[str, Any],
+                      train: Mapping[str, Any], extras: Mapping[str, Any] = {}) -> dict:  # noqa: B006 (read only)
+        """``metrics.json``, one shape for both trainers: the selected epoch, its validation and test scores, the
+        checkpoint, ``schedule`` (what trained: ``lr_groups``, ``batch_size``, ``description``; ``epochs_run`` is
+        added), ``train`` (throughput), then the trainer's ``extras``; and the plots."""
         best = self.best
         metrics = {"method": method, "selected_epoch": best["epoch"], "selection": SELECTION,
                    "validation": validation, "val": best["val"], "test": test,
-                   "checkpoint": {"file": f"{CHECKPOINTS}/{BEST}", "sha256": best.get("sha256")}, **extras}
+                   "checkpoint": {"file": f"{CHECKPOINTS}/{BEST}", "sha256": best.get("sha256")},
+                   "schedule": {**schedule, "epochs_run": len(self.rows)}, "train": dict(train), **extras}
         write_metrics(self.out, metrics)
         if self.rows:
             write_plots(self.out, self.rows, Scores.from_dict(best["val"]).readout_groups())

@@ -1,4 +1,4 @@
-"""``fit``: train a head on a cached feature store; ``evaluate_run``: score a trained run.
+"""``fit``: train a head on a cached feature store (``tvrpipe train-head``).
 
 The loop reads top to bottom: schedule, model and optimiser, resume, data, steps, validation; the
 epoch skeleton it shares with ``finetune`` (selection, checkpoints, resume, run files) is
@@ -39,21 +39,16 @@ import numpy as np
 import torch
 
 from tvrpipe.config import above, at_least, check_fields, one_of, within
-from tvrpipe.errors import ConfigError, NonFiniteError, RunError
+from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import open_store, store_identity
-from tvrpipe.files import file_sha256
-from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, head_class
+from tvrpipe.heads.base import HeadConfig, clip_head_config, head_class
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.rundir import (
     BEST,
-    CHECKPOINTS,
     LAST,
     load_head,
     load_optimizer_state,
-    read_config,
-    read_metrics,
     save_head,
-    write_metrics,
 )
 from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.core import (
@@ -61,6 +56,7 @@ from tvrpipe.training.core import (
     RunLoop,
     Schedule,
     base_lr,
+    check_finite_loss,
     check_group_lr,
     check_head_groups,
     check_head_inputs,
@@ -73,7 +69,8 @@ from tvrpipe.training.core import (
     setting_source,
     start_run,
 )
-from tvrpipe.training.data import CaptionPairs, SplitData, Splits, load_split, load_splits, store_split_rows
+from tvrpipe.training.data import CaptionPairs, SplitData, Splits, load_splits
+from tvrpipe.training.evaluate import evaluate_split
 
 log = logging.getLogger(__name__)
 
@@ -181,29 +178,6 @@ def resolved_lr(method: str, train: TrainConfig, embed_dim: int) -> tuple[float,
     return cls.lr_for(embed_dim), f"{method}.default_lr{width}"
 
 
-def evaluate_split(head: Head, split: SplitData, cfg: TrainConfig, post=(), querybank: SplitData | None = None,
-                   readouts: bool = True) -> dict:
-    """``head``'s scores on ``split`` through the evaluation engine, at ``cfg``'s device and block sizes
-    (``querybank``: the training split, for QB-Norm)."""
-    from tvrpipe.evaluation.engine import evaluate_head
-
-    dev = torch.device(cfg.device)
-    return evaluate_head(
-        head,
-        (b.to(dev) for b in split.text_batches(cfg.eval_batch, head.uses_tokens)),
-        (b.to(dev) for b in split.video_batches(cfg.eval_batch)),
-        split.text_video,
-        block_texts=cfg.block_texts,
-        device=cfg.device,
-        post=post,
-        querybank=None if querybank is None else (b.to(dev) for b in querybank.text_batches(cfg.eval_batch,
-                                                                                           head.uses_tokens)),
-        text_ids=split.caption_ids,
-        video_ids=split.video_ids,
-        readouts=readouts,
-    )
-
-
 def _prefetch(items: Iterator[Any]) -> Iterator[Any]:
     """Yield ``items``, building the next one in a background thread meanwhile.
 
@@ -222,33 +196,6 @@ def store_head_config(store, method: str, overrides: dict[str, Any] | None = Non
     provenance (:func:`clip_head_config`), then the user's ``overrides`` (unknown keys fail)."""
     return clip_head_config(method, int(store.provenance["embed_dim"]), store.provenance.get("logit_scale"),
                             overrides)
-
-
-def checkpoint_similarity(checkpoint: str | os.PathLike[str], split: SplitData,
-                          device: str = "cpu") -> np.ndarray:
-    """The raw float32 ``(n_text, n_video)`` scores of a checkpoint (:func:`load_head`) on every caption
-    and video of ``split``, through the evaluation engine: the scores behind a run's metrics there."""
-    from tvrpipe.evaluation.engine import encode_all, similarity_matrix
-
-    head = load_head(checkpoint, device)
-    video_emb = encode_all(head.encode_videos, split.video_batches(256), device)
-    text_emb = encode_all(head.encode_texts, split.text_batches(256, head.uses_tokens), device)
-    return similarity_matrix(head, text_emb, video_emb, device=device).numpy()
-
-
-def _nonfinite_loss(out_loss, epoch: int, step: int, vids: np.ndarray, caps: np.ndarray, split: SplitData,
-                    last_epoch: int) -> NonFiniteError:
-    terms = ", ".join(f"{k} {float(v):.4g}" for k, v in out_loss.terms.items())
-
-    def names(ids: np.ndarray) -> str:
-        return ", ".join(map(str, ids[:5])) + (f" (+{len(ids) - 5} more)" if len(ids) > 5 else "")
-    kept = f"epoch {last_epoch}" if last_epoch else "no epoch"
-    return NonFiniteError(
-        f"epoch {epoch} step {step}: the loss is {float(out_loss.total.detach())} ({terms}) on the batch of "
-        f"videos {names(split.video_ids[vids])} and captions {names(split.caption_ids[caps])}; their features "
-        f"are finite, so training diverged: lower --lr and train into a new --out (the run keeps {kept} "
-        "as its last finite checkpoint)"
-    )
 
 
 def fit(
@@ -405,8 +352,9 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                 t1 = time.perf_counter()  # t1 - t0: time the step waited for its batch
                 seed_step(train.seed, epoch, step)  # dropout and sampled noise: the same after a resume
                 out_loss = head.loss(texts, videos)
-                if not torch.isfinite(out_loss.total.detach()):  # before the step: the weights stay finite
-                    raise _nonfinite_loss(out_loss, epoch + 1, step + 1, vids, caps, train_split, epoch)
+                # before the step: the weights stay finite; the features were checked finite as they loaded
+                check_finite_loss(out_loss.total, out_loss.terms, epoch, step, train_split.video_ids[vids],
+                                  train_split.caption_ids[caps], "--lr")
                 optimizer_step(opt, out_loss.total, loop.lr(epoch, step))
                 t2 = time.perf_counter()
                 t_data, t_step = t_data + (t1 - t0), t_step + (t2 - t1)
@@ -414,7 +362,7 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                 loop.advance(f"epoch {epoch + 1}/{schedule.epochs} loss {loss:.3f} "
                              f"{len(vids) / (t2 - t0):.0f} samples/s{info}")
                 t0 = time.perf_counter()
-            val = evaluate_split(head, splits.val, train)
+            val = evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts)
             busy = max(t_data + t_step, 1e-9)
             loop.end_epoch(epoch, val, {
                 **group_rates(opt),  # the rate each parameter group stepped at last
@@ -423,22 +371,22 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
             }, {"optimizer": opt.state_dict() if opt else None})
 
     # ---- the selected epoch, evaluated once on test
-    loop.selected(lambda: evaluate_split(head, splits.val, train))
+    loop.selected(lambda: evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts))
     selected = load_head(loop.checkpoints.folder / BEST, train.device)
-    test = evaluate_split(selected, splits.test, train, post=post,
+    test = evaluate_split(selected, splits.test, train.device, train.eval_batch, train.block_texts, post=post,
                           querybank=splits.train if "qbnorm" in post else None)
     rows = loop.rows
-    return loop.write_results(method, splits.val_source, test, {
-        "schedule": {"lr": lr, "lr_source": lr_source, "lr_groups": rates, "batch_size": batch,
-                     "description": schedule.description, "epochs_run": len(rows),
-                     "stopped_early": loop.stopped, "lr_halvings": loop.halvings,
-                     **({"patience_epochs": patience, "plateau_epochs": plateau,
-                         "max_epochs": max_epochs} if train.epochs is None else {})},
-        "train": {"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
-                  "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
-                  "seconds": float(sum(r["seconds"] for r in rows)),
-                  # what the wall times above ran with (this session's; a resumed run may differ)
-                  "threads": torch.get_num_threads(), "allocator": tune_allocator()}})
+    return loop.write_results(
+        method, splits.val_source, test,
+        schedule={"lr": lr, "lr_source": lr_source, "lr_groups": rates, "batch_size": batch,
+                  "description": schedule.description, "stopped_early": loop.stopped, "lr_halvings": loop.halvings,
+                  **({"patience_epochs": patience, "plateau_epochs": plateau,
+                      "max_epochs": max_epochs} if train.epochs is None else {})},
+        train={"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,
+               "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
+               "seconds": float(sum(r["seconds"] for r in rows)),
+               # what the wall times above ran with (this session's; a resumed run may differ)
+               "threads": torch.get_num_threads(), "allocator": tune_allocator()})
 
 
 def _lr_changed(out: Path, old: dict, new: dict, lr: float, lr_source: str) -> str | None:
@@ -449,59 +397,5 @@ def _lr_changed(out: Path, old: dict, new: dict, lr: float, lr_source: str) -> s
         return (f"{out} was trained at lr {was.get('lr'):g} ({was.get('lr_source')}), and {lr_source} is now "
                 f"{lr:g}; choose another --out (add --lr {was.get('lr'):g} to train as before)")
     return None
-
-
-def evaluate_run(
-    run_dir: str | os.PathLike[str],
-    split: str = "test",
-    post: tuple[str, ...] = (),
-    features: str | os.PathLike[str] | None = None,
-    train: TrainConfig | None = None,
-) -> dict:
-    """Evaluate a run's selected checkpoint on ``split``; writes ``eval_<split>.json`` in the run.
-
-    The store must have the provenance the run was trained on (else StoreError); the checkpoint
-    must match the sha256 that training recorded in ``metrics.json`` (else RunError).
-    """
-    run = Path(run_dir)
-    if split not in ("train", "val", "test"):
-        raise ConfigError(f"--split must be train, val or test, got {split!r}")
-    config = read_config(run)
-    try:  # a finetune run has no trainer section: the defaults give evaluation's block sizes
-        tc = train or TrainConfig(**config.get("train", {}))
-        if tc.device != "cpu" and train is None and not torch.cuda.is_available():
-            # trained on a GPU, evaluated here: the scores do not depend on the device (to rounding)
-            log.info("%s was trained on %s; evaluating on the CPU (no CUDA here)", run, tc.device)
-            tc = dataclasses.replace(tc, device="cpu")
-    except TypeError as e:
-        raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
-                       "restore it or train the run again into a new --out") from None
-    with locked(run, "--run"):
-        best_path = run / CHECKPOINTS / BEST
-        trained = read_metrics(run) or {}  # the checkpoint's sha256; a finetune run's export and CLIP provenance
-        checkpoint = trained.get("checkpoint")
-        want = checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
-        if want and best_path.is_file() and file_sha256(best_path) != want:
-            raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
-                           "checkpoint is damaged or was replaced; delete the run directory and train it again")
-        head = load_head(best_path, tc.device)
-        if features is None and config["features"] is None:
-            export = trained.get("export")
-            how = f" (`{export['extract']}`)" if isinstance(export, dict) and export.get("extract") else ""
-            raise ConfigError(f"{run} was trained on live CLIP features (tvrpipe finetune): pass --features, a store "
-                              f"extracted with the run's CLIP{how}")
-        # a finetune run pins what it learnt with (its CLIP's weights hash) in metrics.json
-        expect = {**config["provenance"], **(trained.get("provenance") or {})}
-        store = open_store(features or config["features"], expect=expect)
-        rows = store_split_rows(store, need_test=split == "test")
-        # only the split evaluated (and train for QB-Norm's bank), with word tokens only for a head that reads them
-        data = load_split(store, split, rows, tokens=head.uses_tokens)
-        if data.n_videos == 0:
-            raise ConfigError(f"{store.dir}: the {split} split is empty")
-        querybank = load_split(store, "train", rows, tokens=head.uses_tokens) if "qbnorm" in post else None
-        metrics = {"split": split, "validation": rows.val_source, "features": str(Path(store.dir).resolve()),
-                   "device": tc.device, **evaluate_split(head, data, tc, post=post, querybank=querybank)}
-        write_metrics(run, metrics, f"eval_{split}.json")
-    return metrics
 
 

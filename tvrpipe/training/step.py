@@ -51,7 +51,7 @@ def _backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
 def step_gradients(model: LiveModel, wrapped: nn.Module, frames: torch.Tensor, frame_mask: torch.Tensor,
                    texts: list[str], max_words: int, chunk: int | None = None,
                    scaler: torch.amp.GradScaler | None = None, train: bool = True,
-                   check: Callable[[torch.Tensor], None] = lambda loss: None) -> tuple[torch.Tensor, dict]:
+                   check: Callable[[torch.Tensor, dict], None] = lambda total, terms: None) -> tuple[torch.Tensor, dict]:
     """Accumulate into ``.grad`` the gradient of the head's loss over the step's batch (every worker's
     pairs), from this worker's ``frames`` / ``frame_mask`` / ``texts``, and return ``(loss, terms)``.
 
@@ -62,7 +62,7 @@ def step_gradients(model: LiveModel, wrapped: nn.Module, frames: torch.Tensor, f
             once). The gradient is the same either way.
         scaler: the fp16 gradient scaler (its scale multiplies every gradient, as unscaled by the step).
         train: False: the loss only (nothing trains), no backward.
-        check: called with the loss before any backward (it raises on a non-finite loss).
+        check: called with the loss and its terms before any backward (it raises on a non-finite loss).
 
     The random state at the call is the step's (``seed_step``): the head draws from it in both paths.
     """
@@ -71,7 +71,7 @@ def step_gradients(model: LiveModel, wrapped: nn.Module, frames: torch.Tensor, f
     parts = chunks(len(texts), chunk)
     if len(parts) == 1 or not train:  # one forward and backward through DDP, as always
         total, terms = wrapped(frames, frame_mask, texts, max_words, head_rng)
-        check(total)
+        check(total, terms)
         if train:
             _backward(total, scaler)
         return total, terms
@@ -101,7 +101,7 @@ def _chunked(model: LiveModel, frames: torch.Tensor, frame_mask: torch.Tensor, t
     t, v = gather_pairs(local_t, local_v)
     set_rng_state(head_rng, device)
     out = model.head.loss(t, v)
-    check(out.total)
+    check(out.total, out.terms)
     _backward(out.total, scaler)
     if not model.end_to_end:  # a frozen CLIP: the features need no gradient
         return out.total.detach(), out.terms

@@ -14,19 +14,22 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tvrpipe.errors import NonFiniteError, RunError
+from tvrpipe.errors import RunError
 from tvrpipe.files import atomic_write_text
-from tvrpipe.heads.base import TextBatch, VideoBatch, head_class
+from tvrpipe.heads.base import head_class
 from tvrpipe.rundir import BEST, LAST, load_head, load_optimizer_state, save_head
 from tvrpipe.training.core import (
     RunLoop,
     Schedule,
     apply_step,
+    check_finite_loss,
     group_rates,
     make_optimizer,
     seed_step,
     start_step,
 )
+from tvrpipe.training.data import SplitData
+from tvrpipe.training.evaluate import evaluate_split
 from tvrpipe.training.finetune.export import export_clip, save_clip
 from tvrpipe.training.finetune.failures import all_failures, too_many_failed, write_failures
 from tvrpipe.training.finetune.job import FinetuneJob, steps_per_epoch, train_pairs
@@ -40,45 +43,51 @@ PROGRESS_FILE = ".progress.json"
 
 
 def encode_split(model: LiveModel, loader_for, videos: np.ndarray, captions: np.ndarray, job: FinetuneJob,
-                  failures: dict[str, str]) -> tuple[list[TextBatch], list[VideoBatch]]:
-    """The split's TextBatches and VideoBatches from the live CLIP in eval mode, on the CPU."""
+                 failures: dict[str, str], name: str) -> SplitData:
+    """The split's features from the live CLIP in eval mode, as a store's split holds them (on the CPU, fp32):
+    the videos ``videos`` and the captions ``captions`` (rows of the manifest); a video that fails to decode is
+    added to ``failures`` and has no frame."""
     model.eval()
-    vb: list[VideoBatch] = []
+    frames, masks, tokens, token_masks, sentences = [], [], [], [], []
     with torch.no_grad():
         for batch in loader_for([[(int(v), -1, -1) for v in videos[i: i + job.cfg.eval_batch]]
                                  for i in range(0, len(videos), job.cfg.eval_batch)]):
             failures.update({str(job.video_ids[v]): e for v, e in batch.failed})
             v = model.encode_videos(batch.frames, batch.frame_mask)
-            vb.append(VideoBatch(v.frames.cpu(), v.frame_mask.cpu()))
-        tb: list[TextBatch] = []
+            frames.append(v.frames.cpu().numpy())
+            masks.append(v.frame_mask.cpu().numpy())
         for i in range(0, len(captions), 256):
             t = model.encode_texts([str(x) for x in job.table.texts[captions[i: i + 256]]], job.max_words)
-            tb.append(TextBatch(t.tokens.cpu(), t.token_mask.cpu(), t.sentence.cpu()))
-    return tb, vb
+            tokens.append(t.tokens.cpu().numpy())
+            token_masks.append(t.token_mask.cpu().numpy())
+            sentences.append(t.sentence.cpu().numpy())
+    D, F, L = model._bundle.embed_dim, job.frames, job.max_words
+    column = {int(v): i for i, v in enumerate(videos)}
+    join = lambda parts, shape, dtype: np.concatenate(parts) if parts else np.zeros(shape, dtype)  # noqa: E731
+    return SplitData(name=name, frames=join(frames, (0, F, D), np.float32), frame_mask=join(masks, (0, F), bool),
+                     tokens=join(tokens, (0, L, D), np.float32), token_mask=join(token_masks, (0, L), bool),
+                     sentence=join(sentences, (0, D), np.float32),
+                     text_video=np.array([column[int(v)] for v in job.text_video[captions]], np.int64),
+                     video_ids=job.video_ids[videos], caption_ids=job.caption_ids[captions])
 
 
 def evaluate(model: LiveModel, loader_for, split: tuple[np.ndarray, np.ndarray], job: FinetuneJob,
-              failures: dict[str, str], post: tuple[str, ...] = (), readouts: bool = True) -> dict:
-    from tvrpipe.evaluation.engine import evaluate_head
-
+             failures: dict[str, str], post: tuple[str, ...] = (), readouts: bool = True) -> dict:
+    """The live model's scores on ``split`` ((video rows, caption rows)): its features encoded by the live
+    CLIP (a frozen CLIP's once a run), scored by :func:`~tvrpipe.training.evaluate.evaluate_split`, as
+    train-head scores a store's."""
     videos, captions = split
     key = (videos.tobytes(), captions.tobytes())
-    encoded = None if model.end_to_end else model.frozen_features.get(key)
-    if encoded is None:
-        encoded = encode_split(model, loader_for, videos, captions, job, failures)
+    data = None if model.end_to_end else model.frozen_features.get(key)
+    if data is None:
+        data = encode_split(model, loader_for, videos, captions, job, failures, "eval")
         if not model.end_to_end:  # a frozen CLIP encodes a split the same way every epoch: decode it once
-            model.frozen_features[key] = encoded
-    tb, vb = encoded
-    column = {int(v): i for i, v in enumerate(videos)}
-    text_video = np.array([column[int(v)] for v in job.text_video[captions]], np.int64)
+            model.frozen_features[key] = data
     querybank = None
     if "qbnorm" in post:  # training captions, encoded by the same CLIP
-        querybank, _ = encode_split(model, loader_for, videos[:0], job.train_texts, job, failures)
-    dev = model._bundle.device
-    return evaluate_head(model.head, (b.to(dev) for b in tb), (b.to(dev) for b in vb), text_video,
-                         block_texts=job.cfg.block_texts, device=dev, post=post,
-                         querybank=None if querybank is None else (b.to(dev) for b in querybank),
-                         text_ids=job.caption_ids[captions], video_ids=job.video_ids[videos], readouts=readouts)
+        querybank = encode_split(model, loader_for, videos[:0], job.train_texts, job, failures, "train")
+    return evaluate_split(model.head, data, model._bundle.device, job.cfg.eval_batch, job.cfg.block_texts, post=post,
+                          querybank=querybank, readouts=readouts)
 
 
 def _loader(dataset: DecodedClips, sampler: PlannedBatches, collate: Collate, workers: int):
@@ -130,6 +139,7 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
     # ---- loop
     with loop.progress(f"finetune {job.method}", enabled=job.progress and world == 1):
         for epoch in loop.epochs():
+            t_epoch = time.perf_counter()
             model.train()
             if not cfg.end_to_end:
                 model.clip.eval()  # frozen: CLIP stays in inference mode
@@ -150,12 +160,10 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
                 # the head's own noise (sampling heads) is the same on every rank and after a resume
                 seed_step(cfg.seed, epoch, step)
 
-                def check(loss: torch.Tensor) -> None:
-                    if not torch.isfinite(loss.detach()):
-                        vids = ", ".join(str(job.video_ids[v]) for v in batch.videos[:5])
-                        raise NonFiniteError(f"epoch {epoch + 1} step {step + 1}: the loss is {float(loss)} on the "
-                                             f"batch of videos {vids}; lower --clip-lr / --head-lr and train into a "
-                                             "new --out")
+                def check(total: torch.Tensor, terms: dict) -> None:
+                    check_finite_loss(total, terms, epoch, step, job.video_ids[batch.videos],
+                                      job.caption_ids[batch.captions], "--clip-lr / --head-lr" if cfg.end_to_end
+                                      else "--head-lr")
                 if opt is not None:
                     start_step(opt, loop.lr(epoch, step))
                 total_loss, loss_terms = step_gradients(model, wrapped, batch.frames, batch.frame_mask, batch.texts,
@@ -178,6 +186,7 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
                 loop.end_epoch(epoch, evaluate(model, loader_for, job.val, job, failures), {
                     **group_rates(opt),  # the rate each parameter group stepped at last
                     **_throughput(timing), "failed_videos": len(failures),
+                    "seconds": time.perf_counter() - t_epoch,  # wall time of the epoch, validation included
                 }, {"failures": failures, "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()})
                 if failures:
                     write_failures(failures, out)
@@ -279,11 +288,15 @@ def _finish(model: LiveModel, loop: RunLoop, loader_for, job: FinetuneJob, failu
     if failures:
         write_failures(failures, out)
     rows = loop.rows
-    return loop.write_results(job.method, job.val_source, test, {
-        "provenance": provenance, "export": export, "failed_videos": len(failures), "lr_groups": job.lr_groups,
-        "train": {"clips_per_s": float(np.mean([r["clips_per_s"] for r in rows])) if rows else None,
-                  "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
-                  "epochs_run": len(rows)}})
+    return loop.write_results(
+        job.method, job.val_source, test,
+        schedule={"lr_groups": job.lr_groups, "batch_size": cfg.batch_size, "description": loop.schedule.description},
+        train={"clips_per_s": float(np.mean([r["clips_per_s"] for r in rows])) if rows else None,
+               "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
+               # a run resumed from a version that did not time its epochs has no total
+               "seconds": float(sum(r["seconds"] for r in rows)) if all("seconds" in r for r in rows) else None,
+               "threads": torch.get_num_threads()},
+        extras={"provenance": provenance, "export": export, "failed_videos": len(failures)})
 
 
 class ProgressFile:

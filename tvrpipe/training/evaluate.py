@@ -1,0 +1,121 @@
+"""Evaluation in training: :func:`evaluate_split`, the one function both trainers validate and test with
+(a head's scores on a split's features through the evaluation engine), and :func:`evaluate_run`, which
+scores a finished run's selected checkpoint on a store (``tvrpipe evaluate``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tvrpipe.errors import ConfigError, RunError
+from tvrpipe.features.store import open_store
+from tvrpipe.files import file_sha256
+from tvrpipe.heads.base import Head
+from tvrpipe.lock import locked
+from tvrpipe.rundir import BEST, CHECKPOINTS, load_head, read_config, read_metrics, write_metrics
+from tvrpipe.training.data import SplitData, load_split, store_split_rows
+
+if TYPE_CHECKING:
+    from tvrpipe.training.fit import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def evaluate_split(head: Head, split: SplitData, device: str | torch.device, eval_batch: int, block_texts: int,
+                   post: tuple[str, ...] = (), querybank: SplitData | None = None, readouts: bool = True) -> dict:
+    """``head``'s scores on ``split`` through the evaluation engine: what both trainers validate and test
+    with, and ``evaluate`` scores a finished run with. ``eval_batch`` items per encoder call and
+    ``block_texts`` texts per similarity block on ``device``; ``querybank``: the training split's captions,
+    for QB-Norm."""
+    from tvrpipe.evaluation.engine import evaluate_head
+
+    dev = torch.device(device)
+    return evaluate_head(
+        head,
+        (b.to(dev) for b in split.text_batches(eval_batch, head.uses_tokens)),
+        (b.to(dev) for b in split.video_batches(eval_batch)),
+        split.text_video,
+        block_texts=block_texts,
+        device=dev,
+        post=post,
+        querybank=None if querybank is None else (b.to(dev) for b in querybank.text_batches(eval_batch,
+                                                                                           head.uses_tokens)),
+        text_ids=split.caption_ids,
+        video_ids=split.video_ids,
+        readouts=readouts,
+    )
+
+
+def checkpoint_similarity(checkpoint: str | os.PathLike[str], split: SplitData,
+                          device: str = "cpu") -> np.ndarray:
+    """The raw float32 ``(n_text, n_video)`` scores of a checkpoint (:func:`load_head`) on every caption
+    and video of ``split``, through the evaluation engine: the scores behind a run's metrics there."""
+    from tvrpipe.evaluation.engine import encode_all, similarity_matrix
+
+    head = load_head(checkpoint, device)
+    video_emb = encode_all(head.encode_videos, split.video_batches(256), device)
+    text_emb = encode_all(head.encode_texts, split.text_batches(256, head.uses_tokens), device)
+    return similarity_matrix(head, text_emb, video_emb, device=device).numpy()
+
+
+def evaluate_run(
+    run_dir: str | os.PathLike[str],
+    split: str = "test",
+    post: tuple[str, ...] = (),
+    features: str | os.PathLike[str] | None = None,
+    train: TrainConfig | None = None,
+) -> dict:
+    """Evaluate a run's selected checkpoint on ``split``; writes ``eval_<split>.json`` in the run.
+
+    The store must have the provenance the run was trained on (else StoreError); the checkpoint
+    must match the sha256 that training recorded in ``metrics.json`` (else RunError).
+    """
+    from tvrpipe.training.fit import TrainConfig
+
+    run = Path(run_dir)
+    if split not in ("train", "val", "test"):
+        raise ConfigError(f"--split must be train, val or test, got {split!r}")
+    config = read_config(run)
+    try:  # a finetune run has no trainer section: the defaults give evaluation's block sizes
+        tc = train or TrainConfig(**config.get("train", {}))
+        if tc.device != "cpu" and train is None and not torch.cuda.is_available():
+            # trained on a GPU, evaluated here: the scores do not depend on the device (to rounding)
+            log.info("%s was trained on %s; evaluating on the CPU (no CUDA here)", run, tc.device)
+            tc = dataclasses.replace(tc, device="cpu")
+    except TypeError as e:
+        raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
+                       "restore it or train the run again into a new --out") from None
+    with locked(run, "--run"):
+        best_path = run / CHECKPOINTS / BEST
+        trained = read_metrics(run) or {}  # the checkpoint's sha256; a finetune run's export and CLIP provenance
+        checkpoint = trained.get("checkpoint")
+        want = checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
+        if want and best_path.is_file() and file_sha256(best_path) != want:
+            raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
+                           "checkpoint is damaged or was replaced; delete the run directory and train it again")
+        head = load_head(best_path, tc.device)
+        if features is None and config["features"] is None:
+            export = trained.get("export")
+            how = f" (`{export['extract']}`)" if isinstance(export, dict) and export.get("extract") else ""
+            raise ConfigError(f"{run} was trained on live CLIP features (tvrpipe finetune): pass --features, a store "
+                              f"extracted with the run's CLIP{how}")
+        # a finetune run pins what it learnt with (its CLIP's weights hash) in metrics.json
+        expect = {**config["provenance"], **(trained.get("provenance") or {})}
+        store = open_store(features or config["features"], expect=expect)
+        rows = store_split_rows(store, need_test=split == "test")
+        # only the split evaluated (and train for QB-Norm's bank), with word tokens only for a head that reads them
+        data = load_split(store, split, rows, tokens=head.uses_tokens)
+        if data.n_videos == 0:
+            raise ConfigError(f"{store.dir}: the {split} split is empty")
+        querybank = load_split(store, "train", rows, tokens=head.uses_tokens) if "qbnorm" in post else None
+        metrics = {"split": split, "validation": rows.val_source, "features": str(Path(store.dir).resolve()),
+                   "device": tc.device, **evaluate_split(head, data, tc.device, tc.eval_batch, tc.block_texts, post=post,
+                                     querybank=querybank)}
+        write_metrics(run, metrics, f"eval_{split}.json")
+    return metrics
