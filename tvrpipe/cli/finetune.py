@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from tvrpipe.cli.app import PAPERS, app, finite_float, refuse_unused
-from tvrpipe.cli.train import apply_recipe, parse_group_lr, parse_overrides, parse_post, print_metrics
+from tvrpipe.cli.options import apply_recipe, parse_group_lr, parse_overrides, parse_post, print_metrics
 from tvrpipe.errors import ConfigError
 
 console = Console()

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import PAPERS, app, finite_float, refuse_unused
-from tvrpipe.cli.train import (
+from tvrpipe.cli.options import (
     BatchSizeOption,
     EpochsOption,
     LrOption,

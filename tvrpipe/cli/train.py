@@ -4,117 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, finite_float, refuse_unused
-from tvrpipe.config import parse_fields, split_item
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, refuse_unused
+from tvrpipe.cli.options import (
+    BatchSizeOption,
+    EpochsOption,
+    LrOption,
+    MaxEpochsOption,
+    PatienceOption,
+    PostOption,
+    WeightDecayOption,
+    apply_recipe,
+    parse_group_lr,
+    parse_overrides,
+    parse_post,
+    print_metrics,
+)
 from tvrpipe.errors import ConfigError
-from tvrpipe.rundir import METRICS, POST_PROCESSINGS, Scores
 
 console = Console()
 
-# train-head's schedule and post-processing options, shared with `tvrpipe sweep` (one definition of
-# each option's type and help; the defaults, TrainConfig's, are given where they are used)
-EpochsOption = Annotated[Optional[int], typer.Option(
-    help="Train exactly this many epochs (warmup + cosine). Default: until validation stops improving "
-         "(--patience, at most --max-epochs).")]
-MaxEpochsOption = Annotated[int, typer.Option(
-    help="Cap on epochs when --epochs is not given (scaled up with --patience on stores of few steps an epoch).")]
-PatienceOption = Annotated[int, typer.Option(
-    help="Without --epochs: stop after this many epochs without a better validation score (t2v R@1+R@5+R@10; "
-         "the lr halves every 3 such epochs). On a store of fewer than 300 / patience optimizer steps an "
-         "epoch, patience, the 3 and --max-epochs scale up by the same factor, so that patience covers "
-         "300 steps.")]
-BatchSizeOption = Annotated[int, typer.Option(help="Pairs per step (one caption per video).")]
-LrOption = Annotated[Optional[float], typer.Option(parser=finite_float,
-    help="Learning rate. Default: the head's, at the features' width D (`tvrpipe heads` lists them).")]
-WeightDecayOption = Annotated[float, typer.Option(parser=finite_float, help="Weight decay.")]
-PostOption = Annotated[Optional[list[str]], typer.Option(
-    help="Also report test metrics after dsl or qbnorm (repeatable).")]
-
-
-def parse_overrides(method: str, items: list[str]) -> dict[str, Any]:
-    """``["key=value", ...]`` -> typed overrides for ``method``'s config (unknown keys fail)."""
-    from tvrpipe.heads.base import head_class
-
-    return parse_fields(head_class(method).Config, items, method)
-
-
-def parse_group_lr(items: list[str]) -> dict[str, float]:
-    """``--group-lr NAME=LR`` items -> ``{NAME: LR}``."""
-    groups: dict[str, float] = {}
-    for item in items:
-        name, raw = split_item(item, "--group-lr")
-        if name in groups:
-            raise ConfigError(f"--group-lr {name} is given twice ({name}={groups[name]:g} and {item}); give each "
-                              "group once")
-        try:
-            groups[name] = finite_float(raw)
-        except typer.BadParameter as e:
-            raise ConfigError(f"--group-lr {item}: {e.message}") from None
-    return groups
-
-
-def apply_recipe(ctx: typer.Context, name: str, method: str | None, set_items: list[str], options: dict[str, Any],
-                 keys: dict[str, str] | None = None):
-    """The recipe ``name`` applied to a command's ``options`` (in place): every recipe setting of ``keys``
-    ({setting: option}, default: finetune's) that the user did not give explicitly takes the recipe's value;
-    ``--set`` items win over the recipe's head config.
-
-    Returns:
-        ``(recipe, method, head overrides, what the run records of the recipe)``.
-
-    Raises:
-        ConfigError: ``--method`` names another head than the recipe's.
-    """
-    from tvrpipe.training.recipes import load_recipe, resolve
-
-    r = load_recipe(name)
-    if method is not None and method != r.method:
-        raise ConfigError(f"--method {method}: recipe {r.name} trains {r.method}; leave --method out")
-    given = explicit_options(ctx)
-    values, overridden = resolve(r, {k: v for k, v in options.items() if k in given}, keys)
-    options.update(values)
-    explicit_head = parse_overrides(r.method, set_items)
-    from tvrpipe.heads.base import head_class
-
-    # against what the recipe's head would be: its own value of a field, else the head's default
-    defaults = {f.name: f.default for f in dataclasses.fields(head_class(r.method).Config)}
-    overridden += [f"head.{k}" for k, v in explicit_head.items()
-                   if v != (r.head[k].value if k in r.head else defaults.get(k))]
-    record = r.record(overridden)
-    name = r.name if record["shipped"] else f"{r.name} ({r.path})"  # a file of the user's is named by its path
-    console.print(f"recipe {name}" + (f"; overridden: {', '.join(sorted(overridden))}" if overridden else ""),
-                  highlight=False, soft_wrap=True)
-    return r, r.method, {**r.head_overrides(), **explicit_head}, record
-
-
-def parse_post(post: list[str]) -> tuple[str, ...]:
-    """--post's values, checked against the post-processings evaluation knows."""
-    bad = [p for p in post if p not in POST_PROCESSINGS]
-    if bad:
-        raise ConfigError(f"--post {bad[0]!r} is not one of: {', '.join(POST_PROCESSINGS)}")
-    return tuple(post)
-
-
-def print_metrics(title: str, metrics: dict) -> None:
-    """An evaluation's scores as a table (one row per direction and score variant), then the head's readouts."""
-    scores = Scores.from_dict(metrics)
-    table = Table(title=title)
-    for col in ("", *METRICS):
-        table.add_column(col, justify="right")
-    for key in sorted(scores.metrics):
-        table.add_row(key, *(f"{scores.metrics[key][c]:.1f}" for c in METRICS))
-    console.print(table)
-    if scores.dsl_not_applicable:
-        console.print(f"no DSL: {scores.dsl_not_applicable}", highlight=False)
-    for name, r in scores.readouts.items():  # the head's uncertainty readouts
-        values = ", ".join(f"{k} {v:.4g}" for k, v in r.items()) if isinstance(r, dict) else f"{r:.4g}"
-        console.print(f"readout {name}: {values}")
 
 
 @app.command("train-head", rich_help_panel=MAIN_PATH)

@@ -425,3 +425,32 @@ def finetune_config(recipe: Recipe, explicit: Mapping[str, Any]):
 
     values, overridden = resolve(recipe, explicit)
     return FinetuneConfig(**{**explicit, **values}), overridden
+
+
+def apply(name: str | Path, method: str | None, explicit: Iterable[str], set_items: list[str], options: dict[str, Any],
+          keys: Mapping[str, str] | None = None) -> tuple[Recipe, str, dict[str, Any], dict[str, Any]]:
+    """The recipe ``name`` applied to a command's ``options`` ({field: value}, in place): every recipe setting of
+    ``keys`` ({setting: option field}, default: finetune's) that is not among the ``explicit`` fields (those the
+    user gave) takes the recipe's value; ``set_items`` (``--set key=value``) win over the recipe's head config.
+
+    Returns:
+        ``(recipe, method, head overrides, what the run records of the recipe)`` (:meth:`Recipe.record`).
+
+    Raises:
+        ConfigError: ``method`` names another head than the recipe's; an unknown recipe or head field.
+    """
+    from tvrpipe.config import parse_fields
+    from tvrpipe.heads.base import head_class
+
+    r = load_recipe(name)
+    if method is not None and method != r.method:
+        raise ConfigError(f"--method {method}: recipe {r.name} trains {r.method}; leave --method out")
+    given = set(explicit)
+    values, overridden = resolve(r, {k: v for k, v in options.items() if k in given}, keys)
+    options.update(values)
+    explicit_head = parse_fields(head_class(r.method).Config, set_items, r.method)
+    # against what the recipe's head would be: its own value of a field, else the head's default
+    defaults = {f.name: f.default for f in dataclasses.fields(head_class(r.method).Config)}
+    overridden += [f"head.{k}" for k, v in explicit_head.items()
+                   if v != (r.head[k].value if k in r.head else defaults.get(k))]
+    return r, r.method, {**r.head_overrides(), **explicit_head}, r.record(overridden)
