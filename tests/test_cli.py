@@ -32,6 +32,61 @@ def test_help_shows_the_main_path_first_then_papers_tools_and_benchmarks(cli):
     assert at == sorted(at), r.output
 
 
+@pytest.mark.parametrize("command, config, renamed", [
+    ("finetune", "tvrpipe.training.finetune.config:FinetuneConfig", {"timeout": "timeout_s"}),
+    ("train-head", "tvrpipe.training.settings:TrainConfig", {}),
+    ("sweep", "tvrpipe.training.settings:TrainConfig", {}),
+])
+def test_help_shows_the_configs_defaults(cli, monkeypatch, command, config, renamed):
+    """Each option of a config field takes its default from the config (declared once, there), and --help
+    shows that value: change a config's default and the option and its help follow."""
+    import dataclasses
+    import importlib
+
+    import typer
+
+    from tvrpipe.cli.main import app
+
+    module, name = config.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    params = {p.name: p for p in typer.main.get_command(app).commands[command].params}
+    bound = {p: renamed.get(p, p) for p in params if renamed.get(p, p) in defaults}
+    assert len(bound) >= 6, sorted(bound)
+    monkeypatch.setenv("COLUMNS", "250")
+    blocks: dict[str, str] = {}  # each option's rows of the help table, joined
+    for line in cli(command, "--help").output.splitlines():
+        cells = line.strip("│ ").split()
+        if cells and cells[0].startswith("--"):
+            option = cells[0]
+            blocks[option] = ""
+        if cells and blocks:
+            blocks[option] += " " + " ".join(cells)
+    for param, field in bound.items():
+        assert params[param].default == defaults[field], (command, param)
+        value = defaults[field]
+        if value is None or isinstance(value, bool):
+            continue  # None: the help says what stands in; a flag shows its name
+        shown = blocks[f"--{param.replace('_', '-')}"]
+        assert f"[default: {value}]" in shown, (command, param, shown)
+
+
+def test_a_command_passes_only_the_options_given(tmp_path, monkeypatch, cli):
+    """train-head hands fit a TrainConfig built from what was typed alone: the rest are the config's own."""
+    import tvrpipe.training.fit as fit_module
+    from tvrpipe.training.settings import TrainConfig
+
+    seen = []
+
+    def fit(features, method, out, cfg, *a, **k):
+        seen.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(fit_module, "fit", fit)
+    cli("train-head", "--method", "xpool", "--out", tmp_path / "run", "--features", tmp_path, "--patience", "3")
+    assert seen == [TrainConfig(patience=3)]
+
+
 def test_version(cli):
     from tvrpipe import __version__
 

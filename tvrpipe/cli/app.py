@@ -10,7 +10,7 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 
 import click
@@ -93,6 +93,15 @@ def explicit_options(ctx: click.Context) -> set[str]:
     given = {"COMMANDLINE", "ENVIRONMENT"}
     return {p.name for p in ctx.command.params
             if p.name and getattr(ctx.get_parameter_source(p.name), "name", None) in given}
+
+
+def given(ctx: click.Context, values: Mapping[str, Any], names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Of ``values`` (the command's parameters by name), those the user gave, keyed by the config field each sets
+    (``names``: {parameter: field} where they differ, e.g. ``timeout``: ``timeout_s``): a command passes only
+    these, and its config supplies every other default (declared once, there; ``--help`` shows it)."""
+    names = names or {}
+    explicit = explicit_options(ctx)
+    return {names.get(k, k): v for k, v in values.items() if k in explicit}
 
 
 def refuse_unused(ctx: click.Context, names: Iterable[str], why: str) -> None:

@@ -8,11 +8,13 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import PAPERS, app, finite_float, refuse_unused
+from tvrpipe.cli.app import PAPERS, app, finite_float, given, refuse_unused
 from tvrpipe.cli.options import apply_recipe, parse_group_lr, parse_overrides, parse_post, print_metrics
 from tvrpipe.errors import ConfigError
+from tvrpipe.training.finetune.config import FinetuneConfig
 
 console = Console()
+FT = FinetuneConfig()  # the defaults, declared once: in FinetuneConfig
 
 
 @app.command("finetune", rich_help_panel=PAPERS)
@@ -46,74 +48,74 @@ def finetune_cmd(
         bool, typer.Option("--end-to-end/--frozen-clip", help="Unfreeze both CLIP towers (the papers' setting); "
                            "--frozen-clip (the default without a recipe) keeps CLIP frozen and trains only the head, on "
                            "live features.")
-    ] = False,
-    model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = "ViT-B-32",
+    ] = FT.end_to_end,
+    model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = FT.model,
     pretrained: Annotated[
         str, typer.Option(help="open_clip pretrained tag (e.g. openai), a local checkpoint file, or 'none' (seeded random).")
-    ] = "openai",
-    epochs: Annotated[int, typer.Option(help="Epochs (warmup 10 %, then cosine); the epoch is selected on validation.")] = 5,
+    ] = FT.pretrained,
+    epochs: Annotated[int, typer.Option(help="Epochs (warmup 10 %, then cosine); the epoch is selected on validation.")] = FT.epochs,
     epoch_pairs: Annotated[str, typer.Option(
         help="What an epoch visits: 'captions', every training caption with its video once (the papers' epoch; no "
              "video twice in a batch unless one has about as many captions as the epoch has batches), or 'videos', "
-             "one random caption per video (train-head's epoch).")] = "captions",
-    batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers.")] = 32,
-    frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = None,
-    max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = None,
+             "one random caption per video (train-head's epoch).")] = FT.epoch_pairs,
+    batch_size: Annotated[int, typer.Option(help="Pairs per step over all workers.")] = FT.batch_size,
+    frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = FT.frames,
+    max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = FT.max_words,
     optimizer: Annotated[str, typer.Option(
-        help="adamw (weight decay decoupled) or adam (weight decay as an L2 term of the gradient).")] = "adamw",
+        help="adamw (weight decay decoupled) or adam (weight decay as an L2 term of the gradient).")] = FT.optimizer,
     clip_lr: Annotated[float, typer.Option(
-        parser=finite_float, help="Learning rate of the CLIP towers (with --end-to-end).")] = 1e-6,
+        parser=finite_float, help="Learning rate of the CLIP towers (with --end-to-end).")] = FT.clip_lr,
     head_lr: Annotated[float, typer.Option(
-        parser=finite_float, help="Learning rate of the head.")] = 1e-5,
+        parser=finite_float, help="Learning rate of the head.")] = FT.head_lr,
     group_lr: Annotated[Optional[list[str]], typer.Option(
         help="NAME=LR: a learning rate of its own for one of the head's parameter groups, e.g. radius=3e-5 for "
              "tmass (T-MASS Sec. 4.1); the head's other groups train at --head-lr (repeatable; `tvrpipe heads` "
              "lists each head's groups).")] = None,
     weight_decay: Annotated[float, typer.Option(parser=finite_float,
         help="Weight decay, on weight matrices only: gains, biases, embeddings and the head's logit scale are "
-             "exempt (docs/training.md).")] = 0.2,
+             "exempt (docs/training.md).")] = FT.weight_decay,
     grad_clip: Annotated[float, typer.Option(
-        parser=finite_float, help="Gradient norm clip (0: none).")] = 1.0,
+        parser=finite_float, help="Gradient norm clip (0: none).")] = FT.grad_clip,
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
     ] = None,
     num_workers: Annotated[
         int, typer.Option(help="0: train in this process; N: N Ray Train workers (DDP, negatives gathered across "
                                "them; --batch-size is split between them).")
-    ] = 0,
-    use_gpu: Annotated[bool, typer.Option("--use-gpu", help="One GPU per worker (or for this process).")] = False,
+    ] = FT.num_workers,
+    use_gpu: Annotated[bool, typer.Option("--use-gpu", help="One GPU per worker (or for this process).")] = FT.use_gpu,
     address: Annotated[
         Optional[str], typer.Option(help="Ray cluster to join ('auto' or host:port); --out must be on storage every "
                                          "node reaches.")
-    ] = None,
-    precision: Annotated[str, typer.Option(help="fp32, fp16 (GPU, with a gradient scaler) or bf16 autocast of CLIP.")] = "fp32",
+    ] = FT.address,
+    precision: Annotated[str, typer.Option(help="fp32, fp16 (GPU, with a gradient scaler) or bf16 autocast of CLIP.")] = FT.precision,
     grad_checkpointing: Annotated[
         bool, typer.Option("--grad-checkpointing", help="Recompute CLIP activations in backward (less memory).")
-    ] = False,
+    ] = FT.grad_checkpointing,
     chunk_size: Annotated[
         Optional[int], typer.Option(help="Pairs CLIP encodes at a time on each worker: the step still computes the whole "
                                          "batch's gradient (every negative), with CLIP's activations for one chunk "
                                          "in memory instead of the batch's (docs/training.md). Default: the batch "
                                          "at once.")
-    ] = None,
+    ] = FT.chunk_size,
     init_from_clip: Annotated[
         bool, typer.Option("--init-from-clip/--no-init-from-clip",
                            help="Start the head's temporal transformer from CLIP's text transformer (CLIP4Clip seqTransf, "
                                 "ProTA, UATVR's DSA), where widths and heads agree.")
-    ] = False,
+    ] = FT.init_from_clip,
     loader_workers: Annotated[
         Optional[int], typer.Option(help="Decoding processes per worker (default: its CPUs, at most 8).")
-    ] = None,
+    ] = FT.loader_workers,
     cpus_per_worker: Annotated[
         Optional[int], typer.Option(help="CPUs per Ray Train worker (default: the cluster's CPUs split evenly).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Random seed (init, sampling, --pretrained none).")] = 0,
+    ] = FT.cpus_per_worker,
+    seed: Annotated[int, typer.Option(help="Random seed (init, sampling, --pretrained none).")] = FT.seed,
     timeout: Annotated[float, typer.Option(
-        parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
+        parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = FT.timeout_s,
     max_failed_fraction: Annotated[float, typer.Option(
         parser=finite_float, help="Exit 1 if more than this fraction of the training (or test) videos is missing "
                                   "or fails to decode: before anything is written when the files are not there, "
-                                  "else after the epoch that found them (it is kept; rerun to resume).")] = 0.1,
+                                  "else after the epoch that found them (it is kept; rerun to resume).")] = FT.max_failed_fraction,
     post: Annotated[
         Optional[list[str]], typer.Option(help="Also report test metrics after dsl or qbnorm (repeatable).")
     ] = None,
@@ -124,15 +126,17 @@ def finetune_cmd(
     which `tvrpipe extract --pretrained` loads. Rerun the same command to resume after the last complete epoch.
     """
     from tvrpipe.training.core import describe_lrs
-    from tvrpipe.training.finetune import FinetuneConfig, finetune
+    from tvrpipe.training.finetune import finetune
 
-    options = dict(end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs, epoch_pairs=epoch_pairs,
-                   batch_size=batch_size, frames=frames, max_words=max_words, optimizer=optimizer, clip_lr=clip_lr,
-                   head_lr=head_lr, group_lr=parse_group_lr(group_lr or []), weight_decay=weight_decay,
-                   grad_clip=grad_clip, precision=precision, grad_checkpointing=grad_checkpointing, chunk_size=chunk_size,
-                   init_from_clip=init_from_clip, num_workers=num_workers, use_gpu=use_gpu, address=address,
-                   cpus_per_worker=cpus_per_worker, loader_workers=loader_workers, seed=seed, timeout_s=timeout,
-                   max_failed_fraction=max_failed_fraction)
+    # what the user gave; FinetuneConfig holds every other default (what --help shows)
+    options = given(ctx, dict(
+        end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs, epoch_pairs=epoch_pairs,
+        batch_size=batch_size, frames=frames, max_words=max_words, optimizer=optimizer, clip_lr=clip_lr,
+        head_lr=head_lr, group_lr=parse_group_lr(group_lr or []), weight_decay=weight_decay, grad_clip=grad_clip,
+        precision=precision, grad_checkpointing=grad_checkpointing, chunk_size=chunk_size, init_from_clip=init_from_clip,
+        num_workers=num_workers, use_gpu=use_gpu, address=address, cpus_per_worker=cpus_per_worker,
+        loader_workers=loader_workers, seed=seed, timeout=timeout, max_failed_fraction=max_failed_fraction),
+        {"timeout": "timeout_s"})
     record = None
     if recipe is None:
         missing = [f"--{k.replace('_', '-')}" for k, v in (("method", method), ("manifest", manifest),
@@ -160,14 +164,15 @@ def finetune_cmd(
             raise ConfigError(f"--data-root {data_root} finds the recipe's dataset when no --manifest is given; with "
                               f"--manifest {manifest} it would be ignored: drop one of them")
         out = out if out is not None else Path("runs") / r.name
-    if not options["end_to_end"]:
+    cfg = FinetuneConfig(**options)
+    if not cfg.end_to_end:
         refuse_unused(ctx, ("clip_lr", "grad_checkpointing"), "CLIP stays frozen without --end-to-end, so it would "
                       "have no effect; give --end-to-end, or leave it out")
-    if options["epochs"] == 0:
+    if cfg.epochs == 0:
         refuse_unused(ctx, ("batch_size", "epoch_pairs", "optimizer", "clip_lr", "head_lr", "group_lr", "weight_decay",
                             "grad_clip", "grad_checkpointing", "chunk_size"),
                       "--epochs 0 trains nothing (the untrained models are evaluated); leave it out")
-    if options["num_workers"] == 0:
+    if cfg.num_workers == 0:
         refuse_unused(ctx, ("address", "cpus_per_worker"), "only Ray Train workers use it (--num-workers N); give "
                       "--num-workers, or leave it out")
     budget = None
@@ -178,7 +183,6 @@ def finetune_cmd(
         from tvrpipe.training.plan import parse_memory
 
         budget = parse_memory(gpu_memory)
-    cfg = FinetuneConfig(**options)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []), recipe=record,
                        dry_run=dry_run, gpu_memory=budget)
     if dry_run:

@@ -18,7 +18,7 @@ from tvrpipe.rundir import METRICS, POST_PROCESSINGS, Scores
 console = Console()
 
 # train-head's schedule and post-processing options, shared with `tvrpipe sweep` (one definition of
-# each option's type and help; the defaults, TrainConfig's, are given where they are used)
+# each option's type and help; their defaults are TrainConfig's, read where they are used)
 EpochsOption = Annotated[Optional[int], typer.Option(
     help="Train exactly this many epochs (warmup + cosine). Default: until validation stops improving "
          "(--patience, at most --max-epochs).")]

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import PAPERS, app, finite_float, refuse_unused
+from tvrpipe.cli.app import PAPERS, app, finite_float, given, refuse_unused
 from tvrpipe.cli.options import (
     BatchSizeOption,
     EpochsOption,
@@ -22,8 +22,10 @@ from tvrpipe.cli.options import (
     parse_post,
 )
 from tvrpipe.errors import ConfigError
+from tvrpipe.training.settings import TrainConfig
 
 console = Console()
+TR = TrainConfig()  # the defaults, declared once: in TrainConfig
 
 
 def _ints(option: str, text: str) -> list[int]:
@@ -59,12 +61,12 @@ def sweep(
         float, typer.Option(
             parser=finite_float, help="Ray GPUs per run (a fraction such as 0.25 shares a GPU); > 0 trains on cuda.")
     ] = 0.0,
-    epochs: EpochsOption = None,
-    max_epochs: MaxEpochsOption = 60,
-    patience: PatienceOption = 8,
-    batch_size: BatchSizeOption = 128,
-    lr: LrOption = None,
-    weight_decay: WeightDecayOption = 0.2,
+    epochs: EpochsOption = TR.epochs,
+    max_epochs: MaxEpochsOption = TR.max_epochs,
+    patience: PatienceOption = TR.patience,
+    batch_size: BatchSizeOption = TR.batch_size,
+    lr: LrOption = TR.lr,
+    weight_decay: WeightDecayOption = TR.weight_decay,
     post: PostOption = None,
 ) -> None:
     """Train a grid of heads x config values x seeds as Ray tasks; tables with mean and std over seeds.
@@ -74,7 +76,6 @@ def sweep(
     """
     from tvrpipe.heads.base import list_heads
     from tvrpipe.sweep import plan_sweep, run_sweep
-    from tvrpipe.training.fit import TrainConfig
 
     names = [m.strip() for m in methods.split(",") if m.strip()] if methods is not None else list_heads()
     runs = plan_sweep(names, _ints("--seeds", seeds), set_ or [])
@@ -83,8 +84,9 @@ def sweep(
     if epochs is not None or "epochs" in swept:
         refuse_unused(ctx, ("max_epochs", "patience"), "they shape a run until validation stops improving, and "
                       "these train a fixed number of epochs; leave them out")
-    cfg = TrainConfig(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, lr=lr,
-                      weight_decay=weight_decay)
+    # what the user gave; TrainConfig holds every other default (what --help shows)
+    cfg = TrainConfig(**given(ctx, dict(epochs=epochs, max_epochs=max_epochs, patience=patience,
+                                        batch_size=batch_size, lr=lr, weight_decay=weight_decay)))
     console.print(f"{len(runs)} runs ({len(names)} methods x {len(_ints('--seeds', seeds))} seeds"
                   f"{' x swept values' if set_ else ''}) into {out}", highlight=False)
     result = run_sweep(features, runs, out, cfg, parse_post(post or []), address, cpus_per_run, gpus_per_run)

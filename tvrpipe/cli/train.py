@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, refuse_unused
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, given, refuse_unused
 from tvrpipe.cli.options import (
     BatchSizeOption,
     EpochsOption,
@@ -25,8 +25,10 @@ from tvrpipe.cli.options import (
     print_metrics,
 )
 from tvrpipe.errors import ConfigError
+from tvrpipe.training.settings import TrainConfig
 
 console = Console()
+TR = TrainConfig()  # the defaults, declared once: in TrainConfig
 
 
 
@@ -46,31 +48,32 @@ def train_head(
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Head config override key=value (repeatable).")
     ] = None,
-    epochs: EpochsOption = None,
-    max_epochs: MaxEpochsOption = 60,
-    patience: PatienceOption = 8,
-    batch_size: BatchSizeOption = 128,
+    epochs: EpochsOption = TR.epochs,
+    max_epochs: MaxEpochsOption = TR.max_epochs,
+    patience: PatienceOption = TR.patience,
+    batch_size: BatchSizeOption = TR.batch_size,
     optimizer: Annotated[str, typer.Option(
-        help="adamw (weight decay decoupled) or adam (weight decay as an L2 term of the gradient).")] = "adamw",
-    lr: LrOption = None,
+        help="adamw (weight decay decoupled) or adam (weight decay as an L2 term of the gradient).")] = TR.optimizer,
+    lr: LrOption = TR.lr,
     group_lr: Annotated[Optional[list[str]], typer.Option(
         help="NAME=LR: a learning rate of its own for one of the head's parameter groups (e.g. radius=3e-5 for "
              "tmass); the other groups train at --lr (repeatable; `tvrpipe heads` lists the groups).")] = None,
-    weight_decay: WeightDecayOption = 0.2,
-    seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = 0,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    weight_decay: WeightDecayOption = TR.weight_decay,
+    seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = TR.seed,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = TR.device,
     prefetch: Annotated[
         bool, typer.Option(help="Build the next batch in a background thread (off may be faster on 2-core CPUs).")
-    ] = True,
+    ] = TR.prefetch,
     post: PostOption = None,
 ) -> None:
     """Train a retrieval head on cached features; select on validation; evaluate on test."""
     from tvrpipe.training.core import describe_lrs
-    from tvrpipe.training.fit import TrainConfig, fit
+    from tvrpipe.training.fit import fit
 
-    options = dict(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size, optimizer=optimizer,
-                   lr=lr, group_lr=parse_group_lr(group_lr or []), weight_decay=weight_decay, seed=seed,
-                   device=device, prefetch=prefetch)
+    # what the user gave; TrainConfig holds every other default (what --help shows)
+    options = given(ctx, dict(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size,
+                              optimizer=optimizer, lr=lr, group_lr=parse_group_lr(group_lr or []),
+                              weight_decay=weight_decay, seed=seed, device=device, prefetch=prefetch))
     record = None
     if recipe is None:
         if method is None or out is None:
@@ -81,14 +84,14 @@ def train_head(
 
         r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options, TRAIN_HEAD)
         out = out if out is not None else Path("runs") / f"{r.name}-head"
-    if options["epochs"] == 0:
+    cfg = TrainConfig(**options)  # the options first: a bad one is named before the store is looked for
+    if cfg.epochs == 0:
         refuse_unused(ctx, ("batch_size", "optimizer", "lr", "group_lr", "weight_decay"),
                       "--epochs 0 trains nothing (the untrained head is evaluated); leave it out")
-    if options["epochs"] is not None:
+    if cfg.epochs is not None:
         whence = "--epochs" if "epochs" in explicit_options(ctx) else f"recipe {recipe}"
         refuse_unused(ctx, ("max_epochs", "patience"), "they shape a run until validation stops improving, and this "
-                      f"one trains exactly {options['epochs']} epochs ({whence}); leave them out")
-    cfg = TrainConfig(**options)  # the options first: a bad one is named before the store is looked for
+                      f"one trains exactly {cfg.epochs} epochs ({whence}); leave them out")
     if features is None:
         from tvrpipe.features.store import default_store
 

@@ -65,6 +65,7 @@ from tvrpipe.rundir import (
     write_metrics,
     write_plots,
 )
+from tvrpipe.training.settings import OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -211,16 +212,6 @@ def check_head_groups(method: str, head_cfg: Any, group_lr: Mapping[str, float])
     if group_lr:
         with torch.random.fork_rng(devices=[]):
             check_group_lr(head_class(method)(head_cfg), group_lr)
-
-
-def check_lr_values(group_lr: Mapping[str, float]) -> None:
-    """Raise :class:`ConfigError` unless every learning rate of ``group_lr`` ({group: lr}) is a finite number >= 0."""
-    for g, lr in group_lr.items():
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-            raise ConfigError(f"--group-lr {g}={lr}: a learning rate must be a finite number >= 0")
-
-
-OPTIMIZERS = ("adamw", "adam")
 
 
 def make_optimizer(kind: str, groups: list[dict]) -> torch.optim.Optimizer | None:

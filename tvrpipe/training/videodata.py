@@ -161,9 +161,6 @@ class TrainPairs:
         return cls(np.asarray(videos)[has], rows, first, count[has])
 
 
-EPOCH_PAIRS = ("captions", "videos")
-
-
 def epoch_steps(pairs: TrainPairs, global_batch: int, epoch_pairs: str = "captions") -> int:
     """Steps of an epoch (before videos known not to decode are left out): every training caption
     once (``captions``, the papers' epoch) or one caption per video (``videos``)."""

@@ -4,9 +4,10 @@ DESIGN.md's full-paper path. ``--end-to-end`` unfreezes both CLIP towers, as the
 them (CLIP4Clip Sec. 4.1, X-Pool Sec. 4, UATVR Sec. 4.1, DUQ Sec. 4.1, T-MASS Sec. 4.1); without it
 CLIP stays frozen and the head trains on live features with training-time frame sampling.
 
-:func:`finetune` reads top to bottom: build the job, dry run, lock, start the run, run the loop here
+:func:`~tvrpipe.training.finetune.run.finetune` reads top to bottom: build the job, dry run, lock, start the run, run the loop here
 or launch it on Ray. Each job it calls has its module:
 
+- :mod:`~tvrpipe.training.finetune.run`: the driver, :func:`finetune`;
 - :mod:`~tvrpipe.training.finetune.config`: the settings (:class:`FinetuneConfig`);
 - :mod:`~tvrpipe.training.finetune.job`: the job built from the manifest (:func:`build_job`);
 - :mod:`~tvrpipe.training.finetune.dryrun`: what the run will do (``--dry-run``);
@@ -48,77 +49,24 @@ The epoch skeleton it shares with ``train-head`` (selection, checkpoints, resume
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
-from tvrpipe.errors import ConfigError
-from tvrpipe.lock import check_unlocked, locked
-from tvrpipe.training.core import check_run_dir, start_run
-from tvrpipe.training.finetune.config import EXECUTION, PRECISIONS, RESUMABLE, FinetuneConfig
-from tvrpipe.training.finetune.export import CLIP_FILE
-from tvrpipe.training.finetune.job import FinetuneJob, build_job
-from tvrpipe.training.finetune.launch import NO_GPU, gpu_missing, join_ray, ray_train
-from tvrpipe.training.finetune.loop import run_job
+# Names load on first use: the CLI reads FinetuneConfig's defaults for --help without importing torch.
+_LAZY = {
+    **dict.fromkeys(("EXECUTION", "PRECISIONS", "RESUMABLE", "FinetuneConfig"), "tvrpipe.training.finetune.config"),
+    **dict.fromkeys(("FinetuneJob", "build_job"), "tvrpipe.training.finetune.job"),
+    "CLIP_FILE": "tvrpipe.training.finetune.export",
+    "NO_GPU": "tvrpipe.training.finetune.launch",
+    "run_job": "tvrpipe.training.finetune.loop",
+    "finetune": "tvrpipe.training.finetune.run",
+}
 
-__all__ = ["CLIP_FILE", "EXECUTION", "NO_GPU", "PRECISIONS", "FinetuneConfig", "FinetuneJob", "build_job", "finetune",
-           "run_job"]
+__all__ = sorted(_LAZY)
 
 
-def finetune(
-    manifest_dir: str | os.PathLike[str],
-    video_root: str | os.PathLike[str],
-    method: str,
-    out_dir: str | os.PathLike[str],
-    cfg: FinetuneConfig = FinetuneConfig(),
-    overrides: dict[str, Any] | None = None,
-    post: tuple[str, ...] = (),
-    progress: bool = True,
-    recipe: dict[str, Any] | None = None,
-    dry_run: bool = False,
-    gpu_memory: int | None = None,
-) -> dict:
-    """Train ``method`` on live CLIP features of decoded videos; select on validation, test once.
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
 
-    Args:
-        manifest_dir: a manifest (``tvrpipe manifest build`` or ``tvrpipe synth``).
-        video_root: the folder the manifest's video paths are relative to.
-        method: a registered head (``tvrpipe heads``).
-        out_dir: the run directory (``train-head``'s layout, plus ``clip.safetensors`` end-to-end);
-            rerunning the same command resumes after the last complete epoch.
-        cfg: finetuning settings (``end_to_end`` unfreezes CLIP).
-        overrides: head config overrides (``--set key=value``); unknown keys fail.
-        post: post-processing to report beside raw test metrics (``dsl``, ``qbnorm``).
-        progress: show a progress bar.
-        recipe: what the run records of the recipe it was trained from (:meth:`Recipe.record`).
-        dry_run: check everything a run checks, then return the plan (:func:`~tvrpipe.training.finetune.dryrun.plan_run`) instead of
-            training; writes nothing.
-        gpu_memory: with ``dry_run``, a GPU's memory in bytes: the plan says whether a worker's step fits it,
-            the largest chunk that does, and what else the run needs to fit.
-
-    Returns:
-        The run's metrics (also in ``out_dir/metrics.json``), or with ``dry_run`` the plan.
-
-    Example:
-        >>> finetune("data/msrvtt/manifest", "data/msrvtt/videos", "xpool", "runs/xpool-e2e",
-        ...          FinetuneConfig(end_to_end=True, use_gpu=True, precision="fp16"))  # doctest: +SKIP
-    """
-    job, pairs, config, bundle = build_job(manifest_dir, video_root, method, out_dir, cfg, overrides, post, progress,
-                                           recipe)
-    out, missing = Path(out_dir), gpu_missing(job.cfg)
-    if dry_run:  # every check the run makes before its first write, writing nothing
-        from tvrpipe.training.finetune.dryrun import plan_run
-
-        check_unlocked(out, "--out")
-        check_run_dir(out, config, ignore=RESUMABLE)
-        return plan_run(job, pairs, bundle, config, missing, gpu_memory)
-    if missing:
-        raise ConfigError(missing)
-    del bundle
-    if job.cfg.num_workers:
-        join_ray(job.cfg)  # the cluster's GPUs and CPUs, counted before the first write
-    with locked(out, "--out"):
-        start_run(out, config, ignore=RESUMABLE)
-        if job.cfg.num_workers == 0:
-            return run_job(job, 0, 1, "cuda" if job.cfg.use_gpu else "cpu")
-        return ray_train(job)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tvrpipe.training.finetune' has no attribute {name!r}")

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.decode import check_timeout
-from tvrpipe.training.core import OPTIMIZERS, check_lr_values
-from tvrpipe.training.videodata import EPOCH_PAIRS
+from tvrpipe.training.settings import EPOCH_PAIRS, OPTIMIZERS, check_lr_values
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
