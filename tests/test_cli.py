@@ -36,6 +36,7 @@ def test_help_shows_the_main_path_first_then_papers_tools_and_benchmarks(cli):
     ("finetune", "tvrpipe.training.finetune.config:FinetuneConfig", {"timeout": "timeout_s"}),
     ("train-head", "tvrpipe.training.settings:TrainConfig", {}),
     ("sweep", "tvrpipe.training.settings:TrainConfig", {}),
+    ("extract", "tvrpipe.features.extract:ExtractConfig", {"timeout": "timeout_s"}),
 ])
 def test_help_shows_the_configs_defaults(cli, monkeypatch, command, config, renamed):
     """Each option of a config field takes its default from the config (declared once, there), and --help

@@ -9,16 +9,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, finite_float, new_app
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, finite_float, given, new_app
 from tvrpipe.errors import ConfigError
+from tvrpipe.features.extract import ExtractConfig
 
 console = Console()
+EX = ExtractConfig()  # the defaults, declared once: in ExtractConfig
 features_app = new_app(help="Inspect feature stores.")
 app.add_typer(features_app, name="features", rich_help_panel=TOOLS)
 
 
 @app.command("extract", rich_help_panel=MAIN_PATH)
 def extract_cmd(
+    ctx: typer.Context,
     dataset: Annotated[Optional[str], typer.Option(
         help="Dataset (`tvrpipe manifest datasets`). Alone, its files are found under --data-root as "
              "docs/datasets.md lays them out, and its manifest is built there (or reused); with --manifest, "
@@ -35,42 +38,42 @@ def extract_cmd(
     data_root: Annotated[Optional[Path], typer.Option(
         help="With --dataset and no --manifest: where datasets live, one folder each (data/msrvtt/...); default: "
              "$TVRPIPE_DATA, else data/.")] = None,
-    model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = "ViT-B-32",
+    model: Annotated[str, typer.Option(help="open_clip architecture, e.g. ViT-B-32, or tvrpipe-tiny.")] = EX.model,
     pretrained: Annotated[
         str, typer.Option(help="open_clip pretrained tag (e.g. openai), a local checkpoint file, or 'none' (seeded random).")
-    ] = "openai",
-    frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = None,
-    max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Videos per encoder call (x frames = images per forward).")] = 16,
+    ] = EX.pretrained,
+    frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = EX.frames,
+    max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = EX.max_words,
+    batch_size: Annotated[int, typer.Option(help="Videos per encoder call (x frames = images per forward).")] = EX.batch_size,
     address: Annotated[
         Optional[str], typer.Option(help="Ray cluster address ('auto' or host:port); default: RAY_ADDRESS or a local instance.")
-    ] = None,
-    device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda (one GPU per encoder, fp16 autocast).")] = "cpu",
-    decoders: Annotated[Optional[int], typer.Option(help="Decode actors (default: one per CPU).")] = None,
-    encoders: Annotated[int, typer.Option(help="Encode actors (one per GPU on a GPU cluster).")] = 1,
+    ] = EX.address,
+    device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda (one GPU per encoder, fp16 autocast).")] = EX.device,
+    decoders: Annotated[Optional[int], typer.Option(help="Decode actors (default: one per CPU).")] = EX.decoders,
+    encoders: Annotated[int, typer.Option(help="Encode actors (one per GPU on a GPU cluster).")] = EX.encoders,
     timeout: Annotated[float, typer.Option(
-        parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = 60.0,
-    seed: Annotated[int, typer.Option(help="Seed of the random weights for --pretrained none.")] = 0,
-    video_shard: Annotated[int, typer.Option(help="Videos per shard (one Zarr chunk; the unit of resume).")] = 64,
-    text_shard: Annotated[int, typer.Option(help="Captions per shard.")] = 256,
+        parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = EX.timeout_s,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights for --pretrained none.")] = EX.seed,
+    video_shard: Annotated[int, typer.Option(help="Videos per shard (one Zarr chunk; the unit of resume).")] = EX.video_shard,
+    text_shard: Annotated[int, typer.Option(help="Captions per shard.")] = EX.text_shard,
     overwrite: Annotated[
         bool, typer.Option(help="Delete the store in --out (whatever its settings) and extract from scratch.")
-    ] = False,
+    ] = EX.overwrite,
     retry_failed: Annotated[
         bool, typer.Option(help="On a rerun, retry the videos recorded as failed (the rest is kept).")
-    ] = True,
+    ] = EX.retry_failed,
     max_failed_fraction: Annotated[
         float, typer.Option(
             parser=finite_float, help="Exit 1, leaving the store incomplete and resumable, if more than this "
                                  "fraction of the videos failed.")
-    ] = 0.1,
+    ] = EX.max_failed_fraction,
 ) -> None:
     """Extract CLIP frame and text features of a manifest into a Zarr feature store (Ray).
 
     Rerun the same command to resume an interrupted run, re-extract damaged shards and retry failed videos.
     """
     from tvrpipe.data.manifest import read_manifest
-    from tvrpipe.features.extract import ExtractConfig, ExtractionError, extract
+    from tvrpipe.features.extract import ExtractionError, extract
     from tvrpipe.features.store import default_features_dir
 
     if manifest is None:
@@ -94,11 +97,12 @@ def extract_cmd(
     if out is None:
         out = default_features_dir(have or Path(manifest).resolve().parent.name, model, pretrained)
         console.print(f"features: {out}", highlight=False)
-    cfg = ExtractConfig(model=model, pretrained=pretrained, frames=frames, max_words=max_words,
-                        batch_size=batch_size, device=device, address=address, decoders=decoders,
-                        encoders=encoders, timeout_s=timeout, seed=seed, video_shard=video_shard,
-                        text_shard=text_shard, overwrite=overwrite, retry_failed=retry_failed,
-                        max_failed_fraction=max_failed_fraction)
+    # what the user gave; ExtractConfig holds every other default (what --help shows)
+    cfg = ExtractConfig(**given(ctx, dict(
+        model=model, pretrained=pretrained, frames=frames, max_words=max_words, batch_size=batch_size, device=device,
+        address=address, decoders=decoders, encoders=encoders, timeout=timeout, seed=seed, video_shard=video_shard,
+        text_shard=text_shard, overwrite=overwrite, retry_failed=retry_failed,
+        max_failed_fraction=max_failed_fraction), {"timeout": "timeout_s"}))
     try:
         summary = extract(manifest, video_root, out, cfg)
     except ExtractionError as e:

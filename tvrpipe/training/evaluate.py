@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,9 +19,7 @@ from tvrpipe.heads.base import Head
 from tvrpipe.lock import locked
 from tvrpipe.rundir import BEST, CHECKPOINTS, load_head, read_config, read_metrics, write_metrics
 from tvrpipe.training.data import SplitData, load_split, store_split_rows
-
-if TYPE_CHECKING:
-    from tvrpipe.training.fit import TrainConfig
+from tvrpipe.training.settings import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +73,6 @@ def evaluate_run(
     The store must have the provenance the run was trained on (else StoreError); the checkpoint
     must match the sha256 that training recorded in ``metrics.json`` (else RunError).
     """
-    from tvrpipe.training.fit import TrainConfig
-
     run = Path(run_dir)
     if split not in ("train", "val", "test"):
         raise ConfigError(f"--split must be train, val or test, got {split!r}")

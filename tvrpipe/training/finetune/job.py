@@ -100,7 +100,8 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
                video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
                val_source=rows.val_source, post=post, progress=progress, lr_groups=rates)
     pairs = train_pairs(job, recipe)  # the batch fits the training set: checked before the run directory is written
-    check_files(job, root)
+    check_files(table.paths, job.video_ids, {"training": job.train_videos, "test": job.test[0]}, root,
+                cfg.max_failed_fraction)
     if recipe:  # how the run differs from its recipe: the manifest's data, and every setting as cfg runs it
         from tvrpipe.training.recipes import OPTION_SETTINGS, deviations
 

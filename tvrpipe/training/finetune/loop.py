@@ -181,7 +181,7 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
                     progress.write((epoch - loop.start_epoch) * steps + step + 1,
                                    steps * (cfg.epochs - loop.start_epoch), info)
                 t0 = time.perf_counter()
-            failures.update(all_failures(new_failed, job, world))
+            failures.update(all_failures(new_failed, job.video_ids, world))
             if rank == 0:
                 loop.end_epoch(epoch, evaluate(model, loader_for, job.val, job, failures), {
                     **group_rates(opt),  # the rate each parameter group stepped at last
@@ -191,8 +191,9 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
                 if failures:
                     write_failures(failures, out)
             _barrier(world)
-            message = too_many_failed(failures, job.train_videos, "training videos failed to decode", job,
-                                       f"training stopped after epoch {epoch + 1}, which is kept.")
+            message = too_many_failed(failures, job.train_videos, job.video_ids, cfg.max_failed_fraction,
+                                      "training videos failed to decode",
+                                      f"training stopped after epoch {epoch + 1}, which is kept.", out / "failures.csv")
             if message:
                 raise RunError(message)
     if rank != 0:
@@ -278,8 +279,9 @@ def _finish(model: LiveModel, loop: RunLoop, loader_for, job: FinetuneJob, failu
     model.clip.load_state_dict(load_file(str(folder / f"clip_{BEST}")))
     model.head.load_state_dict(load_head(folder / BEST).state_dict())
     test = evaluate(model, loader_for, job.test, job, failures, post=job.post)
-    message = too_many_failed(failures, job.test[0], "test videos failed to decode", job,
-                               "no test metrics were written (the training is kept).")
+    message = too_many_failed(failures, job.test[0], job.video_ids, cfg.max_failed_fraction,
+                              "test videos failed to decode", "no test metrics were written (the training is kept).",
+                              out / "failures.csv")
     if message:
         if failures:
             write_failures(failures, out)
