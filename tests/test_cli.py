@@ -72,6 +72,36 @@ def test_help_shows_the_configs_defaults(cli, monkeypatch, command, config, rena
         assert f"[default: {value}]" in shown, (command, param, shown)
 
 
+@pytest.mark.parametrize("command, function, renamed", [
+    (("bench", "finetune"), "tvrpipe.bench.finetune:bench_finetune", {}),
+    (("bench", "extract"), "tvrpipe.bench.extract:bench_extract", {}),
+    (("bench", "train-head"), "tvrpipe.bench.heads:bench_train_head", {}),
+    (("bench", "eval"), "tvrpipe.bench.heads:bench_eval", {}),
+    (("bench", "allocator"), "tvrpipe.bench.heads:bench_allocator", {}),
+    (("synth",), "tvrpipe.data.synth:synthesize", {}),
+])
+def test_commands_without_a_config_take_their_defaults_from_the_function_they_call(command, function, renamed):
+    import importlib
+    import inspect
+
+    import typer
+
+    from tvrpipe.cli.main import app
+
+    module, name = function.split(":")
+    signature = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    defaults = {n: p.default for n, p in signature.items() if p.default is not inspect.Parameter.empty
+                and n not in ("progress", "methods", "sizes")}
+    cmd = typer.main.get_command(app)
+    for part in command:
+        cmd = cmd.commands[part]
+    params = {p.name: p for p in cmd.params}
+    shared = {n for n in defaults if renamed.get(n, n) in params}
+    assert len(shared) >= 2, (command, sorted(defaults))
+    for n in shared:
+        assert params[renamed.get(n, n)].default == defaults[n], (command, n)
+
+
 def test_a_command_passes_only_the_options_given(tmp_path, monkeypatch, cli):
     """train-head hands fit a TrainConfig built from what was typed alone: the rest are the config's own."""
     import tvrpipe.training.fit as fit_module

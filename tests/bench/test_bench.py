@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 # the bench-convergence tests' store (64 train videos, D = 16) and trainer (stops within 6 epochs)
 TINY_STORE = dict(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
@@ -392,9 +393,11 @@ def test_bench_finetune_names_its_own_options_before_rendering(cli, tmp_path):
 def test_bench_finetune_cli_reports_throughput_share_and_memory(cli, tmp_path):
     r = cli("bench", "finetune", "--out", tmp_path / "b", "--model", "tvrpipe-tiny", "--method", "meanpool",
             "--steps", "3", "--batch-size", "2", "--frames", "4", "--width", "96", "--height", "64",
-            "--seconds", "1", "--loader-workers", "1", "--json", tmp_path / "r.json")
+            "--seconds", "1", "--loader-workers", "1", "--chunk-size", "1", "--json", tmp_path / "r.json")
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "r.json").read_text())
+    assert res["chunk_size"] == 1 and "chunks of 1" in r.output  # the run trained a pair at a time
+    assert yaml.safe_load((tmp_path / "b" / "run" / "config.yaml").read_text())["execution"]["chunk_size"] == 1
     assert res["clips_per_s"] > 0 and res["clips_per_s_epoch"] > 0
     assert 0 <= res["data_share"] <= 1 and 0 <= res["data_share_epoch"] <= 1
     assert 0.1 < res["peak_rss_gb"] < 24 and res["peak_gpu_gb"] is None

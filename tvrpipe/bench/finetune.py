@@ -41,6 +41,7 @@ class FinetuneBench:
     steps: int
     cpus: int
     loader_workers: int | None
+    chunk_size: int | None = None  # pairs CLIP encodes at a time (None: the batch)
     videos: dict = field(default_factory=dict)
     clips_per_s: float = 0.0  # steady state
     data_share: float = 0.0  # steady state
@@ -54,7 +55,8 @@ class FinetuneBench:
         gpu = f", GPU peak {self.peak_gpu_gb:.2f} GB" if self.peak_gpu_gb is not None else ""
         return [
             f"{self.model} (random weights) + {self.method}, end to end, {self.device} {self.precision}"
-            f"{', gradient checkpointing' if self.grad_checkpointing else ''}; batch {self.batch_size} x "
+            f"{', gradient checkpointing' if self.grad_checkpointing else ''}"
+            f"{f', chunks of {self.chunk_size}' if self.chunk_size else ''}; batch {self.batch_size} x "
             f"{self.frames} frames, {self.steps} steps; videos {v['width']}x{v['height']}, {v['seconds']:g} s at "
             f"{v['fps']} fps; {self.cpus} CPUs, loader workers {self.loader_workers if self.loader_workers is not None else 'default'}",
             f"steady state: {self.clips_per_s:.2f} clips/s ({self.clips_per_s * self.frames:.1f} frames/s), "
@@ -94,6 +96,7 @@ def bench_finetune(
     videos: BenchVideos = MSRVTT_LIKE,
     grad_checkpointing: bool = False,
     loader_workers: int | None = None,
+    chunk_size: int | None = None,
 ) -> FinetuneBench:
     """Run one finetuning epoch of ``steps`` steps and report its throughput and memory.
 
@@ -121,14 +124,15 @@ def bench_finetune(
         torch.cuda.reset_peak_memory_stats()
     cfg = FinetuneConfig(end_to_end=True, model=model, pretrained="none", epochs=1, batch_size=batch_size,
                          frames=frames, max_steps=steps, use_gpu=cuda, precision=precision,
-                         grad_checkpointing=grad_checkpointing, loader_workers=loader_workers, eval_batch=4)
+                         grad_checkpointing=grad_checkpointing, chunk_size=chunk_size, loader_workers=loader_workers,
+                         eval_batch=4)
     finetune(manifest, out / "videos", method, run, cfg, progress=True)
     row = read_epochs(run).iloc[-1]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return FinetuneBench(
         model=model, method=method, device=device, precision=precision, grad_checkpointing=grad_checkpointing,
         batch_size=batch_size, frames=frames, steps=steps, cpus=cpus, loader_workers=loader_workers,
-        videos=asdict(spec), clips_per_s=float(row["clips_per_s_steady"]), data_share=float(row["data_share_steady"]),
+        chunk_size=chunk_size, videos=asdict(spec), clips_per_s=float(row["clips_per_s_steady"]), data_share=float(row["data_share_steady"]),
         clips_per_s_epoch=float(row["clips_per_s"]), data_share_epoch=float(row["data_share"]),
         peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
         peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None,

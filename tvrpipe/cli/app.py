@@ -104,6 +104,16 @@ def given(ctx: click.Context, values: Mapping[str, Any], names: Mapping[str, str
     return {names.get(k, k): v for k, v in values.items() if k in explicit}
 
 
+def defaults_of(function: Any) -> Any:
+    """The keyword defaults of a library ``function`` (a benchmark's, say), by name: where a command without a
+    config takes its options' defaults from, so that they are declared once, in the function's signature."""
+    import inspect
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{n: p.default for n, p in inspect.signature(function).parameters.items()
+                              if p.default is not inspect.Parameter.empty})
+
+
 def refuse_unused(ctx: click.Context, names: Iterable[str], why: str) -> None:
     """Refuse the options of ``names`` (parameter names) that the user gave explicitly although the run
     would not use them (``why`` says so): a run records its options, so one without effect would be

@@ -11,9 +11,15 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import BENCHMARKS, app, finite_float, new_app
+from tvrpipe.bench.extract import BenchVideos, bench_extract
+from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
+from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
+from tvrpipe.cli.app import BENCHMARKS, app, defaults_of, finite_float, new_app
 
 console = Console()
+# each option's default is the benchmark function's (or its videos'), declared there once
+BV, BX, BF, BT, BE, BA = (BenchVideos(), defaults_of(bench_extract), defaults_of(bench_finetune),
+                          defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator))
 
 
 def _json_target(path: Optional[Path]) -> Optional[Path]:
@@ -53,18 +59,17 @@ def bench_extract_cmd(
     out: Annotated[Path, typer.Option(help="Working directory (videos are rendered once and reused).")] = Path(
         "bench/extract"
     ),
-    videos: Annotated[int, typer.Option(help="Number of generated videos.")] = 16,
-    width: Annotated[int, typer.Option(help="Video width in pixels.")] = 1280,
-    height: Annotated[int, typer.Option(help="Video height in pixels.")] = 720,
-    seconds: Annotated[float, typer.Option(parser=finite_float, help="Video length in seconds.")] = 10.0,
-    fps: Annotated[int, typer.Option(help="Video frame rate.")] = 30,
-    model: Annotated[str, typer.Option(help="open_clip architecture (random weights).")] = "ViT-B-32",
-    device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda.")] = "cpu",
-    batch_size: Annotated[int, typer.Option(help="Videos per encoder call.")] = 4,
+    videos: Annotated[int, typer.Option(help="Number of generated videos.")] = BV.count,
+    width: Annotated[int, typer.Option(help="Video width in pixels.")] = BV.width,
+    height: Annotated[int, typer.Option(help="Video height in pixels.")] = BV.height,
+    seconds: Annotated[float, typer.Option(parser=finite_float, help="Video length in seconds.")] = BV.seconds,
+    fps: Annotated[int, typer.Option(help="Video frame rate.")] = BV.fps,
+    model: Annotated[str, typer.Option(help="open_clip architecture (random weights).")] = BX.model,
+    device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda.")] = BX.device,
+    batch_size: Annotated[int, typer.Option(help="Videos per encoder call.")] = BX.batch_size,
     json_out: JsonOut = None,
 ) -> None:
     """Measure decode-only, encode-only, pipeline and naive-loop extraction throughput."""
-    from tvrpipe.bench.extract import BenchVideos, bench_extract
 
     r = bench_extract(out, BenchVideos(count=videos, width=width, height=height, seconds=seconds, fps=fps),
                       model=model, device=device, batch_size=batch_size)
@@ -79,15 +84,14 @@ def bench_train_head_cmd(
         "bench/train-head"
     ),
     method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
-    steps: Annotated[int, typer.Option(help="Training steps per method.")] = 20,
-    batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = 128,
-    prefetch: Annotated[bool, typer.Option(help="Train with batch prefetching (as train-head does by default).")] = True,
+    steps: Annotated[int, typer.Option(help="Training steps per method.")] = BT.steps,
+    batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = BT.batch_size,
+    prefetch: Annotated[bool, typer.Option(help="Train with batch prefetching (as train-head does by default).")] = BT.prefetch,
     json_out: JsonOut = None,
 ) -> None:
     """Per head at MSR-VTT 9k/1k-A scale: samples/s, data share, test evaluation time and memory."""
     from rich.table import Table
 
-    from tvrpipe.bench.heads import bench_train_head
 
     rows = bench_train_head(out, method, steps, batch_size, prefetch=prefetch)
     table = Table(title="train-head at MSR-VTT 9k / 1k-A scale")
@@ -110,27 +114,27 @@ def bench_finetune_cmd(
     out: Annotated[Path, typer.Option(help="Working directory (videos are rendered once and reused).")] = Path(
         "bench/finetune"
     ),
-    model: Annotated[str, typer.Option(help="open_clip architecture (random weights), e.g. ViT-B-32 or tvrpipe-tiny.")] = "ViT-B-32",
-    method: Annotated[str, typer.Option(help="Head trained with CLIP.")] = "xpool",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    precision: Annotated[str, typer.Option(help="fp32, fp16 (GPU) or bf16.")] = "fp32",
-    batch_size: Annotated[int, typer.Option(help="Pairs per step.")] = 8,
-    frames: Annotated[int, typer.Option(help="Frames per video.")] = 12,
-    steps: Annotated[int, typer.Option(help="Training steps measured (the first is left out of steady state).")] = 4,
-    grad_checkpointing: Annotated[bool, typer.Option("--grad-checkpointing", help="Activation checkpointing.")] = False,
-    loader_workers: Annotated[Optional[int], typer.Option(help="Decoding processes (default: the CPUs, at most 8).")] = None,
-    width: Annotated[int, typer.Option(help="Video width in pixels.")] = 320,
-    height: Annotated[int, typer.Option(help="Video height in pixels.")] = 240,
-    seconds: Annotated[float, typer.Option(parser=finite_float, help="Video length in seconds.")] = 15.0,
+    model: Annotated[str, typer.Option(help="open_clip architecture (random weights), e.g. ViT-B-32 or tvrpipe-tiny.")] = BF.model,
+    method: Annotated[str, typer.Option(help="Head trained with CLIP.")] = BF.method,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = BF.device,
+    precision: Annotated[str, typer.Option(help="fp32, fp16 (GPU) or bf16.")] = BF.precision,
+    batch_size: Annotated[int, typer.Option(help="Pairs per step.")] = BF.batch_size,
+    frames: Annotated[int, typer.Option(help="Frames per video.")] = BF.frames,
+    steps: Annotated[int, typer.Option(help="Training steps measured (the first is left out of steady state).")] = BF.steps,
+    grad_checkpointing: Annotated[bool, typer.Option("--grad-checkpointing", help="Activation checkpointing.")] = BF.grad_checkpointing,
+    chunk_size: Annotated[Optional[int], typer.Option(
+        help="Pairs CLIP encodes at a time (finetune --chunk-size; default: the batch at once).")] = BF.chunk_size,
+    loader_workers: Annotated[Optional[int], typer.Option(help="Decoding processes (default: the CPUs, at most 8).")] = BF.loader_workers,
+    width: Annotated[int, typer.Option(help="Video width in pixels.")] = MSRVTT_LIKE.width,
+    height: Annotated[int, typer.Option(help="Video height in pixels.")] = MSRVTT_LIKE.height,
+    seconds: Annotated[float, typer.Option(parser=finite_float, help="Video length in seconds.")] = MSRVTT_LIKE.seconds,
     json_out: JsonOut = None,
 ) -> None:
     """End-to-end finetuning: clips/s, data-loading share of step time and peak memory."""
-    from tvrpipe.bench.extract import BenchVideos
-    from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
 
     videos = BenchVideos(**{**asdict(MSRVTT_LIKE), "width": width, "height": height, "seconds": seconds})
     r = bench_finetune(out, model, method, device, precision, batch_size, frames, steps, videos,
-                       grad_checkpointing, loader_workers)
+                       grad_checkpointing, loader_workers, chunk_size)
     for line in r.lines():
         console.print(line, highlight=False)
     _write_json(json_out, asdict(r))
@@ -182,14 +186,13 @@ def bench_eval_cmd(
     size: Annotated[
         Optional[list[str]], typer.Option(help="Test-set sizes: msrvtt1k (1,000 x 1,000), msvd (27,763 x 670); repeatable.")
     ] = None,
-    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = 512,
-    device: Annotated[str, typer.Option(help="cpu or cuda (cuda:N).")] = "cpu",
+    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = BE.dim,
+    device: Annotated[str, typer.Option(help="cpu or cuda (cuda:N).")] = BE.device,
     json_out: JsonOut = None,
 ) -> None:
     """Per head: evaluation time and memory on random features of the MSR-VTT 1k-A and MSVD test sizes."""
     from rich.table import Table
 
-    from tvrpipe.bench.heads import bench_eval
     from tvrpipe.training.fit import TrainConfig
 
     TrainConfig(device=device)  # the trainer's check of the device option
@@ -219,15 +222,14 @@ def bench_eval_cmd(
 @bench_app.command("allocator")
 def bench_allocator_cmd(
     method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
-    steps: Annotated[int, typer.Option(help="Timed training steps per head and allocator (after two warm-up steps).")] = 3,
-    batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = 128,
-    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = 512,
+    steps: Annotated[int, typer.Option(help="Timed training steps per head and allocator (after two warm-up steps).")] = BA.steps,
+    batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = BA.batch_size,
+    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = BA.dim,
     json_out: JsonOut = None,
 ) -> None:
     """Per head: training step time with train-head's malloc tuning vs glibc's defaults (fresh processes)."""
     from rich.table import Table
 
-    from tvrpipe.bench.heads import bench_allocator
 
     if steps < 1 or batch_size < 2 or dim < 1:
         raise typer.BadParameter("--steps must be >= 1, --batch-size >= 2 and --dim >= 1")

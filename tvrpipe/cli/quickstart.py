@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import TOOLS, app
+from tvrpipe.quickstart import QuickstartPlan
 
 console = Console()
 
@@ -22,7 +23,8 @@ def quickstart(
     ),
     fast: Annotated[bool, typer.Option("--fast", help="A smaller run (fewer videos and epochs): a few minutes.")] = False,
     videos: Annotated[Optional[int], typer.Option(
-        help="Synthetic benchmark videos (default 200; 120 with --fast); the tiny CLIP trains on as many others.")
+        help=f"Synthetic benchmark videos (default {QuickstartPlan().videos}; {QuickstartPlan.fast().videos} with --fast); "
+             "the tiny CLIP trains on as many others.")
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed of every stage.")] = 0,
 ) -> None:
@@ -30,7 +32,7 @@ def quickstart(
 
     Rerun the same command to resume: each stage skips or resumes what is done.
     """
-    from tvrpipe.quickstart import DIFFICULTIES, QuickstartPlan, run_quickstart
+    from tvrpipe.quickstart import DIFFICULTIES, run_quickstart
     from tvrpipe.rundir import METRICS
 
     plan = QuickstartPlan.fast() if fast else QuickstartPlan()

@@ -9,11 +9,13 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tvrpipe.cli.app import TOOLS, app, explicit_options, finite_float
+from tvrpipe.cli.app import TOOLS, app, defaults_of, explicit_options, finite_float
 from tvrpipe.cli.manifest import print_counts
+from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 
 console = Console()
+SY = defaults_of(synthesize)  # each option's default is synthesize's, declared there once
 # The rendering options: with --features-only they do not apply.
 _VIDEO_OPTIONS = ("videos", "size", "fps", "scene_seconds", "captions_per_video", "multi_scene_fraction",
                   "distractor_fraction")
@@ -25,20 +27,20 @@ def synth(
     out: Annotated[Path, typer.Option(help="Output directory: videos/, manifest/, attributes.parquet (or, with "
                                            "--features-only, a feature store).")],
     videos: Annotated[int, typer.Option(help="Number of videos to render.")] = 200,
-    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same manifest bytes and frames.")] = 0,
-    size: Annotated[int, typer.Option(help="Frame width and height in pixels (even).")] = 64,
-    fps: Annotated[int, typer.Option(help="Frames per second.")] = 8,
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same manifest bytes and frames.")] = SY.seed,
+    size: Annotated[int, typer.Option(help="Frame width and height in pixels (even).")] = SY.size,
+    fps: Annotated[int, typer.Option(help="Frames per second.")] = SY.fps,
     scene_seconds: Annotated[float, typer.Option(
-        parser=finite_float, help="Length of one scene in seconds.")] = 2.0,
-    captions_per_video: Annotated[int, typer.Option(help="Paraphrased captions per video.")] = 3,
+        parser=finite_float, help="Length of one scene in seconds.")] = SY.scene_seconds,
+    captions_per_video: Annotated[int, typer.Option(help="Paraphrased captions per video.")] = SY.captions_per_video,
     multi_scene_fraction: Annotated[
         float, typer.Option(
             parser=finite_float, help="Fraction of multi-scene videos whose captions describe one scene only.")
-    ] = 0.3,
+    ] = SY.multi_scene_fraction,
     distractor_fraction: Annotated[
         float, typer.Option(
             parser=finite_float, help="Fraction of near-duplicate videos differing in one attribute from another.")
-    ] = 0.3,
+    ] = SY.distractor_fraction,
     features_only: Annotated[
         bool, typer.Option("--features-only", help="Write a generated feature store instead of videos: CLIP-like "
                                                    "features with known ground truth, for train-head at any scale.")
@@ -67,8 +69,6 @@ def synth(
         return
     if preset is not None or set_ or overwrite:
         raise ConfigError("--preset, --set and --overwrite apply with --features-only")
-    from tvrpipe.data.synth import synthesize
-
     m = synthesize(
         out, videos, seed, size=size, fps=fps, scene_seconds=scene_seconds,
         captions_per_video=captions_per_video, multi_scene_fraction=multi_scene_fraction,
