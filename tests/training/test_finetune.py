@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tvrpipe.errors import ConfigError
+from tvrpipe.heads.base import list_heads
 from tvrpipe.training.finetune import FinetuneConfig, finetune
 from tvrpipe.training.videodata import TrainPairs, epoch_plan, epoch_steps, frame_offsets
 
@@ -489,6 +490,30 @@ def test_ray_train_two_workers_step_equals_one_process_step(tmp_path):
         assert pd.read_csv(tmp_path / run / "epochs.csv")["loss"].iloc[0] == pytest.approx(
             pd.read_csv(tmp_path / "one" / "epochs.csv")["loss"].iloc[0], rel=1e-5)
         assert m["test"]["t2v"]["R@1"] == pytest.approx(one["test"]["t2v"]["R@1"])
+
+
+@pytest.mark.slow  # a Ray Train run per head, ~20 s each on 2 cores; `make test-all` runs it
+@pytest.mark.parametrize("method", list_heads())
+def test_ray_train_chunked_step_equals_one_process_step_for_every_head(tmp_path, method):
+    """One step of 2 Ray Train workers, each encoding its 4 pairs 3 + 1 at a time, = one step of one process
+    with the 8 pairs at once: the gathered loss, the gradients averaged once per step."""
+    d = _small(tmp_path, 16)
+    overrides = {"num_frames": 4} if method == "tmass" else None  # T-MASS reads as many frames as the data has
+    cfg = FinetuneConfig(end_to_end=True, epochs=1, batch_size=8, max_steps=1, clip_lr=1e-3, head_lr=1e-3, frames=4,
+                         **{**TINY, "cpus_per_worker": 1})
+    finetune(d / "manifest", d / "videos", method, tmp_path / "one", cfg, overrides, progress=False)
+    finetune(d / "manifest", d / "videos", method, tmp_path / "two",
+             FinetuneConfig(**{**cfg.__dict__, "num_workers": 2, "chunk_size": 3}), overrides, progress=False)
+    for name in ("clip_last.safetensors", "last.safetensors"):
+        a = load_file(str(tmp_path / "one" / "checkpoints" / name))
+        b = load_file(str(tmp_path / "two" / "checkpoints" / name))
+        diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+        # Adam's first step moves a weight by about lr * sign(g): by at most 2 lr apart for a gradient of float
+        # noise (a sign flip; a key bias's is 0 in exact arithmetic), by float order for every other weight
+        assert float(diffs.max()) <= 2.2 * cfg.clip_lr, (method, name)
+        assert float((diffs > 0.1 * cfg.clip_lr).float().mean()) < 0.01, (method, name)
+    losses = [pd.read_csv(tmp_path / r / "epochs.csv")["loss"].iloc[0] for r in ("one", "two")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 def test_bf16_autocast_and_gradient_checkpointing_train(tmp_path):

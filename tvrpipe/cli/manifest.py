@@ -10,25 +10,14 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import MAIN_PATH, app, new_app
+from tvrpipe.cli.options import print_counts
 from tvrpipe.data.datasets import build_manifest, list_datasets, load_spec
-from tvrpipe.data.manifest import Manifest, read_manifest
+from tvrpipe.data.manifest import read_manifest
 from tvrpipe.errors import ConfigError
 
 manifest_app = new_app(help="Build and inspect dataset manifests (videos.parquet + captions.parquet).")
 app.add_typer(manifest_app, name="manifest", rich_help_panel=MAIN_PATH)
 console = Console()
-
-
-def print_counts(manifest: Manifest, title: str) -> None:
-    """Print a manifest's per-split counts as a table."""
-    table = Table(title=title)
-    for col in ("split", "videos", "captions"):
-        table.add_column(col, justify="left" if col == "split" else "right")
-    counts = manifest.counts()
-    for r in counts.itertuples():
-        table.add_row(r.split, f"{r.videos:,}", f"{r.captions:,}")
-    table.add_row("all", f"{counts.videos.sum():,}", f"{counts.captions.sum():,}", style="bold")
-    console.print(table)
 
 
 @manifest_app.command("build")

@@ -4,7 +4,7 @@ table of an evaluation's scores, and the line a recipe run prints. No command li
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -14,6 +14,9 @@ from tvrpipe.cli.app import finite_float
 from tvrpipe.config import parse_fields, split_item
 from tvrpipe.errors import ConfigError
 from tvrpipe.rundir import METRICS, POST_PROCESSINGS, Scores
+
+if TYPE_CHECKING:
+    from tvrpipe.data.manifest import Manifest
 
 console = Console()
 
@@ -100,3 +103,15 @@ def apply_recipe(ctx: typer.Context, name: str, method: str | None, set_items: l
     console.print(f"recipe {shown}" + (f"; overridden: {', '.join(overridden)}" if overridden else ""),
                   highlight=False, soft_wrap=True)
     return r, method, overrides, record
+
+
+def print_counts(manifest: Manifest, title: str) -> None:
+    """Print a manifest's per-split counts as a table."""
+    table = Table(title=title)
+    for col in ("split", "videos", "captions"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    counts = manifest.counts()
+    for r in counts.itertuples():
+        table.add_row(r.split, f"{r.videos:,}", f"{r.captions:,}")
+    table.add_row("all", f"{counts.videos.sum():,}", f"{counts.captions.sum():,}", style="bold")
+    console.print(table)

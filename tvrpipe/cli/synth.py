@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from tvrpipe.cli.app import TOOLS, app, defaults_of, explicit_options, finite_float
-from tvrpipe.cli.manifest import print_counts
+from tvrpipe.cli.options import print_counts
 from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 
