@@ -69,16 +69,19 @@ def step_gradients(model: LiveModel, wrapped: nn.Module, frames: torch.Tensor, f
     device = model._bundle.device
     head_rng = rng_state(device)
     parts = chunks(len(texts), chunk)
-    if len(parts) == 1 or not train:  # one forward and backward through DDP, as always
+    # with several workers the path follows the option alone, never this worker's count of decoded pairs: every
+    # rank must enter the same collectives (a worker whose videos all failed still takes part in the step)
+    distributed = wrapped is not model
+    if not train or not chunk or (len(parts) == 1 and not distributed):  # one forward and backward, through DDP
         total, terms = wrapped(frames, frame_mask, texts, max_words, head_rng)
         check(total, terms)
         if train:
             _backward(total, scaler)
         return total, terms
-    ddp_off = wrapped.no_sync() if wrapped is not model else nullcontext()
+    ddp_off = wrapped.no_sync() if distributed else nullcontext()
     with ddp_off:  # the gradients are averaged once, below, not by DDP's hooks in each chunk's backward
         total, terms = _chunked(model, frames, frame_mask, texts, max_words, parts, scaler, head_rng, check)
-    if wrapped is not model:
+    if distributed:
         average_gradients(model)
     return total, terms
 
