@@ -171,11 +171,12 @@ def test_dry_run_refuses_what_the_run_refuses(synth, tmp_path, cli):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
-def test_dry_run_of_a_gpu_run_plans_it_then_fails_as_the_run_would(synth, tmp_path, cli):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16 is measured as bf16 on the CPU, named fp16
+def test_dry_run_of_a_gpu_run_plans_it_then_fails_as_the_run_would(synth, tmp_path, cli, precision):
     result = cli(*_finetune(synth, tmp_path / "run", "--method", "meanpool", "--epochs", "0", "--use-gpu",
-                            "--dry-run"))
+                            "--precision", precision, "--dry-run"))
     text = " ".join(result.output.split())
-    assert result.exit_code == 1 and "estimated peak memory per worker" in text
+    assert result.exit_code == 1 and "estimated peak memory per worker" in text, result.output
     assert "--use-gpu: no CUDA device is available here" in text and not (tmp_path / "run").exists()
 
 

@@ -25,7 +25,8 @@ def plan_run(job: FinetuneJob, pairs: TrainPairs, bundle, config: dict, gpu_miss
     texts = [str(t) for t in job.table.texts[job.train_texts[:8]]] or ["a video"]
     measured = measure_step(model, texts, job.frames, job.max_words, cfg.batch_size // world, cfg.grad_checkpointing,
                             gathered=cfg.batch_size,
-                            settings=variants(cfg.precision, cfg.grad_checkpointing) if gpu_memory else None)
+                            settings=variants(cfg.precision, cfg.grad_checkpointing) if gpu_memory
+                            else [(cfg.precision, cfg.grad_checkpointing)])  # fp16 measured as bf16, named fp16
     own = measured[(cfg.precision, cfg.grad_checkpointing)]
     memory, whole = own.at(cfg.chunk_size), own.at(None)
     counts = {name: {"videos": int(len(v)), "captions": int(len(c))} for name, (v, c) in (
