@@ -184,7 +184,7 @@ def measure_step(model, texts: list[str], frames: int, max_words: int, pairs: in
     model.train()
     head = [(n, head_activation_bytes(model.head, n, frames, max_words, D, exclude)) for n in SIZES]
     model.zero_grad(set_to_none=True)
-    out = {}
+    towers = {}  # (precision, checkpointing) -> the image and text towers' (n, saved bytes)
     for precision, ckpt in settings:
         model.precision = "fp32" if precision == "fp32" else HALF
         model.clip.set_grad_checkpointing(ckpt)
@@ -206,25 +206,20 @@ def measure_step(model, texts: list[str], frames: int, max_words: int, pairs: in
             vision.append((n, saved_activation_bytes(images, exclude)))
             text.append((n, saved_activation_bytes(words, exclude)))
             model.zero_grad(set_to_none=True)
-        out[(precision, ckpt)] = StepMemory(
-            precision=precision, grad_checkpointing=ckpt, pairs=pairs, gathered=gathered or pairs,
-            frames=frames, max_words=max_words, embed_dim=D, image_bytes=S * S * 3,
-            weights=sum(p.numel() * p.element_size() for p in params),
-            gradients=sum(p.numel() * p.element_size() for p in trainable),
-            optimizer=optimizer_states * sum(p.numel() * 4 for p in trainable),
-            vision=fit_line(vision), text=fit_line(text), head=tuple(fit_quadratic(head)),
-            measured={"vision": tuple(vision), "text": tuple(text), "head": tuple(head)})
+        towers[(precision, ckpt)] = vision, text
     model.precision = own[0]
     model.clip.set_grad_checkpointing(own[1])
     model.train(was_training)
     seconds = time.perf_counter() - t0
-    return {k: _with_seconds(v, seconds) for k, v in out.items()}
-
-
-def _with_seconds(m: StepMemory, seconds: float) -> StepMemory:
-    from dataclasses import replace
-
-    return replace(m, seconds=seconds)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    gradients = sum(p.numel() * p.element_size() for p in trainable)
+    optimizer = optimizer_states * sum(p.numel() * 4 for p in trainable)
+    return {(precision, ckpt): StepMemory(
+        precision=precision, grad_checkpointing=ckpt, pairs=pairs, gathered=gathered or pairs, frames=frames,
+        max_words=max_words, embed_dim=D, image_bytes=S * S * 3, weights=weights, gradients=gradients,
+        optimizer=optimizer, vision=fit_line(vision), text=fit_line(text), head=tuple(fit_quadratic(head)),
+        measured={"vision": tuple(vision), "text": tuple(text), "head": tuple(head)}, seconds=seconds)
+        for (precision, ckpt), (vision, text) in towers.items()}
 
 
 def estimate_step_memory(model, texts: list[str], frames: int, max_words: int, pairs: int,
