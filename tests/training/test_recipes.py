@@ -417,6 +417,8 @@ def test_recipes_memory_estimates_what_the_dry_run_estimates(synth, tmp_path, cl
     row = next(line for line in result.output.splitlines() if line.strip("│ ").startswith("r "))
     cells = [c.strip() for c in row.strip("│").split("│")]
     assert cells == ["r", "8 x 4", "fp32", f"{float(peak):.1f} GiB", "all", "none"]
+    result = cli("recipes", "memory", recipe, "--num-workers", "3")  # 8 pairs do not split in 3
+    assert result.exit_code == 1 and "--num-workers 3: recipe r's batch of 8 pairs is the global batch" in result.output
 
 
 # ------------------------------------------------------------------------------ train-head --recipe

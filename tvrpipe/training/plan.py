@@ -308,6 +308,9 @@ def recipe_memory(recipe, budgets: list[int], workers: int = 1) -> dict:
                                                           recipe.head_overrides()))
     model = LiveModel(bundle, head, v["end_to_end"], "fp32" if v["precision"] == "fp32" else HALF)
     model.clip.requires_grad_(v["end_to_end"])
+    if v["batch_size"] % workers:
+        raise ConfigError(f"--num-workers {workers}: recipe {recipe.name}'s batch of {v['batch_size']} pairs is the "
+                          "global batch and must split evenly between the workers")
     pairs = v["batch_size"] // workers
     [step] = measure_step(model, ["a person is explaining something to another person on a sunny day"], v["frames"],
                           v["max_words"], pairs, bool(v.get("grad_checkpointing", False)), gathered=v["batch_size"]
