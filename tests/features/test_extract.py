@@ -367,7 +367,8 @@ def test_features_of_other_weights_are_refused():
     """Each encoder batch carries the sha256 of the weights that encoded it; other weights than the
     store records (a cluster node with another cache) stop the run before anything is written."""
     from tvrpipe.errors import ConfigError
-    from tvrpipe.features.extract import EncodeStage, TextStage, _check_weights
+    from tvrpipe.features.extract import _check_weights
+    from tvrpipe.features.workers import EncodeStage, TextStage
 
     stage = TextStage(TINY_MODEL, "none", "cpu", seed=0, max_words=8, threads=1)
     out = stage({"row": np.arange(2), "text": np.array(["a dog", "a cat"], dtype=object)})
