@@ -22,6 +22,14 @@ def _shared_annotations() -> Path:
     return root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def weights_cache(tmp_path_factory) -> Path:
+    """A cache of weights facts (tvrpipe.features.weights) of the test session's own, not the user's."""
+    path = tmp_path_factory.mktemp("tvrpipe-cache")
+    os.environ["TVRPIPE_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def shared_annotations() -> Path:
     """The read-only real annotation files (../shared/annotations)."""

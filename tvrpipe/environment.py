@@ -11,9 +11,13 @@ Example:
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import platform
+import sys
 from collections.abc import Mapping
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 # name recorded -> the distribution it is read from (read from package metadata: no import of ray)
@@ -26,14 +30,12 @@ ORDER = ("tvrpipe", "torch", "cuda", "open_clip", "ray", "zarr", "numpy", "pytho
 def versions() -> dict[str, str | None]:
     """The versions of tvrpipe, torch (with its build tag, e.g. ``2.15.0+cu132``), the CUDA torch was
     built for (None for a CPU build), open_clip, ray, zarr, numpy and Python; None for a package that
-    is not installed (a GPU node without Ray)."""
-    import torch
-
+    is not installed (a GPU node without Ray). Reads no module it would have to import (torch's
+    import alone takes a second)."""
     from tvrpipe import __version__
 
-    # str(): torch.__version__ is a TorchVersion, which YAML cannot write
-    out: dict[str, str | None] = {"tvrpipe": __version__, "torch": str(torch.__version__),
-                                  "cuda": None if torch.version.cuda is None else str(torch.version.cuda)}
+    torch_version, cuda = torch_versions()
+    out: dict[str, str | None] = {"tvrpipe": __version__, "torch": torch_version, "cuda": cuda}
     for name, dist in DISTRIBUTIONS.items():
         try:
             out[name] = metadata.version(dist)
@@ -41,6 +43,27 @@ def versions() -> dict[str, str | None]:
             out[name] = None
     out["python"] = platform.python_version()
     return {k: out[k] for k in ORDER}
+
+
+def torch_versions() -> tuple[str | None, str | None]:
+    """``(torch.__version__, torch.version.cuda)`` as strings (None where absent), read from the
+    ``torch/version.py`` that the build generated when torch is not imported yet: the distribution's
+    metadata may lack the local build tag (``+cu132``) that ``torch.__version__`` carries."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "version"):
+        # str(): torch.__version__ is a TorchVersion, which YAML cannot write
+        return str(torch.__version__), None if torch.version.cuda is None else str(torch.version.cuda)
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None, None
+    found: dict[str, Any] = {}
+    source = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    for node in ast.parse(source.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id in ("__version__", "cuda") and node.value is not None:
+            found[target.id] = ast.literal_eval(node.value)
+    cuda = found.get("cuda")
+    return found.get("__version__"), None if cuda is None else str(cuda)
 
 
 def versions_text(recorded: Mapping[str, Any] | None) -> str:

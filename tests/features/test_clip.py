@@ -297,3 +297,25 @@ def test_vit_b_32_random_init_text_and_frames():
     torch.testing.assert_close(sentence, ref, atol=1e-5, rtol=1e-5)
     frames = np.random.default_rng(0).integers(0, 256, size=(2, 224, 224, 3), dtype=np.uint8)
     assert encode_frames(bundle, frames).shape == (2, 512)
+
+
+def test_weights_a_checkpoint_replaces_are_not_drawn(tiny_ckpt, monkeypatch):
+    """Loading a checkpoint builds the model without its random init (every weight is then replaced,
+    strictly); a random init still draws them; torch's initialisers are restored either way."""
+    import tvrpipe.features.clip as clip
+
+    calls = []
+    originals = {name: getattr(torch.nn.init, name) for name in clip._INITIALISERS}
+    for name, fn in originals.items():
+        monkeypatch.setattr(torch.nn.init, name, lambda t, *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(t, *a, **k))[1])
+    counting = {name: getattr(torch.nn.init, name) for name in clip._INITIALISERS}
+    load_clip(TINY_MODEL, str(tiny_ckpt / "plain.pt"))
+    assert calls == []
+    load_clip(TINY_MODEL, "none")
+    assert "normal_" in calls
+    with pytest.raises(ConfigError):
+        load_clip(TINY_MODEL, str(tiny_ckpt.parent / "nothing.pt"))
+    (tiny_ckpt / "garbage.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot load checkpoint"):
+        load_clip(TINY_MODEL, str(tiny_ckpt / "garbage.pt"))
+    assert {name: getattr(torch.nn.init, name) for name in clip._INITIALISERS} == counting

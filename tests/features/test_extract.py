@@ -149,6 +149,46 @@ def test_rerun_skips_everything_but_retries_failures(store_dir, data):
         np.testing.assert_array_equal(open_store(store_dir).array(name)[:], values)
 
 
+def test_a_rerun_with_nothing_to_do_starts_neither_ray_nor_a_model(store_dir, data, tmp_path, monkeypatch):
+    """The weights' facts the run's encoder reported are cached: a rerun of a complete store reads them and
+    returns without Ray or torch's model; with the cache gone it loads the weights here, once, still without
+    Ray. Other weights (another seed) are still refused."""
+    import tvrpipe.features.clip as clip
+    from tvrpipe.features import extract as extract_module
+
+    def forbidden(*a, **kw):
+        raise AssertionError("started for a store with nothing to do")
+
+    done = tmp_path / "done"
+    shutil.copytree(store_dir, done, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    monkeypatch.setattr(extract_module, "ray_init", forbidden)
+    real_load = clip.load_clip
+    monkeypatch.setattr(clip, "load_clip", forbidden)
+    s = extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False))
+    assert (s.videos_done, s.videos_skipped, s.texts_done, s.failed) == (0, N_VIDEOS, 0, 2)
+    assert s.phases == {"checks": s.phases["checks"]}
+    monkeypatch.setenv("TVRPIPE_CACHE", str(tmp_path / "empty-cache"))
+    loads = []
+    monkeypatch.setattr(clip, "load_clip", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
+    s = extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False))
+    assert (s.videos_done, s.texts_done) == (0, 0) and len(loads) == 1
+    extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False))
+    assert len(loads) == 1  # cached by the first
+    with pytest.raises(StoreError, match=r"other settings \(weights_sha256"):
+        extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False, seed=7))
+
+
+def test_what_only_the_weights_can_tell_is_refused_before_the_store_is_created(ray_session, data, tmp_path):
+    """An unknown tag and --max-words beyond the context length are found by the encoder that loads the
+    weights (the driver loads none), and raised with their messages before anything is written."""
+    out = tmp_path / "f"
+    with pytest.raises(ConfigError, match=rf"--pretrained: unknown tag 'no-such-tag' for model '{TINY_MODEL}'"):
+        extract(data / "manifest", data / "videos", out, _cfg(pretrained="no-such-tag"))
+    with pytest.raises(ConfigError, match=r"--max-words 500 exceeds the model's context length 77"):
+        extract(data / "manifest", data / "videos", out, _cfg(max_words=500))
+    assert not (out / "features.zarr").exists()
+
+
 def assert_same_rows(a, b, name: str) -> None:
     """Two stores hold the same rows of ``name``: masks and timestamps exactly; embeddings to one float16
     ulp. An embedding is encoded in a batch of other size and neighbours when a run is resumed or
@@ -364,26 +404,26 @@ def test_failure_message_example_advice_and_limit(tmp_path):
 
 
 def test_features_of_other_weights_are_refused():
-    """Each encoder batch carries the sha256 of the weights that encoded it; other weights than the
+    """Each encoder result carries the sha256 of the weights that encoded it; other weights than the
     store records (a cluster node with another cache) stop the run before anything is written."""
     from tvrpipe.errors import ConfigError
     from tvrpipe.features.extract import _check_weights
-    from tvrpipe.features.workers import EncodeStage, TextStage
+    from tvrpipe.features.workers import ClipEncoder
 
-    stage = TextStage(TINY_MODEL, "none", "cpu", seed=0, max_words=8, threads=1)
-    out = stage({"row": np.arange(2), "text": np.array(["a dog", "a cat"], dtype=object)})
-    sha = stage.bundle.weights_sha256
+    encoder = ClipEncoder(TINY_MODEL, "none", "cpu", seed=0, threads=1)
+    out = encoder.encode_texts(["a dog", "a cat"], max_words=8)
+    sha = encoder.facts()["weights_sha256"]
     assert list(out["weights"]) == [sha, sha]
     prov = {"weights_sha256": sha, "model": TINY_MODEL, "pretrained": "none"}
     _check_weights(out, prov, "text")
-    other = EncodeStage(TINY_MODEL, "none", "cpu", seed=1, threads=1)  # another random init
-    size = other.bundle.image_size
-    batch = {"row": np.arange(1), "frames": np.zeros((1, 2, size, size, 3), np.uint8), "mask": np.ones((1, 2), bool),
-             "timestamps": np.zeros((1, 2), np.float32), "error": np.array([""], dtype=object)}
+    other = ClipEncoder(TINY_MODEL, "none", "cpu", seed=1, threads=1)  # another random init
+    size = other.facts()["image_size"]
+    video = {"row": 0, "frames": np.zeros((2, size, size, 3), np.uint8), "mask": np.ones(2, bool),
+             "timestamps": np.zeros(2, np.float32), "error": ""}
     with pytest.raises(ConfigError, match=rf"an image encoder loaded weights with sha256 "
-                                          rf"{other.bundle.weights_sha256[:16]}\.\.\., but the store records "
+                                          rf"{other.facts()['weights_sha256'][:16]}\.\.\., but the store records "
                                           rf"{sha[:16]}\.\.\. for {TINY_MODEL} / none: every process"):
-        _check_weights(other(batch), prov, "image")
+        _check_weights(other.encode_videos(video), prov, "image")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a Ray cluster without GPUs")

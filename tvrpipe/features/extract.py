@@ -1,26 +1,32 @@
-"""``tvrpipe extract``: manifest + videos -> CLIP features in the Zarr store, with Ray Data.
+"""``tvrpipe extract``: manifest + videos -> CLIP features in the Zarr store, with Ray.
 
 The flow (DESIGN.md, "Extraction")::
 
-    manifest rows of pending shards
-      -> decode actors (CPU, 1 core each): decord, uniform F frames, resize at decode, centre crop;
-         each owns a killable decode subprocess with a per-video timeout and a PyAV fallback
-      -> encode actors (GPU when --device cuda, fp16 autocast; else CPU): open_clip frame [CLS]
+    Ray up; at once: decoder actors (CPU, 1 core each) and encoder actors (GPU with --device cuda,
+    fp16 autocast; else CPU), each encoder loading the weights once and reporting their facts
+      -> the store opens with those facts in its provenance (the driver loads no model)
+      -> each decoder: decord, uniform F frames, resize at decode, centre crop, in a killable decode
+         subprocess with a per-video timeout and a PyAV fallback
+      -> decoded videos go to an encoder in batches (decoder to encoder through Ray's object store)
+      -> caption shards go to the same encoders in between (tokens, mask, EOS sentence)
       -> the driver buffers rows per shard and writes each whole shard, then its marker
-    texts: shards of captions -> encode actors (tokens, mask, EOS sentence) -> the driver writes
 
 Decode is the bottleneck (DESIGN.md measured ~160 frames/s per core for 720p H.264), so decoding
-gets the cores and encoding overlaps with it. Locally ``ray.init(address="local")`` starts a private instance;
-``--address``/``RAY_ADDRESS`` runs the same code on a cluster (paths must then be visible to
-every node). A bad video is recorded in ``failures.parquet`` with zero features and an all-False
-mask; it never stops the run, but a run where more than ``max_failed_fraction`` of the videos
-failed exits with an error and leaves the store incomplete (nothing is lost: it stays resumable).
+gets the cores and encoding overlaps with it. The actors are plain Ray actors driven by one loop in
+this process, not a Ray Data pipeline: Ray Data started an actor pool per stage plus its own
+executor, which cost about 4 s before the first video decoded (docs/performance.md). Locally
+``ray.init(address="local")`` starts a private instance; ``--address``/``RAY_ADDRESS`` runs the same
+code on a cluster (paths must then be visible to every node). A bad video is recorded in
+``failures.parquet`` with zero features and an all-False mask; it never stops the run, but a run
+where more than ``max_failed_fraction`` of the videos failed exits with an error and leaves the store
+incomplete (nothing is lost: it stays resumable).
 
 Rerunning the same command resumes: whole shards are skipped, damaged shards (a chunk missing,
 truncated or overwritten since it was written) are re-extracted, and the videos recorded as failed
-are retried (their shard is rewritten with the rows that succeeded before kept as they were).
-Options and the manifest are checked before Ray starts or a model loads, and the store is locked
-while written (:mod:`tvrpipe.lock`).
+are retried (their shard is rewritten with the rows that succeeded before kept as they were). A
+rerun with nothing left to do starts neither Ray nor a model (the weights' facts are cached,
+:mod:`tvrpipe.features.weights`). Options and the manifest are checked before Ray starts, and the
+store is locked while written (:mod:`tvrpipe.lock`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +48,8 @@ from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256, nonfinite_rows
-from tvrpipe.features.workers import DecodeStage, EncodeStage, TextStage
+from tvrpipe.features.weights import cached_facts, check_checkpoint, remember_facts, weights_key
+from tvrpipe.features.workers import ClipEncoder, Decoder
 from tvrpipe.lock import check_writable
 
 log = logging.getLogger(__name__)
@@ -108,6 +115,9 @@ class ExtractSummary:
     repaired: int = 0  # damaged shards re-extracted (videos and texts)
     failure_kinds: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    # when each step of the start ended, in seconds from the call: "checks" (options, manifest), "ray" (Ray
+    # up, encoders started), "weights" (an encoder has loaded them), "first_batch" (the first videos encoded)
+    phases: dict[str, float] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """A short human-readable summary."""
@@ -120,6 +130,11 @@ class ExtractSummary:
             f"{self.texts_skipped} already done ({self.texts_total} in all){repaired}",
             f"{self.seconds:.1f} s, {rate:.2f} videos/s, {self.frames_done / max(self.seconds, 1e-9):.1f} frames/s",
         ]
+        if "ray" in self.phases:
+            names = {"checks": "checks", "ray": "Ray up", "weights": "weights loaded",
+                     "first_batch": "first videos encoded"}
+            out.append("start-up, seconds from the start: " + ", ".join(
+                f"{names[k]} {v:.1f}" for k, v in self.phases.items()))
         if self.failure_kinds:
             kinds = ", ".join(f"{k}: {n}" for k, n in Counter(self.failure_kinds).most_common(5))
             out.append(f"failures by kind: {kinds} (see {self.out / 'failures.parquet'})")
@@ -210,15 +225,14 @@ def _check_weights(batch: dict[str, np.ndarray], provenance: dict, tower: str) -
 
 
 
-def _already_complete(out: Path, provenance: dict) -> bool:
-    """``out`` holds a complete store of this provenance: a rerun has nothing to do."""
-    from tvrpipe.features.store import StoreError, provenance_mismatch, store_attributes
+def _complete(out: Path) -> bool:
+    """``out`` holds a store marked complete (whatever its settings): a rerun may have nothing to do."""
+    from tvrpipe.features.store import StoreError, store_attributes
 
     try:
-        attrs = store_attributes(out)
+        return bool(store_attributes(out).get("complete"))
     except StoreError:
         return False
-    return bool(attrs.get("complete")) and not provenance_mismatch(attrs, provenance)
 
 
 def _check_device(cfg: ExtractConfig) -> None:
@@ -319,17 +333,14 @@ class _ShardBuffer:
 # ---------------------------------------------------------------------------------- run
 
 
-def open_inputs(manifest_dir, video_root, out_dir, frames: int | None, max_words: int | None, model: str,
-                pretrained: str, seed: int):
-    """What ``extract`` and ``finetune`` start from, checked before anything is written or Ray starts:
-    the manifest, the video root, a writable ``out_dir``, F and L (the manifest's defaults unless
-    given) and the model loaded on the CPU (its weights found, L within its context).
+def open_manifest(manifest_dir, video_root, out_dir, frames: int | None, max_words: int | None):
+    """What ``extract`` and ``finetune`` start from, checked before anything is written, Ray starts or
+    weights load: the manifest, the video root, a writable ``out_dir``, and F and L (the manifest's
+    defaults unless given).
 
     Returns:
-        ``(manifest, video_root, F, L, bundle)``.
+        ``(manifest, video_root, F, L)``.
     """
-    from tvrpipe.features.clip import load_clip
-
     manifest = read_manifest(manifest_dir)
     root = Path(video_root)
     if not root.is_dir():
@@ -337,10 +348,73 @@ def open_inputs(manifest_dir, video_root, out_dir, frames: int | None, max_words
     check_writable(out_dir, "--out")
     F = frames if frames is not None else int(manifest.meta.get("frames", 12))
     L = max_words if max_words is not None else int(manifest.meta.get("max_words", 32))
-    bundle = load_clip(model, pretrained, device="cpu", seed=seed)
-    if L > bundle.context_length:
-        raise ConfigError(f"--max-words {L} exceeds the model's context length {bundle.context_length}")
-    return manifest, root, F, L, bundle
+    return manifest, root, F, L
+
+
+def check_max_words(L: int, context_length: int) -> None:
+    """Refuse ``--max-words`` (L) beyond the text tower's context length."""
+    if L > context_length:
+        raise ConfigError(f"--max-words {L} exceeds the model's context length {context_length}")
+
+
+@dataclass
+class _Workers:
+    """The Ray actors of one extraction: ``--encoders`` CLIP encoders (each loads the weights once, and
+    serves both the captions and the videos) and the decoders (one per core unless ``--decoders``)."""
+
+    encoders: list
+    decoders: list
+
+    def stop(self) -> None:
+        """End them now: their weights (and GPUs) are freed at once, not when Ray shuts down."""
+        import ray
+
+        for actor in self.encoders + self.decoders:
+            ray.kill(actor)
+
+
+def _start_workers(cfg: ExtractConfig) -> _Workers:
+    """Ray (joined or started) and every actor the run needs, all starting at once (the encoders load the
+    weights while the decoders start); a missing GPU or an unreachable ``--address`` fails first."""
+    import ray
+
+    _check_device(cfg)
+    ray_init(cfg.address)
+    cpus = cluster_cpus()
+    gpu = cfg.device == "cuda"
+    # CPU encoders share the cores with the decoders; a GPU encoder needs one core to feed it
+    encoder = ray.remote(ClipEncoder).options(**({"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 0}))
+    # a decoder whose process dies (out of memory) is restarted and its video tried again
+    decoder = ray.remote(Decoder).options(num_cpus=1, max_restarts=2, max_task_retries=2)
+    return _Workers(
+        [encoder.remote(cfg.model, cfg.pretrained, cfg.device, cfg.seed, 1 if gpu else cpus)
+         for _ in range(cfg.encoders)],
+        [decoder.remote(cfg.timeout_s) for _ in range(cfg.decoders if cfg.decoders is not None else cpus)],
+    )
+
+
+def _reported_facts(encoder, key: str) -> dict[str, Any]:
+    """The weights' facts from the encoder that loaded them (cached for a later rerun), or the error it
+    met loading them (an unknown tag, a checkpoint of another architecture), raised here."""
+    import ray
+
+    from tvrpipe import errors
+
+    facts = ray.get(encoder.facts.remote())
+    if "error" in facts:
+        name, message = facts["error"]
+        raise getattr(errors, name, TvrpipeError)(message)
+    remember_facts(key, facts)
+    return facts
+
+
+def _loaded_facts(cfg: ExtractConfig, key: str) -> dict[str, Any]:
+    """The weights' facts when the cache has none and no encoder is needed: loaded here, once per machine."""
+    from tvrpipe.features.clip import load_clip, weights_facts
+
+    facts = weights_facts(load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed))
+    remember_facts(key, facts)
+    return facts
 
 
 def extract(
@@ -362,8 +436,9 @@ def extract(
 
     Raises:
         ConfigError: an invalid option, video root or output directory, an unreachable ``address``,
-            or ``device="cuda"`` without a GPU (all before anything is created); an encoder that
-            loaded other weights than the store records (before their features are written).
+            or ``device="cuda"`` without a GPU (all before anything is created); weights that cannot be
+            loaded, or an encoder that loaded other weights than the store records (before anything is
+            written).
         ManifestError: an invalid manifest (before Ray starts).
         LockError: another process is writing ``out_dir``.
         StoreError: ``out_dir`` holds a store made with other settings (pass ``overwrite``).
@@ -376,161 +451,219 @@ def extract(
     """
     cfg = config or ExtractConfig()
     t0 = time.perf_counter()
-    # Everything that can be checked cheaply is checked before Ray starts or a model loads (cfg checked itself).
-    # The driver loads the model once (on CPU) for provenance: weights hash, D, preprocessing.
-    manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
-                                               cfg.model, cfg.pretrained, cfg.seed)
+    # Everything that can be checked without the weights is checked before Ray starts (cfg checked itself)
+    manifest, root, F, L = open_manifest(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words)
+    check_checkpoint(cfg.pretrained)
     out = Path(out_dir)
 
-    from tvrpipe.features.clip import preprocess_description
-    from tvrpipe.features.decode import FRAME_SAMPLING
+    def reached(phase: str) -> None:
+        summary.phases.setdefault(phase, time.perf_counter() - t0)
 
-    provenance = make_provenance(
-        dataset=manifest.meta.get("dataset", "unknown"), split_set=manifest.meta.get("split_set"),
-        model=cfg.model, pretrained=cfg.pretrained, weights_sha256=bundle.weights_sha256,
-        frames=F, max_words=L, embed_dim=bundle.embed_dim, frame_sampling=FRAME_SAMPLING,
-        image_size=bundle.image_size, preprocessing=preprocess_description(bundle),
-        manifest_sha256=manifest_sha256(manifest.videos, manifest.captions),
-        logit_scale=bundle.logit_scale,  # CLIP's learned scale: every head starts from it (train-head)
-    )
-    del bundle
-    checked = cfg.overwrite or not _already_complete(out, provenance)  # a complete store may need no device
-    if checked:
-        _check_device(cfg)
+    key = weights_key(cfg.model, cfg.pretrained, cfg.seed)
     videos = manifest.videos[["video_id", "split", "path", "start_s", "end_s"]]
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     texts = manifest.captions.assign(video_row=vrow.loc[manifest.captions["video_id"]].to_numpy())[
         ["caption_id", "video_id", "video_row", "split", "text"]
     ]
     summary = ExtractSummary(out=out, videos_total=len(videos), texts_total=len(texts))
-    with StoreWriter(out, videos[["video_id", "split", "path"]], texts.drop(columns="text"), provenance,
-                     cfg.video_shard, cfg.text_shard, cfg.overwrite) as writer:
-        damaged = len(writer.damaged("videos")) + len(writer.damaged("texts"))
-        v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
-        retry = {s: rows for s, rows in writer.failed_rows().items() if s not in set(v_pending)} \
-            if cfg.retry_failed else {}
-        jobs = [(s, None) for s in v_pending] + list(retry.items())
-        summary.repaired = damaged
-        summary.retried = sum(len(rows) for rows in retry.values())
-        summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in t_pending)
-        failed_before = set(writer.failures()["video_id"])
-        processed = 0
-        if jobs or t_pending:
-            if not checked:  # a complete store whose failed videos are retried
-                _check_device(cfg)
-            ray_init(cfg.address)
-            cpus = cluster_cpus()
-            gpu = cfg.device == "cuda"
-            enc_opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 0}
-            threads = 1 if gpu else cpus  # CPU encoders share the cores with the decoders
-            with _progress(cfg.progress) as bar:
-                if t_pending:
-                    _run_texts(writer, texts, t_pending, cfg, L, enc_opts, threads, bar, summary)
-                if jobs:
-                    decoders = cfg.decoders if cfg.decoders is not None else cpus
-                    processed = _run_videos(writer, videos, jobs, root, cfg, F, provenance["image_size"],
-                                            decoders, enc_opts, threads, bar, summary)
-        failures = writer.failures()
-        failed_now = set(failures["video_id"])
-        ids = videos["video_id"].to_numpy()
-        redone = {str(i) for s, rows in jobs for i in ids[np.arange(s.start, s.stop) if rows is None else rows]}
-        retried = {str(i) for rows in retry.values() for i in ids[rows]}
-        summary.failed = len(failures)
-        summary.videos_done = processed - len(failed_now & redone)
-        summary.videos_skipped = summary.videos_total - summary.videos_done - summary.failed
-        summary.recovered = len((failed_before & retried) - failed_now)
-        summary.failure_kinds = dict(Counter(e.split(":", 1)[0] for e in failures["error"]))
-        reason = _too_many_failures(failures, videos, root, out, cfg)
-        writer.finalize(incomplete_reason=reason)
+    reached("checks")
+    workers: _Workers | None = None
+    try:
+        if not cfg.overwrite and _complete(out):  # a rerun may have nothing to do: it starts no encoder, no Ray
+            facts = cached_facts(key) or _loaded_facts(cfg, key)
+        else:  # the encoders that do the work report the weights' facts; the driver loads no model
+            workers = _start_workers(cfg)
+            reached("ray")
+            facts = _reported_facts(workers.encoders[0], key)
+            reached("weights")
+        check_max_words(L, facts["context_length"])
+        from tvrpipe.features.decode import FRAME_SAMPLING
+
+        provenance = make_provenance(
+            dataset=manifest.meta.get("dataset", "unknown"), split_set=manifest.meta.get("split_set"),
+            model=cfg.model, pretrained=cfg.pretrained, weights_sha256=facts["weights_sha256"],
+            frames=F, max_words=L, embed_dim=facts["embed_dim"], frame_sampling=FRAME_SAMPLING,
+            image_size=facts["image_size"], preprocessing=facts["preprocessing"],
+            manifest_sha256=manifest_sha256(manifest.videos, manifest.captions),
+            logit_scale=facts["logit_scale"],  # CLIP's learned scale: every head starts from it (train-head)
+        )
+        with StoreWriter(out, videos[["video_id", "split", "path"]], texts.drop(columns="text"), provenance,
+                         cfg.video_shard, cfg.text_shard, cfg.overwrite) as writer:
+            damaged = len(writer.damaged("videos")) + len(writer.damaged("texts"))
+            v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
+            retry = {s: rows for s, rows in writer.failed_rows().items() if s not in set(v_pending)} \
+                if cfg.retry_failed else {}
+            jobs = [(s, None) for s in v_pending] + list(retry.items())
+            summary.repaired = damaged
+            summary.retried = sum(len(rows) for rows in retry.values())
+            summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in t_pending)
+            failed_before = set(writer.failures()["video_id"])
+            processed = 0
+            if jobs or t_pending:
+                if workers is None:  # a complete store whose failed videos are retried
+                    workers = _start_workers(cfg)
+                    reached("ray")
+                with _progress(cfg.progress) as bar:
+                    feed = _TextFeed(writer, texts, t_pending, workers.encoders, L, bar, summary)
+                    if jobs:
+                        processed = _run_videos(writer, videos, jobs, root, cfg, F, facts["image_size"], workers,
+                                                bar, summary, feed, lambda: reached("first_batch"))
+                    feed.finish()
+            failures = writer.failures()
+            failed_now = set(failures["video_id"])
+            ids = videos["video_id"].to_numpy()
+            redone = {str(i) for s, rows in jobs for i in ids[np.arange(s.start, s.stop) if rows is None else rows]}
+            retried = {str(i) for rows in retry.values() for i in ids[rows]}
+            summary.failed = len(failures)
+            summary.videos_done = processed - len(failed_now & redone)
+            summary.videos_skipped = summary.videos_total - summary.videos_done - summary.failed
+            summary.recovered = len((failed_before & retried) - failed_now)
+            summary.failure_kinds = dict(Counter(e.split(":", 1)[0] for e in failures["error"]))
+            reason = _too_many_failures(failures, videos, root, out, cfg)
+            writer.finalize(incomplete_reason=reason)
+    finally:
+        if workers is not None:
+            workers.stop()
     summary.seconds = time.perf_counter() - t0
     if reason:
         raise ExtractionError(reason, summary)
     return summary
 
 
-def _run_texts(writer, texts, shards, cfg, L, enc_opts, threads, bar, summary) -> None:
+class _TextFeed:
+    """Caption shards sent to the encoders and written as their features come back, while the videos
+    decode. At most two shards per encoder are in flight: finished ones wait in Ray's object store
+    until written, and a video batch queues behind no more than two shards."""
+
+    def __init__(self, writer, texts: pd.DataFrame, shards: list[Shard], encoders: list, max_words: int, bar,
+                 summary: ExtractSummary) -> None:
+        self.writer, self.encoders, self.max_words, self.bar, self.summary = writer, encoders, max_words, bar, summary
+        self.text = texts["text"].astype(str).to_numpy()
+        self.caption_ids = texts["caption_id"].to_numpy()
+        self.todo = list(reversed(shards))  # popped from the end: in order
+        self.flight: dict[Any, Shard] = {}
+        self.turn = 0
+        self.task = bar.add_task("texts", total=sum(s.stop - s.start for s in shards), rate="") if shards else None
+        self.t0 = time.perf_counter()
+
+    def send(self) -> None:
+        """Send shards to the encoders, in turn, up to the limit."""
+        while self.todo and len(self.flight) < 2 * len(self.encoders):
+            s = self.todo.pop()
+            encoder = self.encoders[self.turn % len(self.encoders)]
+            self.turn += 1
+            self.flight[encoder.encode_texts.remote(self.text[s.start:s.stop].tolist(), self.max_words)] = s
+
+    def take(self, ref) -> None:
+        """Write the shard whose features ``ref`` (one of :attr:`flight`, finished) holds."""
+        import ray
+
+        self._write(self.flight.pop(ref), ray.get(ref))
+
+    def finish(self) -> None:
+        """Send and write every shard left."""
+        import ray
+
+        self.send()
+        while self.flight:
+            ready, _ = ray.wait(list(self.flight), num_returns=1)
+            self.take(ready[0])
+            self.send()
+
+    def _write(self, s: Shard, d: dict[str, np.ndarray]) -> None:
+        _check_weights(d, self.writer.provenance, "text")
+        bad = np.flatnonzero(nonfinite_rows(d["tokens"]) | nonfinite_rows(d["sentence"]))
+        if len(bad):  # never stored as if it were a feature; the shard stays pending
+            caps = self.caption_ids[s.start + bad]
+            raise NonFiniteError(
+                f"the text encoder returned NaN or infinity for captions {', '.join(map(str, caps[:5]))}"
+                f" ({len(bad)} in {s}); with --device cuda try --device cpu (fp16 overflow)"
+            )
+        self.writer.write_texts(s, d["tokens"], d["token_mask"], d["sentence"])
+        self.summary.texts_done += s.stop - s.start
+        self.bar.update(self.task, advance=s.stop - s.start,
+                        rate=f"{self.summary.texts_done / (time.perf_counter() - self.t0):.0f} texts/s")
+
+
+def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Workers, bar, summary, feed: _TextFeed,
+                first) -> int:
+    """Decode and encode the rows of ``jobs`` and write their shards, the captions' shards in between;
+    returns the videos processed.
+
+    Every decoder has two videos in flight (one decoding, the next waiting). A decoded video stays in
+    Ray's object store until ``--batch-size`` of them go to an encoder as one call (the frames pass
+    from decoder to encoder, never through this process); each encoder has up to two batches in
+    flight, so it never waits for the hand-over. Decoded videos waiting for an encoder are capped at
+    two batches per encoder: the frames are the memory.
+    """
     import ray
-    from ray.data import ActorPoolStrategy
 
-    rows = _rows_for([(s, None) for s in shards], texts)
-    task = bar.add_task("texts", total=len(rows), rate="")
-    ds = ray.data.from_items([{"row": int(r), "text": t} for r, t in zip(rows["row"], rows["text"])])
-    ds = ds.map_batches(
-        TextStage, fn_constructor_kwargs=dict(model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
-                                              seed=cfg.seed, max_words=L, threads=threads),
-        batch_size=cfg.text_shard, compute=ActorPoolStrategy(size=cfg.encoders), **enc_opts,
-    )
-    D = writer.provenance["embed_dim"]
-    buf = _ShardBuffer(shards, {"tokens": ((L, D), 0, np.float16), "token_mask": ((L,), False, bool),
-                                "sentence": ((D,), 0, np.float16)})
-    t0 = time.perf_counter()
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        _check_weights(batch, writer.provenance, "text")
-        for i, row in enumerate(batch["row"]):
-            full = buf.add(int(row), {k: batch[k][i] for k in ("tokens", "token_mask", "sentence")})
-            if full:
-                s, d = full
-                bad = np.flatnonzero(nonfinite_rows(d["tokens"]) | nonfinite_rows(d["sentence"]))
-                if len(bad):  # never stored as if it were a feature; the shard stays pending
-                    caps = texts["caption_id"].to_numpy()[s.start + bad]
-                    raise NonFiniteError(
-                        f"the text encoder returned NaN or infinity for captions {', '.join(map(str, caps[:5]))}"
-                        f" ({len(bad)} in {s}); with --device cuda try --device cpu (fp16 overflow)"
-                    )
-                writer.write_texts(s, d["tokens"], d["token_mask"], d["sentence"])
-        summary.texts_done += len(batch["row"])
-        bar.update(task, advance=len(batch["row"]),
-                   rate=f"{summary.texts_done / (time.perf_counter() - t0):.0f} texts/s")
+    B = cfg.batch_size
+    items = deque(_video_items(_rows_for(jobs, videos), root))
+    task = bar.add_task("videos", total=len(items), rate="")
+    decoders, encoders = workers.decoders, workers.encoders
+    decoding: dict[Any, int] = {}  # ref -> its decoder
+    encoding: dict[Any, int] = {}  # ref -> its encoder
+    decoded: list = []  # refs of decoded videos, in the order they finished
+    busy = Counter()  # calls in flight per actor index, "d3" / "e0"
 
-
-def _run_videos(writer, videos, jobs, root, cfg, F, image_size, decoders, enc_opts, threads, bar,
-                summary) -> int:
-    """Decode and encode the rows of ``jobs`` and write their shards; returns the videos processed."""
-    import ray
-    from ray.data import ActorPoolStrategy
-
-    shards = [s for s, _ in jobs]
-    rows = _rows_for(jobs, videos)
-    task = bar.add_task("videos", total=len(rows), rate="")
-    ds = ray.data.from_items(_video_items(rows, root))
-    ds = ds.map_batches(
-        DecodeStage, fn_constructor_kwargs=dict(frames=F, image_size=image_size, timeout_s=cfg.timeout_s),
-        batch_size=1, compute=ActorPoolStrategy(size=decoders), num_cpus=1,
-    )
-    ds = ds.map_batches(
-        EncodeStage, fn_constructor_kwargs=dict(model=cfg.model, pretrained=cfg.pretrained, device=cfg.device,
-                                                seed=cfg.seed, threads=threads),
-        batch_size=cfg.batch_size, compute=ActorPoolStrategy(size=cfg.encoders), **enc_opts,
-    )
-    D = writer.provenance["embed_dim"]
-
-    def stored(shard):  # a retried shard keeps its other rows as stored
-        old = writer.read_videos(shard)
-        return {"emb": old["frames"], "mask": old["frame_mask"], "timestamps": old["timestamps"]}
-
-    buf = _ShardBuffer(shards, {"emb": ((F, D), 0, np.float16), "mask": ((F,), False, bool),
-                                "timestamps": ((F,), np.nan, np.float32)},
-                       partial={s.index: len(rows) for s, rows in jobs if rows is not None}, load=stored)
+    buf = _ShardBuffer([s for s, _ in jobs],
+                       {"emb": ((F, writer.provenance["embed_dim"]), 0, np.float16), "mask": ((F,), False, bool),
+                        "timestamps": ((F,), np.nan, np.float32)},
+                       partial={s.index: len(rows) for s, rows in jobs if rows is not None},
+                       load=lambda shard: _stored_videos(writer, shard))
     failures: dict[int, list[dict[str, str]]] = {}
     ids = videos["video_id"].to_numpy()
     t0 = time.perf_counter()
     done = 0
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        _check_weights(batch, writer.provenance, "image")
-        for i, row in enumerate(batch["row"]):
-            row = int(row)
-            err = str(batch["error"][i])
-            shard = buf.of_row[row]
-            if err:
-                stage = "encode" if err.startswith("nonfinite") else "decode"
-                failures.setdefault(shard.index, []).append({"video_id": str(ids[row]), "stage": stage, "error": err})
-            full = buf.add(row, {"emb": batch["emb"][i], "mask": batch["mask"][i], "timestamps": batch["timestamps"][i]})
-            if full:
-                s, d = full
-                writer.write_videos(s, d["emb"], d["mask"], d["timestamps"], failures.pop(s.index, []))
-        done += len(batch["row"])
-        summary.frames_done += int(batch["mask"].sum())
-        dt = time.perf_counter() - t0
-        bar.update(task, advance=len(batch["row"]),
-                   rate=f"{done / dt:.1f} videos/s, {summary.frames_done / dt:.0f} frames/s")
+    while items or decoding or decoded or encoding:
+        while items and len(decoding) < 2 * len(decoders) and len(decoded) < 2 * B * len(encoders):
+            k = min(range(len(decoders)), key=lambda i: busy[f"d{i}"])
+            decoding[decoders[k].decode.remote(items.popleft(), F, image_size)] = k
+            busy[f"d{k}"] += 1
+        last = not items and not decoding  # nothing more will be decoded: a short batch goes too
+        while decoded and len(encoding) < 2 * len(encoders) and (len(decoded) >= B or last):
+            k = min(range(len(encoders)), key=lambda i: busy[f"e{i}"])
+            encoding[encoders[k].encode_videos.remote(*decoded[:B])] = k
+            busy[f"e{k}"] += 1
+            del decoded[:B]
+        feed.send()
+        pending = [*decoding, *encoding, *feed.flight]
+        ready, _ = ray.wait(pending, num_returns=1)
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if len(pending) > 1 else (ready, None)
+        for ref in ready:
+            if ref in decoding:
+                busy[f"d{decoding.pop(ref)}"] -= 1
+                decoded.append(ref)
+            elif ref in feed.flight:
+                feed.take(ref)
+            else:
+                busy[f"e{encoding.pop(ref)}"] -= 1
+                batch = ray.get(ref)
+                first()
+                _check_weights(batch, writer.provenance, "image")
+                for i, row in enumerate(batch["row"]):
+                    row = int(row)
+                    err = str(batch["error"][i])
+                    shard = buf.of_row[row]
+                    if err:
+                        stage = "encode" if err.startswith("nonfinite") else "decode"
+                        failures.setdefault(shard.index, []).append(
+                            {"video_id": str(ids[row]), "stage": stage, "error": err})
+                    full = buf.add(row, {"emb": batch["emb"][i], "mask": batch["mask"][i],
+                                         "timestamps": batch["timestamps"][i]})
+                    if full:
+                        s, d = full
+                        writer.write_videos(s, d["emb"], d["mask"], d["timestamps"], failures.pop(s.index, []))
+                done += len(batch["row"])
+                summary.frames_done += int(batch["mask"].sum())
+                dt = time.perf_counter() - t0
+                bar.update(task, advance=len(batch["row"]),
+                           rate=f"{done / dt:.1f} videos/s, {summary.frames_done / dt:.0f} frames/s")
     return done
+
+
+def _stored_videos(writer, shard: Shard) -> dict[str, np.ndarray]:
+    """A retried shard's rows as stored: the rows not retried keep them."""
+    old = writer.read_videos(shard)
+    return {"emb": old["frames"], "mask": old["frame_mask"], "timestamps": old["timestamps"]}

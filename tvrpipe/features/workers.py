@@ -6,43 +6,59 @@ decord, PyAV, torch and open_clip load inside the workers that use them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from tvrpipe.errors import TvrpipeError
 from tvrpipe.features.store import nonfinite_rows
 
 
-class DecodeStage:
-    """Ray Data callable: decodes one batch of video rows into uint8 frames (or a failure)."""
+class Decoder:
+    """Decodes videos, one per call, in a killable child process (:class:`~tvrpipe.features.decode.DecodeWorker`:
+    a per-video wall-clock timeout and a PyAV fallback). ``tvrpipe extract`` starts one per core as a
+    Ray actor, at the same time as the encoders, so both are ready together.
 
-    def __init__(self, frames: int, image_size: int, timeout_s: float) -> None:
+    Args:
+        timeout_s: the longest one decode may take, in seconds.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
         from tvrpipe.features.decode import DecodeWorker
 
-        self.frames, self.image_size = frames, image_size
         self.worker = DecodeWorker(timeout_s=timeout_s)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def decode(self, item: dict[str, Any], frames: int, image_size: int) -> dict[str, Any]:
+        """``item`` (row, path, start_s, end_s; NaN for no bound) -> its F frames ``(F, S, S, 3)`` uint8,
+        mask, timestamps and ``error`` ("" or ``"kind: detail"``; a failed video has an all-False mask)."""
         from tvrpipe.features.decode import DecodeFailure
 
-        n, F, S = len(batch["row"]), self.frames, self.image_size
-        frames = np.zeros((n, F, S, S, 3), np.uint8)
-        mask = np.zeros((n, F), bool)
-        stamps = np.full((n, F), np.nan, np.float32)
-        errors = np.array([""] * n, dtype=object)
-        for i in range(n):
-            start, end = batch["start_s"][i], batch["end_s"][i]
-            try:
-                d = self.worker.decode(
-                    str(batch["path"][i]), F, S,
-                    None if np.isnan(start) else float(start), None if np.isnan(end) else float(end),
-                )
-                frames[i], mask[i], stamps[i] = d.frames, d.mask, d.timestamps
-            except DecodeFailure as e:
-                errors[i] = f"{e.kind}: {e.detail}"
-        return {"row": batch["row"], "frames": frames, "mask": mask, "timestamps": stamps, "error": errors}
+        F, S = frames, image_size
+        out = {"row": item["row"], "frames": np.zeros((F, S, S, 3), np.uint8), "mask": np.zeros(F, bool),
+               "timestamps": np.full(F, np.nan, np.float32), "error": ""}
+        start, end = item["start_s"], item["end_s"]
+        try:
+            d = self.worker.decode(item["path"], F, S, None if np.isnan(start) else float(start),
+                                   None if np.isnan(end) else float(end))
+            out.update(frames=d.frames, mask=d.mask, timestamps=d.timestamps)
+        except DecodeFailure as e:
+            out["error"] = f"{e.kind}: {e.detail}"
+        return out
 
 
-class EncodeStage:
-    """Ray Data callable: encodes the valid frames of a batch of videos with open_clip."""
+class ClipEncoder:
+    """One CLIP, loaded once, that encodes both caption shards and batches of decoded frames.
+
+    ``tvrpipe extract`` starts ``--encoders`` of them as Ray actors (each on a GPU with ``--device
+    cuda``), and both stages send their work to the same ones: the weights load once per encoder,
+    and captions are encoded while the first videos decode. :meth:`facts` reports what the store's
+    provenance takes from the weights, so the driver never loads them itself.
+
+    Args:
+        model, pretrained, seed: the weights, as :func:`~tvrpipe.features.clip.load_clip` takes them.
+        device: ``"cpu"`` or ``"cuda"`` (fp16 autocast).
+        threads: torch's CPU threads (a CPU encoder shares the cores with the decoders).
+    """
 
     def __init__(self, model: str, pretrained: str, device: str, seed: int, threads: int) -> None:
         import torch
@@ -51,45 +67,50 @@ class EncodeStage:
 
         if device == "cpu":
             torch.set_num_threads(max(1, threads))
-        self.bundle = load_clip(model, pretrained, device=device, seed=seed)
+        self.bundle, self.error = None, None
+        try:
+            self.bundle = load_clip(model, pretrained, device=device, seed=seed)
+        except TvrpipeError as e:  # an unknown tag or a bad checkpoint: the driver raises it with its own text
+            self.error = (type(e).__name__, str(e))
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from tvrpipe.features.clip import encode_frames
+    def facts(self) -> dict[str, Any]:
+        """:func:`~tvrpipe.features.clip.weights_facts` and the versions this process runs, or
+        ``{"error": (class name, message)}`` when the weights could not be loaded."""
+        from tvrpipe.environment import versions
+        from tvrpipe.features.clip import weights_facts
 
-        frames, mask = batch["frames"], batch["mask"]  # (B, F, S, S, 3), (B, F)
-        B, F = mask.shape
-        out = np.zeros((B, F, self.bundle.embed_dim), np.float16)
-        error = batch["error"].copy()
-        if mask.any():
-            emb = encode_frames(self.bundle, frames[mask])  # (n_valid, D)
-            out[mask] = emb.numpy().astype(np.float16)
-            bad = nonfinite_rows(out)  # e.g. fp16 overflow: never stored as if it were a feature
-            if bad.any():
-                out[bad], mask = 0, mask.copy()
-                mask[bad] = False
-                error[bad] = "nonfinite: the encoder returned NaN or infinity for this video's frames"
-        return {"row": batch["row"], "emb": out, "mask": mask, "timestamps": batch["timestamps"], "error": error,
-                "weights": np.full(B, self.bundle.weights_sha256, dtype=object)}
+        if self.error:
+            return {"error": self.error}
+        return {**weights_facts(self.bundle), "versions": versions()}
 
-
-class TextStage:
-    """Ray Data callable: tokenises and encodes one shard of captions per call."""
-
-    def __init__(self, model: str, pretrained: str, device: str, seed: int, max_words: int, threads: int) -> None:
-        import torch
-
-        from tvrpipe.features.clip import load_clip
-
-        if device == "cpu":
-            torch.set_num_threads(max(1, threads))
-        self.bundle = load_clip(model, pretrained, device=device, seed=seed)
-        self.max_words = max_words
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def encode_texts(self, texts: list[str], max_words: int) -> dict[str, np.ndarray]:
+        """Word tokens ``(n, L, D)``, token mask and EOS sentence ``(n, D)`` of ``texts``, float16."""
         from tvrpipe.features.clip import encode_text_tokens, tokenize
 
-        ids, mask = tokenize(self.bundle, [str(t) for t in batch["text"]], self.max_words)
+        ids, mask = tokenize(self.bundle, [str(t) for t in texts], max_words)
         tokens, sentence = encode_text_tokens(self.bundle, ids)
-        return {"row": batch["row"], "tokens": tokens.numpy().astype(np.float16),
-                "token_mask": mask.numpy(), "sentence": sentence.numpy().astype(np.float16),
-                "weights": np.full(len(batch["row"]), self.bundle.weights_sha256, dtype=object)}
+        return {"tokens": tokens.numpy().astype(np.float16), "token_mask": mask.numpy(),
+                "sentence": sentence.numpy().astype(np.float16),
+                "weights": np.full(len(texts), self.bundle.weights_sha256, dtype=object)}
+
+    def encode_videos(self, *videos: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The valid frames of decoded videos (:meth:`Decoder.decode`'s results) encoded in one batch:
+        ``emb`` ``(B, F, D)`` float16 with the rows, masks, timestamps and errors stacked; a video
+        whose features are not finite becomes a failure."""
+        from tvrpipe.features.clip import encode_frames
+
+        mask = np.stack([v["mask"] for v in videos])  # (B, F)
+        B, F = mask.shape
+        out = np.zeros((B, F, self.bundle.embed_dim), np.float16)
+        error = np.array([v["error"] for v in videos], dtype=object)
+        if mask.any():
+            frames = np.concatenate([v["frames"][v["mask"]] for v in videos])  # (n_valid, S, S, 3)
+            out[mask] = encode_frames(self.bundle, frames).numpy().astype(np.float16)
+            bad = nonfinite_rows(out)  # e.g. fp16 overflow: never stored as if it were a feature
+            if bad.any():
+                out[bad] = 0
+                mask[bad] = False
+                error[bad] = "nonfinite: the encoder returned NaN or infinity for this video's frames"
+        return {"row": np.array([v["row"] for v in videos]), "emb": out, "mask": mask,
+                "timestamps": np.stack([v["timestamps"] for v in videos]), "error": error,
+                "weights": np.full(B, self.bundle.weights_sha256, dtype=object)}

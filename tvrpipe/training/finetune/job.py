@@ -67,16 +67,17 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
         ConfigError: an option, the manifest, the weights or the data do not allow the run, naming which.
     """
     from tvrpipe.evaluation.engine import check_post
-    from tvrpipe.features.clip import preprocess_description
+    from tvrpipe.features.clip import load_clip, preprocess_description
     from tvrpipe.features.decode import FRAME_SAMPLING
-    from tvrpipe.features.extract import open_inputs
+    from tvrpipe.features.extract import check_max_words, open_manifest
     from tvrpipe.features.store import manifest_sha256
     from tvrpipe.training.data import split_rows
 
     # ---- options (cfg checked itself), manifest and weights are checked before anything is written or Ray starts
     post = check_post(post)
-    manifest, root, F, L, bundle = open_inputs(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words,
-                                               cfg.model, cfg.pretrained, cfg.seed)
+    manifest, root, F, L = open_manifest(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words)
+    bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
+    check_max_words(L, bundle.context_length)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
     cfg = dataclasses.replace(cfg, frames=F, max_words=L)  # what the run uses, the manifest's where not given
     rates, copied = probe_head(method, head_cfg, cfg, bundle, recipe)
