@@ -38,7 +38,18 @@ def test_bench_extract_cli(tmp_path):
     assert abs(1 / res["bound"] - (1 / res["decode"] + 1 / res["encode"])) < 1e-9
     if res["pipeline"] > 0:
         assert abs(res["vs_bound"] - res["pipeline"] / res["bound"]) < 1e-9
-    assert "pipeline / bound" in r.stdout and "pipeline / naive" in r.stdout
+    assert "pipeline / bound" in r.stdout and "pipeline / naive" in r.stdout and "tvrpipe / peer" in r.stdout
+    # the peer loop ran in its own process; start-up steps are in order, from that process's start
+    assert res["peer"] > 0 and 0 < res["peer_end_to_end"] == pytest.approx(4 / res["peer_seconds"])
+    assert res["pipeline_end_to_end"] == pytest.approx(4 / res["seconds"])
+    assert list(res["startup"]) == ["python", "checks", "ray", "weights", "first_batch"]
+    assert list(res["peer_startup"]) == ["python", "imports", "weights", "first_video"]
+    for steps, total in ((res["startup"], res["seconds"]), (res["peer_startup"], res["peer_seconds"])):
+        times = list(steps.values())
+        assert 0 < times[0] and times == sorted(times) and times[-1] < total, steps
+    assert res["vs_peer_end_to_end"] == pytest.approx(res["peer_seconds"] / res["seconds"])
+    d, e = res["decode"], res["encode"]
+    assert res["ceiling"] == pytest.approx((res["cpus"] / d + 1 / e) / (1 / d + 1 / e))
     assert len(list((out / "videos").glob("bench_*.mp4"))) == 4
     assert not (out / "features").exists()  # measurement stores are removed
 
@@ -46,6 +57,9 @@ def test_bench_extract_cli(tmp_path):
 def test_bench_rejects_too_few_videos(cli, tmp_path):
     r = cli("bench", "extract", "--out", tmp_path, "--videos", "3", "--batch-size", "4")
     assert r.exit_code == 1 and "--videos must be at least 2 x --batch-size (8), got 3" in r.output
+    r = cli("bench", "extract", "--out", tmp_path / "b", "--precision", "fp16")  # before any video is rendered
+    assert r.exit_code == 1 and "--precision fp16 needs --device cuda" in r.output
+    assert not (tmp_path / "b").exists()
 
 
 def test_bench_convergence_tables_and_curves(tmp_path):

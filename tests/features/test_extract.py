@@ -127,6 +127,7 @@ def test_provenance_recorded_and_mismatch_refused(store_dir, data, tmp_path):
     assert prov["model"] == TINY_MODEL and prov["pretrained"] == "none" and prov["frames"] == 12
     assert prov["max_words"] == 32 and prov["dtype"] == "float16" and len(prov["weights_sha256"]) == 64
     assert prov["frame_sampling"] == "uniform-segment-centre" and prov["complete"] is True
+    assert prov["precision"] == "fp32"  # auto on a CPU
     with pytest.raises(StoreError, match=r"frames: store has 12, expected 8"):
         open_store(store_dir, expect={"frames": 8})
     with pytest.raises(StoreError, match=r"weights_sha256: store has"):
@@ -187,6 +188,42 @@ def test_what_only_the_weights_can_tell_is_refused_before_the_store_is_created(r
     with pytest.raises(ConfigError, match=r"--max-words 500 exceeds the model's context length 77"):
         extract(data / "manifest", data / "videos", out, _cfg(max_words=500))
     assert not (out / "features.zarr").exists()
+
+
+def test_bf16_encoders_agree_with_fp32_and_a_store_keeps_one_precision(store_dir, data, tmp_path):
+    """--precision bf16 on a CPU runs the weights in bf16 (same weights, same sha256): every embedding is
+    within cosine 0.999 of fp32. A store records its precision, and resuming it in another is refused
+    (a complete store with nothing to do is not: nothing would be computed)."""
+    from tvrpipe.features.workers import ClipEncoder
+
+    fp32, bf16 = (ClipEncoder(TINY_MODEL, "none", "cpu", 0, 1, p) for p in ("fp32", "bf16"))
+    assert bf16.facts()["weights_sha256"] == fp32.facts()["weights_sha256"]
+    d = decode_video(next((data / "videos").glob("synth_*.mp4")), 12, 64)
+    video = {"row": 0, "frames": d.frames, "mask": d.mask, "timestamps": d.timestamps, "error": ""}
+    texts = list(read_manifest(data / "manifest").captions.text[:8])
+
+    def cosines(a, b):
+        a, b = a.reshape(-1, a.shape[-1]).astype(np.float64), b.reshape(-1, b.shape[-1]).astype(np.float64)
+        keep = np.linalg.norm(a, axis=1) > 0
+        a, b = a[keep], b[keep]
+        return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+    x, y = fp32.encode_videos(video), bf16.encode_videos(video)
+    assert x["emb"].dtype == y["emb"].dtype == np.float16 and cosines(x["emb"], y["emb"]).min() > 0.999
+    assert not np.array_equal(x["emb"], y["emb"])  # computed in bf16 indeed
+    x, y = fp32.encode_texts(texts, 16), bf16.encode_texts(texts, 16)
+    np.testing.assert_array_equal(x["token_mask"], y["token_mask"])
+    for key in ("tokens", "sentence"):
+        assert cosines(x[key], y[key]).min() > 0.999, key
+    with pytest.raises(ConfigError, match="--precision fp16 needs --device cuda; on a CPU use bf16"):
+        _cfg(precision="fp16")
+    done = tmp_path / "done"
+    shutil.copytree(store_dir, done, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    with pytest.raises(ConfigError, match=r"--precision bf16: the store in .* was extracted in fp32, .*rerun with "
+                                          r"--precision fp32, or pass --overwrite to extract it again in bf16"):
+        extract(data / "manifest", data / "videos", done, _cfg(precision="bf16"))  # its failed videos: work
+    s = extract(data / "manifest", data / "videos", done, _cfg(precision="bf16", retry_failed=False))
+    assert (s.videos_done, s.texts_done) == (0, 0)
 
 
 def assert_same_rows(a, b, name: str) -> None:

@@ -48,7 +48,12 @@ def extract_cmd(
     address: Annotated[
         Optional[str], typer.Option(help="Ray cluster address ('auto' or host:port); default: RAY_ADDRESS or a local instance.")
     ] = EX.address,
-    device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda (one GPU per encoder, fp16 autocast).")] = EX.device,
+    device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda (one GPU per encoder).")] = EX.device,
+    precision: Annotated[str, typer.Option(
+        help="What the encoders compute in: auto (fp16 autocast on cuda, fp32 on cpu), fp32, bf16 (on a CPU: "
+             "the weights in bf16, 3-4x faster than fp32 where the CPU has AVX-512 BF16 or AMX; cosine >= 0.9999 "
+             "to fp32, docs/performance.md), fp16 (cuda). Recorded in the store; a store is resumed in its own.")
+    ] = EX.precision,
     decoders: Annotated[Optional[int], typer.Option(help="Decode actors (default: one per CPU).")] = EX.decoders,
     encoders: Annotated[int, typer.Option(help="Encode actors (one per GPU on a GPU cluster).")] = EX.encoders,
     timeout: Annotated[float, typer.Option(
@@ -100,6 +105,7 @@ def extract_cmd(
     # what the user gave; ExtractConfig holds every other default (what --help shows)
     cfg = ExtractConfig(**given(ctx, dict(
         model=model, pretrained=pretrained, frames=frames, max_words=max_words, batch_size=batch_size, device=device,
+        precision=precision,
         address=address, decoders=decoders, encoders=encoders, timeout=timeout, seed=seed, video_shard=video_shard,
         text_shard=text_shard, overwrite=overwrite, retry_failed=retry_failed,
         max_failed_fraction=max_failed_fraction), {"timeout": "timeout_s"}))

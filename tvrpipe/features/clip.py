@@ -37,7 +37,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,12 +46,11 @@ from open_clip.pretrained import get_pretrained_cfg
 from open_clip.transformer import text_global_pool
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.weights import check_checkpoint, looks_like_path
+from tvrpipe.features.weights import MODEL_CONFIG_DIR, check_checkpoint, looks_like_path
 
 log = logging.getLogger(__name__)
 
 TINY_MODEL = "tvrpipe-tiny"
-MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 _TEXT_POOLS = ("argmax", "eos")
 _SHOW = 8  # how many valid names/tags an error message lists
 
@@ -317,7 +315,11 @@ def image_features(bundle: ClipBundle, frames: torch.Tensor, model: torch.nn.Mod
     mean = torch.tensor(bundle.mean, device=bundle.device).view(1, 3, 1, 1)
     std = torch.tensor(bundle.std, device=bundle.device).view(1, 3, 1, 1)
     x = frames.to(bundle.device).permute(0, 3, 1, 2).float() / 255.0  # (N, 3, H, W)
-    return (model or bundle.model).encode_image((x - mean) / std)  # (N, D)
+    model = model or bundle.model
+    # a model cast to bf16 (extract --precision bf16 on a CPU) takes its input in its own dtype
+    dtype = next(model.parameters()).dtype
+    x = (x - mean) / std
+    return model.encode_image(x if dtype == torch.float32 else x.to(dtype))  # (N, D)
 
 
 def _check_frames(bundle: ClipBundle, frames: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,13 @@ from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256, nonfinite_rows
-from tvrpipe.features.weights import cached_facts, check_checkpoint, remember_facts, weights_key
+from tvrpipe.features.weights import (
+    cached_facts,
+    check_checkpoint,
+    guess_image_size,
+    remember_facts,
+    weights_key,
+)
 from tvrpipe.features.workers import ClipEncoder, Decoder
 from tvrpipe.lock import check_writable
 
@@ -69,6 +75,9 @@ class ExtractConfig:
     max_words: int | None = at_least(2, None, option="--max-words")
     batch_size: int = at_least(1, 16, option="--batch-size")  # videos per encoder call (x frames = images per forward)
     device: str = one_of(("cpu", "cuda"), "cpu", option="--device")
+    # auto: fp16 autocast on cuda, fp32 on cpu; bf16: weights in bf16 on cpu (3.4-3.9x faster with
+    # AVX-512 BF16, cosine >= 0.9999 to fp32, docs/performance.md), autocast on cuda
+    precision: str = one_of(("auto", "fp32", "bf16", "fp16"), "auto", option="--precision")
     address: str | None = None
     # decode actors; default: one per CPU of the (local) cluster
     decoders: int | None = at_least(1, None, option="--decoders")
@@ -95,6 +104,16 @@ class ExtractConfig:
 
         check_fields(self, "extract")
         check_timeout(self.timeout_s)
+        if self.precision == "fp16" and self.device == "cpu":
+            raise ConfigError("--precision fp16 needs --device cuda; on a CPU use bf16 (fast where the CPU has "
+                              "AVX-512 BF16 or AMX) or fp32")
+
+    @property
+    def encode_precision(self) -> str:
+        """What the encoders compute in: ``precision``, with auto resolved for the device."""
+        if self.precision != "auto":
+            return self.precision
+        return "fp16" if self.device == "cuda" else "fp32"
 
 
 @dataclass
@@ -118,6 +137,7 @@ class ExtractSummary:
     # when each step of the start ended, in seconds from the call: "checks" (options, manifest), "ray" (Ray
     # up, encoders started), "weights" (an encoder has loaded them), "first_batch" (the first videos encoded)
     phases: dict[str, float] = field(default_factory=dict)
+    first_videos: int = 0  # how many videos the first encoded batch held
 
     def lines(self) -> list[str]:
         """A short human-readable summary."""
@@ -235,6 +255,18 @@ def _complete(out: Path) -> bool:
         return False
 
 
+def _check_precision(writer, cfg: ExtractConfig) -> None:
+    """A store's rows are all computed in one precision: resuming one made in another is refused (a store
+    made before the precision was recorded records none, and takes any)."""
+    have = writer.recorded("precision")
+    if have is not None and have != cfg.encode_precision:
+        raise ConfigError(
+            f"--precision {cfg.precision}: the store in {writer.dir} was extracted in {have}, and its rows are "
+            f"all computed in one precision; rerun with --precision {have}, or pass --overwrite to extract it "
+            f"again in {cfg.encode_precision}"
+        )
+
+
 def _check_device(cfg: ExtractConfig) -> None:
     """Before the store is created or changed: ``--device cuda`` needs a GPU, on this machine or,
     with ``--address`` (or a Ray already joined), in the cluster (Ray would otherwise wait forever
@@ -255,7 +287,7 @@ def _check_device(cfg: ExtractConfig) -> None:
                               "(torch.cuda.is_available() is False); use --device cpu, or --address of a Ray "
                               "cluster with GPUs")
         return
-    ray_init(address)
+    ray_init(address, data=False)
     require_gpus(1, "--device cuda", "use --device cpu")  # one encoder's GPU
 
 
@@ -379,7 +411,7 @@ def _start_workers(cfg: ExtractConfig) -> _Workers:
     import ray
 
     _check_device(cfg)
-    ray_init(cfg.address)
+    ray_init(cfg.address, data=False)
     cpus = cluster_cpus()
     gpu = cfg.device == "cuda"
     # CPU encoders share the cores with the decoders; a GPU encoder needs one core to feed it
@@ -387,10 +419,37 @@ def _start_workers(cfg: ExtractConfig) -> _Workers:
     # a decoder whose process dies (out of memory) is restarted and its video tried again
     decoder = ray.remote(Decoder).options(num_cpus=1, max_restarts=2, max_task_retries=2)
     return _Workers(
-        [encoder.remote(cfg.model, cfg.pretrained, cfg.device, cfg.seed, 1 if gpu else cpus)
+        [encoder.remote(cfg.model, cfg.pretrained, cfg.device, cfg.seed, 1 if gpu else cpus, cfg.encode_precision)
          for _ in range(cfg.encoders)],
         [decoder.remote(cfg.timeout_s) for _ in range(cfg.decoders if cfg.decoders is not None else cpus)],
     )
+
+
+@dataclass
+class _Early:
+    """Decodes sent before the weights' facts are known: ``refs`` maps each to (decoder, row)."""
+
+    image_size: int
+    refs: dict[Any, tuple[int, int]]
+
+
+def _decode_early(workers: _Workers, cfg: ExtractConfig, out: Path, videos: pd.DataFrame, root: Path,
+                  F: int) -> _Early | None:
+    """Give each decoder its first two videos while the encoders load the weights (seconds in which the
+    decoders would wait): only for a new store, where every row is to do, and only when the image size
+    can be read from the architecture's file (checked against the encoder's report; if they differ, these
+    decodes are dropped)."""
+    from tvrpipe.features.store import STORE_NAME
+
+    size = guess_image_size(cfg.model)
+    fresh = cfg.overwrite or not (out / STORE_NAME / "zarr.json").is_file()
+    if size is None or not fresh or len(videos) == 0:
+        return None
+    # as many as the first batches hold: the cores a loading encoder leaves idle decode them
+    n = min(len(videos), max(2 * len(workers.decoders), 2 * cfg.batch_size * len(workers.encoders)))
+    items = _video_items(videos.iloc[:n].assign(row=np.arange(n)), root)
+    return _Early(size, {workers.decoders[i % len(workers.decoders)].decode.remote(item, F, size):
+                         (i % len(workers.decoders), item["row"]) for i, item in enumerate(items)})
 
 
 def _reported_facts(encoder, key: str) -> dict[str, Any]:
@@ -468,14 +527,18 @@ def extract(
     summary = ExtractSummary(out=out, videos_total=len(videos), texts_total=len(texts))
     reached("checks")
     workers: _Workers | None = None
+    early: _Early | None = None
     try:
         if not cfg.overwrite and _complete(out):  # a rerun may have nothing to do: it starts no encoder, no Ray
             facts = cached_facts(key) or _loaded_facts(cfg, key)
         else:  # the encoders that do the work report the weights' facts; the driver loads no model
             workers = _start_workers(cfg)
             reached("ray")
+            early = _decode_early(workers, cfg, out, videos, root, F)
             facts = _reported_facts(workers.encoders[0], key)
             reached("weights")
+            if early and early.image_size != facts["image_size"]:  # the architecture file was not the model's
+                early = None
         check_max_words(L, facts["context_length"])
         from tvrpipe.features.decode import FRAME_SAMPLING
 
@@ -486,6 +549,7 @@ def extract(
             image_size=facts["image_size"], preprocessing=facts["preprocessing"],
             manifest_sha256=manifest_sha256(manifest.videos, manifest.captions),
             logit_scale=facts["logit_scale"],  # CLIP's learned scale: every head starts from it (train-head)
+            precision=cfg.encode_precision,  # what the rows are computed in (not an identity key)
         )
         with StoreWriter(out, videos[["video_id", "split", "path"]], texts.drop(columns="text"), provenance,
                          cfg.video_shard, cfg.text_shard, cfg.overwrite) as writer:
@@ -500,6 +564,7 @@ def extract(
             failed_before = set(writer.failures()["video_id"])
             processed = 0
             if jobs or t_pending:
+                _check_precision(writer, cfg)
                 if workers is None:  # a complete store whose failed videos are retried
                     workers = _start_workers(cfg)
                     reached("ray")
@@ -507,7 +572,7 @@ def extract(
                     feed = _TextFeed(writer, texts, t_pending, workers.encoders, L, bar, summary)
                     if jobs:
                         processed = _run_videos(writer, videos, jobs, root, cfg, F, facts["image_size"], workers,
-                                                bar, summary, feed, lambda: reached("first_batch"))
+                                                bar, summary, feed, lambda: reached("first_batch"), early)
                     feed.finish()
             failures = writer.failures()
             failed_now = set(failures["video_id"])
@@ -586,15 +651,17 @@ class _TextFeed:
 
 
 def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Workers, bar, summary, feed: _TextFeed,
-                first) -> int:
+                first, early: _Early | None = None) -> int:
     """Decode and encode the rows of ``jobs`` and write their shards, the captions' shards in between;
     returns the videos processed.
 
     Every decoder has two videos in flight (one decoding, the next waiting). A decoded video stays in
     Ray's object store until ``--batch-size`` of them go to an encoder as one call (the frames pass
     from decoder to encoder, never through this process); each encoder has up to two batches in
-    flight, so it never waits for the hand-over. Decoded videos waiting for an encoder are capped at
-    two batches per encoder: the frames are the memory.
+    flight, so it never waits for the hand-over. An encoder with nothing to do gets what is decoded
+    without waiting for a whole batch (the first videos are encoded while the next decode). Decoded
+    videos waiting for an encoder are capped at two batches per encoder: the frames are the memory.
+    ``early``: decodes already sent (:func:`_decode_early`); those of rows in ``jobs`` are kept.
     """
     import ray
 
@@ -606,6 +673,14 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
     encoding: dict[Any, int] = {}  # ref -> its encoder
     decoded: list = []  # refs of decoded videos, in the order they finished
     busy = Counter()  # calls in flight per actor index, "d3" / "e0"
+    if early is not None:
+        todo = {item["row"] for item in items}
+        sent = {row for ref, (k, row) in early.refs.items() if row in todo}
+        for ref, (k, row) in early.refs.items():
+            if row in sent:
+                decoding[ref] = k
+                busy[f"d{k}"] += 1
+        items = deque(item for item in items if item["row"] not in sent)
 
     buf = _ShardBuffer([s for s, _ in jobs],
                        {"emb": ((F, writer.provenance["embed_dim"]), 0, np.float16), "mask": ((F,), False, bool),
@@ -622,7 +697,8 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
             decoding[decoders[k].decode.remote(items.popleft(), F, image_size)] = k
             busy[f"d{k}"] += 1
         last = not items and not decoding  # nothing more will be decoded: a short batch goes too
-        while decoded and len(encoding) < 2 * len(encoders) and (len(decoded) >= B or last):
+        while decoded and len(encoding) < 2 * len(encoders) and (
+                len(decoded) >= B or last or any(busy[f"e{i}"] == 0 for i in range(len(encoders)))):
             k = min(range(len(encoders)), key=lambda i: busy[f"e{i}"])
             encoding[encoders[k].encode_videos.remote(*decoded[:B])] = k
             busy[f"e{k}"] += 1
@@ -640,7 +716,9 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
             else:
                 busy[f"e{encoding.pop(ref)}"] -= 1
                 batch = ray.get(ref)
-                first()
+                if not summary.first_videos:
+                    first()
+                    summary.first_videos = len(batch["row"])
                 _check_weights(batch, writer.provenance, "image")
                 for i, row in enumerate(batch["row"]):
                     row = int(row)

@@ -339,7 +339,9 @@ class StoreWriter:
         # provenance that a store written by an earlier tvrpipe lacks (e.g. logit_scale): the identity keys
         # matched above, so these describe the same weights; recording them loses nothing
         # (not the versions: those of this process did not make the store's earlier rows)
-        missing = {k: v for k, v in self.provenance.items() if k not in self.root.attrs and k != "versions"}
+        # (nor the precision: it describes the rows computed from now on, and the earlier rows' is unknown)
+        missing = {k: v for k, v in self.provenance.items()
+                   if k not in self.root.attrs and k not in ("versions", "precision")}
         attrs = self.root.attrs
         if not attrs.get("complete"):  # the rows still to come are this process's
             resumed = resumed_versions(attrs.get("versions"), attrs.get("resumed_with"))
@@ -406,6 +408,10 @@ class StoreWriter:
                 if problem != NOT_WRITTEN:
                     log.warning("%s: re-extracting %s: %s", self.dir, shard, problem)
         return self._problems[kind]
+
+    def recorded(self, key: str) -> Any:
+        """The store's attribute ``key`` as recorded (None where absent)."""
+        return self.root.attrs.get(key)
 
     def pending(self, kind: str) -> list[Shard]:
         """Shards of ``kind`` to (re)write: never written, or damaged since (CRC-32 checked).

@@ -31,6 +31,8 @@ from tvrpipe.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
+# tvrpipe's own architectures (tvrpipe-tiny), registered with open_clip by features.clip
+MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 # suffixes that make a --pretrained value a checkpoint path rather than a tag
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 FACTS = ("weights_sha256", "embed_dim", "image_size", "preprocessing", "context_length", "logit_scale")
@@ -97,3 +99,25 @@ def check_checkpoint(pretrained: str) -> None:
             f"--pretrained: checkpoint not found: {pretrained}; give an existing checkpoint file, "
             f"an open_clip tag or 'none'"
         )
+
+
+def guess_image_size(model: str) -> int | None:
+    """The input size of ``model``'s image tower, read from its architecture file (tvrpipe's own or
+    open_clip's ``model_configs/``) without importing open_clip; None where there is none (an
+    ``hf-hub:`` model) or it is not square. Lets decoding start while the encoders load the weights;
+    an encoder's report is what counts."""
+    import importlib.util
+
+    places = [MODEL_CONFIG_DIR]
+    spec = importlib.util.find_spec("open_clip")
+    if spec is not None and spec.submodule_search_locations:
+        places.append(Path(next(iter(spec.submodule_search_locations))) / "model_configs")
+    for folder in places:
+        try:
+            size = json.loads((folder / f"{model}.json").read_text())["vision_cfg"]["image_size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(size, list) and len(size) == 2 and size[0] == size[1]:
+            size = size[0]
+        return size if isinstance(size, int) else None
+    return None
