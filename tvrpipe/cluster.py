@@ -64,6 +64,20 @@ def _quiet_ray_data(quiet: bool) -> None:
     ctx.verbose_progress = False
 
 
+def ray_running() -> bool:
+    """This process has joined or started Ray (checked without importing it)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def stop_ray() -> None:
+    """Leave Ray now (a local instance this process started stops with it): a command that is done with
+    Ray calls this rather than leave it to Ray's exit hook, which first sleeps half a second for late
+    log lines."""
+    if ray_running():
+        sys.modules["ray"].shutdown()
+
+
 def require_gpus(need: float, option: str, instead: str, per_task: float | None = None) -> None:
     """After :func:`ray_init`: fail, naming ``option``, when the Ray cluster has fewer than ``need``
     GPUs in all, or no node with ``per_task`` of them (default ``need``; a task is placed on one

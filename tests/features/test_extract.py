@@ -226,6 +226,21 @@ def test_bf16_encoders_agree_with_fp32_and_a_store_keeps_one_precision(store_dir
     assert (s.videos_done, s.texts_done) == (0, 0)
 
 
+def test_decodes_sent_before_the_weights_load_are_dropped_when_the_size_was_wrong(store_dir, data, tmp_path,
+                                                                                  monkeypatch):
+    """A new store's first videos are decoded while the encoders load the weights, at the size the
+    architecture's file gives; were that not the model's (a wrong guess), they are decoded again at the
+    model's size: the store equals one extracted without the head start."""
+    from tvrpipe.features import extract as extract_module
+
+    monkeypatch.setattr(extract_module, "guess_image_size", lambda model: 32)  # the tiny model's is 64
+    out = tmp_path / "f"
+    s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=5))
+    assert (s.videos_done, s.failed) == (N_VIDEOS, 2) and 1 <= s.first_videos <= 5
+    for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
+        assert_same_rows(open_store(out), open_store(store_dir), name)
+
+
 def assert_same_rows(a, b, name: str) -> None:
     """Two stores hold the same rows of ``name``: masks and timestamps exactly; embeddings to one float16
     ulp. An embedding is encoded in a batch of other size and neighbours when a run is resumed or

@@ -11,7 +11,14 @@ import time
 import pytest
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.weights import cache_dir, cached_facts, check_checkpoint, remember_facts, weights_key
+from tvrpipe.features.weights import (
+    cache_dir,
+    cached_facts,
+    check_checkpoint,
+    guess_image_size,
+    remember_facts,
+    weights_key,
+)
 
 FACTS = {"weights_sha256": "ab" * 32, "embed_dim": 64, "image_size": 64, "preprocessing": "resize ...",
          "context_length": 77, "logit_scale": 2.6592}
@@ -71,3 +78,11 @@ def test_versions_are_read_without_importing_torch():
     import torch
 
     assert out.stdout.strip() == str(torch.__version__)
+
+
+def test_the_image_size_is_read_from_the_architecture_file():
+    from tvrpipe.features.clip import load_clip
+
+    assert guess_image_size("tvrpipe-tiny") == load_clip("tvrpipe-tiny", "none").image_size == 64
+    assert guess_image_size("ViT-B-32") == 224 and guess_image_size("ViT-L-14-336") == 336
+    assert guess_image_size("no-such-model") is None and guess_image_size("hf-hub:org/model") is None

@@ -77,6 +77,7 @@ def extract_cmd(
 
     Rerun the same command to resume an interrupted run, re-extract damaged shards and retry failed videos.
     """
+    from tvrpipe.cluster import ray_running, stop_ray
     from tvrpipe.data.manifest import read_manifest
     from tvrpipe.features.extract import ExtractionError, extract
     from tvrpipe.features.store import default_features_dir
@@ -109,12 +110,16 @@ def extract_cmd(
         address=address, decoders=decoders, encoders=encoders, timeout=timeout, seed=seed, video_shard=video_shard,
         text_shard=text_shard, overwrite=overwrite, retry_failed=retry_failed,
         max_failed_fraction=max_failed_fraction), {"timeout": "timeout_s"}))
+    ours = not ray_running()  # a Ray this command starts is stopped when it is done (one it joined is left)
     try:
         summary = extract(manifest, video_root, out, cfg)
     except ExtractionError as e:
         for line in e.summary.lines():
             console.print(line, highlight=False)
         raise
+    finally:
+        if ours:
+            stop_ray()
     for line in summary.lines():
         console.print(line, highlight=False)
 

@@ -47,7 +47,8 @@ from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init
 from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
-from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256, nonfinite_rows
+from tvrpipe.features.arrays import nonfinite_rows
+from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256
 from tvrpipe.features.weights import (
     cached_facts,
     check_checkpoint,

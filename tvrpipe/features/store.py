@@ -51,6 +51,7 @@ import zarr
 
 from tvrpipe.environment import resumed_versions, versions
 from tvrpipe.errors import ConfigError, TvrpipeError, writing
+from tvrpipe.features.arrays import nonfinite_rows
 from tvrpipe.files import atomic_write_parquet, atomic_write_text
 from tvrpipe.lock import DirLock
 
@@ -116,19 +117,6 @@ def provenance_mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> lis
         if k in want and have.get(k) != want[k]
     ]
 
-
-
-def nonfinite_rows(block: np.ndarray) -> np.ndarray:
-    """``(n,)`` bool: which rows of ``block`` hold a NaN or an infinity.
-
-    float16 is checked on its bits (exponent all ones), several times faster than ``isfinite``.
-    """
-    flat = block.reshape(len(block), -1)
-    if flat.shape[1] == 0:
-        return np.zeros(len(block), bool)
-    if flat.dtype == np.float16:
-        return (flat.view(np.uint16) & 0x7C00).max(axis=1) == 0x7C00
-    return ~np.isfinite(flat).all(axis=1)
 
 
 @dataclass(frozen=True)

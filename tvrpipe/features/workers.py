@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from tvrpipe.errors import TvrpipeError
-from tvrpipe.features.store import nonfinite_rows
+from tvrpipe.features.arrays import nonfinite_rows
 
 
 class Decoder:

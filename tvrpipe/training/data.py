@@ -26,7 +26,8 @@ import torch
 import zarr
 
 from tvrpipe.errors import ConfigError, NonFiniteError
-from tvrpipe.features.store import FeatureStore, nonfinite_rows
+from tvrpipe.features.arrays import nonfinite_rows
+from tvrpipe.features.store import FeatureStore
 from tvrpipe.heads.base import TextBatch, VideoBatch
 
 CARVE_SEED = 20240501  # fixed: the carved validation set does not depend on the training seed
