@@ -3,9 +3,9 @@
 A store's provenance takes six facts from the weights (:func:`tvrpipe.features.clip.weights_facts`):
 their sha256, D, the image size and preprocessing, the text context length and CLIP's logit scale.
 The processes that encode load the weights anyway and report them; the driver of ``tvrpipe extract``
-does not build a model of its own. Only a rerun with nothing left to do needs the facts without an
-encoder; it reads them from a small cache that every extraction fills, so that rerun starts neither
-Ray nor torch.
+does not build a model of its own. Only a rerun of a complete store needs the facts before an
+encoder starts (most often it has nothing left to do); it reads them from a small cache that every
+extraction fills, so such a rerun starts neither Ray nor torch.
 
 The cache is a folder of JSON files, ``$TVRPIPE_CACHE`` or else ``$XDG_CACHE_HOME/tvrpipe`` or
 ``~/.cache/tvrpipe``, under ``weights/``. An entry is keyed by what names the weights: the

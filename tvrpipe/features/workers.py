@@ -6,7 +6,6 @@ decord, PyAV, torch and open_clip load inside the workers that use them.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -24,11 +23,9 @@ class Decoder:
         timeout_s: the longest one decode may take, in seconds.
     """
 
-    def __init__(self, timeout_s: float, nice: int = 0) -> None:
+    def __init__(self, timeout_s: float) -> None:
         from tvrpipe.features.decode import DecodeWorker
 
-        if nice:
-            os.nice(nice)  # this process and its decoding child
         self.worker = DecodeWorker(timeout_s=timeout_s)
 
     def decode(self, item: dict[str, Any], frames: int, image_size: int) -> dict[str, Any]:
