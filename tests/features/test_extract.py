@@ -273,7 +273,42 @@ def test_export_hdf5(store_dir, tmp_path, cli):
         assert [x.decode() for x in h5["ids/videos/video_id"][:]] == list(store.videos.video_id)
         assert '"tvrpipe-tiny"' == h5.attrs["model"]
     r = cli("export", "--features", store_dir, "--format", "npz", "--out", tmp_path / "f.npz")
-    assert r.exit_code == 1 and "--format 'npz' is not supported" in r.output
+    assert r.exit_code == 1 and "--format 'npz' is not supported; use hdf5, npy, parquet" in r.output
+
+
+def test_export_pooled_embeddings_as_npy_and_parquet(store_dir, tmp_path, cli):
+    """One embedding per video with a decoded frame: the meanpool head's, computed here with NumPy from
+    the stored frames; ids, splits and paths beside it; the two failed videos left out and counted."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    store = open_store(store_dir)
+    frames = store.array("videos/frames")[:].astype(np.float64)
+    mask = store.array("videos/frame_mask")[:]
+    unit = frames / np.maximum(np.linalg.norm(frames, axis=-1, keepdims=True), 1e-12)
+    mean = (unit * mask[..., None]).sum(1) / np.maximum(mask.sum(1, keepdims=True), 1)
+    mean = mean[mask.any(1)]
+    want = mean / np.linalg.norm(mean, axis=-1, keepdims=True)
+    ids = list(store.videos.video_id[mask.any(1)])
+    r = cli("export", "--features", store_dir, "--format", "npy", "--out", tmp_path / "pooled")
+    assert r.exit_code == 0 and "2 videos without a decoded frame left out" in " ".join(r.output.split()), r.output
+    emb = np.load(tmp_path / "pooled" / "embeddings.npy")
+    assert emb.dtype == np.float32 and emb.shape == (N_VIDEOS, store.provenance["embed_dim"])
+    np.testing.assert_allclose(emb, want, atol=1e-5)
+    table = pd.read_csv(tmp_path / "pooled" / "videos.csv")
+    assert list(table.video_id) == ids and list(table.row) == list(range(N_VIDEOS))
+    assert json.loads((tmp_path / "pooled" / "provenance.json").read_text())["weights_sha256"] == \
+        store.provenance["weights_sha256"]
+    r = cli("export", "--features", store_dir, "--format", "parquet", "--out", tmp_path / "pooled.parquet")
+    assert r.exit_code == 0, r.output
+    pt = pq.read_table(tmp_path / "pooled.parquet")
+    assert pt.column("video_id").to_pylist() == ids
+    np.testing.assert_array_equal(np.array(pt.column("embedding").to_pylist(), np.float32), emb)
+    assert json.loads(pt.schema.metadata[b"tvrpipe"])["model"] == TINY_MODEL
+    r = cli("export", "--features", store_dir, "--format", "npy", "--out", tmp_path / "pooled")
+    assert r.exit_code == 1 and "exists; choose a new folder name" in " ".join(r.output.split())
+    assert not list(tmp_path.glob(".*tmp*"))
 
 
 def test_features_show(store_dir, cli):

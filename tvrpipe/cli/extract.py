@@ -127,15 +127,24 @@ def extract_cmd(
 @app.command("export", rich_help_panel=TOOLS)
 def export_cmd(
     features: Annotated[Path, typer.Option(help="A complete feature store directory.")],
-    out: Annotated[Path, typer.Option(help="Output file, e.g. features.h5.")],
-    format: Annotated[str, typer.Option(help="Output format (hdf5).")] = "hdf5",
+    out: Annotated[Path, typer.Option(help="Output: a file (hdf5: features.h5; parquet: videos.parquet) or, for npy, "
+                                           "a new folder.")],
+    format: Annotated[str, typer.Option(
+        help="hdf5: the whole store in one file; npy or parquet: one pooled embedding per video (the meanpool "
+             "head's: L2-normalised mean of the L2-normalised frames) with ids and provenance, for a vector "
+             "index or a dataframe.")] = "hdf5",
 ) -> None:
-    """Export a feature store's arrays, ids and provenance to one file."""
-    from tvrpipe.features.export import export_hdf5
+    """Export a feature store: all of it to HDF5, or its pooled video embeddings to npy or Parquet."""
+    from tvrpipe.features.export import POOLED_FORMATS, export_hdf5, export_pooled
 
-    if format != "hdf5":
-        raise ConfigError(f"--format {format!r} is not supported; use hdf5")
-    console.print(f"wrote {export_hdf5(features, out)}")
+    if format == "hdf5":
+        console.print(f"wrote {export_hdf5(features, out)}")
+        return
+    if format not in POOLED_FORMATS:
+        raise ConfigError(f"--format {format!r} is not supported; use hdf5, {', '.join(POOLED_FORMATS)}")
+    path, left_out = export_pooled(features, out, format)
+    console.print(f"wrote {path}" + (f" ({left_out} videos without a decoded frame left out)" if left_out else ""),
+                  highlight=False)
 
 
 @features_app.command("show")

@@ -1,8 +1,11 @@
-"""``tvrpipe export``: copy a complete feature store into one HDF5 file for sharing.
+"""``tvrpipe export``: a complete feature store for other tools.
 
-The HDF5 file holds the same arrays under the same names (``videos/frames``, ...), the id
-tables as string datasets (``ids/video_id``, ``ids/caption_id``, ...) and the provenance as
-root attributes. Arrays are copied one Zarr chunk at a time, so memory stays bounded.
+- ``hdf5``: the whole store in one HDF5 file, for sharing: the same arrays under the same names
+  (``videos/frames``, ...), the id tables as string datasets (``ids/video_id``, ``ids/caption_id``,
+  ...) and the provenance as root attributes. Arrays are copied one Zarr chunk at a time, so memory
+  stays bounded.
+- ``npy`` and ``parquet``: one pooled embedding per video (the meanpool head's), with ids and
+  provenance, for a vector index or a dataframe (:func:`export_pooled`).
 """
 
 from __future__ import annotations
@@ -76,3 +79,84 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+POOLED_FORMATS = ("npy", "parquet")
+
+
+def pooled_embeddings(store, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Every video's embedding as the meanpool head computes it (L2-normalised mean of the L2-normalised
+    valid frames, :func:`tvrpipe.heads.meanpool.mean_video`), read ``rows`` videos at a time.
+
+    Returns:
+        ``(embeddings (N, D) float32, has_frames (N,) bool)``; a video without a decoded frame (a
+        failed one) has no embedding (a zero row, ``has_frames`` False).
+    """
+    import torch
+
+    from tvrpipe.heads.meanpool import mean_video
+
+    frames, mask = store.array("videos/frames"), store.array("videos/frame_mask")
+    n, _, d = frames.shape
+    out = np.zeros((n, d), np.float32)
+    for a in range(0, n, rows):
+        m = np.asarray(mask[a : a + rows])
+        out[a : a + len(m)] = mean_video(torch.from_numpy(np.asarray(frames[a : a + rows]).astype(np.float32)),
+                                         torch.from_numpy(m)).numpy()
+    return out, np.asarray(mask[:]).any(axis=1)
+
+
+def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str) -> tuple[Path, int]:
+    """Write the store's pooled video embeddings (:func:`pooled_embeddings`) for other tools: the videos
+    with at least one decoded frame, with their ids, splits and paths, and the store's provenance.
+
+    - ``npy``: a folder ``out`` with ``embeddings.npy`` (float32 ``(n, D)``, L2-normalised: inner product
+      = cosine), ``videos.csv`` (row of ``embeddings.npy``, video_id, split, path) and ``provenance.json``;
+    - ``parquet``: one file ``out`` with columns video_id, split, path, embedding (a list of D float32),
+      and the provenance as JSON in the file's metadata (key ``tvrpipe``).
+
+    Written under a temporary name, then moved into place: an interrupted export leaves nothing.
+
+    Returns:
+        ``(out, videos left out for having no decoded frame)``.
+    """
+
+    if fmt not in POOLED_FORMATS:
+        raise ConfigError(f"--format {fmt!r}: pooled embeddings are written as {' or '.join(POOLED_FORMATS)}")
+    store = open_store(features_dir)
+    out = Path(out)
+    if out.resolve().is_relative_to(store.dir.resolve()):
+        raise ConfigError(f"--out {out} is inside the feature store {store.dir}; write it outside the store's directory")
+    if out.exists():
+        raise ConfigError(f"--out {out} exists; choose a new {'folder' if fmt == 'npy' else 'file'} name")
+    check_writable(out.parent, "--out")
+    emb, has = pooled_embeddings(store)
+    if not has.any():
+        raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")
+    table = store.videos[["video_id", "split", "path"]].astype(str).reset_index(drop=True)[has]
+    emb = emb[has]
+    provenance = json.dumps({**store.provenance, "pooling": "meanpool: L2-normalised mean of L2-normalised frames"})
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with writing(out):
+            if fmt == "npy":
+                tmp.mkdir()
+                np.save(tmp / "embeddings.npy", emb)
+                table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
+                    tmp / "videos.csv", index=False)
+                (tmp / "provenance.json").write_text(provenance)
+            else:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                arrow = pa.Table.from_pandas(table, preserve_index=False).append_column(
+                    "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]))
+                pq.write_table(arrow.replace_schema_metadata({"tvrpipe": provenance}), tmp)
+            os.replace(tmp, out)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+    return out, int((~has).sum())
