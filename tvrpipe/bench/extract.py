@@ -17,7 +17,7 @@ load cost; both tvrpipe and the peer load that file):
 - **naive loop**: decode one video (tvrpipe's decoder), encode it, write it, sequentially, in
   this process (no start-up);
 - **peer**: the loop clip-video-encode runs, in a fresh process: import open_clip, load the
-  checkpoint with ``create_model_and_transforms``, then per video decode with PyAV (FFmpeg's
+  checkpoint with ``create_model_and_transforms`` (on ``--device``, fp32), then per video decode with PyAV (FFmpeg's
   threads), keep F uniformly spaced frames, open_clip's own preprocessing (PIL resize and crop),
   encode, save a ``.npy``. End to end, start-up, and the marginal rate after its first b videos.
 
@@ -332,7 +332,7 @@ def _peer_loop(arg) -> tuple[dict, list[float]]:
     from the checkpoint, then per video PyAV decode of F uniformly spaced frames, encode, ``.npy``.
     Returns the seconds from the process's start to each step ("python", "imports", "weights") and
     to each video's end, in order."""
-    started, model_name, weights, paths, frames, out, threads = arg
+    started, model_name, weights, paths, frames, out, threads, device = arg
     phases = {"python": time.time() - started}
     import av
     import open_clip
@@ -343,7 +343,7 @@ def _peer_loop(arg) -> tuple[dict, list[float]]:
     register_tiny_config()  # for the tests' tiny architecture; a no-op for open_clip's own
     torch.set_num_threads(threads)
     phases["imports"] = time.time() - started
-    model, _, preprocess = open_clip.create_model_and_transforms(model_name, pretrained=str(weights))
+    model, _, preprocess = open_clip.create_model_and_transforms(model_name, pretrained=str(weights), device=device)
     model.eval()
     phases["weights"] = time.time() - started
     out.mkdir(parents=True, exist_ok=True)
@@ -361,8 +361,8 @@ def _peer_loop(arg) -> tuple[dict, list[float]]:
                 if i >= max(want):
                     break
         with torch.inference_mode():
-            emb = model.encode_image(torch.stack([preprocess(im) for im in images]))
-        np.save(out / f"{k:05d}.npy", emb.numpy().astype(np.float16))
+            emb = model.encode_image(torch.stack([preprocess(im) for im in images]).to(device))
+        np.save(out / f"{k:05d}.npy", emb.float().cpu().numpy().astype(np.float16))
         ends.append(time.time() - started)
     shutil.rmtree(out, ignore_errors=True)
     return phases, ends
@@ -424,7 +424,7 @@ def bench_extract(
     pipeline = _marginal(spec.count, startup.pop("first_videos"), startup["first_batch"], startup.pop("done"))
     started = time.time()
     peer_startup, ends = in_fresh_process(
-        _peer_loop, (started, model, weights, paths, frames, out / "peer", cpus), "peer loop")
+        _peer_loop, (started, model, weights, paths, frames, out / "peer", cpus, device), "peer loop")
     peer_seconds = time.time() - started
     peer_startup["first_video"] = ends[0]
     peer = _marginal(spec.count, batch_size, ends[batch_size - 1], ends[-1])
