@@ -311,9 +311,10 @@ def _bench_weights(path: Path, model: str) -> None:
         os.replace(tmp, path)
 
 
-def _fresh_extract(arg) -> dict:
+def _fresh_extract(arg) -> tuple[dict, float, int]:
     """``tvrpipe extract`` in this fresh process: the seconds from the process's start (``arg``'s first
-    item, the parent's clock before it started the process) to each step, and to the call's end ("done")."""
+    item, the parent's clock before it started the process) to each start-up step and to the call's end,
+    and how many videos its first encoded batch held."""
     started, manifest, videos, out, cfg = arg
     python = time.time() - started
     from tvrpipe.cluster import stop_ray
@@ -323,8 +324,8 @@ def _fresh_extract(arg) -> dict:
     offset = time.time() - started
     summary = extract(manifest, videos, out, cfg)
     stop_ray()  # as the command does
-    return {"python": python, **{k: v + offset for k, v in summary.phases.items()}, "done": summary.seconds + offset,
-            "first_videos": summary.first_videos}
+    return ({"python": python, **{k: v + offset for k, v in summary.phases.items()}}, summary.seconds + offset,
+            summary.first_videos)
 
 
 def _peer_loop(arg) -> tuple[dict, list[float]]:
@@ -417,11 +418,11 @@ def bench_extract(
     bound = 1.0 / (1.0 / decode + 1.0 / encode) if device == "cpu" else min(decode, encode)
 
     started = time.time()
-    startup = in_fresh_process(_fresh_extract, (started, manifest, out / "videos", out / "features", cfg),
-                               "tvrpipe extract")
+    startup, done, first = in_fresh_process(
+        _fresh_extract, (started, manifest, out / "videos", out / "features", cfg), "tvrpipe extract")
     seconds = time.time() - started  # the process's end included (Ray's shutdown)
     shutil.rmtree(out / "features", ignore_errors=True)
-    pipeline = _marginal(spec.count, startup.pop("first_videos"), startup["first_batch"], startup.pop("done"))
+    pipeline = _marginal(spec.count, first, startup["first_batch"], done)
     started = time.time()
     peer_startup, ends = in_fresh_process(
         _peer_loop, (started, model, weights, paths, frames, out / "peer", cpus, device), "peer loop")

@@ -98,12 +98,13 @@ def pooled_embeddings(store, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
 
     frames, mask = store.array("videos/frames"), store.array("videos/frame_mask")
     n, _, d = frames.shape
-    out = np.zeros((n, d), np.float32)
+    out, has = np.zeros((n, d), np.float32), np.zeros(n, bool)
     for a in range(0, n, rows):
         m = np.asarray(mask[a : a + rows])
         out[a : a + len(m)] = mean_video(torch.from_numpy(np.asarray(frames[a : a + rows]).astype(np.float32)),
                                          torch.from_numpy(m)).numpy()
-    return out, np.asarray(mask[:]).any(axis=1)
+        has[a : a + len(m)] = m.any(axis=1)
+    return out, has
 
 
 def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str) -> tuple[Path, int]:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init, require_gpus
+from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init, ray_running, require_gpus
 from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
@@ -272,15 +272,12 @@ def _check_device(cfg: ExtractConfig) -> None:
     """Before the store is created or changed: ``--device cuda`` needs a GPU, on this machine or,
     with ``--address`` (or a Ray already joined), in the cluster (Ray would otherwise wait forever
     to place the encoders); an ``--address`` where nothing answers fails here too."""
-    import sys
-
     address, option = ray_address(cfg.address)
     if address:
         check_reachable(address, option=option)
     if cfg.device != "cuda":
         return
-    joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()
-    if not address and not joined:
+    if not address and not ray_running():
         import torch
 
         if not torch.cuda.is_available():
@@ -436,8 +433,8 @@ class _Early:
 
 def _decode_early(workers: _Workers, cfg: ExtractConfig, out: Path, videos: pd.DataFrame, root: Path,
                   F: int) -> _Early | None:
-    """Give each decoder its first two videos while the encoders load the weights (seconds in which the
-    decoders would wait): only for a new store, where every row is to do, and only when the image size
+    """Send the decoders as many videos as the first two batches per encoder hold (two per decoder at
+    least) while the encoders load the weights, seconds in which the decoders would wait: only for a new store, where every row is to do, and only when the image size
     can be read from the architecture's file (checked against the encoder's report; if they differ, these
     decodes are dropped)."""
     from tvrpipe.features.store import STORE_NAME
@@ -673,14 +670,10 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
     decoding: dict[Any, int] = {}  # ref -> its decoder
     encoding: dict[Any, int] = {}  # ref -> its encoder
     decoded: list = []  # refs of decoded videos, in the order they finished
-    busy = Counter()  # calls in flight per actor index, "d3" / "e0"
     if early is not None:
         todo = {item["row"] for item in items}
-        sent = {row for ref, (k, row) in early.refs.items() if row in todo}
-        for ref, (k, row) in early.refs.items():
-            if row in sent:
-                decoding[ref] = k
-                busy[f"d{k}"] += 1
+        decoding = {ref: k for ref, (k, row) in early.refs.items() if row in todo}
+        sent = {row for k, row in early.refs.values() if row in todo}
         items = deque(item for item in items if item["row"] not in sent)
 
     buf = _ShardBuffer([s for s, _ in jobs],
@@ -694,28 +687,24 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
     done = 0
     while items or decoding or decoded or encoding:
         while items and len(decoding) < 2 * len(decoders) and len(decoded) < 2 * B * len(encoders):
-            k = min(range(len(decoders)), key=lambda i: busy[f"d{i}"])
+            k = _least_busy(decoding, len(decoders))
             decoding[decoders[k].decode.remote(items.popleft(), F, image_size)] = k
-            busy[f"d{k}"] += 1
         last = not items and not decoding  # nothing more will be decoded: a short batch goes too
         while decoded and len(encoding) < 2 * len(encoders) and (
-                len(decoded) >= B or last or any(busy[f"e{i}"] == 0 for i in range(len(encoders)))):
-            k = min(range(len(encoders)), key=lambda i: busy[f"e{i}"])
+                len(decoded) >= B or last or len(set(encoding.values())) < len(encoders)):  # or one is idle
+            k = _least_busy(encoding, len(encoders))
             encoding[encoders[k].encode_videos.remote(*decoded[:B])] = k
-            busy[f"e{k}"] += 1
             del decoded[:B]
         feed.send()
-        pending = [*decoding, *encoding, *feed.flight]
-        ready, _ = ray.wait(pending, num_returns=1)
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if len(pending) > 1 else (ready, None)
+        ready, _ = ray.wait([*decoding, *encoding, *feed.flight], num_returns=1)
         for ref in ready:
             if ref in decoding:
-                busy[f"d{decoding.pop(ref)}"] -= 1
+                del decoding[ref]
                 decoded.append(ref)
             elif ref in feed.flight:
                 feed.take(ref)
             else:
-                busy[f"e{encoding.pop(ref)}"] -= 1
+                del encoding[ref]
                 batch = ray.get(ref)
                 if not summary.first_videos:
                     first()
@@ -740,6 +729,12 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
                 bar.update(task, advance=len(batch["row"]),
                            rate=f"{done / dt:.1f} videos/s, {summary.frames_done / dt:.0f} frames/s")
     return done
+
+
+def _least_busy(calls: dict[Any, int], actors: int) -> int:
+    """The actor (an index below ``actors``) with the fewest of ``calls`` (ref -> actor) in flight."""
+    load = Counter(calls.values())
+    return min(range(actors), key=load.__getitem__)
 
 
 def _stored_videos(writer, shard: Shard) -> dict[str, np.ndarray]:

@@ -94,14 +94,13 @@ class ClipEncoder:
         return contextlib.nullcontext()
 
     def facts(self) -> dict[str, Any]:
-        """:func:`~tvrpipe.features.clip.weights_facts` and the versions this process runs, or
-        ``{"error": (class name, message)}`` when the weights could not be loaded."""
-        from tvrpipe.environment import versions
+        """:func:`~tvrpipe.features.clip.weights_facts`, or ``{"error": (class name, message)}`` when the
+        weights could not be loaded."""
         from tvrpipe.features.clip import weights_facts
 
         if self.error:
             return {"error": self.error}
-        return {**weights_facts(self.bundle), "versions": versions()}
+        return weights_facts(self.bundle)
 
     def encode_texts(self, texts: list[str], max_words: int) -> dict[str, np.ndarray]:
         """Word tokens ``(n, L, D)``, token mask and EOS sentence ``(n, D)`` of ``texts``, float16."""
