@@ -22,7 +22,7 @@ def test_help_lists_command_groups(cli):
 def test_help_shows_the_main_path_first_then_papers_tools_and_benchmarks(cli):
     r = cli("--help")
     text = " ".join(r.output.split())
-    panels = ["Main path: manifest -> extract -> train-head -> evaluate / report", "Full papers and grids", "Tools",
+    panels = ["Main path: manifest -> extract -> train-head -> evaluate / search / report", "Full papers and grids", "Tools",
               "Benchmarks"]
     assert r.exit_code == 0 and all(p in text for p in panels), r.output
     assert [text.index(p) for p in panels] == sorted(text.index(p) for p in panels)

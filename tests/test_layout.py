@@ -22,7 +22,7 @@ LAYERS = {
     "tvrpipe.data": 2,
     "tvrpipe.features": 3, "tvrpipe.evaluation": 3,
     "tvrpipe.training": 4,
-    "tvrpipe.report": 5, "tvrpipe.bench": 5, "tvrpipe.sweep": 5,
+    "tvrpipe.report": 5, "tvrpipe.bench": 5, "tvrpipe.sweep": 5, "tvrpipe.search": 5,
     "tvrpipe.quickstart": 6,
     "tvrpipe.cli": 7, "tvrpipe.__main__": 7,
 }

@@ -27,11 +27,11 @@ err_console = Console(stderr=True)
 
 # `tvrpipe --help` shows the commands in the order of the work: the main path first, then the full
 # papers and grids, then tools, then benchmarks (each command names its panel where it is declared)
-MAIN_PATH = "Main path: manifest -> extract -> train-head -> evaluate / report"
+MAIN_PATH = "Main path: manifest -> extract -> train-head -> evaluate / search / report"
 PAPERS = "Full papers and grids"
 TOOLS = "Tools"
 BENCHMARKS = "Benchmarks"
-COMMAND_ORDER = ("manifest", "extract", "train-head", "evaluate", "report", "finetune", "recipes", "sweep", "features",
+COMMAND_ORDER = ("manifest", "extract", "train-head", "evaluate", "search", "report", "finetune", "recipes", "sweep", "features",
                  "export", "heads", "synth", "quickstart", "bench")
 
 

@@ -10,6 +10,7 @@ from tvrpipe.cli import (  # noqa: F401  (each adds its commands)
     quickstart,
     recipes,
     report,
+    search,
     sweep,
     synth,
     train,

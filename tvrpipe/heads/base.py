@@ -14,6 +14,8 @@ same small interface (DESIGN.md, "Heads"):
   quantities (an uncertainty, a radius) that evaluation averages over matching and non-matching
   pairs and training logs per epoch; ``item_readouts(text_emb, video_emb) -> {name: float}`` for
   quantities of the items themselves (a mean variance);
+- optionally ``pair_uncertainty(text_emb, video_emb) -> Tensor[n_text, n_video]``: the head's own
+  uncertainty about each pair, for a head that models one (``tvrpipe search`` prints it per hit);
 - optionally ``rerank(sim, text_emb, video_emb) -> Reranked``: a row- or column-wise step over the
   full score matrix after the block engine (DUQ's Eq. 16), reported beside the raw scores.
 
@@ -236,6 +238,12 @@ class Head(nn.Module):
         its Fig. 3 and 5). Default: none.
         """
         return {}
+
+    def pair_uncertainty(self, text_emb: Emb, video_emb: Emb) -> Tensor | None:
+        """How uncertain the head is about each pair, ``Tensor[n_text, n_video]`` (larger: less certain), for
+        a head that models it (``tvrpipe search`` prints it beside each hit); None for a head that does not.
+        Default: None."""
+        return None
 
     def item_readouts(self, text_emb: Emb, video_emb: Emb) -> dict[str, float]:
         """Quantities over all encoded texts and videos of a split (e.g. UATVR's geometric mean of

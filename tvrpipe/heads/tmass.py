@@ -243,6 +243,10 @@ class TMass(XPool):
             out[a:b, c:d] = (r.sum(-1) * (self.config.embed_dim / r.shape[-1])).t()  # R > 0: |R|_1 = sum R
         return {"radius_l1": out}
 
+    def pair_uncertainty(self, text_emb: Emb, video_emb: Emb) -> Tensor:
+        """The radius |R|_1 of the text mass around each pair's text (Sec. 3.2: larger, a less certain text)."""
+        return self.pair_readouts(text_emb, video_emb)["radius_l1"]
+
     # -- training (Eq. 5, 8, 9) -----------------------------------------------------------------
 
     def _train_logits(self, text_emb: Emb, video_emb: Emb, eps: Tensor | None = None,

@@ -238,6 +238,12 @@ class UATVR(Head):
         return token_wise_similarity(text_emb["tokens"], text_emb["token_mask"], video_emb["frames"],
                                      video_emb["frame_mask"])
 
+    def pair_uncertainty(self, text_emb: Emb, video_emb: Emb) -> Tensor:
+        """The pair's sigma level: the geometric mean of the text's and the video's sigma (each the geometric
+        mean over dimensions, as :meth:`item_readouts` reports Fig. 3's level), (n_text, n_video)."""
+        lt, lv = text_emb["log_sigma"].float().mean(-1), video_emb["log_sigma"].float().mean(-1)
+        return torch.exp((lt[:, None] + lv[None, :]) / 2)
+
     def item_readouts(self, text_emb: Emb, video_emb: Emb) -> dict[str, float]:
         """UATVR Fig. 3's uncertainty level: the geometric mean of sigma over texts and videos."""
         lt, lv = text_emb["log_sigma"].double(), video_emb["log_sigma"].double()

@@ -61,6 +61,20 @@ def checkpoint_similarity(checkpoint: str | os.PathLike[str], split: SplitData,
     return similarity_matrix(head, text_emb, video_emb, device=device).numpy()
 
 
+def check_checkpoint_sha(run: Path, metrics: dict) -> None:
+    """The run's selected checkpoint is the one its training recorded in ``metrics.json`` (where it did).
+
+    Raises:
+        RunError: the file's sha256 differs (damaged or replaced).
+    """
+    best_path = run / CHECKPOINTS / BEST
+    checkpoint = metrics.get("checkpoint")
+    want = checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
+    if want and best_path.is_file() and file_sha256(best_path) != want:
+        raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
+                       "checkpoint is damaged or was replaced; delete the run directory and train it again")
+
+
 def evaluate_run(
     run_dir: str | os.PathLike[str],
     split: str = "test",
@@ -87,14 +101,9 @@ def evaluate_run(
         raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
                        "restore it or train the run again into a new --out") from None
     with locked(run, "--run"):
-        best_path = run / CHECKPOINTS / BEST
         trained = read_metrics(run) or {}  # the checkpoint's sha256; a finetune run's export and CLIP provenance
-        checkpoint = trained.get("checkpoint")
-        want = checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
-        if want and best_path.is_file() and file_sha256(best_path) != want:
-            raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
-                           "checkpoint is damaged or was replaced; delete the run directory and train it again")
-        head = load_head(best_path, tc.device)
+        check_checkpoint_sha(run, trained)
+        head = load_head(run / CHECKPOINTS / BEST, tc.device)
         if features is None and config["features"] is None:
             export = trained.get("export")
             how = f" (`{export['extract']}`)" if isinstance(export, dict) and export.get("extract") else ""

@@ -381,6 +381,12 @@ class ProTA(Head):
         m_t2v, m_v2t = self.pair_margins(text_emb, video_emb)
         return {"margin": (m_t2v + m_v2t) / 2}
 
+    def pair_uncertainty(self, text_emb: Emb, video_emb: Emb) -> Tensor | None:
+        """The mean of the text's and the video's token variance (probabilistic ProTA; None otherwise)."""
+        if not self.config.probabilistic:
+            return None
+        return (text_emb["var_mean"].float()[:, None] + video_emb["var_mean"].float()[None, :]) / 2
+
     def item_readouts(self, text_emb: Emb, video_emb: Emb) -> dict[str, float]:
         """Mean token variance (over real tokens and dimensions) of the texts and of the videos."""
         if not self.config.probabilistic:

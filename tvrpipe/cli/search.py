@@ -1,0 +1,122 @@
+"""``tvrpipe search``: the videos of a feature store that match sentences, by a trained run or zero-shot CLIP."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tvrpipe.cli.app import MAIN_PATH, app
+from tvrpipe.errors import ConfigError
+
+console = Console()
+
+
+@app.command("search", rich_help_panel=MAIN_PATH)
+def search_cmd(
+    queries: Annotated[Optional[list[str]], typer.Argument(
+        help="One or more sentences to search for (quote each).", show_default=False)] = None,
+    features: Annotated[Optional[Path], typer.Option(
+        help="The feature store to search (tvrpipe extract --out); default: a train-head run's own store.")] = None,
+    run: Annotated[Optional[Path], typer.Option(
+        help="A trained run (train-head, or finetune --end-to-end) whose head ranks the videos; without it, "
+             "zero-shot CLIP, mean-pooled.")] = None,
+    queries_file: Annotated[Optional[Path], typer.Option(
+        "--queries", help="A text file of queries, one per line (blank lines and # comments skipped).")] = None,
+    top_k: Annotated[int, typer.Option(help="Hits per query.")] = 10,
+    candidates: Annotated[Optional[int], typer.Option(
+        help="K: the shortlist of the first stage (pooled CLIP embeddings) that the run's head re-ranks; "
+             "default: the head scores every video (exhaustive).")] = None,
+    first_stage: Annotated[str, typer.Option(
+        help="auto: a FAISS index (kept in <features>/search-index/) where faiss-cpu is installed, else exact; "
+             "exact: a matrix product; faiss.")] = "auto",
+    index: Annotated[Optional[Path], typer.Option(
+        help="A FAISS index folder written by `tvrpipe export --format faiss` for the first stage; it must be "
+             "of this very store.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the hits as a JSON list.")] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write the hits as CSV.")] = None,
+    html: Annotated[Optional[Path], typer.Option(
+        help="Also write one self-contained HTML page: each query with a row of thumbnails per hit.")] = None,
+    video_root: Annotated[Optional[Path], typer.Option(
+        help="Where the videos are, for --html thumbnails (default: the folder the store was extracted from).")] = None,
+    pretrained: Annotated[Optional[str], typer.Option(
+        help="The store's CLIP checkpoint, where its recorded path no longer reaches it (its sha256 is checked).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="Where the head runs: cpu or cuda.")] = "cpu",
+) -> None:
+    """Search a feature store's videos with sentences; print the top hits of each (rank, video, path, clip
+    bounds, score, and the head's uncertainty where it has one)."""
+    from tvrpipe.files import atomic_write_text
+    from tvrpipe.search.engine import open_searcher, read_queries, search
+    from tvrpipe.search.results import HIT_COLUMNS
+
+    texts = list(queries or [])
+    if queries_file is not None:
+        texts += read_queries(queries_file)
+    if not texts:
+        raise ConfigError("no query: give one or more sentences, e.g. tvrpipe search \"a dog catches a frisbee\" "
+                          "--features STORE, or --queries FILE")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: choose cpu or cuda")
+    for flag, path in (("--json", json_out), ("--csv", csv_out), ("--html", html)):
+        if path is not None and path.is_dir():
+            raise ConfigError(f"{flag} {path} is a folder; give a file name")
+    if features is None:
+        features = _run_features(run)
+    searcher = open_searcher(features, run, device, pretrained)
+    hits = search(searcher, texts, top_k, candidates, first_stage, index)
+    how = "every video" if candidates is None else f"the first stage's {candidates} best"
+    console.print(f"[bold]{searcher.label}[/] over {searcher.store.dir} ({how} scored by the head)", highlight=False)
+    for q in dict.fromkeys(texts):
+        _print_hits(q, [h for h in hits if h.query == q])
+    records = [h.record() for h in hits]
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(json_out, json.dumps(records, indent=2) + "\n")
+        console.print(f"wrote {json_out}", highlight=False)
+    if csv_out is not None:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(HIT_COLUMNS))
+        w.writeheader()
+        w.writerows(records)
+        csv_out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(csv_out, buf.getvalue())
+        console.print(f"wrote {csv_out}", highlight=False)
+    if html is not None:
+        from tvrpipe.search.html import write_html
+
+        root = video_root or searcher.video_root
+        console.print(f"wrote {write_html(html, hits, searcher.store, root, title=f'tvrpipe search: {searcher.label}')}",
+                      highlight=False)
+
+
+def _run_features(run: Path | None) -> Path:
+    """A train-head run's own store, for ``search`` without ``--features``."""
+    from tvrpipe.rundir import read_config
+
+    if run is not None:
+        stored = read_config(run).get("features")
+        if stored:
+            return Path(stored)
+        raise ConfigError(f"--run {run} trained on live CLIP features (tvrpipe finetune): give --features, a store "
+                          "extracted with the run's exported CLIP")
+    raise ConfigError("give --features: the feature store to search (tvrpipe extract --out)")
+
+
+def _print_hits(query: str, hits) -> None:
+    table = Table(title=f"{query}", title_justify="left")
+    unc = any(h.uncertainty is not None for h in hits)
+    clips = any(h.start_s is not None for h in hits)
+    for col in ("rank", "video", "path", *(["clip (s)"] if clips else []), "score", *(["uncertainty"] if unc else [])):
+        table.add_column(col, justify="right" if col in ("rank", "score", "uncertainty") else "left")
+    for h in hits:
+        clip = [f"{h.start_s:.1f}-{h.end_s:.1f}" if h.start_s is not None else ""] if clips else []
+        u = [f"{h.uncertainty:.4g}" if h.uncertainty is not None else ""] if unc else []
+        table.add_row(str(h.rank), h.video_id, h.path, *clip, f"{h.score:.4f}", *u)
+    console.print(table)

@@ -1,0 +1,297 @@
+"""The first stage of a search: every video's pooled CLIP embedding against the query's sentence.
+
+The pooled embedding is the meanpool head's (the L2-normalised mean of the L2-normalised valid frames,
+:func:`tvrpipe.features.export.pooled_embeddings`), so the first stage ranks as zero-shot CLIP does. It
+is computed once per store and kept beside the features in ``<store>/search-index/``:
+
+    search-index/
+      pooled.npy    float32 (n, D), L2-normalised, the videos with a decoded frame
+      rows.npy      int64 (n,), their rows in the store
+      faiss.index   the FAISS index of pooled.npy (only where faiss-cpu is installed and asked for)
+      index.json    the store it was built from (:func:`store_key`) and how
+
+A cache whose key is not the store's (the store was extracted again, or grew) is rebuilt on first use;
+an index given explicitly (``--index``, ``tvrpipe export --format faiss``) that was built from another
+store is refused.
+
+Two first stages: ``exact`` (a matrix product and a partial sort, in blocks of videos) and ``faiss``
+(an inner-product index: exact ``IndexFlatIP`` below :data:`HNSW_FROM` videos, HNSW above it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.features.store import FeatureStore, store_identity
+
+log = logging.getLogger(__name__)
+
+INDEX_DIR = "search-index"
+FIRST_STAGES = ("auto", "exact", "faiss")
+HNSW_FROM = 20_000  # below it a flat index is exact and fast enough (a matrix product over 20k x D)
+HNSW_M = 32  # FAISS' usual graph degree for 512-d embeddings
+HNSW_EF_CONSTRUCTION = 80
+_BLOCK = 65_536  # videos per block of the exact stage: 128 MiB of float32 scores per 512 queries
+
+
+def store_key(store: FeatureStore) -> str:
+    """A hash of what the pooled embeddings depend on: the store's identity (its manifest, weights,
+    sampling) and its row count. A store extracted again from another folder state has another key."""
+    ident = {**store_identity(store.provenance), "n_videos": int(store.provenance.get("n_videos", 0))}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def faiss_available() -> bool:
+    """Whether faiss-cpu is installed (the ``search`` extra)."""
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_first_stage(kind: str) -> str:
+    """``auto`` -> ``faiss`` where faiss-cpu is installed, else ``exact``; ``faiss`` without it is an error."""
+    if kind not in FIRST_STAGES:
+        raise ConfigError(f"--first-stage {kind!r}: choose one of {', '.join(FIRST_STAGES)}")
+    if kind == "auto":
+        return "faiss" if faiss_available() else "exact"
+    if kind == "faiss" and not faiss_available():
+        raise ConfigError("--first-stage faiss needs faiss-cpu: pip install 'tvrpipe[search]' (or faiss-cpu), "
+                          "or use --first-stage exact")
+    return kind
+
+
+def build_faiss(emb: np.ndarray):
+    """An inner-product FAISS index of ``emb`` (L2-normalised rows: inner product = cosine)."""
+    import faiss
+
+    n, d = emb.shape
+    if n < HNSW_FROM:
+        index = faiss.IndexFlatIP(d)
+    else:
+        index = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+    index.add(np.ascontiguousarray(emb, dtype=np.float32))
+    return index
+
+
+def faiss_kind(index) -> str:
+    """A FAISS index in words, for index.json and the bench."""
+    return type(index).__name__
+
+
+@dataclass
+class FirstStage:
+    """The pooled embeddings of a store's searchable videos, and how to take their top k.
+
+    Attributes:
+        pooled: float32 ``(n, D)``, L2-normalised.
+        rows: the store row of each (videos without a decoded frame are not searchable).
+        kind: ``exact`` or ``faiss``.
+        index: the FAISS index (``kind == "faiss"``).
+    """
+
+    pooled: np.ndarray
+    rows: np.ndarray
+    kind: str = "exact"
+    index: Any = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def top(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` best videos of each query by cosine: ``(positions into rows (Q, k), cosines (Q, k))``,
+        best first. ``queries``: ``(Q, D)`` sentence embeddings (normalised here)."""
+        q = np.asarray(queries, np.float32)
+        q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
+        k = min(k, len(self))
+        if self.kind == "faiss" and k < len(self):
+            if hasattr(self.index, "hnsw"):
+                self.index.hnsw.efSearch = max(64, k)  # the beam must hold k: efSearch < k truncates
+            scores, idx = self.index.search(np.ascontiguousarray(q), k)
+            return idx.astype(np.int64), scores
+        return exact_top(self.pooled, q, k)
+
+
+def exact_top(emb: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The exact top ``k`` rows of ``emb`` by inner product with each row of ``q``, best first (ties by row),
+    over blocks of :data:`_BLOCK` rows so the score matrix never holds more than one block per query."""
+    best_s = np.full((len(q), 0), -np.inf, np.float32)
+    best_i = np.zeros((len(q), 0), np.int64)
+    for a in range(0, len(emb), _BLOCK):
+        s = q @ emb[a : a + _BLOCK].T  # (Q, block)
+        i = np.broadcast_to(np.arange(a, a + s.shape[1]), s.shape)
+        best_s, best_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i], 1)
+        if best_s.shape[1] > k:
+            keep = np.argpartition(-best_s, k - 1, axis=1)[:, :k]
+            best_s, best_i = np.take_along_axis(best_s, keep, 1), np.take_along_axis(best_i, keep, 1)
+    order = np.lexsort((best_i, -best_s), axis=1)  # score descending, then row ascending
+    return np.take_along_axis(best_i, order, 1), np.take_along_axis(best_s, order, 1)
+
+
+def pooled_rows(store: FeatureStore) -> tuple[np.ndarray, np.ndarray]:
+    """The pooled embeddings of the videos with a decoded frame, and their store rows."""
+    from tvrpipe.features.export import pooled_embeddings
+
+    emb, has = pooled_embeddings(store)
+    rows = np.flatnonzero(has).astype(np.int64)
+    return np.ascontiguousarray(emb[rows]), rows
+
+
+def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True) -> FirstStage:
+    """The store's first stage, from ``<store>/search-index/`` when it was built from this very store,
+    else computed (and kept there when the folder is writable and ``cache``).
+
+    Raises:
+        ConfigError: no video of the store has a decoded frame; ``kind`` is unknown or needs faiss.
+    """
+    kind = resolve_first_stage(kind)
+    folder = Path(store.dir) / INDEX_DIR
+    key = store_key(store)
+    meta = _read_meta(folder)
+    fresh = meta is not None and meta.get("store_key") == key
+    pooled = rows = index = None
+    if fresh:
+        try:
+            pooled, rows = np.load(folder / "pooled.npy"), np.load(folder / "rows.npy")
+            if kind == "faiss" and (folder / "faiss.index").is_file():
+                import faiss
+
+                index = faiss.read_index(str(folder / "faiss.index"))
+        except (OSError, ValueError, RuntimeError) as e:  # truncated or damaged: built again
+            log.warning("%s: the search index cannot be read (%s); building it again", folder, e)
+            pooled = rows = index = None
+    elif meta is not None:
+        log.info("%s was built from an earlier state of the store; building it again", folder)
+    if pooled is None or rows is None:
+        pooled, rows = pooled_rows(store)
+        index = None
+    if not len(rows):
+        raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to search "
+                          f"(see {Path(store.dir) / 'failures.parquet'})")
+    built = False
+    if kind == "faiss" and index is None:
+        index, built = build_faiss(pooled), True
+    if cache and (not fresh or built):
+        _save(folder, key, pooled, rows, index)
+    return FirstStage(pooled, rows, kind, index)
+
+
+def _read_meta(folder: Path) -> dict | None:
+    try:
+        meta = json.loads((folder / "index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def write_index_files(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index) -> None:
+    """pooled.npy, rows.npy, faiss.index (when ``index``) and index.json into ``folder`` (which exists)."""
+    np.save(folder / "pooled.npy", pooled)
+    np.save(folder / "rows.npy", rows)
+    meta = {"store_key": key, "videos": int(len(rows)), "dim": int(pooled.shape[1])}
+    if index is not None:
+        import faiss
+
+        faiss.write_index(index, str(folder / "faiss.index"))
+        meta["faiss"] = faiss_kind(index)
+    (folder / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _save(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index) -> None:
+    """Write the cache under a temporary name and rename it into place; a folder that cannot be written
+    (a shared, read-only store) only costs recomputing it next time."""
+    tmp = folder.with_name(f".{INDEX_DIR}.tmp-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_index_files(tmp, key, pooled, rows, index)
+        old = folder.with_name(f".{INDEX_DIR}.old-{os.getpid()}")
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        log.info("%s: the search index is not kept (%s); it is computed again next time", folder, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore) -> FirstStage:
+    """A FAISS index written by ``tvrpipe export --format faiss``, checked against ``store``.
+
+    Raises:
+        ConfigError: not such an export, faiss-cpu missing, or built from another store (or another state
+            of this one).
+    """
+    d = Path(index_dir)
+    meta = _read_meta(d)
+    if meta is None or not all((d / f).is_file() for f in ("faiss.index", "rows.npy", "pooled.npy")):
+        raise ConfigError(f"--index {d}: not an index written by `tvrpipe export --format faiss` "
+                          "(expected index.json, faiss.index, rows.npy and pooled.npy)")
+    if meta.get("store_key") != store_key(store):
+        raise ConfigError(f"--index {d} was built from another store, or from {store.dir} before it changed; "
+                          f"export it again: tvrpipe export --features {store.dir} --format faiss --out {d}.new")
+    resolve_first_stage("faiss")
+    import faiss
+
+    try:
+        return FirstStage(np.load(d / "pooled.npy"), np.load(d / "rows.npy"), "faiss",
+                          faiss.read_index(str(d / "faiss.index")))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"--index {d}: cannot be read ({' '.join(str(e).split())[:200]}); export it again") from None
+
+
+def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, int]:
+    """Write a new folder ``out`` with the store's FAISS index for other tools and for ``tvrpipe search --index``:
+    ``faiss.index`` (inner product over L2-normalised pooled embeddings: :func:`build_faiss`), ``pooled.npy`` and
+    ``rows.npy`` (the embeddings and their store rows), ``videos.csv`` (index position, video_id, split, path),
+    ``provenance.json`` (the store's) and ``index.json`` (which state of the store it was built from).
+    Written under a temporary name, then renamed.
+
+    Returns:
+        ``(out, videos left out for having no decoded frame)``.
+
+    Raises:
+        ConfigError: faiss-cpu missing, ``out`` exists or lies inside the store, or no video has a frame.
+    """
+    from tvrpipe.errors import writing
+    from tvrpipe.features.store import open_store
+    from tvrpipe.lock import check_writable
+
+    resolve_first_stage("faiss")
+    store = open_store(features_dir)
+    out = Path(out)
+    if out.resolve().is_relative_to(Path(store.dir).resolve()):
+        raise ConfigError(f"--out {out} is inside the feature store {store.dir}; write it outside the store's directory")
+    if out.exists():
+        raise ConfigError(f"--out {out} exists; choose a new folder name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out.parent, "--out")
+    pooled, rows = pooled_rows(store)
+    if not len(rows):
+        raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with writing(out):
+            tmp.mkdir()
+            write_index_files(tmp, store_key(store), pooled, rows, build_faiss(pooled))
+            table = store.videos[["video_id", "split", "path"]].astype(str).iloc[rows].reset_index(drop=True)
+            table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
+                tmp / "videos.csv", index=False)
+            (tmp / "provenance.json").write_text(json.dumps(store.provenance, default=str))
+            os.replace(tmp, out)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out, int(store.provenance.get("n_videos", len(store.videos))) - len(rows)
