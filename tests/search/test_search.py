@@ -19,14 +19,12 @@ from tvrpipe.search.engine import (
     check_queries,
     exhaustive,
     hits_of,
-    open_searcher,
     read_queries,
     search,
     two_stage,
 )
 from tvrpipe.search.index import (
     INDEX_DIR,
-    FirstStage,
     exact_top,
     export_faiss,
     exported_stage,
