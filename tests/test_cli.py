@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,6 +137,43 @@ def test_manifest_build_and_show(cli, shared_annotations, tmp_path):
     assert "670" in r.output and "27,763" in r.output and "12 frames, 32 words" in r.output
 
 
+def test_manifest_build_videos_and_show(cli, tmp_path):
+    """A folder of videos without annotations: a collection, its skipped files counted in a yellow line,
+    and `manifest show` says what it is."""
+    from tvrpipe.data.synth import synthesize
+
+    synthesize(tmp_path / "s", 2, seed=0, progress=False)
+    folder = tmp_path / "mine"
+    (folder / "trip").mkdir(parents=True)
+    for i, p in enumerate(sorted((tmp_path / "s" / "videos").glob("*.mp4"))):
+        shutil.copyfile(p, folder / ("trip" if i else ".") / f"clip{i}.mp4")
+    (folder / "readme.txt").write_text("x")
+    out = tmp_path / "m"
+    r = cli("manifest", "build", "--videos", folder, "--out", out)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert f"collection of 2 videos, no captions -> {out} (2 files probed" in text
+    assert "skipped 1 files (0 video files that do not decode, 1 not videos" in text
+    assert (out / "files.parquet").is_file()
+    r = cli("manifest", "show", out)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and f"collection, no captions: 2 videos from {folder.resolve()}" in text
+    assert "1 files skipped" in text and "12 frames, 32 words" in text
+
+
+def test_manifest_build_takes_annotations_or_a_folder_of_videos(cli, tmp_path):
+    r = cli("manifest", "build", "--videos", tmp_path, "--dataset", "msvd", "--annotations", tmp_path,
+            "--out", tmp_path / "m")
+    assert r.exit_code == 1
+    assert "--videos builds a collection from a folder, without annotations; --dataset, --annotations belong" in \
+        " ".join(r.output.split())
+    r = cli("manifest", "build", "--dataset", "msvd", "--out", tmp_path / "m")
+    assert r.exit_code == 1 and "give --dataset and --annotations" in r.output and "--videos FOLDER" in r.output
+    r = cli("manifest", "build", "--videos", tmp_path, "--out", tmp_path / "m")
+    assert r.exit_code == 1 and "no video file (" in r.output
+    assert not (tmp_path / "m").exists()
+
+
 def test_manifest_datasets_lists_specs(cli):
     r = cli("manifest", "datasets")
     assert r.exit_code == 0
@@ -242,6 +280,14 @@ def test_quickstart_end_to_end(tmp_path):
     assert f"{zero['t2v R@1']:.1f}" in report and "Text-to-video" in report
     for png in ("curves.png", "r1.png", "uncertainty.png", "gallery.png"):
         assert (tmp_path / "q" / "report" / png).stat().st_size > 10_000, png
+    # it ends with a search: the best trained head's top 5 for one test caption, and where its video ranks
+    found = json.loads((tmp_path / "q" / "search.json").read_text())
+    best = results[(results["post"] == "raw") & (results["method"] != "zero-shot")].sort_values(
+        ["t2v R@1", "t2v R@5", "t2v R@10"], ascending=False).iloc[0]
+    assert found["method"] == best["method"] and len(found["hits"]) == 5 and found["videos"] == 40
+    assert [h["rank"] for h in found["hits"]] == [1, 2, 3, 4, 5]
+    assert found["found_at"] == next((h["rank"] for h in found["hits"] if h["video_id"] == found["true_video"]), None)
+    assert found["query"] in " ".join(r.stdout.split()) and "the caption's video" in r.stdout
     # quiet by default: our progress bars and summaries only, no Ray or open_clip lines
     noise = [line for line in (r.stdout + r.stderr).replace("\r", "\n").splitlines()
              if any(k in line for k in ("INFO", "core_worker", "Token authentication", "WARNING",

@@ -25,17 +25,23 @@ def file_sha256(path: Path) -> str:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with writing(path):
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    try:
+        with writing(path):
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that failed half-way (a full disk) leaves nothing
 
 
 def atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
     """Write ``df`` as Parquet through a temporary file and a rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with writing(path):
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
+    try:
+        with writing(path):
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def shipped_folder(package: str, repository: str) -> Path:

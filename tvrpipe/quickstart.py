@@ -62,6 +62,7 @@ class QuickstartResult:
     rows: list[dict] = field(default_factory=list)  # one per head: method, kind, t2v/v2t metrics, difficulty
     captions: dict[str, int] = field(default_factory=dict)  # test captions per difficulty (and "all")
     report: Path | None = None  # report.md (tvrpipe report over the runs)
+    search: dict = field(default_factory=dict)  # the closing search: query, run, hits, the true video's rank
 
     def table_rows(self, post: str = "") -> list[dict]:
         """Rows of raw (``post=""``) or post-processed (``"dsl"``) test metrics."""
@@ -76,7 +77,7 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
 
     Args:
         out: working directory: ``data/``, ``pretrain/``, ``finetune/``, ``features/``, ``runs/``, ``results.csv``,
-            ``report/``.
+            ``report/``, ``search.json``.
         plan: sizes of the stages.
         seed: seed of every stage.
         stage: called with a title as each stage starts (the CLI prints it).
@@ -134,7 +135,34 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     stage("5. report: the papers' tables and plots, with a retrieval gallery (tvrpipe report)")
     result.report = write_report([out / "runs", out / "finetune"], out / "report", video_root=data / "videos",
                                  manifest=data / "manifest", seed=seed)
+    best = max((r for r in result.rows if r["method"] != "zero-shot"),
+               key=lambda r: Scores.from_dict(r["test"]).selection_key())
+    stage(f"6. search: the best head by test t2v R@1 ({best['method']}) ranks every video of the store for one "
+          "test caption (tvrpipe search)")
+    result.search = closing_search(out, best, test, masks["plain"])
     return result
+
+
+def closing_search(out: Path, best: dict, test, plain: np.ndarray, k: int = 5) -> dict:
+    """``tvrpipe search`` with the run ``best`` (a row of :attr:`QuickstartResult.rows`) for the first test
+    caption of a plain video (one scene, no near-duplicate in the split: one right answer), over every video
+    of the store; where its video ranks among the ``k`` hits (None: not among them). Written to search.json."""
+    import json
+
+    from tvrpipe.data.manifest import read_manifest
+    from tvrpipe.search.engine import open_searcher, search
+
+    captions = read_manifest(out / "data" / "manifest").captions.set_index("caption_id")["text"]
+    i = int(np.flatnonzero(plain)[0]) if plain.any() else 0
+    query, truth = str(captions[test.caption_ids[i]]), str(test.video_ids[test.text_video[i]])
+    searcher = open_searcher(out / "features", best["run"])
+    hits = search(searcher, [query], k=k, first_stage="exact")
+    found = next((h.rank for h in hits if h.video_id == truth), None)
+    record = {"method": best["method"], "run": best["run"], "query": query, "true_video": truth,
+              "found_at": found, "videos": int(searcher.store.provenance["n_videos"]),
+              "hits": [h.record() for h in hits]}
+    (out / "search.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def _write_csv(result: QuickstartResult, path: Path) -> None:

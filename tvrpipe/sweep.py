@@ -258,6 +258,7 @@ def run_sweep(
     """
     from tvrpipe.features.store import check_not_a_store, open_store, store_identity
     from tvrpipe.lock import check_writable
+    from tvrpipe.training.data import check_captioned
     from tvrpipe.training.fit import TrainConfig
 
     base = train or TrainConfig()
@@ -272,6 +273,7 @@ def run_sweep(
     check_writable(out, "--out")
     check_not_a_store(out, "a sweep")
     store = open_store(features)
+    check_captioned(store)  # before --out is made: every run of the grid would fail alike
     identity = store_identity(store.provenance)  # what fit records as the run's store
     features = Path(features).resolve()
     out = Path(out)

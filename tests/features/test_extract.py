@@ -39,17 +39,6 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from tvrpipe.cluster import ray_init
-
-    ray_init(None, num_cpus=2)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """Synthetic videos plus a corrupt and a zero-byte video in the manifest."""
     d = tmp_path_factory.mktemp("data")
@@ -128,6 +117,9 @@ def test_provenance_recorded_and_mismatch_refused(store_dir, data, tmp_path):
     assert prov["max_words"] == 32 and prov["dtype"] == "float16" and len(prov["weights_sha256"]) == 64
     assert prov["frame_sampling"] == "uniform-segment-centre" and prov["complete"] is True
     assert prov["precision"] == "fp32"  # auto on a CPU
+    # what rebuilds the weights of --pretrained none, and where the rows were decoded from
+    assert prov["seed"] == 0 and prov["video_root"] == str((data / "videos").resolve()) and "kind" not in prov
+    assert list(open_store(store_dir).videos.columns) == ["video_id", "split", "path", "start_s", "end_s"]
     with pytest.raises(StoreError, match=r"frames: store has 12, expected 8"):
         open_store(store_dir, expect={"frames": 8})
     with pytest.raises(StoreError, match=r"weights_sha256: store has"):
@@ -227,7 +219,7 @@ def test_bf16_encoders_agree_with_fp32_and_a_store_keeps_one_precision(store_dir
 
 
 def test_decodes_sent_before_the_weights_load_are_dropped_when_the_size_was_wrong(store_dir, data, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, same_rows):
     """A new store's first videos are decoded while the encoders load the weights, at the size the
     architecture's file gives; were that not the model's (a wrong guess), they are decoded again at the
     model's size: the store equals one extracted without the head start."""
@@ -238,28 +230,15 @@ def test_decodes_sent_before_the_weights_load_are_dropped_when_the_size_was_wron
     s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=5))
     assert (s.videos_done, s.failed) == (N_VIDEOS, 2) and 1 <= s.first_videos <= 5
     for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
-        assert_same_rows(open_store(out), open_store(store_dir), name)
-
-
-def assert_same_rows(a, b, name: str) -> None:
-    """Two stores hold the same rows of ``name``: masks and timestamps exactly; embeddings to one float16
-    ulp. An embedding is encoded in a batch of other size and neighbours when a run is resumed or
-    repaired, or runs with other workers; the CLIP's float32 matmuls then sum in another order (a few
-    ulps), and the float16 rounding of the store can turn that into one float16 ulp (2^-10 relative)."""
-    x, y = a.array(name)[:], b.array(name)[:]
-    if x.dtype != np.float16:
-        np.testing.assert_array_equal(x, y, err_msg=name)
-        return
-    np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=2.0 ** -10, atol=2.0 ** -24,
-                               err_msg=name)
+        same_rows(open_store(out), open_store(store_dir), name)
 
 
 @pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
-def test_same_rows_with_other_worker_counts(store_dir, data, tmp_path):
+def test_same_rows_with_other_worker_counts(store_dir, data, tmp_path, same_rows):
     extract(data / "manifest", data / "videos", tmp_path / "b", _cfg(decoders=1, batch_size=5, video_shard=6))
     a, b = open_store(store_dir), open_store(tmp_path / "b")
     for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
-        assert_same_rows(a, b, name)
+        same_rows(a, b, name)
     pd.testing.assert_frame_equal(a.videos, b.videos)
 
 
@@ -308,6 +287,18 @@ def test_export_pooled_embeddings_as_npy_and_parquet(store_dir, tmp_path, cli):
     assert json.loads(pt.schema.metadata[b"tvrpipe"])["model"] == TINY_MODEL
     r = cli("export", "--features", store_dir, "--format", "npy", "--out", tmp_path / "pooled")
     assert r.exit_code == 1 and "exists; choose a new folder name" in " ".join(r.output.split())
+    from tvrpipe.search.index import faiss_available
+
+    if faiss_available():  # the same embeddings in a FAISS index, which finds each one's own video first
+        import faiss
+
+        r = cli("export", "--features", store_dir, "--format", "faiss", "--out", tmp_path / "idx")
+        assert r.exit_code == 0 and "2 videos without a decoded frame left out" in " ".join(r.output.split())
+        index = faiss.read_index(str(tmp_path / "idx" / "faiss.index"))
+        np.testing.assert_array_equal(np.load(tmp_path / "idx" / "pooled.npy"), emb)
+        _, top = index.search(emb, 1)
+        assert top[:, 0].tolist() == list(range(N_VIDEOS))
+        assert list(pd.read_csv(tmp_path / "idx" / "videos.csv").video_id) == ids
     assert not list(tmp_path.glob(".*tmp*"))
 
 
@@ -370,7 +361,7 @@ def _reference_frames(data: Path) -> np.ndarray:
 
 
 @pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
-def test_wrong_video_root_fails_the_run_then_the_right_one_retries(store_dir, data, tmp_path, cli):
+def test_wrong_video_root_fails_the_run_then_the_right_one_retries(store_dir, data, tmp_path, cli, same_rows):
     """All videos missing: exit 1 with counts and a hint, store kept incomplete; the rerun with the
     right root retries them (no --overwrite) and gives the same store as a clean run."""
     from tvrpipe.features.extract import ExtractionError
@@ -393,7 +384,7 @@ def test_wrong_video_root_fails_the_run_then_the_right_one_retries(store_dir, da
     assert s.texts_done == 0  # texts were done by the failed run and kept
     a, b = open_store(out), open_store(store_dir)
     for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
-        assert_same_rows(a, b, name)
+        same_rows(a, b, name)
     assert sorted(a.failures.video_id) == ["corrupt", "zero"]
 
 
@@ -414,7 +405,7 @@ def test_failure_limit_exit_code_and_summary_via_cli(data, tmp_path, cli):
     assert open_store(out).provenance["complete"] is True
 
 
-def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path):
+def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path, same_rows):
     d = tmp_path / "copy"
     shutil.copytree(store_dir, d)
     (d / ".tvrpipe.lock").unlink(missing_ok=True)
@@ -431,7 +422,7 @@ def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path):
     assert changed == ["_progress/texts/000000.json", "_progress/videos/000001.json"]
     a, b = open_store(d), open_store(store_dir)
     for name in ("videos/frames", "videos/frame_mask", "texts/tokens", "texts/sentence"):
-        assert_same_rows(a, b, name)
+        same_rows(a, b, name)
 
 
 def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch):

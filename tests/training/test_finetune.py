@@ -177,6 +177,86 @@ def test_evaluate_refuses_a_store_of_other_weights(e2e, tmp_path, cli):
     assert res.exit_code == 1 and "weights_sha256" in res.output
 
 
+def _test_captions(data, store):
+    """The test split's captions (text, the store row of its video)."""
+    from tvrpipe.data.manifest import read_manifest
+    from tvrpipe.features.store import open_store
+
+    caps = read_manifest(data / "manifest").captions
+    caps = caps[caps["split"] == "test"]
+    row = {v: i for i, v in enumerate(open_store(store).videos["video_id"])}
+    return caps["text"].tolist(), [row[v] for v in caps["video_id"]], len(row)
+
+
+def _true_ranks(hits: list[dict], truth: list[int], store, k: int) -> np.ndarray:
+    """Each query's rank of its caption's video among its ``k`` hits (k + 1 where it is not among them)."""
+    from tvrpipe.features.store import open_store
+
+    ids = open_store(store).videos["video_id"].tolist()
+    return np.array([next((h["rank"] for h in hits[q * k:(q + 1) * k] if h["video_id"] == ids[t]), k + 1)
+                     for q, t in enumerate(truth)])
+
+
+def test_search_finds_the_captioned_video_above_chance_through_the_cli(e2e, data, tmp_path, cli):
+    """tvrpipe search with the finetune run (queries encoded by its exported CLIP) and with a head trained on the
+    exported store (queries encoded by the store's CLIP, two stages): over all 200 videos (many share a caption's
+    colour, shape and motion), each test caption's own video ranks far above chance (median rank (n + 1) / 2,
+    R@10 10 / n)."""
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    out, metrics, store = e2e
+    texts, truth, n = _test_captions(data, store)
+    (tmp_path / "q.txt").write_text("\n".join(texts) + "\n")
+    res = cli("search", "--queries", tmp_path / "q.txt", "--run", out, "--features", store, "--top-k", n,
+              "--json", tmp_path / "ft.json", "--csv", tmp_path / "ft.csv")
+    assert res.exit_code == 0, res.output
+    hits = json.loads((tmp_path / "ft.json").read_text())
+    assert len(hits) == n * len(texts) and [h["rank"] for h in hits[:3]] == [1, 2, 3]
+    ranks = _true_ranks(hits, truth, store, n)
+    assert np.median(ranks) < n / 4 and np.mean(ranks <= 10) > 2 * 10 / n, (np.median(ranks), np.mean(ranks <= 10))
+    table = pd.read_csv(tmp_path / "ft.csv", keep_default_na=False)
+    assert table["video_id"].tolist() == [h["video_id"] for h in hits]
+    np.testing.assert_allclose(table["score"], [h["score"] for h in hits], rtol=1e-6)
+    assert "meanpool" in " ".join(res.output.split()) and texts[0][:20] in " ".join(res.output.split())
+
+    run = tmp_path / "xpool"
+    fit(store, "xpool", run, TrainConfig(max_epochs=8, batch_size=32, seed=0), progress=False)
+    res = cli("search", "--queries", tmp_path / "q.txt", "--run", run, "--top-k", 40, "--candidates", 40,
+              "--json", tmp_path / "xp.json")  # the run's own store, by default
+    assert res.exit_code == 0, res.output
+    ranks = _true_ranks(json.loads((tmp_path / "xp.json").read_text()), truth, store, 40)
+    assert np.median(ranks) < n / 4 and np.mean(ranks <= 10) > 2 * 10 / n, (np.median(ranks), np.mean(ranks <= 10))
+    # zero-shot: the store's CLIP, mean-pooled, no run
+    res = cli("search", texts[0], "--features", store, "--top-k", 3, "--json", tmp_path / "zs.json",
+              "--html", tmp_path / "zs.html", "--video-root", data / "videos", "--thumbs", 2)
+    assert res.exit_code == 0 and "zero-shot" in res.output
+    assert len(json.loads((tmp_path / "zs.json").read_text())) == 3
+    page = (tmp_path / "zs.html").read_text()
+    assert page.count('src="data:image/jpeg;base64,') == 3 * 2 and "data:image/svg" not in page
+
+
+def test_search_bad_input_is_one_line(e2e, tmp_path, cli):
+    from tvrpipe.features.genstore import GenSpec, generate_store
+
+    out, metrics, store = e2e
+    no_export = tmp_path / "run"
+    shutil.copytree(out, no_export, ignore=shutil.ignore_patterns("clip.safetensors", "state.pt"))
+    other = generate_store(tmp_path / "gen", GenSpec(train_videos=4, test_videos=2, frames=2, max_words=4,
+                                                     embed_dim=8, seed=1))
+    for args, message in [
+        (["a dog", "--run", no_export, "--features", store], "finetuned CLIP end to end but its exported CLIP"),
+        (["a dog", "--run", out, "--features", other], "learnt with another CLIP than --features"),
+        (["  ", "--features", store], "query 1 is empty"),
+        (["a dog", "--features", store, "--top-k", 500], "--top-k 500 is more than the 200 searchable videos"),
+        (["a dog", "--run", out], "give --features"),
+        ([], "no query"),
+    ]:
+        res = cli("search", *args)
+        assert res.exit_code == 1, (args, res.output)
+        assert message in " ".join(res.output.split()), (args, res.output)
+        assert len(res.output.strip().splitlines()) <= 3, res.output  # one message (rich may wrap it)
+
+
 def test_epoch_plan_is_the_same_pairs_for_any_number_of_workers():
     pairs = TrainPairs.build(np.arange(10, 30), np.arange(60), np.repeat(np.arange(10, 30), 3))
     one = epoch_plan(pairs, seed=3, epoch=2, global_batch=8, rank=0, world=1, epoch_pairs="videos")

@@ -33,8 +33,10 @@ def extract_cmd(
              "--dataset alone, the manifest's videos are checked there too (a manifest checked elsewhere is "
              "rebuilt).")] = None,
     out: Annotated[Optional[Path], typer.Option(
-        help="Feature store directory; rerun the same command to resume. Default: "
-             "features/<dataset>-<model>-<pretrained> (features/: $TVRPIPE_FEATURES if set).")] = None,
+        help="Feature store directory; rerun the same command to resume (for a collection of your own videos: to "
+             "update it after files were added, changed or removed, encoding only those). Default: "
+             "features/<dataset>-<model>-<pretrained>, for a collection features/<its folder's name>-<model>-"
+             "<pretrained> (features/: $TVRPIPE_FEATURES if set).")] = None,
     data_root: Annotated[Optional[Path], typer.Option(
         help="With --dataset and no --manifest: where datasets live, one folder each (data/msrvtt/...); default: "
              "$TVRPIPE_DATA, else data/.")] = None,
@@ -97,11 +99,15 @@ def extract_cmd(
     elif data_root is not None:
         raise ConfigError(f"--data-root {data_root} finds --dataset's files when no --manifest is given; with "
                           f"--manifest {manifest} it would be ignored: drop one of them")
-    have = read_manifest(manifest).meta.get("dataset")
+    m = read_manifest(manifest)
+    have = m.meta.get("dataset")
     if dataset is not None and have != dataset:
         raise ConfigError(f"--dataset {dataset!r} but the manifest in {manifest} is {have!r}")
     if out is None:
-        out = default_features_dir(have or Path(manifest).resolve().parent.name, model, pretrained)
+        name = have or Path(manifest).resolve().parent.name
+        if m.is_collection:  # named by its folder: two collections' updates must not replace each other's store
+            name = Path(m.meta.get("video_root") or Path(video_root).resolve()).name
+        out = default_features_dir(name, model, pretrained)
         console.print(f"features: {out}", highlight=False)
     # what the user gave; ExtractConfig holds every other default (what --help shows)
     cfg = ExtractConfig(**given(ctx, dict(
@@ -132,17 +138,23 @@ def export_cmd(
     format: Annotated[str, typer.Option(
         help="hdf5: the whole store in one file; npy or parquet: one pooled embedding per video (the meanpool "
              "head's: L2-normalised mean of the L2-normalised frames) with ids and provenance, for a vector "
-             "index or a dataframe.")] = "hdf5",
+             "index or a dataframe; faiss: a folder with a FAISS inner-product index of them (needs faiss-cpu; "
+             "`tvrpipe search --index` reads it).")] = "hdf5",
 ) -> None:
-    """Export a feature store: all of it to HDF5, or its pooled video embeddings to npy or Parquet."""
+    """Export a feature store: all of it to HDF5, or its pooled video embeddings to npy, Parquet or a FAISS index."""
     from tvrpipe.features.export import POOLED_FORMATS, export_hdf5, export_pooled
 
     if format == "hdf5":
         console.print(f"wrote {export_hdf5(features, out)}")
         return
-    if format not in POOLED_FORMATS:
-        raise ConfigError(f"--format {format!r} is not supported; use hdf5, {', '.join(POOLED_FORMATS)}")
-    path, left_out = export_pooled(features, out, format)
+    if format == "faiss":
+        from tvrpipe.search.index import export_faiss
+
+        path, left_out = export_faiss(features, out)
+    elif format not in POOLED_FORMATS:
+        raise ConfigError(f"--format {format!r} is not supported; use hdf5, {', '.join(POOLED_FORMATS)} or faiss")
+    else:
+        path, left_out = export_pooled(features, out, format)
     console.print(f"wrote {path}" + (f" ({left_out} videos without a decoded frame left out)" if left_out else ""),
                   highlight=False)
 

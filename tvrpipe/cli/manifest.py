@@ -22,11 +22,17 @@ console = Console()
 
 @manifest_app.command("build")
 def build(
-    dataset: Annotated[str, typer.Option(help=f"Dataset spec name: {', '.join(list_datasets())}.")],
-    annotations: Annotated[
-        Path, typer.Option(help="The dataset's annotation directory (for 'custom': the CSV/Parquet table).")
-    ],
-    out: Annotated[Path, typer.Option(help="Output directory for videos.parquet, captions.parquet, meta.json.")],
+    out: Annotated[Path, typer.Option(help="Output directory for videos.parquet, captions.parquet, meta.json "
+                                           "(and files.parquet for --videos).")],
+    dataset: Annotated[Optional[str], typer.Option(
+        help=f"Dataset spec name: {', '.join(list_datasets())}. Give it with --annotations, or give --videos.")] = None,
+    annotations: Annotated[Optional[Path], typer.Option(
+        help="The dataset's annotation directory (for 'custom': the CSV/Parquet table).")] = None,
+    videos: Annotated[Optional[Path], typer.Option(
+        help="A folder of your own videos, no annotations: every video file under it (any subfolder; hidden ones "
+             "left out) that decodes becomes a video of a collection without captions, its id the path relative "
+             "to the folder. Rerun into the same --out after adding or changing files: only those are probed, "
+             "and extract then encodes only them.")] = None,
     split_set: Annotated[
         Optional[str], typer.Option(help="Split set, e.g. 9k, 7k or full for msrvtt (default: the spec's).")
     ] = None,
@@ -38,7 +44,28 @@ def build(
         bool, typer.Option(help="With --video-root: drop missing videos (listed in meta.json) instead of failing.")
     ] = False,
 ) -> None:
-    """Build a manifest from a dataset's annotation files."""
+    """Build a manifest from a dataset's annotation files, or from a folder of your own videos (--videos)."""
+    if videos is not None:
+        others = [name for name, value in (("--dataset", dataset), ("--annotations", annotations),
+                                          ("--split-set", split_set), ("--video-root", video_root),
+                                          ("--allow-missing", allow_missing or None)) if value is not None]
+        if others:
+            raise ConfigError(f"--videos builds a collection from a folder, without annotations; {', '.join(others)} "
+                              "belong to a dataset's annotation files: give one or the other")
+        from tvrpipe.features.collection import build_collection
+
+        b = build_collection(videos, out)
+        skipped = b.manifest.meta["skipped"]
+        console.print(f"collection of {len(b.manifest.videos):,} videos, no captions -> {out} "
+                      f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)", highlight=False)
+        if skipped:
+            console.print(f"[yellow]skipped {len(skipped):,} files ({b.undecodable:,} video files that do not "
+                          f"decode, {b.not_videos:,} not videos; see {out}/meta.json), e.g. "
+                          f"{skipped[0]['path']}: {skipped[0]['reason']}", highlight=False)
+        return
+    if dataset is None or annotations is None:
+        raise ConfigError("give --dataset and --annotations (a benchmark or a table of your own), or --videos FOLDER "
+                          "(a folder of videos without captions)")
     if allow_missing and video_root is None:
         raise ConfigError("--allow-missing drops the videos not found under --video-root: give --video-root too "
                           "(without it no video is looked for)")
@@ -52,8 +79,14 @@ def build(
 def show(manifest_dir: Annotated[Path, typer.Argument(help="A manifest directory.")]) -> None:
     """Print a manifest's videos and captions per split, and its sampling defaults."""
     m = read_manifest(manifest_dir)
-    name = m.meta.get("dataset", "?")
-    print_counts(m, f"{manifest_dir}: {name} ({m.meta.get('split_set', '?')})")
+    if m.is_collection:
+        skipped = m.meta.get("skipped") or []
+        console.print(f"{manifest_dir}: collection, no captions: {len(m.videos):,} videos from "
+                      f"{m.meta.get('video_root', '?')}" + (f"; {len(skipped):,} files skipped (see meta.json)"
+                                                            if skipped else ""), highlight=False)
+    else:
+        name = m.meta.get("dataset", "?")
+        print_counts(m, f"{manifest_dir}: {name} ({m.meta.get('split_set', '?')})")
     if "frames" in m.meta:
         console.print(f"defaults: {m.meta['frames']} frames, {m.meta['max_words']} words")
 

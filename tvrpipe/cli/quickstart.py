@@ -28,7 +28,8 @@ def quickstart(
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed of every stage.")] = 0,
 ) -> None:
-    """Run the pipeline offline on generated videos: synth -> finetune -> extract -> train-head -> report (CPU, minutes).
+    """Run the pipeline offline on generated videos: synth -> finetune -> extract -> train-head -> report -> search
+    (CPU, minutes).
 
     Rerun the same command to resume: each stage skips or resumes what is done.
     """
@@ -66,6 +67,17 @@ def quickstart(
     console.print(f"results: {out / 'results.csv'} (by difficulty: {out / 'difficulty.csv'}); runs "
                   f"(metrics.json, epochs.csv, plots/): {out / 'runs'}; "
                   f"finetuned CLIP: {out / 'finetune' / 'clip.safetensors'}", highlight=False, soft_wrap=True)
+    found = result.search
+    table = Table(title=f"tvrpipe search \"{found['query']}\" --run {found['run']} (of {found['videos']} videos)")
+    for col in ("rank", "video", "score"):
+        table.add_column(col, justify="right" if col != "video" else "left")
+    for h in found["hits"]:
+        table.add_row(str(h["rank"]), h["video_id"] + (" (the caption's video)" if h["video_id"] == found["true_video"]
+                                                       else ""), f"{h['score']:.4f}")
+    console.print(table)
+    console.print(f"the caption's video {found['true_video']} is " + (
+        f"hit {found['found_at']} of {len(found['hits'])}" if found["found_at"] else
+        f"not among the top {len(found['hits'])}") + f" ({out / 'search.json'})", highlight=False)
     console.print(f"report: {result.report} (tables like the papers', curves, R@1, uncertainty and a retrieval "
                   f"gallery: {', '.join(sorted(p.name for p in result.report.parent.glob('*.png')))})",
                   highlight=False, soft_wrap=True)

@@ -29,7 +29,8 @@ def search_cmd(
              "zero-shot CLIP, mean-pooled.")] = None,
     queries_file: Annotated[Optional[Path], typer.Option(
         "--queries", help="A text file of queries, one per line (blank lines and # comments skipped).")] = None,
-    top_k: Annotated[int, typer.Option(help="Hits per query.")] = 10,
+    top_k: Annotated[Optional[int], typer.Option(
+        help="Hits per query (default 10, or every video of a smaller store).", show_default=False)] = None,
     candidates: Annotated[Optional[int], typer.Option(
         help="K: the shortlist of the first stage (pooled CLIP embeddings) that the run's head re-ranks; "
              "default: the head scores every video (exhaustive).")] = None,
@@ -43,6 +44,7 @@ def search_cmd(
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write the hits as CSV.")] = None,
     html: Annotated[Optional[Path], typer.Option(
         help="Also write one self-contained HTML page: each query with a row of thumbnails per hit.")] = None,
+    thumbs: Annotated[int, typer.Option(help="--html: thumbnails per hit, at the store's recorded frame times.")] = 4,
     video_root: Annotated[Optional[Path], typer.Option(
         help="Where the videos are, for --html thumbnails (default: the folder the store was extracted from).")] = None,
     pretrained: Annotated[Optional[str], typer.Option(
@@ -62,6 +64,8 @@ def search_cmd(
     if not texts:
         raise ConfigError("no query: give one or more sentences, e.g. tvrpipe search \"a dog catches a frisbee\" "
                           "--features STORE, or --queries FILE")
+    if html is not None and thumbs < 1:
+        raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose cpu or cuda")
     for flag, path in (("--json", json_out), ("--csv", csv_out), ("--html", html)):
@@ -92,7 +96,7 @@ def search_cmd(
         from tvrpipe.search.html import write_html
 
         root = video_root or searcher.video_root
-        console.print(f"wrote {write_html(html, hits, searcher.store, root, title=f'tvrpipe search: {searcher.label}')}",
+        console.print(f"wrote {write_html(html, hits, searcher.store, root, f'tvrpipe search: {searcher.label}', thumbs)}",
                       highlight=False)
 
 

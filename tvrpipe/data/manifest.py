@@ -9,6 +9,11 @@ Contract (DESIGN.md, "Manifest"), in ``<data_dir>/manifest/``:
 ``meta.json`` beside them records where the manifest came from and the dataset's sampling
 defaults (frames, max words), which ``tvrpipe extract`` uses when not told otherwise.
 
+A *collection* (``meta["kind"] == "collection"``, :mod:`tvrpipe.features.collection`) is a folder of the
+user's own videos: no captions, and a third table, ``files.parquet`` (``video_id``, ``bytes``,
+``mtime_ns``), the fingerprint of each video file when the manifest was built, by which extract
+notices a file changed or removed since.
+
 Every table is validated before anything is written, and files are written under temporary
 names and renamed, so a failed build leaves nothing half-written behind. A build killed before its
 renames (``kill -9``) leaves its staged files; the next build into the same folder removes them.
@@ -42,9 +47,12 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
 VIDEO_COLUMNS = ("video_id", "path", "split", "start_s", "end_s")
 CAPTION_COLUMNS = ("caption_id", "video_id", "text", "split")
+FILE_COLUMNS = ("video_id", "bytes", "mtime_ns")
 VIDEOS_FILE = "videos.parquet"
 CAPTIONS_FILE = "captions.parquet"
+FILES_FILE = "files.parquet"
 META_FILE = "meta.json"
+COLLECTION = "collection"  # meta["kind"] of a manifest made from a folder of videos without captions
 
 _VIDEO_SCHEMA = pa.schema(
     [
@@ -63,6 +71,7 @@ _CAPTION_SCHEMA = pa.schema(
         ("split", pa.string()),
     ]
 )
+_FILES_SCHEMA = pa.schema([("video_id", pa.string()), ("bytes", pa.int64()), ("mtime_ns", pa.int64())])
 # How many offending ids an error message names before it summarises the rest.
 _SHOW = 5
 
@@ -75,11 +84,19 @@ class Manifest:
         videos: one row per video, columns :data:`VIDEO_COLUMNS`.
         captions: one row per caption, columns :data:`CAPTION_COLUMNS`.
         meta: provenance and defaults (dataset, split set, frames, max_words, ...).
+        files: a collection's file fingerprints, columns :data:`FILE_COLUMNS`, in the videos' order
+            (None for a dataset).
     """
 
     videos: pd.DataFrame
     captions: pd.DataFrame
     meta: dict[str, Any] = field(default_factory=dict)
+    files: pd.DataFrame | None = None
+
+    @property
+    def is_collection(self) -> bool:
+        """Whether this is a folder of videos without captions (``tvrpipe manifest build --videos``)."""
+        return self.meta.get("kind") == COLLECTION
 
     def counts(self) -> pd.DataFrame:
         """Videos and captions per split, in train/val/test order (absent splits omitted)."""
@@ -192,13 +209,15 @@ def outside_root(path: str) -> bool:
     return False
 
 
-def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manifest") -> None:
+def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manifest", *,
+             collection: bool = False) -> None:
     """Check the manifest contract; raise :class:`ManifestError` naming the offending rows.
 
     Args:
         videos: the videos table.
         captions: the captions table.
         source: what the tables were built from, named in error messages.
+        collection: a collection (``meta["kind"] == "collection"``): its videos need no caption.
     """
     for name, table, cols in (
         ("videos", videos, VIDEO_COLUMNS),
@@ -272,8 +291,31 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
             f"video {first['video_id']!r} is in {split_of[first['video_id']]!r}"
         )
     uncaptioned = videos.loc[~isin_mask(videos["video_id"], captions["video_id"])]
-    if len(uncaptioned):
+    if len(uncaptioned) and not collection:
         raise ManifestError(f"{source}: video(s) {_name_some(uncaptioned['video_id'])} have no caption")
+
+
+def validate_files(files: pd.DataFrame | None, videos: pd.DataFrame, source: str = "manifest") -> None:
+    """Check a collection's ``files`` table: one fingerprint (:data:`FILE_COLUMNS`, sizes and times as
+    integers) for each video and none other; raise :class:`ManifestError` naming what is wrong."""
+    if files is None:
+        raise ManifestError(f"{source}: a collection without {FILES_FILE} (the fingerprint of each video file); "
+                            "build it again with `tvrpipe manifest build --videos FOLDER --out DIR`")
+    if list(files.columns) != list(FILE_COLUMNS):
+        raise ManifestError(f"{source}: {FILES_FILE} has columns {list(files.columns)}; expected {list(FILE_COLUMNS)}")
+    bad = [c for c in ("bytes", "mtime_ns") if not pd.api.types.is_integer_dtype(files[c])]
+    if bad:
+        raise ManifestError(f"{source}: {FILES_FILE} column(s) {bad} are not integers")
+    dup = files["video_id"][files["video_id"].duplicated()].unique()
+    if len(dup):
+        raise ManifestError(f"{source}: {FILES_FILE} has duplicate video_id {_name_some(dup)}")
+    unknown = files["video_id"][~isin_mask(files["video_id"], videos["video_id"])]
+    lacking = videos["video_id"][~isin_mask(videos["video_id"], files["video_id"])]
+    if len(unknown) or len(lacking):
+        what = (f"names unknown video(s) {_name_some(unknown)}" if len(unknown)
+                else f"lacks video(s) {_name_some(lacking)}")
+        raise ManifestError(f"{source}: {FILES_FILE} {what}; build it again with `tvrpipe manifest build --videos "
+                            "FOLDER --out DIR`")
 
 
 def write_parquet(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
@@ -289,8 +331,9 @@ def staged_name(name: str, pid: int) -> str:
     return f".{name}.tmp-{pid}"
 
 
-_STAGED = re.compile(r"\.(" + "|".join(re.escape(n) for n in (VIDEOS_FILE, CAPTIONS_FILE, META_FILE)) + r")\.tmp-(\d+)")
-_STALE_AFTER_S = 3600.0  # a staged file lives for the seconds a build takes to write three files
+_STAGED = re.compile(r"\.(" + "|".join(re.escape(n) for n in (VIDEOS_FILE, CAPTIONS_FILE, FILES_FILE, META_FILE))
+                     + r")\.tmp-(\d+)")
+_STALE_AFTER_S = 3600.0  # a staged file lives for the seconds a build takes to write its files
 
 
 def _pid_alive(pid: int) -> bool:
@@ -332,6 +375,7 @@ def write_manifest(
     captions: pd.DataFrame,
     meta: Mapping[str, Any] | None = None,
     source: str = "manifest",
+    files: pd.DataFrame | None = None,
 ) -> Manifest:
     """Validate the tables and write them atomically into ``out_dir``.
 
@@ -341,8 +385,11 @@ def write_manifest(
         out_dir: directory to write ``videos.parquet``, ``captions.parquet`` and ``meta.json``.
         videos: the videos table (:data:`VIDEO_COLUMNS`).
         captions: the captions table (:data:`CAPTION_COLUMNS`).
-        meta: provenance and defaults, stored in ``meta.json``.
+        meta: provenance and defaults, stored in ``meta.json``; ``"kind": "collection"`` makes a
+            collection (videos without captions, ``files`` required).
         source: what the tables were built from, named in error messages.
+        files: a collection's fingerprints (:data:`FILE_COLUMNS`), written as ``files.parquet``. A
+            manifest that is not a collection removes a ``files.parquet`` left in ``out_dir``.
 
     Returns:
         The manifest as written.
@@ -352,7 +399,12 @@ def write_manifest(
         ...                    [{"caption_id": "a#0", "video_id": "a", "text": "hi", "split": "test"}])
         >>> write_manifest(tmp_path / "manifest", v, c).counts()  # doctest: +SKIP
     """
-    validate(videos, captions, source)
+    collection = dict(meta or {}).get("kind") == COLLECTION
+    validate(videos, captions, source, collection=collection)
+    if collection:
+        validate_files(files, videos, source)
+    elif files is not None:
+        raise ValueError("a files table belongs to a collection (meta kind 'collection')")
     order = {s: i for i, s in enumerate(SPLITS)}
     videos = (
         videos.assign(_o=videos["split"].map(order))
@@ -368,22 +420,25 @@ def write_manifest(
         .drop(columns="_o")
         .reset_index(drop=True)
     )
+    if files is not None:  # in the videos' order
+        files = files.set_index("video_id").loc[videos["video_id"]].reset_index()[list(FILE_COLUMNS)]
     meta = dict(meta or {})
     meta["counts"] = {
         r.split: {"videos": r.videos, "captions": r.captions}
         for r in Manifest(videos, captions).counts().itertuples()
     }
+    writes = [(VIDEOS_FILE, lambda p: write_parquet(videos, _VIDEO_SCHEMA, p)),
+              (CAPTIONS_FILE, lambda p: write_parquet(captions, _CAPTION_SCHEMA, p))]
+    if files is not None:
+        writes.append((FILES_FILE, lambda p: write_parquet(files, _FILES_SCHEMA, p)))
+    writes.append((META_FILE, lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")))
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_staged(out)
     staged: list[tuple[Path, Path]] = []
     try:
-        for name, write in (
-            (VIDEOS_FILE, lambda p: write_parquet(videos, _VIDEO_SCHEMA, p)),
-            (CAPTIONS_FILE, lambda p: write_parquet(captions, _CAPTION_SCHEMA, p)),
-            (META_FILE, lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")),
-        ):
+        for name, write in writes:
             tmp = out / staged_name(name, os.getpid())
             write(tmp)
             staged.append((tmp, out / name))
@@ -395,8 +450,10 @@ def write_manifest(
         raise
     for tmp, final in staged:
         os.replace(tmp, final)
+    if files is None:  # a collection's fingerprints would describe files this manifest does not list
+        (out / FILES_FILE).unlink(missing_ok=True)
     log.info("wrote manifest to %s", out)
-    return Manifest(videos, captions, meta)
+    return Manifest(videos, captions, meta, files)
 
 
 def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:
@@ -424,8 +481,18 @@ def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:
             meta = json.loads(read_text_file(mp))
         except json.JSONDecodeError as e:
             raise ManifestError(f"{mp}: not valid JSON ({e})") from e
-    validate(videos, captions, str(d))
-    return Manifest(videos, captions, meta)
+    collection = meta.get("kind") == COLLECTION
+    validate(videos, captions, str(d), collection=collection)
+    files = None
+    if collection:
+        fp = d / FILES_FILE
+        if fp.is_file():
+            try:
+                files = pq.read_table(fp).to_pandas()
+            except (pa.ArrowException, OSError) as e:
+                raise ManifestError(f"{d}: cannot read {FILES_FILE}: {e}") from e
+        validate_files(files, videos, str(d))
+    return Manifest(videos, captions, meta, files)
 
 
 VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".flv", ".mpg", ".mpeg", ".3gp",

@@ -629,6 +629,41 @@ def _probe_size(path: Path) -> tuple[int, int]:
     return (height, width) if rotation in (90, 270) else (width, height)
 
 
+def probe_video(path: str | os.PathLike[str]) -> str | None:
+    """Why extract could not decode ``path``, or None if it can: the file opens with PyAV (extract's
+    fallback reader, so what it decodes extract decodes), has a video stream, and a frame of it
+    decodes. Reads the headers and the packets up to the first frame that decodes (the whole file
+    only when none does).
+
+    Returns:
+        None, or the reason as extract's failures record it: ``"kind: detail"`` with a kind of
+        :class:`DecodeFailure` (``empty``, ``unreadable``, ``no_frames``, ...).
+
+    Example:
+        >>> probe_video("videos/notes.mp4")  # doctest: +SKIP
+        'unreadable: InvalidDataError: [Errno 1094995529] Invalid data found when processing input'
+    """
+    import av
+
+    p = Path(path)
+    try:
+        _check_file(p)
+        try:
+            with av.open(str(p), options={"threads": "1"}) as container:
+                stream = _video_stream(container, p)
+                stream.codec_context.thread_count = 1
+                for _ in _pyav_frames(av, container, stream):
+                    return None
+        except DecodeFailure:
+            raise
+        except Exception as exc:  # PyAV's errors, and whatever a damaged container makes it raise
+            why = exc.strerror if isinstance(exc, av.FFmpegError) and exc.strerror else _describe(exc)
+            raise DecodeFailure("unreadable", p, why) from None
+        raise DecodeFailure("no_frames", p, "no frame of its video stream decodes")
+    except DecodeFailure as e:
+        return f"{e.kind}: {e.detail}"
+
+
 def _video_stream(container: Any, path: Path) -> Any:
     if not container.streams.video:
         raise DecodeFailure("no_frames", path, "the file has no video stream")
@@ -794,3 +829,88 @@ def _shutdown(proc: subprocess.Popen, conn: Connection, polite: bool) -> int | N
         proc.wait()
     conn.close()
     return proc.returncode
+
+
+# ----------------------------------------------------------------------------- frames at given times
+
+
+def frames_at(path: str | os.PathLike[str], times: Sequence[float], height: int) -> list[np.ndarray]:
+    """The frames presented at ``times`` (seconds, on the timeline of :class:`DecodedVideo`'s
+    timestamps), upright and scaled to ``height`` pixels with the aspect kept; for thumbnails.
+
+    PyAV seeks to the keyframe before each time and decodes forward to the frame presented nearest
+    it (a store's recorded timestamps are frame times, so that is the very frame extract sampled);
+    a time past the last frame gives the last frame. Where a seek lands after its time (a
+    file with a broken index), that time is decoded from the start of the file instead. No crop, no
+    timeout: this is for showing a few frames, not for extraction.
+
+    Args:
+        path: The video file.
+        times: Presentation times in seconds, in any order; finite.
+        height: Output height in pixels (>= 1); the width follows the display aspect (rotation applied).
+
+    Returns:
+        One uint8 ``[height, W, 3]`` RGB array per time, in the order of ``times``.
+
+    Raises:
+        DecodeFailure: The file is missing, empty, unreadable, or no frame decodes.
+
+    Example:
+        >>> thumbs = frames_at("video0.mp4", [0.5, 2.0], height=96)  # doctest: +SKIP
+        >>> thumbs[0].shape  # doctest: +SKIP
+        (96, 128, 3)
+    """
+    import av
+
+    path = Path(path)
+    want = np.asarray(times, dtype=np.float64).reshape(-1)
+    if height < 1 or not np.isfinite(want).all():
+        raise ValueError(f"frames_at needs height >= 1 and finite times, got {height}, {want.tolist()}")
+    _check_file(path)
+
+    def scaled(frame: Any) -> np.ndarray:  # swscale bilinear to `height`, then the display rotation
+        rotation = _rotation(frame)
+        w, h = (frame.height, frame.width) if rotation in (90, 270) else (frame.width, frame.height)
+        new_w = max(1, round(w * height / h))
+        coded_w, coded_h = (height, new_w) if rotation in (90, 270) else (new_w, height)
+        image = frame.reformat(width=coded_w, height=coded_h, format="rgb24", interpolation="BILINEAR")
+        image = image.to_ndarray()  # (coded_h, coded_w, 3)
+        return np.ascontiguousarray(np.rot90(image, rotation // 90) if rotation else image)
+
+    out: list[np.ndarray | None] = [None] * len(want)
+    try:
+        with av.open(str(path)) as container:
+            stream = _video_stream(container, path)
+            stream.codec_context.thread_count = 1
+            t0, time_base, rate = stream.start_time or 0, float(stream.time_base), _frame_rate(stream)
+            # The frame nearest each time: the first at or after it less half a frame period (a
+            # store's times are float32, a frame off after about 20 min at 25 fps otherwise).
+            slack = 0.5 / rate
+            for i in np.argsort(want, kind="stable"):
+                target, found = want[i] - slack, None
+                for from_start in (False, True):
+                    # Seek to the keyframe at or before the target; from_start: to the file's start.
+                    pts = t0 if from_start else t0 + int(np.floor(target / time_base))
+                    container.seek(pts, stream=stream, backward=True, any_frame=False)
+                    last, first = None, True
+                    for k, frame in enumerate(_pyav_frames(av, container, stream)):
+                        if frame.pts is None and not from_start:
+                            break  # no frame times: count frames from the start instead
+                        t = (frame.pts - t0) * time_base if frame.pts is not None else k / rate
+                        if t >= target:
+                            # A seek that lands after its target missed frames: retry from the start.
+                            found = frame if (from_start or not first or t <= want[i] + slack) else None
+                            break
+                        last, first = frame, False
+                    else:
+                        found = last  # past the last frame: the last one
+                    if found is not None:
+                        break
+                if found is None:
+                    raise DecodeFailure("no_frames", path, f"no frame decodes at or before {want[i]:g} s")
+                out[i] = scaled(found)
+    except DecodeFailure:
+        raise
+    except Exception as exc:  # PyAV's errors, and anything else a broken file provokes
+        raise DecodeFailure("unreadable", path, _describe(exc)) from None
+    return out

@@ -60,7 +60,9 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
         with writing(out), h5:
             for name in ARRAYS:
                 src = store.array(name)
-                dst = h5.create_dataset(name, shape=src.shape, dtype=src.dtype, chunks=src.chunks)
+                # HDF5 refuses chunks for an empty dataset (a collection's store has no captions)
+                dst = h5.create_dataset(name, shape=src.shape, dtype=src.dtype,
+                                        chunks=src.chunks if src.shape[0] else None)
                 step = src.chunks[0]
                 for a in range(0, src.shape[0], step):
                     dst[a : a + step] = src[a : a + step]

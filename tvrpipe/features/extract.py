@@ -27,6 +27,14 @@ are retried (their shard is rewritten with the rows that succeeded before kept a
 rerun with nothing left to do starts neither Ray nor a model (the weights' facts are cached,
 :mod:`tvrpipe.features.weights`). Options and the manifest are checked before Ray starts, and the
 store is locked while written (:mod:`tvrpipe.lock`).
+
+A collection (a folder of one's own videos, :mod:`tvrpipe.features.collection`) is first compared with
+its manifest: a file changed or removed since the manifest was built is an error (rebuild the
+manifest), so no feature of another file is kept under its name. Its store is updated in place: the
+store of an earlier state of the folder is moved aside (:class:`~tvrpipe.features.store.StoreWriter`
+with ``update``) and each video whose file is unchanged (same id, path, size and modification time)
+is copied from it, bit for bit, rather than decoded and encoded again; only new and changed files
+are encoded.
 """
 
 from __future__ import annotations
@@ -45,10 +53,17 @@ import pandas as pd
 
 from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init, ray_running, require_gpus
 from tvrpipe.config import above, at_least, check_fields, one_of, within
-from tvrpipe.data.manifest import read_manifest
+from tvrpipe.data.manifest import COLLECTION, read_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.arrays import nonfinite_rows
-from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256
+from tvrpipe.features.store import (
+    PreviousStore,
+    Shard,
+    StoreWriter,
+    make_provenance,
+    manifest_sha256,
+    update_interrupted,
+)
 from tvrpipe.features.weights import (
     cached_facts,
     check_checkpoint,
@@ -119,12 +134,13 @@ class ExtractConfig:
 
 @dataclass
 class ExtractSummary:
-    """What an extraction did. ``videos_done + videos_skipped + failed == videos_total``."""
+    """What an extraction did. ``videos_done + reused + videos_skipped + failed == videos_total``."""
 
     out: Path
     videos_total: int
-    videos_done: int = 0  # extracted in this run (failures not included)
-    videos_skipped: int = 0  # extracted by an earlier run (failures not included)
+    videos_done: int = 0  # extracted (decoded and encoded) in this run (failures not included)
+    videos_skipped: int = 0  # extracted by an earlier run into this store (failures not included)
+    reused: int = 0  # copied from the store an update of a collection replaced (their files unchanged)
     failed: int = 0  # videos that have failed, in this run or an earlier one not retried
     retried: int = 0  # videos that had failed before and were tried again in this run
     recovered: int = 0  # of those, the ones that succeeded this time
@@ -145,8 +161,9 @@ class ExtractSummary:
         rate = self.videos_done / self.seconds if self.seconds else 0.0
         retried = f"; {self.retried} retried, {self.recovered} recovered" if self.retried else ""
         repaired = f"; {self.repaired} damaged shards re-extracted" if self.repaired else ""
+        reused = f"{self.reused} reused (unchanged since the last extraction), " if self.reused else ""
         out = [
-            f"videos: {self.videos_done} extracted, {self.videos_skipped} already done, {self.failed} failed "
+            f"videos: {self.videos_done} extracted, {reused}{self.videos_skipped} already done, {self.failed} failed "
             f"({self.videos_total} in all{retried}); texts: {self.texts_done} encoded, "
             f"{self.texts_skipped} already done ({self.texts_total} in all){repaired}",
             f"{self.seconds:.1f} s, {rate:.2f} videos/s, {self.frames_done / max(self.seconds, 1e-9):.1f} frames/s",
@@ -510,6 +527,10 @@ def extract(
     t0 = time.perf_counter()
     # Everything that can be checked without the weights is checked before Ray starts (cfg checked itself)
     manifest, root, F, L = open_manifest(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words)
+    if manifest.is_collection:
+        from tvrpipe.features.collection import check_unchanged
+
+        check_unchanged(manifest, manifest_dir, root)
     check_checkpoint(cfg.pretrained)
     out = Path(out_dir)
 
@@ -518,6 +539,9 @@ def extract(
 
     key = weights_key(cfg.model, cfg.pretrained, cfg.seed)
     videos = manifest.videos[["video_id", "split", "path", "start_s", "end_s"]]
+    sidecar = videos  # the store's videos.parquet: a collection's also names each file's fingerprint
+    if manifest.is_collection:
+        sidecar = videos.merge(manifest.files, on="video_id", how="left", validate="one_to_one")
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     texts = manifest.captions.assign(video_row=vrow.loc[manifest.captions["video_id"]].to_numpy())[
         ["caption_id", "video_id", "video_row", "split", "text"]
@@ -527,7 +551,8 @@ def extract(
     workers: _Workers | None = None
     early: _Early | None = None
     try:
-        if not cfg.overwrite and _complete(out):  # a rerun may have nothing to do: it starts no encoder, no Ray
+        # a rerun may have nothing to do, an interrupted update nothing but copies: no encoder, no Ray yet
+        if not cfg.overwrite and (_complete(out) or manifest.is_collection and update_interrupted(out)):
             facts = cached_facts(key) or _loaded_facts(cfg, key)
         else:  # the encoders that do the work report the weights' facts; the driver loads no model
             workers = _start_workers(cfg)
@@ -545,17 +570,28 @@ def extract(
             model=cfg.model, pretrained=cfg.pretrained, weights_sha256=facts["weights_sha256"],
             frames=F, max_words=L, embed_dim=facts["embed_dim"], frame_sampling=FRAME_SAMPLING,
             image_size=facts["image_size"], preprocessing=facts["preprocessing"],
-            manifest_sha256=manifest_sha256(manifest.videos, manifest.captions),
+            manifest_sha256=manifest_sha256(manifest.videos, manifest.captions,
+                                            manifest.files if manifest.is_collection else None),
             logit_scale=facts["logit_scale"],  # CLIP's learned scale: every head starts from it (train-head)
             precision=cfg.encode_precision,  # what the rows are computed in (not an identity key)
+            seed=cfg.seed,  # rebuilds the weights of --pretrained none
+            video_root=str(root.resolve()),  # where the rows were decoded from (search shows frames from there)
+            **({"kind": COLLECTION} if manifest.is_collection else {}),
         )
-        with StoreWriter(out, videos[["video_id", "split", "path"]], texts.drop(columns="text"), provenance,
-                         cfg.video_shard, cfg.text_shard, cfg.overwrite) as writer:
+        with StoreWriter(out, sidecar, texts.drop(columns="text"), provenance, cfg.video_shard, cfg.text_shard,
+                         cfg.overwrite, update=manifest.is_collection) as writer:
             damaged = len(writer.damaged("videos")) + len(writer.damaged("texts"))
             v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
             retry = {s: rows for s, rows in writer.failed_rows().items() if s not in set(v_pending)} \
                 if cfg.retry_failed else {}
-            jobs = [(s, None) for s in v_pending] + list(retry.items())
+            # an update: rows whose file is unchanged are copied from the store it replaces
+            copies = _copies(writer.previous, sidecar, v_pending)
+            summary.reused = sum(int((src >= 0).sum()) for src in copies.values())
+            whole = [s for s in v_pending if s.index in copies and (copies[s.index] >= 0).all()]
+            if whole:
+                _write_copied(writer, whole, copies, cfg.progress)
+            jobs = [(s, None if s.index not in copies else s.start + np.flatnonzero(copies[s.index] < 0))
+                    for s in v_pending if s not in whole] + list(retry.items())
             summary.repaired = damaged
             summary.retried = sum(len(rows) for rows in retry.values())
             summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in t_pending)
@@ -569,8 +605,14 @@ def extract(
                 with _progress(cfg.progress) as bar:
                     feed = _TextFeed(writer, texts, t_pending, workers.encoders, L, bar, summary)
                     if jobs:
+                        def load(shard: Shard) -> dict[str, np.ndarray]:  # a shard of which some rows are kept
+                            if shard.index in copies:
+                                return _copied_videos(writer.previous, shard, copies[shard.index], F,
+                                                      int(provenance["embed_dim"]))
+                            return _stored_videos(writer, shard)
+
                         processed = _run_videos(writer, videos, jobs, root, cfg, F, facts["image_size"], workers,
-                                                bar, summary, feed, lambda: reached("first_batch"), early)
+                                                bar, summary, feed, lambda: reached("first_batch"), early, load)
                     feed.finish()
             failures = writer.failures()
             failed_now = set(failures["video_id"])
@@ -579,7 +621,7 @@ def extract(
             retried = {str(i) for rows in retry.values() for i in ids[rows]}
             summary.failed = len(failures)
             summary.videos_done = processed - len(failed_now & redone)
-            summary.videos_skipped = summary.videos_total - summary.videos_done - summary.failed
+            summary.videos_skipped = summary.videos_total - summary.videos_done - summary.reused - summary.failed
             summary.recovered = len((failed_before & retried) - failed_now)
             summary.failure_kinds = dict(Counter(e.split(":", 1)[0] for e in failures["error"]))
             reason = _too_many_failures(failures, videos, root, out, cfg)
@@ -649,7 +691,7 @@ class _TextFeed:
 
 
 def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Workers, bar, summary, feed: _TextFeed,
-                first, early: _Early | None = None) -> int:
+                first, early: _Early | None = None, load=None) -> int:
     """Decode and encode the rows of ``jobs`` and write their shards, the captions' shards in between;
     returns the videos processed.
 
@@ -659,7 +701,8 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
     flight, so it never waits for the hand-over. An encoder with nothing to do gets what is decoded
     without waiting for a whole batch (the first videos are encoded while the next decode). Decoded
     videos waiting for an encoder are capped at two batches per encoder: the frames are the memory.
-    ``early``: decodes already sent (:func:`_decode_early`); those of rows in ``jobs`` are kept.
+    ``early``: decodes already sent (:func:`_decode_early`); those of rows in ``jobs`` are kept. ``load``:
+    the arrays a shard of which only some rows are in ``jobs`` starts from (default: its stored rows).
     """
     import ray
 
@@ -680,7 +723,7 @@ def _run_videos(writer, videos, jobs, root, cfg, F, image_size, workers: _Worker
                        {"emb": ((F, writer.provenance["embed_dim"]), 0, np.float16), "mask": ((F,), False, bool),
                         "timestamps": ((F,), np.nan, np.float32)},
                        partial={s.index: len(rows) for s, rows in jobs if rows is not None},
-                       load=lambda shard: _stored_videos(writer, shard))
+                       load=load or (lambda shard: _stored_videos(writer, shard)))
     failures: dict[int, list[dict[str, str]]] = {}
     ids = videos["video_id"].to_numpy()
     t0 = time.perf_counter()
@@ -741,3 +784,41 @@ def _stored_videos(writer, shard: Shard) -> dict[str, np.ndarray]:
     """A retried shard's rows as stored: the rows not retried keep them."""
     old = writer.read_videos(shard)
     return {"emb": old["frames"], "mask": old["frame_mask"], "timestamps": old["timestamps"]}
+
+
+def _copies(previous: PreviousStore | None, sidecar: pd.DataFrame, pending: list[Shard]) -> dict[int, np.ndarray]:
+    """For each pending video shard with a row to copy from the store an update replaces: each of its rows'
+    row there (-1: to encode)."""
+    if previous is None or not pending:
+        return {}
+    src = previous.match(sidecar)
+    out = {}
+    for s in pending:
+        rows = src[s.start : s.stop]
+        if (rows >= 0).any():
+            out[s.index] = rows
+    return out
+
+
+def _copied_videos(previous: PreviousStore, shard: Shard, src: np.ndarray, F: int, D: int) -> dict[str, np.ndarray]:
+    """A shard's rows as copied from the store an update replaces (``src``: each row's row there); the rows
+    to encode (-1) hold the padding's values until their features arrive."""
+    n = shard.stop - shard.start
+    out = {"emb": np.zeros((n, F, D), np.float16), "mask": np.zeros((n, F), bool),
+           "timestamps": np.full((n, F), np.nan, np.float32)}
+    have = np.flatnonzero(src >= 0)
+    if len(have):
+        d = previous.read(src[have])
+        out["emb"][have], out["mask"][have], out["timestamps"][have] = d["frames"], d["frame_mask"], d["timestamps"]
+    return out
+
+
+def _write_copied(writer, shards: list[Shard], copies: dict[int, np.ndarray], progress: bool) -> None:
+    """Write the shards whose every row is copied from the store an update replaces (no video decoded)."""
+    F, D = int(writer.provenance["frames"]), int(writer.provenance["embed_dim"])
+    with _progress(progress) as bar:
+        task = bar.add_task("videos reused", total=sum(s.stop - s.start for s in shards), rate="")
+        for s in shards:
+            d = _copied_videos(writer.previous, s, copies[s.index], F, D)
+            writer.write_videos(s, d["emb"], d["mask"], d["timestamps"], [])
+            bar.update(task, advance=s.stop - s.start)

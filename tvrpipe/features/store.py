@@ -10,16 +10,28 @@ Layout (DESIGN.md, "Feature store"), in ``<features_dir>/``::
       texts/token_mask        bool    [n_texts, L]
       texts/sentence          float16 [n_texts, D]       EOS token = open_clip encode_text
       attrs                   provenance (see :func:`make_provenance`) and ``complete``
-    videos.parquet            row -> video_id, split, path
-    texts.parquet             row -> caption_id, video_id, video_row, split
+    videos.parquet            row -> video_id, split, path, start_s, end_s (the clip's bounds; null: the
+                              whole file), and for a collection bytes, mtime_ns (the file's fingerprint)
+    texts.parquet             row -> caption_id, video_id, video_row, split (no rows for a collection)
     failures.parquet          video_id, stage, error (bad videos: zero features, mask all False)
     _progress/{videos,texts}/NNNNNN.json   completion marker of each shard (atomic rename)
     .tvrpipe.lock             held by the one process writing the store (:mod:`tvrpipe.lock`)
+    .previous/                while a collection's store is updated: the store it replaces (below)
 
 Rows follow the manifest's order, so the same ids always land in the same rows. Every row has
 F frames (padded + mask), so rows are fixed-size and a writer owns whole shards (row ranges that
 are exactly one Zarr chunk): writers never share a chunk. Rerunning an extraction skips completed
 shards; a store made with other provenance is refused.
+
+Updating a collection. A collection's folder gains, loses and changes files; its manifest, and so
+the store's ``manifest_sha256``, change with it. A writer opened with ``update=True`` on a collection
+store whose identity differs only in ``manifest_sha256`` moves that store's files into
+``.previous/`` (through a staging folder renamed into place, so an interrupted move is finished by
+the next writer) and creates the new store; the extraction copies from ``.previous`` the rows whose
+file fingerprint (video_id, path, bytes, mtime_ns) is unchanged and that lie in a whole shard (CRC-32
+checked) and did not fail, and encodes the rest. ``.previous`` is deleted once the new store is
+complete. If an update is interrupted, the next one keeps ``.previous`` as its source: it resumes
+the partial store when it was made from the same manifest, and otherwise deletes it.
 
 Integrity. A shard's marker is written after its chunks and records, for every array of its kind,
 the chunk's key, size in bytes and CRC-32 (read back from disk), plus the shard's failures. Every
@@ -49,6 +61,7 @@ import numpy as np
 import pandas as pd
 import zarr
 
+from tvrpipe.data.manifest import COLLECTION
 from tvrpipe.environment import resumed_versions, versions
 from tvrpipe.errors import ConfigError, TvrpipeError, writing
 from tvrpipe.features.arrays import nonfinite_rows
@@ -64,6 +77,9 @@ KINDS = ("videos", "texts")
 ARRAYS = {"videos": ("frames", "frame_mask", "timestamps"), "texts": ("tokens", "token_mask", "sentence")}
 EMBEDDINGS = ("videos/frames", "texts/tokens", "texts/sentence")  # must hold finite values only
 NOT_WRITTEN = "not written yet"
+SIDECARS = ("videos.parquet", "texts.parquet", "failures.parquet")
+PREVIOUS = ".previous"  # the store a collection's update replaces, until the new one is complete
+FINGERPRINT = ("video_id", "path", "bytes", "mtime_ns")  # a collection's row is reused when all four are equal
 # Provenance keys that must match for a store to be reused or read by a head.
 IDENTITY_KEYS = (
     "schema_version",
@@ -85,10 +101,12 @@ class StoreError(TvrpipeError):
     """A feature store is missing, incomplete or was made with other provenance."""
 
 
-def manifest_sha256(videos: pd.DataFrame, captions: pd.DataFrame) -> str:
-    """A hash of the manifest rows (ids, paths, splits, texts) that a store was built from."""
+def manifest_sha256(videos: pd.DataFrame, captions: pd.DataFrame, files: pd.DataFrame | None = None) -> str:
+    """A hash of the manifest rows (ids, paths, splits, texts) that a store was built from, and of a
+    collection's file fingerprints (``files``: video_id, bytes, mtime_ns), so that a file changed in
+    place under the same name changes the store's identity."""
     h = hashlib.sha256()
-    for table in (videos, captions):
+    for table in (videos, captions) if files is None else (videos, captions, files):
         h.update(pd.util.hash_pandas_object(table.astype(str), index=False).to_numpy().tobytes())
     return h.hexdigest()
 
@@ -236,6 +254,74 @@ class _Layout:
         return out
 
 
+_PREVIOUS_STAGING = f"{PREVIOUS}.tmp"  # a move into .previous in progress
+
+
+def update_interrupted(features_dir: str | os.PathLike[str]) -> bool:
+    """Whether an update of a collection's store in ``features_dir`` was interrupted: the store it replaces
+    is still set aside (the next update takes its rows from there)."""
+    d = Path(features_dir)
+    return (d / PREVIOUS).is_dir() or (d / _PREVIOUS_STAGING).is_dir()
+
+
+class PreviousStore:
+    """The store a collection's update replaces (``.previous``), opened as a source of rows to copy:
+    whether it was complete or not, only its whole shards count (marker present, every chunk of the
+    recorded size and CRC-32), and in them only the videos that did not fail.
+
+    Attributes:
+        dir: the ``.previous`` folder.
+        rows: the reusable rows: their :data:`FINGERPRINT` columns and ``row`` (their row there).
+    """
+
+    def __init__(self, features_dir: Path) -> None:
+        self.dir = Path(features_dir)
+        self.group = _open_group(self.dir / STORE_NAME)
+        layout = _Layout(self.dir, self.group)
+        empty = pd.DataFrame(columns=[*FINGERPRINT, "row"])
+        try:
+            table = pd.read_parquet(self.dir / "videos.parquet")
+        except Exception:  # missing or damaged: nothing can be matched, every video is encoded again
+            self.rows = empty
+            return
+        n = self.group["videos/frames"].shape[0]
+        if len(table) != n or not set(FINGERPRINT) <= set(table.columns):
+            self.rows = empty
+            return
+        keep = np.zeros(n, bool)
+        for shard in layout.shards("videos"):
+            if layout.check(shard, checksums=True) is None:
+                keep[shard.start : shard.stop] = True
+                rec = layout.read_marker(shard) or {}
+                failed = {f.get("video_id") for f in rec.get("failures", [])}
+                ids = table["video_id"].to_numpy()[shard.start : shard.stop]
+                keep[shard.start : shard.stop] &= ~np.isin(ids, list(failed))
+        self.rows = table.loc[keep, list(FINGERPRINT)].assign(row=np.flatnonzero(keep)).reset_index(drop=True)
+
+    def match(self, videos: pd.DataFrame) -> np.ndarray:
+        """For each row of ``videos`` (a new store's sidecar, with the :data:`FINGERPRINT` columns), the
+        row of this store that holds the same file's features, or -1."""
+        index = {_fingerprint_key(k): int(r) for k, r in
+                 zip(self.rows[list(FINGERPRINT)].itertuples(index=False, name=None), self.rows["row"])}
+        return np.array([index.get(_fingerprint_key(k), -1)
+                         for k in videos[list(FINGERPRINT)].itertuples(index=False, name=None)], np.int64)
+
+    def read(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The video arrays (``frames``, ``frame_mask``, ``timestamps``) of ``rows``, in that order."""
+        order = np.argsort(rows, kind="stable")
+        out = {}
+        for name in ARRAYS["videos"]:
+            values = self.group[f"videos/{name}"].get_orthogonal_selection((rows[order],))
+            out[name] = np.empty_like(values)
+            out[name][order] = values
+        return out
+
+
+def _fingerprint_key(values: tuple) -> tuple[str, str, int, int]:
+    video_id, path, size, mtime = values
+    return str(video_id), str(path), int(size), int(mtime)
+
+
 # what stores written by an earlier tvrpipe recorded as their maker, and the command that repairs them
 _MAKERS = {"generate_store (tvrpipe.pipeline.genstore)": "tvrpipe synth --features-only"}
 
@@ -266,7 +352,8 @@ class StoreWriter:
 
     Args:
         features_dir: the store's directory.
-        videos: the videos sidecar (columns video_id, split, path), in row order.
+        videos: the videos sidecar (columns video_id, split, path, and what else the maker records: extract
+            adds the clip bounds, and for a collection the file fingerprints), in row order.
         texts: the texts sidecar (caption_id, video_id, video_row, split), in row order.
         provenance: from :func:`make_provenance`; must include frames, max_words, embed_dim.
         video_shard: videos per shard (and per Zarr chunk).
@@ -275,10 +362,18 @@ class StoreWriter:
         made_by: the command that makes this store, named in repair messages.
         wait: if another process is writing the store, wait for it (:class:`~tvrpipe.lock.DirLock`)
             instead of raising; what it wrote is then checked like any resumed store's.
+        update: a collection's store (provenance ``kind`` ``"collection"``): a collection store in
+            ``features_dir`` whose identity differs only in ``manifest_sha256`` is moved to
+            ``.previous/`` and becomes :attr:`previous`, the source of unchanged rows (see the module
+            docstring), instead of being refused.
+
+    Attributes:
+        previous: with ``update``, the store being replaced (:class:`PreviousStore`), else None.
 
     Raises:
         LockError: another process is writing the store (and not ``wait``).
-        StoreError: the directory holds a store with other provenance (and not ``overwrite``).
+        StoreError: the directory holds a store with other provenance (and not ``overwrite``), or
+            (``update``) a collection store computed in another precision.
     """
 
     def __init__(
@@ -292,25 +387,29 @@ class StoreWriter:
         overwrite: bool = False,
         made_by: str = "tvrpipe extract",
         wait: bool = False,
+        update: bool = False,
     ) -> None:
         self.dir = Path(features_dir)
+        self.previous: PreviousStore | None = None
         self.provenance = {**provenance, "made_by": made_by}
         self.made_by = made_by
         self.n_videos, self.n_texts = len(videos), len(texts)
         self._video_row = pd.Series(np.arange(self.n_videos), index=videos["video_id"].to_numpy())
         self._lock = DirLock(self.dir, "--out", wait=wait)
         try:
-            self._open(videos, texts, video_shard, text_shard, overwrite)
+            self._open(videos, texts, video_shard, text_shard, overwrite, update)
         except BaseException:
             self._lock.release()
             raise
 
     def _open(self, videos: pd.DataFrame, texts: pd.DataFrame, video_shard: int, text_shard: int,
-              overwrite: bool) -> None:
+              overwrite: bool, update: bool) -> None:
         path = self.dir / STORE_NAME
         if overwrite:
-            self._remove()
-        elif (path / "zarr.json").is_file():
+            self._remove(previous=True)
+        elif update:
+            self._prepare_update()
+        if not overwrite and (path / "zarr.json").is_file():
             old = dict(_open_group(path).attrs)
             diff = provenance_mismatch(old, self.provenance)
             if diff:
@@ -345,12 +444,83 @@ class StoreWriter:
         self._complete = bool(self.root.attrs.get("complete"))
         self._problems: dict[str, dict[Shard, str]] = {}  # CRC-checked state per kind, until a write
 
-    def _remove(self) -> None:
-        """Delete this store's files (only those: the directory may hold other things)."""
+    def _remove(self, previous: bool = False) -> None:
+        """Delete this store's files (only those: the directory may hold other things); with ``previous``,
+        the store an update was replacing too."""
         shutil.rmtree(self.dir / STORE_NAME, ignore_errors=True)
         shutil.rmtree(self.dir / PROGRESS, ignore_errors=True)
-        for name in ("failures.parquet", "videos.parquet", "texts.parquet"):
+        for name in SIDECARS:
             (self.dir / name).unlink(missing_ok=True)
+        if previous:
+            self._remove_previous()
+
+    def _remove_previous(self) -> None:
+        for name in (PREVIOUS, _PREVIOUS_STAGING):
+            shutil.rmtree(self.dir / name, ignore_errors=True)
+        self.previous = None
+
+    def _updatable(self, attrs: Mapping[str, Any]) -> bool:
+        """Whether a store with ``attrs`` is an earlier state of this collection's store: a collection store
+        whose identity differs from this one's in ``manifest_sha256`` at most."""
+        diff = [k for k in IDENTITY_KEYS if attrs.get(k) != self.provenance.get(k)]
+        return (attrs.get("kind") == COLLECTION and self.provenance.get("kind") == COLLECTION
+                and set(diff) <= {"manifest_sha256"})
+
+    def _check_update_precision(self, attrs: Mapping[str, Any], where: Path) -> None:
+        have, want = attrs.get("precision"), self.provenance.get("precision")
+        if have is not None and want is not None and have != want:
+            raise StoreError(
+                f"{where} holds the collection's features computed in {have}, and an update reuses them only in "
+                f"the same precision (a store's rows are all computed in one): rerun with --precision {have}, or "
+                f"pass --overwrite to extract every video again in {want}")
+
+    def _prepare_update(self) -> None:
+        """Before a collection's store is opened: move the store it replaces into ``.previous`` (or keep the one
+        an interrupted update left there), and open that as :attr:`previous`."""
+        path, prev, staging = self.dir / STORE_NAME, self.dir / PREVIOUS, self.dir / _PREVIOUS_STAGING
+        if staging.is_dir():
+            if prev.exists():  # not reached by a move (the rename is its last step): a leftover
+                shutil.rmtree(staging)
+            else:  # a move was interrupted: the store's files are split between here and staging
+                self._move_store(staging)
+                os.rename(staging, prev)
+        have = dict(_open_group(path).attrs) if (path / "zarr.json").is_file() else None
+        if (prev / STORE_NAME / "zarr.json").is_file():
+            try:
+                source = dict(_open_group(prev / STORE_NAME).attrs)
+            except StoreError:
+                source = {}
+            if not self._updatable(source):
+                log.warning("%s: %s holds a store of other settings, or a damaged one; nothing is copied from it, "
+                            "and it is deleted once the new store is complete", self.dir, prev)
+                return
+            self._check_update_precision(source, prev)
+            # the partial store an interrupted update left is resumed if made from the same manifest
+            if have is not None and self._updatable(have) and provenance_mismatch(have, self.provenance):
+                log.info("%s: an interrupted update left a store of another manifest; it is replaced, and the "
+                         "videos unchanged since %s are copied from there", self.dir, prev)
+                self._remove()
+        elif have is not None and self._updatable(have) and provenance_mismatch(have, self.provenance):
+            self._check_update_precision(have, self.dir)
+            if have.get("video_root") != self.provenance.get("video_root"):  # a moved folder, or another one
+                log.warning("%s was extracted from %s and is updated from %s: only the videos with the same "
+                            "relative path, size and modification time are copied", self.dir, have.get("video_root"),
+                            self.provenance.get("video_root"))
+            shutil.rmtree(prev, ignore_errors=True)
+            staging.mkdir()
+            self._move_store(staging)
+            os.rename(staging, prev)
+        else:
+            return
+        try:
+            self.previous = PreviousStore(prev)
+        except StoreError as e:  # its arrays' metadata is damaged: every video is encoded again
+            log.warning("%s: nothing is copied from %s: %s", self.dir, prev, e)
+
+    def _move_store(self, into: Path) -> None:
+        for name in (STORE_NAME, PROGRESS, *SIDECARS):
+            if (self.dir / name).exists():
+                os.replace(self.dir / name, into / name)
 
     def _create(self, path: Path, video_shard: int, text_shard: int) -> None:
         """Build the empty group beside ``path`` and rename it into place: never a half-made store."""
@@ -490,6 +660,7 @@ class StoreWriter:
         else:
             self.root.attrs.update({"complete": True, "incomplete_reason": None})
             self._complete = True
+            self._remove_previous()  # the new store is whole: the one it replaces is no longer needed
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # consolidated metadata is not yet in the v3 spec
             zarr.consolidate_metadata(self.dir / STORE_NAME)

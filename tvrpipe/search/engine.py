@@ -121,6 +121,31 @@ def read_queries(path: str | os.PathLike[str]) -> list[str]:
     return queries
 
 
+def check_collection_unchanged(store: FeatureStore, video_root: Path | None) -> None:
+    """A collection's files are as extraction found them (size and modification time), so no hit is served
+    from features of a file changed or removed since. A folder that is not reachable here (another machine,
+    an unmounted disk) is not checked: the hits name files the store describes.
+
+    Raises:
+        ConfigError: files changed or were removed; naming the first few and the two commands to rerun.
+    """
+    from tvrpipe.features.collection import changed_files, describe_changes
+
+    if store.provenance.get("kind") != "collection" or not {"bytes", "mtime_ns"} <= set(store.videos.columns):
+        return
+    if video_root is None or not video_root.is_dir():
+        log.warning("%s: the collection's folder %s is not reachable here; its files are not checked for changes",
+                    store.dir, video_root)
+        return
+    changed, gone = changed_files(store.videos, video_root)
+    if changed or gone:
+        raise ConfigError(
+            f"{len(changed) + len(gone)} videos of the collection in --features {store.dir} changed or were removed "
+            f"under {video_root} since they were extracted ({describe_changes(changed, gone)}): update the store with "
+            f"`tvrpipe manifest build --videos {video_root} --out MANIFEST` and `tvrpipe extract --manifest MANIFEST "
+            f"--video-root {video_root} --out {store.dir}` (only changed and new videos are encoded)")
+
+
 def _selected_head(run: Path, device: str) -> tuple[Head, dict, dict]:
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head, read_config, read_metrics
     from tvrpipe.training.evaluate import check_checkpoint_sha
@@ -161,6 +186,7 @@ def open_searcher(features: str | os.PathLike[str], run: str | os.PathLike[str] 
                                              int(prov.get("seed", 0)))
     root = prov.get("video_root")
     video_root = Path(root) if root else None
+    check_collection_unchanged(store, video_root)
     if run is None:
         head = head_class("meanpool")(clip_head_config("meanpool", D, prov.get("logit_scale")))
         return Searcher(store, head.to(device).eval(), ZERO_SHOT, int(prov["max_words"]), clip, device, video_root)
@@ -288,7 +314,7 @@ def check_top_k(k: int, n: int, store: FeatureStore) -> None:
                           f"ask for at most {n}")
 
 
-def search(searcher: Searcher, queries: Sequence[str], k: int = DEFAULT_TOP_K, candidates: int | None = None,
+def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
            texts: TextBatch | None = None) -> list[Hit]:
     """The ``k`` best videos of the store for each query.
@@ -296,7 +322,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int = DEFAULT_TOP_K, c
     Args:
         searcher: from :func:`open_searcher`.
         queries: the sentences.
-        k: hits per query.
+        k: hits per query; None: :data:`DEFAULT_TOP_K`, or every video of a smaller store.
         candidates: K, the shortlist the head re-ranks; None (or >= the searchable videos): every video.
         first_stage: ``auto`` | ``exact`` | ``faiss`` (:mod:`tvrpipe.search.index`).
         index: a FAISS index exported by ``tvrpipe export --format faiss`` for the first stage.
@@ -313,6 +339,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int = DEFAULT_TOP_K, c
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
     store = searcher.store
     stage = exported_stage(index, store) if index is not None else make_stage(store, first_stage)
+    k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
     check_top_k(k, len(stage), store)
     if candidates is not None and candidates < k:
         raise ConfigError(f"--candidates {candidates} is fewer than --top-k {k}: the head re-ranks the shortlist, "

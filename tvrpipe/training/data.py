@@ -231,9 +231,12 @@ def split_rows(
         where: the store or manifest, for error messages.
 
     Raises:
-        ConfigError: a split the trainer needs is empty.
+        ConfigError: there are no captions, or a split the trainer needs is empty.
     """
     v_split, t_split, t_vrow = np.asarray(video_split), np.asarray(text_split), np.asarray(text_video_row)
+    if len(t_split) == 0:  # a collection of one's own videos: searched with a head trained elsewhere
+        raise ConfigError(f"{where} has no captions: a head is trained and evaluated on captioned videos; train on a "
+                          "captioned benchmark, then search these videos with that run (`tvrpipe search`)")
     train_v = np.flatnonzero(v_split == "train")
     if len(train_v) < 2:
         raise ConfigError(f"{where}: the train split has {len(train_v)} videos; need at least 2")
@@ -257,10 +260,25 @@ def split_rows(
     return SplitRows(train_v, train_t, val_v, val_t, test_v, test_t, source)
 
 
+def check_captioned(store: FeatureStore) -> None:
+    """Raise :class:`ConfigError` for a store without captions (a collection of one's own videos): a head
+    trains and is evaluated on captioned videos; such a store is searched with a head trained elsewhere."""
+    if len(store.texts) == 0:
+        raise ConfigError(
+            f"{store.dir} has no captions (a collection of videos, nothing to train or evaluate a head on): train a "
+            f"head on a captioned benchmark, then search this store with it: `tvrpipe search \"...\" --run RUN "
+            f"--features {store.dir}`")
+
+
 def store_split_rows(
     store: FeatureStore, carve_fraction: float = 0.1, carve_max: int = 1000, need_test: bool = True
 ) -> SplitRows:
-    """:func:`split_rows` of a feature store's tables."""
+    """:func:`split_rows` of a feature store's tables.
+
+    Raises:
+        ConfigError: the store has no captions (:func:`check_captioned`), or a split the trainer needs is empty.
+    """
+    check_captioned(store)
     return split_rows(store.videos["split"].to_numpy(), store.texts["split"].to_numpy(),
                       store.texts["video_row"].to_numpy(), str(store.dir), carve_fraction, carve_max, need_test)
 

@@ -65,7 +65,7 @@ from tvrpipe.training.core import (
     setting_source,
     start_run,
 )
-from tvrpipe.training.data import CaptionPairs, SplitData, Splits, load_splits
+from tvrpipe.training.data import CaptionPairs, SplitData, Splits, check_captioned, load_splits
 from tvrpipe.training.evaluate import evaluate_split
 from tvrpipe.training.settings import TrainConfig
 
@@ -176,6 +176,7 @@ def fit(
     check_writable(out_dir, "--out")
     check_device(train.device)
     store = open_store(features)
+    check_captioned(store)  # a collection of one's own videos: searched, never trained on
     head_cfg = store_head_config(store, method, overrides)
     if store.provenance.get("logit_scale") is None and "generator" not in store.provenance \
             and "logit_scale_init" not in (overrides or {}):

@@ -1,0 +1,310 @@
+"""A collection without captions: a folder of videos as a manifest (nested folders, stable ids, files that
+do not decode left out), its video-only store, and the incremental update that encodes only new and
+changed files and equals a store extracted at once. Generated videos and the tiny CLIP; one Ray session
+for the module."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tvrpipe.data.manifest import read_manifest
+from tvrpipe.data.synth import synthesize
+from tvrpipe.errors import ConfigError, ManifestError
+from tvrpipe.features import extract as extract_module
+from tvrpipe.features.clip import TINY_MODEL
+from tvrpipe.features.collection import build_collection
+from tvrpipe.features.extract import ExtractConfig, extract
+from tvrpipe.features.store import PREVIOUS, StoreError, open_store
+
+VIDEO_ARRAYS = ("videos/frames", "videos/frame_mask", "videos/timestamps")
+# before: 5 videos; after: b/removed.mp4 gone, b/changed.MP4 rewritten, b/new1.mp4 and d/new2.mov added.
+# In id order, with 2 videos a shard, the update's shards are: both rows copied, both encoded, one of each.
+BEFORE = {"a/k1.mp4": 0, "a/x/k2.mp4": 1, "b/changed.MP4": 2, "b/removed.mp4": 3, "c/kept3.mp4": 4}
+AFTER_NEW = {"b/new1.mp4": 5, "d/new2.mov": 6}
+CHANGED_TO = 7  # the synthetic video written over b/changed.MP4
+
+
+def _cfg(**kw) -> ExtractConfig:
+    base = dict(model=TINY_MODEL, pretrained="none", video_shard=2, batch_size=4, decoders=1, progress=False,
+                timeout_s=30.0)
+    return ExtractConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def synth_videos(tmp_path_factory) -> list[Path]:
+    d = tmp_path_factory.mktemp("synth")
+    synthesize(d, 8, seed=3, progress=False)
+    return sorted((d / "videos").glob("*.mp4"))
+
+
+def _folder(root: Path, files: dict[str, int], synth: list[Path]) -> Path:
+    for name, k in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(synth[k], root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def collection(ray_session, synth_videos, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(folder, manifest, store) of the five videos of BEFORE."""
+    d = tmp_path_factory.mktemp("coll")
+    folder = _folder(d / "videos", BEFORE, synth_videos)
+    build_collection(folder, d / "manifest", progress=False)
+    s = extract(d / "manifest", folder, d / "store", _cfg())
+    assert (s.videos_done, s.reused, s.failed, s.texts_total) == (5, 0, 0, 0)
+    return folder, d / "manifest", d / "store"
+
+
+# ------------------------------------------------------------------------------------- manifest
+
+
+def test_manifest_of_nested_folders_with_stable_ids(synth_videos, tmp_path, monkeypatch):
+    folder = _folder(tmp_path / "v", {**BEFORE, ".hidden/h.mp4": 0, ".h.mp4": 1}, synth_videos)
+    b = build_collection(folder, tmp_path / "m", progress=False)
+    m = read_manifest(tmp_path / "m")
+    assert m.is_collection and (b.probed, b.known, b.undecodable, b.not_videos) == (5, 0, 0, 0)
+    assert list(m.videos.video_id) == sorted(BEFORE) == list(m.videos.path)  # relative, posix, with extension
+    assert set(m.videos.split) == {"test"} and m.videos[["start_s", "end_s"]].isna().all().all()
+    assert len(m.captions) == 0 and list(pd.read_parquet(tmp_path / "m" / "captions.parquet").columns) == [
+        "caption_id", "video_id", "text", "split"]
+    meta = json.loads((tmp_path / "m" / "meta.json").read_text())
+    assert {k: meta[k] for k in ("kind", "dataset", "video_root", "frames", "max_words", "skipped")} == {
+        "kind": "collection", "dataset": "collection", "video_root": str(folder.resolve()), "frames": 12,
+        "max_words": 32, "skipped": []}
+    files = pd.read_parquet(tmp_path / "m" / "files.parquet")
+    assert list(files.video_id) == sorted(BEFORE)
+    assert files.bytes.dtype == np.int64 and files.mtime_ns.dtype == np.int64
+    assert list(files.bytes) == [(folder / p).stat().st_size for p in sorted(BEFORE)]
+    assert list(files.mtime_ns) == [(folder / p).stat().st_mtime_ns for p in sorted(BEFORE)]
+    before = {n: (tmp_path / "m" / n).read_bytes() for n in ("videos.parquet", "files.parquet", "meta.json")}
+
+    # a rebuild probes nothing that did not change, and writes the same bytes
+    monkeypatch.setattr("tvrpipe.features.decode.probe_video", lambda p: pytest.fail(f"probed {p} again"))
+    b = build_collection(folder, tmp_path / "m", progress=False)
+    assert (b.probed, b.known) == (0, 5)
+    assert {n: (tmp_path / "m" / n).read_bytes() for n in before} == before
+    assert not [p.name for p in (tmp_path / "m").iterdir() if ".tmp-" in p.name]
+
+
+def test_what_is_not_a_decodable_video_is_skipped_and_listed(synth_videos, tmp_path):
+    folder = _folder(tmp_path / "v", {"a/ok.mp4": 0, "ok2.webm": 1}, synth_videos)  # content decides, not the name
+    (folder / "notes.txt").write_text("my videos")
+    (folder / "a" / "broken.mp4").write_bytes(synth_videos[2].read_bytes()[:300])  # a header, cut
+    (folder / "a" / "empty.MOV").write_bytes(b"")
+    b = build_collection(folder, tmp_path / "m", progress=False)
+    assert list(b.manifest.videos.video_id) == ["a/ok.mp4", "ok2.webm"]
+    assert (b.undecodable, b.not_videos) == (2, 1)
+    skipped = {s["path"]: s["reason"] for s in read_manifest(tmp_path / "m").meta["skipped"]}
+    assert skipped.keys() == {"a/broken.mp4", "a/empty.MOV", "notes.txt"}
+    assert skipped["a/broken.mp4"].startswith("unreadable: ") and skipped["a/empty.MOV"].startswith("empty: ")
+    assert skipped["notes.txt"] == "not a video file (.txt)"
+    # a skipped video is not probed again while it is unchanged; fixed, it joins the collection
+    assert build_collection(folder, tmp_path / "m", progress=False).probed == 0
+    shutil.copyfile(synth_videos[2], folder / "a" / "broken.mp4")
+    b = build_collection(folder, tmp_path / "m", progress=False)
+    assert b.probed == 1 and "a/broken.mp4" in set(b.manifest.videos.video_id)
+
+
+def test_a_folder_without_a_decodable_video_is_one_line_and_writes_nothing(synth_videos, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".DS_Store").write_text("x")
+    with pytest.raises(ManifestError, match=r"^no video file \(\.3gp, .*\.mp4.*\) under .*empty: it holds no file"):
+        build_collection(empty, tmp_path / "m", progress=False)
+    (empty / "notes.txt").write_text("x")
+    (empty / "b.csv").write_text("x")
+    with pytest.raises(ManifestError, match=r"empty: it holds 2 files, e\.g\. b\.csv, notes\.txt$"):
+        build_collection(empty, tmp_path / "m", progress=False)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.mp4").write_bytes(b"not a video at all" * 20)
+    (bad / "b.mp4").write_bytes(b"")
+    with pytest.raises(ManifestError, match=r"^none of the 2 video files under .*bad decodes: a\.mp4 \(unreadable: "
+                                            r".*\), b\.mp4 \(empty: the file has zero bytes\)$"):
+        build_collection(bad, tmp_path / "m", progress=False)
+    with pytest.raises(ManifestError, match="not a directory"):
+        build_collection(tmp_path / "nope", tmp_path / "m", progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+# ------------------------------------------------------------------------------------- extract
+
+
+def test_a_collection_gives_a_video_only_store(collection, same_rows):
+    folder, manifest, store_dir = collection
+    store = open_store(store_dir)
+    prov = store.provenance
+    assert prov["kind"] == "collection" and prov["dataset"] == "collection" and prov["seed"] == 0
+    assert prov["video_root"] == str(folder.resolve()) and (prov["n_videos"], prov["n_texts"]) == (5, 0)
+    assert store.array("texts/tokens").shape == (0, 32, prov["embed_dim"]) and len(store.texts) == 0
+    assert store.array("videos/frame_mask")[:].any(axis=1).all()
+    files = read_manifest(manifest).files
+    assert list(store.videos.columns) == ["video_id", "split", "path", "start_s", "end_s", "bytes", "mtime_ns"]
+    pd.testing.assert_frame_equal(store.videos[["video_id", "bytes", "mtime_ns"]], files, check_dtype=False)
+
+
+def test_adding_changing_and_removing_files_encodes_only_what_changed(collection, synth_videos, tmp_path,
+                                                                      same_rows, monkeypatch):
+    """The key promise: after the folder changes, manifest build + extract into the same --out copies the
+    unchanged videos bit for bit, encodes the new and the changed ones, drops the removed one, and gives
+    the store that an extraction of the final folder at once gives. An update interrupted after the old
+    store was moved aside is resumed from it."""
+    folder, manifest, store_dir = tmp_path / "videos", tmp_path / "manifest", tmp_path / "store"
+    src_folder, _, src_store = collection
+    shutil.copytree(src_folder, folder)  # copy2: sizes and modification times kept
+    shutil.copytree(src_store, store_dir, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    old = open_store(store_dir)
+    old_rows = {v: i for i, v in enumerate(old.videos.video_id)}
+    old_frames = old.array("videos/frames")[:]
+
+    (folder / "b" / "removed.mp4").unlink()
+    _folder(folder, AFTER_NEW, synth_videos)
+    changed = folder / "b" / "changed.MP4"
+    shutil.copyfile(synth_videos[CHANGED_TO], changed)  # another video under the same name
+    st = changed.stat()
+    os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    build_collection(folder, manifest, progress=False)
+
+    # interrupted right after the old store was moved aside: the rerun takes its rows from there
+    monkeypatch.setattr(extract_module, "_write_copied", _interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        extract(manifest, folder, store_dir, _cfg())
+    assert (store_dir / PREVIOUS / "features.zarr").is_dir()
+    monkeypatch.undo()
+
+    s = extract(manifest, folder, store_dir, _cfg())
+    assert (s.reused, s.videos_done, s.videos_skipped, s.failed, s.videos_total) == (3, 3, 0, 0, 6), s.lines()
+    assert "3 extracted, 3 reused" in s.lines()[0]
+    assert not (store_dir / PREVIOUS).exists() and not list(store_dir.glob(".previous*"))
+    new = open_store(store_dir)
+    assert new.provenance["manifest_sha256"] != old.provenance["manifest_sha256"]
+    ids = list(new.videos.video_id)
+    assert ids == sorted({*BEFORE, *AFTER_NEW} - {"b/removed.mp4"})
+    frames = new.array("videos/frames")[:]
+    for v in ("a/k1.mp4", "a/x/k2.mp4", "c/kept3.mp4"):  # copied bit for bit
+        np.testing.assert_array_equal(frames[ids.index(v)], old_frames[old_rows[v]])
+
+    at_once = tmp_path / "at-once"
+    build_collection(folder, at_once / "manifest", progress=False)
+    s = extract(at_once / "manifest", folder, at_once / "store", _cfg())
+    assert (s.videos_done, s.reused) == (6, 0)
+    ref = open_store(at_once / "store")
+    assert ref.provenance["manifest_sha256"] == new.provenance["manifest_sha256"]
+    pd.testing.assert_frame_equal(new.videos, ref.videos)
+    for name in VIDEO_ARRAYS:
+        same_rows(new, ref, name)
+    # the changed file's features are its new content's: they differ from what the store held before
+    row = ids.index("b/changed.MP4")
+    assert not np.allclose(frames[row].astype(np.float32), old_frames[old_rows["b/changed.MP4"]].astype(np.float32),
+                           atol=1e-2)
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_an_interrupted_move_is_finished_and_copies_start_no_ray(collection, tmp_path, monkeypatch):
+    """The store's files were being moved aside (into the staging folder) when the process died: the next
+    update finishes the move and copies every row from there; with nothing to encode, Ray never starts."""
+    _, manifest, src_store = collection
+    out = tmp_path / "store"
+    shutil.copytree(src_store, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    (out / ".previous.tmp").mkdir()
+    for name in ("features.zarr", "videos.parquet"):  # the rest is still in out
+        (out / name).rename(out / ".previous.tmp" / name)
+    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    s = extract(manifest, collection[0], out, _cfg())
+    assert (s.reused, s.videos_done, s.videos_skipped) == (5, 0, 0)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src_store.iterdir())
+    a, b = open_store(out), open_store(src_store)
+    for name in VIDEO_ARRAYS:
+        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:])
+    pd.testing.assert_frame_equal(a.videos, b.videos)
+
+
+def test_an_update_in_another_precision_is_refused_before_anything_moves(collection, tmp_path):
+    src_folder, _, src_store = collection
+    folder, out = tmp_path / "videos", tmp_path / "store"
+    shutil.copytree(src_folder, folder)
+    shutil.copytree(src_store, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    (folder / "b" / "removed.mp4").unlink()
+    build_collection(folder, tmp_path / "manifest", progress=False)
+    with pytest.raises(StoreError, match=r"computed in fp32, and an update reuses them only in the same precision.*"
+                                         r"rerun with --precision fp32, or pass --overwrite"):
+        extract(tmp_path / "manifest", folder, out, _cfg(precision="bf16"))
+    assert not list(out.glob(".previous*")) and open_store(out).provenance["n_videos"] == 5
+
+
+def test_a_folder_changed_since_its_manifest_is_refused_before_ray(collection, tmp_path, monkeypatch, caplog):
+    """A file changed or removed since the manifest was built: one line naming them and the rebuild, and no
+    Ray. A file added since: a warning, and the store is left as it is."""
+    src_folder, manifest, store_dir = collection
+    folder, out = tmp_path / "videos", tmp_path / "store"
+    shutil.copytree(src_folder, folder)
+    shutil.copytree(store_dir, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    shutil.copyfile(folder / "a" / "k1.mp4", folder / "extra.mp4")
+    with caplog.at_level(logging.WARNING, logger="tvrpipe.features.collection"):
+        s = extract(manifest, folder, out, _cfg())  # complete: nothing to do
+    assert (s.videos_done, s.videos_skipped) == (0, 5)
+    assert "1 video file(s) under" in caplog.text and "extra.mp4" in caplog.text
+    assert f"tvrpipe manifest build --videos {folder} --out {manifest}" in caplog.text
+
+    (folder / "b" / "removed.mp4").unlink()
+    with (folder / "a" / "k1.mp4").open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ConfigError, match=rf"^2 of 5 video files of the collection in {manifest} changed or were "
+                                          rf"removed under {folder} since its manifest was built \(changed 1: "
+                                          r"a/k1\.mp4; gone 1: b/removed\.mp4\); rebuild it with `tvrpipe manifest "
+                                          rf"build --videos {folder} --out {manifest}`"):
+        extract(manifest, folder, out, _cfg())
+
+
+def test_train_head_refuses_a_store_without_captions(collection, tmp_path, cli):
+    _, _, store_dir = collection
+    r = cli("train-head", "--features", store_dir, "--method", "meanpool", "--out", tmp_path / "run")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and "has no captions" in text, r.output
+    assert f'search this store with it: `tvrpipe search "..." --run RUN --features {store_dir}`' in text
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------- search
+
+
+def test_search_of_a_collection_and_a_changed_file_refused(collection, tmp_path, cli):
+    """Zero-shot search ranks every video of the collection, names its files, and draws their thumbnails from
+    the folder the store records; once a file changes under it, search refuses (nothing served stale)."""
+    import zarr
+
+    folder, _, store_dir = collection
+    r = cli("search", "a red circle", "--features", store_dir, "--top-k", 5, "--json", tmp_path / "h.json",
+            "--html", tmp_path / "h.html")
+    assert r.exit_code == 0, r.output
+    hits = json.loads((tmp_path / "h.json").read_text())
+    assert sorted(h["path"] for h in hits) == sorted(BEFORE) and [h["rank"] for h in hits] == [1, 2, 3, 4, 5]
+    assert all(h["video_id"] == h["path"] and h["start_s"] is None for h in hits)
+    assert (tmp_path / "h.html").read_text().count('src="data:image/jpeg;base64,') == 5 * 4
+
+    copy, moved = tmp_path / "videos", tmp_path / "store"
+    shutil.copytree(folder, copy)
+    shutil.copytree(store_dir, moved, ignore=shutil.ignore_patterns(".tvrpipe.lock", "search-index"))
+    for path in BEFORE:  # the copy's files keep the originals' times: the store describes them
+        os.utime(copy / path, ns=(os.stat(folder / path).st_atime_ns, os.stat(folder / path).st_mtime_ns))
+    zarr.open_group(str(moved / "features.zarr"), mode="a").attrs["video_root"] = str(copy)
+    r = cli("search", "a red circle", "--features", moved)
+    assert r.exit_code == 0, r.output
+    with (copy / "c" / "kept3.mp4").open("ab") as f:
+        f.write(b"\0")
+    r = cli("search", "a red circle", "--features", moved)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and "1 videos of the collection in --features" in text and "changed 1: c/kept3.mp4" in text
+    assert f"tvrpipe manifest build --videos {copy} --out MANIFEST" in text

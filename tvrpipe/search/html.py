@@ -1,0 +1,261 @@
+"""``tvrpipe search --html FILE``: one self-contained page of the hits, a row of thumbnails per hit.
+
+The thumbnails are frames the store recorded for the video (``videos/timestamps`` where
+``videos/frame_mask`` is set): up to ``thumbs`` of them, spread over the video as extraction
+spreads its frames (:func:`tvrpipe.features.decode.sample_indices`), decoded again from the video
+file with PyAV, scaled to :data:`THUMB_HEIGHT` px high and embedded as JPEG ``data:`` URIs. The page
+loads nothing else (no CSS, script, font or image from anywhere, and its Content-Security-Policy
+forbids it), so it can be mailed or opened offline. A video that cannot be shown (no video root
+given, file missing, undecodable, no frame recorded) gets an inline SVG placeholder naming the
+reason, also written beside it as text; one bad video never fails the page.
+
+The page's one inline script counts, on ``load``, the images that rendered, and writes
+``rendered/total`` into ``<body data-thumbs>`` and the summary line: a reader sees at once that
+every thumbnail shows, and the browser test reads the same count.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import io
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tvrpipe.errors import ConfigError, writing
+from tvrpipe.features.decode import DecodeFailure, frames_at, sample_indices
+from tvrpipe.features.store import FeatureStore
+from tvrpipe.files import atomic_write_text
+from tvrpipe.search.results import Hit
+
+log = logging.getLogger(__name__)
+
+THUMB_HEIGHT = 96  # px; choice: four thumbnails of a 16:9 video fit beside the text on a laptop screen
+JPEG_QUALITY = 80  # choice: small files with no visible artefacts at thumbnail size
+_PLACEHOLDER_WIDTH = 128  # px, a 4:3 box at THUMB_HEIGHT
+
+# DecodeFailure.kind -> what the page says
+_REASONS = {"missing": "file missing", "empty": "file is empty", "unreadable": "cannot decode the file",
+            "no_frames": "no frame decodes", "timeout": "decoding timed out"}
+
+# Counts the images that rendered once everything has loaded (see the module docstring).
+_SCRIPT = """addEventListener("load", function () {
+  var imgs = document.images, ok = 0;
+  for (var i = 0; i < imgs.length; i++) { if (imgs[i].complete && imgs[i].naturalWidth > 0) { ok++; } }
+  document.body.dataset.thumbs = ok + "/" + imgs.length;
+  document.getElementById("rendered").textContent = ok + " of " + imgs.length + " rendered";
+});"""
+
+_STYLE = """body { font-family: sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin-bottom: 2em; }
+th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.path { font-family: monospace; font-size: 90%; word-break: break-all; max-width: 24em; }
+figure { display: inline-block; margin: 0 4px 0 0; text-align: center; font-size: 75%; color: #666; }
+figure img { display: block; }
+p.why { color: #a33; margin: 2px 0; font-size: 85%; }"""
+
+
+@dataclass(frozen=True)
+class _Thumbs:
+    """What one video shows: its images (data URIs with their captions), or why there are none."""
+
+    images: tuple[tuple[str, str], ...]  # (data URI, caption)
+    why: str | None = None  # None: real frames
+
+
+def write_html(
+    out: str | os.PathLike[str],
+    hits: Sequence[Hit],
+    store: FeatureStore,
+    video_root: str | os.PathLike[str] | None,
+    title: str = "tvrpipe search",
+    thumbs: int = 4,
+    progress: bool = False,
+) -> Path:
+    """Write the hits as one self-contained HTML page, a row of thumbnails per hit.
+
+    Hits are grouped by query (in the order the queries first appear), ranks ascending. Each
+    distinct video is decoded once, however many queries it answers.
+
+    Args:
+        out: The page's file; its folder is created if missing; written atomically.
+        hits: What the search returned.
+        store: The store the hits index (``Hit.row``): it gives each video's recorded frame times.
+        video_root: The folder the hits' paths are relative to; None shows placeholders only.
+        title: The page's title and heading.
+        thumbs: Thumbnails per hit, at most (fewer when the store recorded fewer frames).
+        progress: Show a progress bar while decoding.
+
+    Returns:
+        The page's path.
+
+    Raises:
+        ConfigError: ``thumbs`` < 1.
+        WriteError: The page cannot be written (one line naming it).
+
+    Example:
+        >>> write_html("hits.html", hits, open_store("features/msrvtt"), "data/videos")  # doctest: +SKIP
+        PosixPath('hits.html')
+    """
+    if thumbs < 1:
+        raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
+    out = Path(out)
+    shown = _decode_all(hits, store, None if video_root is None else Path(video_root), thumbs, progress)
+    page = _page(hits, shown, title)
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    # ASCII with character references: the page reads the same whatever encoding opens it
+    atomic_write_text(out, page.encode("ascii", "xmlcharrefreplace").decode("ascii"))
+    log.info("wrote %s (%d hits, %d videos)", out, len(hits), len(shown))
+    return out
+
+
+def _decode_all(
+    hits: Sequence[Hit], store: FeatureStore, video_root: Path | None, thumbs: int, progress: bool
+) -> dict[tuple[int, str], _Thumbs]:
+    """The thumbnails of every distinct (row, path) among the hits, each video decoded once."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    keys = list(dict.fromkeys((h.row, h.path) for h in hits))
+    rows = sorted({row for row, _ in keys})
+    times, mask = {}, {}
+    if rows:  # one orthogonal read per array, not one per hit
+        index = (np.asarray(rows), slice(None))
+        stamps = store.array("videos/timestamps").get_orthogonal_selection(index)  # (n_rows, F)
+        valid = store.array("videos/frame_mask").get_orthogonal_selection(index)  # (n_rows, F)
+        for i, row in enumerate(rows):
+            times[row], mask[row] = stamps[i], valid[i]
+    shown = {}
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("thumbnails", total=len(keys))
+        for row, path in keys:
+            t = times[row][mask[row] & np.isfinite(times[row])].astype(np.float64)
+            t = t[sample_indices(len(t), thumbs)] if len(t) else t
+            shown[row, path] = _thumbnails(video_root, path, t)
+            bar.advance(task)
+    return shown
+
+
+def _thumbnails(video_root: Path | None, path: str, times: np.ndarray) -> _Thumbs:
+    """One video's thumbnails at ``times``, or a placeholder saying why there are none."""
+    if not path:
+        return _placeholder("no file recorded in the store")
+    if video_root is None:
+        return _placeholder("no video root given")
+    if len(times) == 0:
+        return _placeholder("no frame recorded in the store")
+    try:
+        frames = frames_at(video_root / path, times, THUMB_HEIGHT)
+    except DecodeFailure as failure:
+        log.warning("%s", failure)
+        return _placeholder(_REASONS.get(failure.kind, failure.kind))
+    except Exception as exc:  # one bad video never fails the page
+        log.warning("%s: cannot make thumbnails: %s: %s", video_root / path, type(exc).__name__, exc)
+        return _placeholder("cannot decode the file")
+    return _Thumbs(tuple((_jpeg_uri(f), f"{s:.2f} s") for f, s in zip(frames, times)))
+
+
+def _jpeg_uri(frame: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(frame).save(buf, format="JPEG", quality=JPEG_QUALITY)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _placeholder(why: str) -> _Thumbs:
+    """A grey box naming ``why``: an image that renders like the thumbnails it stands in for."""
+    w, h = _PLACEHOLDER_WIDTH, THUMB_HEIGHT
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
+           f'<rect width="{w}" height="{h}" fill="#e4e4e4" stroke="#aaa"/>'
+           f'<text x="{w // 2}" y="{h // 2}" font-family="sans-serif" font-size="11" fill="#555" '
+           f'text-anchor="middle" dominant-baseline="middle">{html.escape(why)}</text></svg>')
+    uri = "data:image/svg+xml;base64," + base64.b64encode(svg.encode("utf-8")).decode("ascii")
+    return _Thumbs(((uri, ""),), why)
+
+
+def _csp_hash(source: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode("utf-8")).digest()).decode("ascii") + "'"
+
+
+def _number(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "&ndash;"
+    return "nan" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _clip(hit: Hit) -> str:
+    start = None if hit.start_s is None or math.isnan(hit.start_s) else hit.start_s
+    end = None if hit.end_s is None or math.isnan(hit.end_s) else hit.end_s
+    if start is None and end is None:
+        return "whole file"
+    return f"{'start' if start is None else f'{start:.2f} s'} &ndash; {'end' if end is None else f'{end:.2f} s'}"
+
+
+def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool) -> str:
+    e = html.escape
+    figures = "".join(
+        f'<figure><img src="{uri}" alt="{e(hit.video_id)} at {e(caption)}" title="{e(caption)}">'
+        f"<figcaption>{e(caption)}</figcaption></figure>" if caption else
+        f'<figure><img src="{uri}" alt="{e(shown.why or "")}"></figure>'
+        for uri, caption in shown.images
+    )
+    why = f'<p class="why">no thumbnails: {e(shown.why)}</p>' if shown.why else ""
+    cells = [
+        f'<td class="num">{hit.rank}</td>', f"<td>{e(hit.video_id)}</td>", f'<td class="path">{e(hit.path)}</td>',
+        f"<td>{_clip(hit)}</td>", f'<td class="num">{_number(hit.score)}</td>',
+    ]
+    if with_uncertainty:
+        cells.append(f'<td class="num">{_number(hit.uncertainty)}</td>')
+    cells.append(f"<td>{figures}{why}</td>")
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str) -> str:
+    e = html.escape
+    by_query: dict[str, list[Hit]] = {}
+    for h in hits:
+        by_query.setdefault(h.query, []).append(h)
+    n_images = sum(len(shown[h.row, h.path].images) for h in hits)
+    n_missing = len({k for k in shown if shown[k].why})
+    sections = []
+    for query, qhits in by_query.items():
+        with_u = any(h.uncertainty is not None for h in qhits)
+        head = ["rank", "video", "path", "clip", "score"] + (["uncertainty"] if with_u else []) + ["frames"]
+        rows = "\n".join(_row(h, shown[h.row, h.path], with_u) for h in sorted(qhits, key=lambda h: h.rank))
+        sections.append(
+            f'<section>\n<h2>Query: &ldquo;{e(query)}&rdquo;</h2>\n<table>\n<thead><tr>'
+            + "".join(f"<th>{c}</th>" for c in head) + f"</tr></thead>\n<tbody>\n{rows}\n</tbody>\n</table>\n</section>"
+        )
+    without = f"; {n_missing} video{'s' if n_missing != 1 else ''} without thumbnails" if n_missing else ""
+    summary = (f'{len(by_query)} quer{"ies" if len(by_query) != 1 else "y"}, {len(hits)} hits, {n_images} '
+               f'images (<span id="rendered">not counted: scripts are off</span>){without}')
+    # Only inline data: images, this style and this script: nothing is ever fetched.
+    csp = f"default-src 'none'; img-src data:; style-src {_csp_hash(_STYLE)}; script-src {_csp_hash(_SCRIPT)}"
+    body = "\n".join(sections) if sections else "<p>No hits.</p>"
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{e(title)}</title>
+<style>{_STYLE}</style>
+</head>
+<body>
+<h1>{e(title)}</h1>
+<p>{summary}</p>
+{body}
+<script>{_SCRIPT}</script>
+</body>
+</html>
+"""
