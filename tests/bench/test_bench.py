@@ -480,3 +480,66 @@ def test_bench_convergence_no_grid_compares_open_ended_lrs(tmp_path):
     assert rows[0]["grid_best"] == f"open lr {float(best['lr']):g}"
     assert rows[0]["gap"] == pytest.approx(float(best["val_r1"]) - float(default["val_r1"]))
     assert len(list((tmp_path / "runs" / "tiny" / "xpool").iterdir())) == 2  # no fixed-epoch run
+
+
+def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path):
+    """`tvrpipe bench search` end to end at a tiny size (600 videos, D = 32, two heads trained two epochs):
+    every arm timed and measured in its own process; the two stages' recall@10 against the exhaustive top 10
+    is 1.0 at K = the collection, never falls as K grows, and names the K reaching 0.95; a rerun reuses the
+    stores and the trained runs."""
+    out = tmp_path / "b"
+
+    def bench(*args):
+        return cli("bench", "search", "--out", out, "--videos", "600", "--queries", "6", "--dim", "32",
+                   "--train-videos", "64", "--train-epochs", "2", *args)
+
+    r = bench("--candidates", "20", "--candidates", "100", "--candidates", "600", "--method", "meanpool",
+              "--method", "xpool", "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res == json.loads((out / "results.json").read_text())
+    assert (res["videos"], res["queries"], res["dim"], res["candidates"]) == (600, 6, 32, [20, 100, 600])
+    assert res["first_stage"] == "exact" and res["index_seconds"] > 0 and res["first_stage_seconds"] > 0
+    hit = [res["first_stage_hit"][k] for k in ("20", "100", "600")]
+    assert hit == sorted(hit) and hit[-1] == 1.0  # every query's video is in a shortlist of the whole collection
+    assert list(res["trained"]) == ["meanpool", "xpool"]
+    assert all(0 <= t["test_R@1"] <= 100 for t in res["trained"].values())
+    for method in ("meanpool", "xpool"):
+        rows = [x for x in res["rows"] if x["method"] == method]
+        assert [x["candidates"] for x in rows] == [None, 20, 100, 600]
+        for x in rows:
+            assert x["seconds"] > 0 and x["qps"] == pytest.approx(6 / x["seconds"])
+            assert x["peak_gb"] > 0 and (x["extra_gb"] is None or x["extra_gb"] >= 0)
+            assert 0 <= x["r1"] <= x["r10"] <= 100
+        full, two = rows[0], rows[1:]
+        assert full["recall"] == 1.0 and full["encoded"] == 600
+        assert all(x["encoded"] <= min(600, 6 * x["candidates"]) for x in two) and two[-1]["encoded"] == 600
+        recall = [x["recall"] for x in two]
+        assert recall == sorted(recall) and recall[-1] == 1.0  # K = n: the exhaustive search itself
+        assert (two[-1]["r1"], two[-1]["r10"]) == (full["r1"], full["r10"])
+        assert res["k_reaching"][method] == next(x["candidates"] for x in two if x["recall"] >= 0.95)
+    # meanpool ranks as the first stage does (the same pooled cosine): its top 10 is in any shortlist of 10+
+    assert res["k_reaching"]["meanpool"] == 20
+    assert "exhaustive" in r.output and "meanpool: K = 20 reaches recall@10" in r.output
+    chunks = "stores/*/features.zarr/*/*/c/**/*"
+    stores = {p: p.stat().st_mtime for p in out.glob(chunks) if p.is_file()}
+    runs = {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")}
+    assert {p.relative_to(out).parts[1] for p in stores} == {"collection-600-d32-s0", "benchmark-64-d32-s0"}
+    assert len(runs) == 2
+    r = bench("--candidates", "600", "--method", "xpool")  # a rerun: the stores and the run are reused
+    assert r.exit_code == 0, r.output
+    assert {p: p.stat().st_mtime for p in out.glob(chunks) if p.is_file()} == stores
+    assert {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")} == runs
+
+
+def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):
+    out = tmp_path / "b"
+    for args, said in ((("--candidates", "5"), "--candidates 5: each K must be between 10"),
+                       (("--videos", "600", "--candidates", "700"), "--candidates 700: each K must be between 10"),
+                       (("--queries", "0"), "--queries 0: between 1 and --videos"),
+                       (("--method", "nope"), "unknown method 'nope'")):
+        r = cli("bench", "search", "--out", out, *args)
+        assert r.exit_code == 1 and said in r.output, r.output
+    r = cli("bench", "search", "--out", out, "--json", tmp_path)
+    assert r.exit_code == 2 and "is a folder" in r.output
+    assert not out.exists()

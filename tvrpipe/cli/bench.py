@@ -14,12 +14,14 @@ from rich.console import Console
 from tvrpipe.bench.extract import BenchVideos, bench_extract
 from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
 from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
+from tvrpipe.bench.search import bench_search
 from tvrpipe.cli.app import BENCHMARKS, app, defaults_of, finite_float, new_app
 
 console = Console()
 # each option's default is the benchmark function's (or its videos'), declared there once
-BV, BX, BF, BT, BE, BA = (BenchVideos(), defaults_of(bench_extract), defaults_of(bench_finetune),
-                          defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator))
+BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), defaults_of(bench_finetune),
+                              defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator),
+                              defaults_of(bench_search))
 
 
 def _json_target(path: Optional[Path]) -> Optional[Path]:
@@ -250,3 +252,49 @@ def bench_allocator_cmd(
     console.print(table)
     console.print(f"tuned: {rows[0]['allocator']}" if rows else "no heads measured")
     _write_json(json_out, rows)
+
+
+@bench_app.command("search")
+def bench_search_cmd(
+    out: Annotated[Path, typer.Option(help="Working directory: the generated stores (4.5 GB at 100,000 videos) and "
+                                           "the trained runs are made once and reused; results.json.")] = Path(
+        "bench/search"
+    ),
+    videos: Annotated[int, typer.Option(help="Videos of the searched collection.")] = BS.videos,
+    queries: Annotated[int, typer.Option(help="Held-out captions searched, as one batch.")] = BS.queries,
+    candidates: Annotated[Optional[list[int]], typer.Option(
+        help=f"K, the first stage's shortlist per query (repeatable; default: "
+             f"{', '.join(map(str, BS.candidates))}).")] = None,
+    method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
+    first_stage: Annotated[str, typer.Option(
+        help="exact (a matrix product), faiss (an HNSW index at this size) or auto, as tvrpipe search.")
+    ] = BS.first_stage,
+    train_videos: Annotated[int, typer.Option(
+        help="Captioned train videos of the benchmark the heads train on (same generated world).")] = BS.train_videos,
+    train_epochs: Annotated[int, typer.Option(help="Epochs each head trains (warmup, then cosine).")] = BS.train_epochs,
+    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = BS.dim,
+    json_out: JsonOut = None,
+) -> None:
+    """Per head, on a generated collection: queries/s and peak memory of the exhaustive search and of the two
+    stages at each K, the recall of the two-stage top 10 against the exhaustive top 10, and the K reaching 0.95."""
+    from rich.table import Table
+
+    r = bench_search(out, videos, queries, tuple(candidates or BS.candidates), method, first_stage, train_videos,
+                     train_epochs, dim)
+    table = Table(title=f"search of {r.videos:,} videos, {r.queries} queries as one batch (first stage: "
+                        f"{r.first_stage}); recall@10 against the exhaustive top 10")
+    for col in ("method", "search", "qps", "speed-up", "peak GB", "extra GB", "videos encoded", "recall@10",
+                "R@1 %", "R@10 %"):
+        table.add_column(col, justify="right")
+    for m in r.methods():
+        full, k95 = r.row(m, None), r.k_reaching(m)
+        for x in (row for row in r.rows if row.method == m):
+            search = "exhaustive" if x.candidates is None else f"K = {x.candidates}" + (" *" if x.candidates == k95 else "")
+            table.add_row(m, search, f"{x.qps:,.2f}", f"{x.qps / full.qps:,.1f}x", f"{x.peak_gb:.2f}",
+                          "-" if x.extra_gb is None else f"{x.extra_gb:.2f}", f"{x.encoded:,}", f"{x.recall:.3f}",
+                          f"{x.r1:.1f}", f"{x.r10:.1f}")
+    console.print(table)
+    console.print("* the smallest K measured whose recall@10 reaches 0.95", highlight=False)
+    for line in r.lines():
+        console.print(line, highlight=False)
+    _write_json(json_out, r.record())

@@ -1,0 +1,467 @@
+"""``tvrpipe bench search``: the two stages of ``tvrpipe search`` against exhaustive head scoring, at the scale of
+a real collection.
+
+What runs:
+
+1. **Two generated stores of one latent world** (:mod:`tvrpipe.features.genstore`; their :class:`GenSpec`
+   differ only in the split sizes, so the concepts, subspaces, styles and scales are the same): the
+   *collection*, ``videos`` videos (default 100,000; 12 frames, 32 words, D = 512 as ViT-B/32), one caption
+   each, and a small *benchmark*, ``train_videos`` captioned train videos (5 captions each) and a test split
+   of a quarter of that. Two stores, not one: ``fit`` evaluates the selected epoch on its store's test split
+   once, which for a 100,000-video split is 10^10 (caption, video) pairs.
+2. **Every head trained briefly** on the benchmark (``fit`` with ``train_epochs`` epochs: warmup then
+   cosine; runs kept in ``<out>/runs`` and reused on a rerun): an untrained head's ranking has nothing to do
+   with CLIP's, so its recall against the first stage would mean nothing.
+3. **Queries**: ``queries`` captions of the collection drawn at random (seeded); neither they nor their
+   videos were trained on. They are searched as one batch, as ``tvrpipe search --queries FILE`` does, over
+   every video of the collection.
+4. **The first stage** (:mod:`tvrpipe.search.index`, ``exact`` or ``faiss``) is built afresh from the
+   collection and kept in ``<collection>/search-index/``; its build time (pooling every video's frames, and
+   the FAISS index) is reported apart from the arms.
+5. **Per head, each arm in a fresh process**: the exhaustive search (the head scores every video,
+   :func:`~tvrpipe.search.engine.exhaustive`) and the two stages at each K of ``candidates``
+   (:func:`~tvrpipe.search.engine.two_stage`: the first stage's K best per query, re-ranked by the head).
+   The process loads the head, the queries and (for the two stages) the first stage from its cache, runs one
+   small warm-up search, then times the arm on all queries: **qps** = queries / wall seconds, first stage
+   included. **Memory**: the kernel's high-water mark of the resident set (``VmHWM``), reset through
+   ``/proc/self/clear_refs`` just before the arm, so ``peak`` is the process's resident peak during the arm
+   (Python, torch, the head, the queries and, for the two stages, the first stage's embeddings or index
+   included) and ``extra`` that peak minus the resident set just before the arm (what the search itself
+   adds). Where the peak cannot be reset (not Linux), ``peak`` is the process's and ``extra`` is None.
+
+Reported: per head and arm qps, peak and extra memory, the videos the head encoded (the exhaustive: all; the
+two stages: the union of the queries' shortlists), **recall@10**: ``|two-stage top 10 & exhaustive top 10| /
+10`` averaged over the queries, the smallest K whose recall reaches :data:`TARGET_RECALL` (None where no K
+measured does), and the R@1 / R@10 of each query's own video (in %); for the first stage alone, its R@1 /
+R@10 and the share of queries whose video is in its top K (the ceiling of the two stages' R@K), and with
+FAISS the overlap of its top K with the exact top K.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from tvrpipe.errors import ConfigError, RunError
+from tvrpipe.features.genstore import GenSpec, generate_store
+
+log = logging.getLogger(__name__)
+
+TOP = 10  # the hits compared: the issue's "two-stage top 10 against the exhaustive top 10"
+TARGET_RECALL = 0.95
+CANDIDATES = (50, 100, 200, 500, 1000, 2000)  # K: the first stage's shortlist per query
+FRAMES = 12  # F: ViT-B/32 extraction's default
+WORDS = 32  # L: CLIP4Clip's max_words
+CAPTIONS_PER_TRAIN_VIDEO = 5  # GenSpec's default; MSR-VTT has 20, which only slows generation here
+WARMUP_VIDEOS = 64  # videos of the warm-up search before each timed arm
+
+
+@dataclass
+class SearchRow:
+    """One head's search by one arm, over the bench's queries.
+
+    Attributes:
+        method: the head.
+        candidates: K, the first stage's shortlist per query; None: the exhaustive search.
+        seconds: wall time of the search of every query (as one batch), first stage included.
+        qps: queries / seconds.
+        peak_gb: the arm's process's resident peak during the arm (GiB).
+        extra_gb: that peak minus the resident set just before the arm (GiB); None where the peak could not be
+            reset (it is then the process's).
+        encoded: the distinct videos the head encoded (all of them; or the union of the shortlists).
+        recall: recall@10 against the exhaustive top 10, mean over queries (1.0 for the exhaustive).
+        r1, r10: R@1 and R@10 of each query's own video, in %.
+    """
+
+    method: str
+    candidates: int | None
+    seconds: float
+    qps: float
+    peak_gb: float
+    extra_gb: float | None
+    encoded: int
+    recall: float
+    r1: float
+    r10: float
+
+
+@dataclass
+class SearchBench:
+    """One bench's measurements: the setting, the first stage, each head's training and its rows."""
+
+    videos: int
+    queries: int
+    dim: int
+    frames: int
+    words: int
+    candidates: list[int]
+    first_stage: str  # what ran: exact, or faiss and its index type
+    index_seconds: float  # building the first stage from the store (pooling, and the FAISS index)
+    first_stage_seconds: float  # the first stage alone, top max(K) for every query (one batch)
+    first_stage_r1: float  # zero-shot CLIP (mean-pooled) R@1 / R@10 of each query's video, in %
+    first_stage_r10: float
+    first_stage_hit: dict[int, float]  # K -> share of queries whose video is in the first stage's top K
+    first_stage_exact: dict[int, float] | None  # faiss: K -> mean |top K & exact top K| / K
+    train_videos: int
+    train_epochs: int
+    trained: dict[str, dict] = field(default_factory=dict)  # method -> {"test_R@1", "seconds", "run"}
+    rows: list[SearchRow] = field(default_factory=list)
+    cpus: int = 0
+    threads: int = 0
+
+    def methods(self) -> list[str]:
+        return list(dict.fromkeys(r.method for r in self.rows))
+
+    def row(self, method: str, candidates: int | None) -> SearchRow:
+        return next(r for r in self.rows if r.method == method and r.candidates == candidates)
+
+    def recall(self, method: str) -> dict[int, float]:
+        """K -> recall@10 of the two stages against the exhaustive search."""
+        return {r.candidates: r.recall for r in self.rows if r.method == method and r.candidates is not None}
+
+    def k_reaching(self, method: str, target: float = TARGET_RECALL) -> int | None:
+        """The smallest K measured whose recall@10 reaches ``target`` (None: none does)."""
+        return next((k for k, r in sorted(self.recall(method).items()) if r >= target), None)
+
+    def record(self) -> dict:
+        """The measurements as JSON-ready data (``results.json``, ``--json``), with the K reaching the target."""
+        return {**asdict(self), "k_reaching": {m: self.k_reaching(m) for m in self.methods()}}
+
+    def lines(self) -> list[str]:
+        """The setting, the first stage and, per head, the K reaching the target and what it buys."""
+        out = [
+            f"{self.videos:,} generated videos (F = {self.frames}, L = {self.words}, D = {self.dim}), "
+            f"{self.queries} held-out queries searched as one batch; heads trained {self.train_epochs} epochs on "
+            f"{self.train_videos:,} videos of the same world; {self.cpus} CPUs, {self.threads} torch threads",
+            f"first stage: {self.first_stage}, built in {self.index_seconds:.1f} s; alone "
+            f"{self.queries / self.first_stage_seconds:,.0f} qps for its top {max(self.candidates)}; zero-shot "
+            f"R@1 {self.first_stage_r1:.1f} %, R@10 {self.first_stage_r10:.1f} %; query's video in its top K: "
+            + ", ".join(f"K={k} {100 * v:.0f} %" for k, v in self.first_stage_hit.items()),
+        ]
+        if self.first_stage_exact is not None:
+            out.append("first stage against the exact top K: "
+                       + ", ".join(f"K={k} {v:.3f}" for k, v in self.first_stage_exact.items()))
+        for m in self.methods():
+            k = self.k_reaching(m)
+            ex = self.row(m, None)
+            if k is None:
+                out.append(f"{m}: no K measured reaches recall@10 {TARGET_RECALL} (best "
+                           f"{max(self.recall(m).values()):.3f} at K = {max(self.recall(m))})")
+                continue
+            two = self.row(m, k)
+            out.append(f"{m}: K = {k} reaches recall@10 {two.recall:.3f}: {two.qps / ex.qps:,.1f}x the exhaustive "
+                       f"qps ({two.qps:,.2f} vs {ex.qps:,.2f}), peak {two.peak_gb:.2f} vs {ex.peak_gb:.2f} GB, "
+                       f"R@1 {two.r1:.1f} vs {ex.r1:.1f} %")
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ stores
+
+
+def collection_spec(videos: int, dim: int, frames: int = FRAMES, words: int = WORDS, seed: int = 0) -> GenSpec:
+    """The searched collection: ``videos`` test videos, one caption each (the queries are drawn from them)."""
+    return GenSpec(train_videos=0, val_videos=0, test_videos=videos, captions_per_test_video=1, frames=frames,
+                   max_words=words, embed_dim=dim, seed=seed)
+
+
+def benchmark_spec(collection: GenSpec, train_videos: int) -> GenSpec:
+    """The heads' training benchmark: the collection's world (every field but the split sizes), with
+    ``train_videos`` train videos and a test split of a quarter of that (at most 1,000)."""
+    return replace(collection, train_videos=train_videos, test_videos=max(2, min(1000, train_videos // 4)),
+                   captions_per_train_video=CAPTIONS_PER_TRAIN_VIDEO)
+
+
+def query_batch(store, rows: np.ndarray):
+    """Captions ``rows`` (sorted) of a store as a float32 TextBatch, every token column (as a search encodes)."""
+    import torch
+
+    from tvrpipe.heads.base import TextBatch
+    from tvrpipe.training.data import read_rows
+
+    f32 = lambda name: torch.from_numpy(read_rows(store.array(name), rows).astype(np.float32))  # noqa: E731
+    return TextBatch(f32("texts/tokens"), torch.from_numpy(read_rows(store.array("texts/token_mask"), rows)),
+                     f32("texts/sentence"))
+
+
+def _first_rows(texts, n: int):
+    from tvrpipe.heads.base import TextBatch
+
+    return TextBatch(texts.tokens[:n], texts.token_mask[:n], texts.sentence[:n])
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def _proc_status(key: str) -> int:
+    """A ``/proc/self/status`` size (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's resident high-water mark to the current resident set (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes() -> int:
+    try:
+        return _proc_status("VmHWM")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class _Arm:
+    store: str
+    checkpoint: str
+    query_rows: np.ndarray
+    rows: np.ndarray  # the searchable videos' store rows (the first stage's)
+    candidates: int | None
+    first_stage: str
+
+
+def _arm(job: _Arm) -> dict:
+    """One arm in this (fresh) process: load, warm up, reset the memory peak, search every query, time it."""
+    import torch
+
+    from tvrpipe.features.store import open_store
+    from tvrpipe.rundir import load_head
+    from tvrpipe.search.engine import exhaustive, two_stage
+    from tvrpipe.search.index import first_stage
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    store = open_store(job.store)
+    head = load_head(job.checkpoint).eval()
+    texts = query_batch(store, job.query_rows)
+    stage = first_stage(store, job.first_stage) if job.candidates is not None else None
+
+    def search(t, rows=job.rows):
+        if stage is None:
+            return exhaustive(head, t, store, rows, TOP)
+        return two_stage(head, t, store, stage, TOP, job.candidates)
+
+    if stage is None:
+        search(_first_rows(texts, 2), job.rows[:WARMUP_VIDEOS])
+    else:
+        two_stage(head, _first_rows(texts, 2), store, stage, TOP, min(job.candidates, WARMUP_VIDEOS))
+    gc.collect()
+    reset = _reset_peak()
+    before = _proc_status("VmRSS") if reset else None
+    t = time.perf_counter()
+    ranked = search(texts)
+    seconds = time.perf_counter() - t
+    peak = _peak_bytes()
+    if stage is None:
+        encoded = len(job.rows)
+    else:
+        encoded = len(np.unique(stage.top(texts.sentence.numpy(), ranked.candidates)[0]))
+    return {"seconds": seconds, "peak": peak, "extra": None if before is None else peak - before,
+            "rows": ranked.rows, "encoded": int(encoded), "threads": torch.get_num_threads()}
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def _trained(store_dir: Path, method: str, run_dir: Path, epochs: int) -> dict:
+    """Train ``method`` on the benchmark (a finished run with the same settings is reused); its record."""
+    from tvrpipe.rundir import RunResults, read_config, read_metrics
+    from tvrpipe.training.fit import fit
+    from tvrpipe.training.settings import TrainConfig
+
+    cfg = TrainConfig(epochs=epochs, seed=0)
+    m = read_metrics(run_dir) if (run_dir / "config.yaml").is_file() else None
+    if m is not None:  # a finished run of the same settings is reused as it is (fit would test it again)
+        done = read_config(run_dir)
+        if done.get("method") == method and (done.get("train") or {}).get("epochs") == epochs:
+            results = RunResults.from_dict(m)
+            return {"test_R@1": results.test.get("raw", "t2v")["R@1"], "seconds": m["train"]["seconds"],
+                    "run": str(run_dir)}
+    try:  # an interrupted run resumes
+        m = fit(store_dir, method, run_dir, cfg, progress=False)
+    except (ConfigError, RunError) as e:  # trained under another configuration, or damaged: from scratch
+        log.warning("%s: not resumed (%s); training it from scratch", run_dir, e)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        m = fit(store_dir, method, run_dir, cfg, progress=False)
+    results = RunResults.from_dict(m)
+    return {"test_R@1": results.test.get("raw", "t2v")["R@1"], "seconds": m["train"]["seconds"],
+            "run": str(run_dir)}
+
+
+# ------------------------------------------------------------------------------------------ the bench
+
+
+def _check(videos: int, queries: int, candidates: Sequence[int], train_videos: int, train_epochs: int,
+           dim: int) -> list[int]:
+    if videos < TOP:
+        raise ConfigError(f"--videos {videos}: the collection needs at least {TOP} videos (the top {TOP} is compared)")
+    if not 1 <= queries <= videos:
+        raise ConfigError(f"--queries {queries}: between 1 and --videos ({videos})")
+    ks = sorted(set(int(k) for k in candidates))
+    if not ks:
+        raise ConfigError("--candidates: give at least one K")
+    if ks[0] < TOP or ks[-1] > videos:
+        raise ConfigError(f"--candidates {ks[0] if ks[0] < TOP else ks[-1]}: each K must be between {TOP} (the hits "
+                          f"compared) and --videos ({videos})")
+    if train_videos < 16:
+        raise ConfigError(f"--train-videos {train_videos}: at least 16 (a validation set is carved from them)")
+    if train_epochs < 1 or dim < 1:
+        raise ConfigError("--train-epochs and --dim must be at least 1")
+    return ks
+
+
+def bench_search(
+    out_dir: str | os.PathLike[str],
+    videos: int = 100_000,
+    queries: int = 64,
+    candidates: Sequence[int] = CANDIDATES,
+    methods: list[str] | None = None,
+    first_stage: str = "exact",
+    train_videos: int = 2000,
+    train_epochs: int = 5,
+    dim: int = 512,
+    seed: int = 0,
+    progress: bool = True,
+) -> SearchBench:
+    """Generate (once) the collection and the benchmark, train every head (once), then measure each head's
+    exhaustive search and its two stages at each K, each in a fresh process; ``<out>/results.json`` gets
+    the result.
+
+    Args:
+        out_dir: working directory: ``stores/`` (generated once, reused), ``runs/`` (reused), ``results.json``.
+        videos: videos of the searched collection.
+        queries: held-out captions searched (one batch); the exhaustive arm's cost grows with them.
+        candidates: the K measured (each between 10 and ``videos``).
+        methods: heads (default: every registered head).
+        first_stage: ``exact``, ``faiss`` or ``auto`` (:func:`~tvrpipe.search.index.resolve_first_stage`).
+        train_videos: captioned train videos of the heads' benchmark.
+        train_epochs: epochs each head trains (warmup then cosine).
+        dim: D, the embedding width (ViT-B/32: 512).
+        seed: the generated world and the draw of the queries.
+        progress: progress bars.
+
+    Raises:
+        ConfigError: an option out of range, an unknown head, or faiss asked for without faiss-cpu.
+
+    Example:
+        >>> bench = bench_search("bench/search", videos=20_000, methods=["xpool"])  # doctest: +SKIP
+        >>> bench.k_reaching("xpool")  # doctest: +SKIP
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tvrpipe.bench.extract import in_fresh_process
+    from tvrpipe.features.store import open_store
+    from tvrpipe.heads.base import head_class, list_heads
+    from tvrpipe.rundir import BEST, CHECKPOINTS
+    from tvrpipe.search.index import INDEX_DIR, exact_top, faiss_kind, resolve_first_stage
+    from tvrpipe.search.index import first_stage as build_first_stage
+
+    ks = _check(videos, queries, candidates, train_videos, train_epochs, dim)
+    methods = methods or list_heads()
+    for m in methods:  # an unknown head fails here, before the stores are generated
+        head_class(m)
+    kind = resolve_first_stage(first_stage)
+    out = Path(out_dir)
+    coll_spec = collection_spec(videos, dim, seed=seed)
+    bench_spec = benchmark_spec(coll_spec, train_videos)
+    coll_dir = generate_store(out / "stores" / f"collection-{videos}-d{dim}-s{seed}", coll_spec, progress=progress,
+                              wait=True)
+    bench_dir = generate_store(out / "stores" / f"benchmark-{train_videos}-d{dim}-s{seed}", bench_spec,
+                               progress=progress, wait=True)
+
+    # the first stage, built afresh (timed) and kept beside the collection for the arms' processes
+    store = open_store(coll_dir)
+    shutil.rmtree(coll_dir / INDEX_DIR, ignore_errors=True)
+    t = time.perf_counter()
+    stage = build_first_stage(store, kind, cache=True)
+    index_seconds = time.perf_counter() - t
+    what = kind if stage.index is None else f"{kind} ({faiss_kind(stage.index)})"
+
+    # the queries: held-out captions, and each one's video
+    qrows = np.sort(np.random.default_rng([seed, 45]).choice(len(store.texts), queries, replace=False))
+    truth = store.texts["video_row"].to_numpy()[qrows]
+    sentences = query_batch(store, qrows).sentence.numpy()
+    t = time.perf_counter()
+    pos, _ = stage.top(sentences, ks[-1])
+    first_seconds = time.perf_counter() - t
+    top = stage.rows[pos]  # (Q, max K) store rows, best first
+    exact = None
+    if kind == "faiss":
+        want = stage.rows[exact_top(stage.pooled, sentences / np.linalg.norm(sentences, axis=1, keepdims=True),
+                                    ks[-1])[0]]
+        exact = {k: float(np.mean([len(set(top[q, :k]) & set(want[q, :k])) / k for q in range(queries)]))
+                 for k in ks}
+    bench = SearchBench(
+        videos=videos, queries=queries, dim=dim, frames=FRAMES, words=WORDS, candidates=ks, first_stage=what,
+        index_seconds=index_seconds, first_stage_seconds=first_seconds,
+        first_stage_r1=_r_at(top, truth, 1), first_stage_r10=_r_at(top, truth, TOP),
+        first_stage_hit={k: _r_at(top, truth, k) / 100 for k in ks}, first_stage_exact=exact,
+        train_videos=train_videos, train_epochs=train_epochs, cpus=os.cpu_count() or 1)
+    rows = stage.rows
+    del stage, top, pos
+    gc.collect()
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("search bench", total=len(methods) * (2 + len(ks)))
+        for method in methods:
+            bar.update(task, description=f"{method}: training on the benchmark")
+            run_dir = out / "runs" / bench_dir.name / f"{method}-{train_epochs}ep"
+            bench.trained[method] = _trained(bench_dir, method, run_dir, train_epochs)
+            bar.advance(task)
+            full = None
+            for k in (None, *ks):
+                bar.update(task, description=f"{method}: {'exhaustive' if k is None else f'two stages, K = {k}'}")
+                job = _Arm(str(coll_dir), str(run_dir / CHECKPOINTS / BEST), qrows, rows, k, kind)
+                r = in_fresh_process(_arm, job, f"{method} search, {'exhaustive' if k is None else f'K = {k}'}")
+                full = r["rows"] if k is None else full
+                bench.rows.append(SearchRow(
+                    method=method, candidates=k, seconds=r["seconds"], qps=queries / r["seconds"],
+                    peak_gb=r["peak"] / 2**30, extra_gb=None if r["extra"] is None else r["extra"] / 2**30,
+                    encoded=r["encoded"], recall=recall_at(r["rows"], full), r1=_r_at(r["rows"], truth, 1),
+                    r10=_r_at(r["rows"], truth, TOP)))
+                bench.threads = r["threads"]
+                log.info("%s", bench.rows[-1])
+                bar.advance(task)
+            _write(out, bench)
+    _write(out, bench)
+    return bench
+
+
+def recall_at(rows: np.ndarray, reference: np.ndarray) -> float:
+    """``|rows[q] & reference[q]| / k`` averaged over the queries q (both ``(Q, k)``): the share of the
+    reference's top k that a search found, in any order."""
+    k = reference.shape[1]
+    return float(np.mean([len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(rows, reference)]))
+
+
+def _r_at(rows: np.ndarray, truth: np.ndarray, k: int) -> float:
+    """R@k in %: the share of queries whose own video is among the first k of ``rows`` ``(Q, >= k)``."""
+    return 100.0 * float(np.mean((rows[:, :k] == truth[:, None]).any(1)))
+
+
+def _write(out: Path, bench: SearchBench) -> None:
+    from tvrpipe.files import atomic_write_text
+
+    atomic_write_text(out / "results.json", json.dumps(bench.record(), indent=2) + "\n")
