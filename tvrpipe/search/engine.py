@@ -228,10 +228,6 @@ def _video_batch(store: FeatureStore, rows: np.ndarray, device: str) -> VideoBat
                       torch.from_numpy(mask[back]).to(device))
 
 
-def _take(emb: dict[str, torch.Tensor], idx) -> dict[str, torch.Tensor]:
-    return {k: v[idx] for k, v in emb.items()}
-
-
 def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``k`` of each row, best first; equal scores keep the lower position first (stable)."""
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
@@ -274,31 +270,37 @@ def exhaustive(head: Head, texts: TextBatch, store: FeatureStore, rows: np.ndarr
 def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: FirstStage, k: int, candidates: int,
               device: str = "cpu") -> Ranked:
     """The first stage's ``candidates`` best videos per query, re-ranked by the head; the ``k`` best per query.
-    Each candidate video is encoded by the head once, however many queries shortlist it."""
+
+    The head scores every query against the union of the queries' shortlists, block by block as the
+    exhaustive search scores every video, and each query keeps its own shortlist's scores: a head's
+    per-video work (X-Pool's Gram matrices, a transformer over frames) is done once per shortlisted video
+    however many queries shortlist it, and the work is never more than the exhaustive search's.
+    """
     K = min(candidates, len(stage))
     pos, _ = stage.top(texts.sentence.cpu().numpy(), K)  # (Q, K) positions into stage.rows
     union, inverse = np.unique(pos, return_inverse=True)
     inverse = inverse.reshape(pos.shape)
+    urows = stage.rows[union]
     te = head.encode_texts(texts.to(device))
-    ve = None
-    for a in range(0, len(union), VIDEO_BLOCK):  # the head's video embeddings of the shortlisted videos
-        part = head.encode_videos(_video_batch(store, stage.rows[union[a : a + VIDEO_BLOCK]], device))
-        ve = part if ve is None else {n: torch.cat([ve[n], part[n]]) for n in ve}
-    rows, scores, unc = [], [], []
+    scores = torch.empty(len(texts), len(union))
+    unc = torch.full((len(texts), len(union)), torch.nan)
+    for a in range(0, len(union), VIDEO_BLOCK):
+        ve = head.encode_videos(_video_batch(store, urows[a : a + VIDEO_BLOCK], device))
+        s = head.similarity(te, ve).float().cpu()
+        scores[:, a : a + s.shape[1]] = s
+        u = head.pair_uncertainty(te, ve)
+        if u is not None:
+            unc[:, a : a + s.shape[1]] = u.float().cpu()
+    rows, top_scores, top_unc = [], [], []
     for q in range(len(texts)):
-        tq, vq = _take(te, slice(q, q + 1)), _take(ve, torch.from_numpy(inverse[q]).to(device))
-        s = head.similarity(tq, vq).float().cpu()
-        u = head.pair_uncertainty(tq, vq)
-        u = torch.full_like(s, torch.nan) if u is None else u.float().cpu()
-        # candidates in row order before the stable sort, so ties break as in the exhaustive search
-        cand = stage.rows[pos[q]]
-        by_row = np.argsort(cand, kind="stable")
-        s, u, cand = s[:, by_row], u[:, by_row], cand[by_row]
-        top_s, order = _top(s, k)
-        rows.append(cand[order[0].numpy()])
-        scores.append(top_s[0].numpy())
-        unc.append(torch.gather(u, 1, order)[0].numpy())
-    return Ranked(np.stack(rows), np.stack(scores), np.stack(unc), K)
+        # the shortlist in row order before the stable sort, so ties break as in the exhaustive search
+        cols = torch.from_numpy(np.sort(inverse[q]))
+        top_s, order = _top(scores[q : q + 1, cols], k)
+        picked = cols[order[0]]
+        rows.append(urows[picked.numpy()])
+        top_scores.append(top_s[0].numpy())
+        top_unc.append(unc[q, picked].numpy())
+    return Ranked(np.stack(rows), np.stack(top_scores), np.stack(top_unc), K)
 
 
 def check_top_k(k: int, n: int, store: FeatureStore) -> None:
