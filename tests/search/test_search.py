@@ -253,3 +253,9 @@ def test_first_stage_needs_a_video_with_frames(store):
     with pytest.raises(ConfigError, match="no video has a decoded frame"):
         first_stage(open_store(store.dir), "exact", cache=False)
 
+
+
+def test_a_store_whose_clip_cannot_be_loaded_says_to_pass_pretrained(store):
+    searcher = Searcher(store, _head("meanpool"), "zero-shot", 8, ("tvrpipe-tiny", "/nowhere/clip.safetensors", 0))
+    with pytest.raises(ConfigError, match="cannot be loaded .*pass --pretrained with its checkpoint"):
+        searcher.encode(["a dog"])

@@ -76,7 +76,11 @@ class Searcher:
 
         if self._bundle is None:
             model, pretrained, seed = self.clip
-            self._bundle = load_clip(model, pretrained, device="cpu", seed=seed)
+            try:
+                self._bundle = load_clip(model, pretrained, device="cpu", seed=seed)
+            except ConfigError as e:  # a checkpoint moved since extraction, or a relative path from elsewhere
+                raise ConfigError(f"the queries need the CLIP of --features {self.store.dir}, which cannot be "
+                                  f"loaded ({e}); pass --pretrained with its checkpoint") from None
             want = self.store.provenance.get("weights_sha256")
             if self._bundle.weights_sha256 != want:
                 raise ConfigError(
