@@ -109,6 +109,22 @@ def pooled_embeddings(store, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     return out, has
 
 
+def check_new_export(store, out: str | os.PathLike[str], kind: str) -> Path:
+    """``--out`` of an export that writes a new ``kind`` (``file`` or ``folder``): outside the store, not there
+    yet, in a writable folder.
+
+    Raises:
+        ConfigError: naming ``--out`` and what to do.
+    """
+    out = Path(out)
+    if out.resolve().is_relative_to(Path(store.dir).resolve()):
+        raise ConfigError(f"--out {out} is inside the feature store {store.dir}; write it outside the store's directory")
+    if out.exists():
+        raise ConfigError(f"--out {out} exists; choose a new {kind} name")
+    check_writable(out.parent, "--out")
+    return out
+
+
 def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str) -> tuple[Path, int]:
     """Write the store's pooled video embeddings (:func:`pooled_embeddings`) for other tools: the videos
     with at least one decoded frame, with their ids, splits and paths, and the store's provenance.
@@ -127,12 +143,7 @@ def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[s
     if fmt not in POOLED_FORMATS:
         raise ConfigError(f"--format {fmt!r}: pooled embeddings are written as {' or '.join(POOLED_FORMATS)}")
     store = open_store(features_dir)
-    out = Path(out)
-    if out.resolve().is_relative_to(store.dir.resolve()):
-        raise ConfigError(f"--out {out} is inside the feature store {store.dir}; write it outside the store's directory")
-    if out.exists():
-        raise ConfigError(f"--out {out} exists; choose a new {'folder' if fmt == 'npy' else 'file'} name")
-    check_writable(out.parent, "--out")
+    out = check_new_export(store, out, "folder" if fmt == "npy" else "file")
     emb, has = pooled_embeddings(store)
     if not has.any():
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")

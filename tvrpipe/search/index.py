@@ -266,18 +266,13 @@ def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[st
         ConfigError: faiss-cpu missing, ``out`` exists or lies inside the store, or no video has a frame.
     """
     from tvrpipe.errors import writing
+    from tvrpipe.features.export import check_new_export
     from tvrpipe.features.store import open_store
-    from tvrpipe.lock import check_writable
 
     resolve_first_stage("faiss")
     store = open_store(features_dir)
-    out = Path(out)
-    if out.resolve().is_relative_to(Path(store.dir).resolve()):
-        raise ConfigError(f"--out {out} is inside the feature store {store.dir}; write it outside the store's directory")
-    if out.exists():
-        raise ConfigError(f"--out {out} exists; choose a new folder name")
+    out = check_new_export(store, out, "folder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    check_writable(out.parent, "--out")
     pooled, rows = pooled_rows(store)
     if not len(rows):
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")
