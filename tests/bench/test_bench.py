@@ -503,7 +503,10 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     hit = [res["first_stage_hit"][k] for k in ("20", "100", "600")]
     assert hit == sorted(hit) and hit[-1] == 1.0  # every query's video is in a shortlist of the whole collection
     assert list(res["trained"]) == ["meanpool", "xpool"]
-    assert all(0 <= t["test_R@1"] <= 100 for t in res["trained"].values())
+    assert all(0 <= t["test_R@1"] <= 100 and t["epochs_run"] == 2 and 1 <= t["selected_epoch"] <= 2
+               for t in res["trained"].values())
+    assert res["train_epochs"] == 2 and "heads trained 2 epochs on 64 videos" in r.output
+    assert "xpool: trained 2 epochs (selected" in r.output
     for method in ("meanpool", "xpool"):
         rows = [x for x in res["rows"] if x["method"] == method]
         assert [x["candidates"] for x in rows] == [None, 20, 100, 600]
@@ -525,7 +528,7 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     stores = {p: p.stat().st_mtime for p in out.glob(chunks) if p.is_file()}
     runs = {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")}
     assert {p.relative_to(out).parts[1] for p in stores} == {"collection-600-d32-s0", "benchmark-64-d32-s0"}
-    assert len(runs) == 2
+    assert {p.parent.name for p in runs} == {"meanpool-2ep", "xpool-2ep"}
     r = bench("--candidates", "600", "--method", "xpool")  # a rerun: the stores and the run are reused
     assert r.exit_code == 0, r.output
     assert {p: p.stat().st_mtime for p in out.glob(chunks) if p.is_file()} == stores
@@ -537,6 +540,7 @@ def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):
     for args, said in ((("--candidates", "5"), "--candidates 5: each K must be between 10"),
                        (("--videos", "600", "--candidates", "700"), "--candidates 700: each K must be between 10"),
                        (("--queries", "0"), "--queries 0: between 1 and --videos"),
+                       (("--train-epochs", "0"), "--train-epochs 0: at least 1 (leave it out to train until"),
                        (("--method", "nope"), "unknown method 'nope'")):
         r = cli("bench", "search", "--out", out, *args)
         assert r.exit_code == 1 and said in r.output, r.output

@@ -9,9 +9,10 @@ What runs:
    each, and a small *benchmark*, ``train_videos`` captioned train videos (5 captions each) and a test split
    of a quarter of that. Two stores, not one: ``fit`` evaluates the selected epoch on its store's test split
    once, which for a 100,000-video split is 10^10 (caption, video) pairs.
-2. **Every head trained briefly** on the benchmark (``fit`` with ``train_epochs`` epochs: warmup then
-   cosine; runs kept in ``<out>/runs`` and reused on a rerun): an untrained head's ranking has nothing to do
-   with CLIP's, so its recall against the first stage would mean nothing.
+2. **Every head trained** on the benchmark as ``tvrpipe train-head`` trains it by default (``fit``: until
+   validation stops improving; with ``train_epochs``, that many epochs of warmup then cosine; runs kept in
+   ``<out>/runs`` and reused on a rerun): an untrained or undertrained head ranks worse than zero-shot CLIP,
+   and the K it needs says nothing about the K a trained head needs.
 3. **Queries**: ``queries`` captions of the collection drawn at random (seeded); neither they nor their
    videos were trained on. They are searched as one batch, as ``tvrpipe search --queries FILE`` does, over
    every video of the collection.
@@ -112,8 +113,9 @@ class SearchBench:
     first_stage_hit: dict[int, float]  # K -> share of queries whose video is in the first stage's top K
     first_stage_exact: dict[int, float] | None  # faiss: K -> mean |top K & exact top K| / K
     train_videos: int
-    train_epochs: int
-    trained: dict[str, dict] = field(default_factory=dict)  # method -> {"test_R@1", "seconds", "run"}
+    train_epochs: int | None  # None: until validation stopped improving (train-head's default)
+    # method -> {"test_R@1", "seconds", "run", "epochs_run", "selected_epoch"}
+    trained: dict[str, dict] = field(default_factory=dict)
     rows: list[SearchRow] = field(default_factory=list)
     cpus: int = 0
     threads: int = 0
@@ -136,11 +138,17 @@ class SearchBench:
         """The measurements as JSON-ready data (``results.json``, ``--json``), with the K reaching the target."""
         return {**asdict(self), "k_reaching": {m: self.k_reaching(m) for m in self.methods()}}
 
+    def training(self) -> str:
+        """How the heads trained, for people: ``5 epochs``, or ``until validation stopped improving``."""
+        if self.train_epochs is not None:
+            return f"{self.train_epochs} epochs"
+        return "until validation stopped improving"
+
     def lines(self) -> list[str]:
         """The setting, the first stage and, per head, the K reaching the target and what it buys."""
         out = [
             f"{self.videos:,} generated videos (F = {self.frames}, L = {self.words}, D = {self.dim}), "
-            f"{self.queries} held-out queries searched as one batch; heads trained {self.train_epochs} epochs on "
+            f"{self.queries} held-out queries searched as one batch; heads trained {self.training()} on "
             f"{self.train_videos:,} videos of the same world; {self.cpus} CPUs, {self.threads} torch threads",
             f"first stage: {self.first_stage}, built in {self.index_seconds:.1f} s; alone "
             f"{self.queries / self.first_stage_seconds:,.0f} qps for its top {max(self.candidates)}; zero-shot "
@@ -153,6 +161,10 @@ class SearchBench:
         for m in self.methods():
             k = self.k_reaching(m)
             ex = self.row(m, None)
+            t = self.trained.get(m)
+            if t is not None:
+                out.append(f"{m}: trained {t['epochs_run']} epochs (selected {t['selected_epoch']}), benchmark test "
+                           f"R@1 {t['test_R@1']:.1f} %")
             if k is None:
                 out.append(f"{m}: no K measured reaches recall@10 {TARGET_RECALL} (best "
                            f"{max(self.recall(m).values()):.3f} at K = {max(self.recall(m))})")
@@ -284,35 +296,33 @@ def _arm(job: _Arm) -> dict:
 # ------------------------------------------------------------------------------------------ training
 
 
-def _trained(store_dir: Path, method: str, run_dir: Path, epochs: int) -> dict:
-    """Train ``method`` on the benchmark (a finished run with the same settings is reused); its record."""
+def _trained(store_dir: Path, method: str, run_dir: Path, epochs: int | None) -> dict:
+    """Train ``method`` on the benchmark (``epochs`` None: until validation stops improving, as train-head;
+    a finished run with the same settings is reused); its record."""
     from tvrpipe.rundir import RunResults, read_config, read_metrics
     from tvrpipe.training.fit import fit
     from tvrpipe.training.settings import TrainConfig
 
     cfg = TrainConfig(epochs=epochs, seed=0)
     m = read_metrics(run_dir) if (run_dir / "config.yaml").is_file() else None
-    if m is not None:  # a finished run of the same settings is reused as it is (fit would test it again)
-        done = read_config(run_dir)
-        if done.get("method") == method and (done.get("train") or {}).get("epochs") == epochs:
-            results = RunResults.from_dict(m)
-            return {"test_R@1": results.test.get("raw", "t2v")["R@1"], "seconds": m["train"]["seconds"],
-                    "run": str(run_dir)}
-    try:  # an interrupted run resumes
-        m = fit(store_dir, method, run_dir, cfg, progress=False)
-    except (ConfigError, RunError) as e:  # trained under another configuration, or damaged: from scratch
-        log.warning("%s: not resumed (%s); training it from scratch", run_dir, e)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        m = fit(store_dir, method, run_dir, cfg, progress=False)
+    done = read_config(run_dir) if m is not None else {}
+    # a finished run of the same settings is reused as it is (fit would test it again)
+    if m is None or done.get("method") != method or (done.get("train") or {}).get("epochs") != epochs:
+        try:  # an interrupted run resumes
+            m = fit(store_dir, method, run_dir, cfg, progress=False)
+        except (ConfigError, RunError) as e:  # trained under another configuration, or damaged: from scratch
+            log.warning("%s: not resumed (%s); training it from scratch", run_dir, e)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            m = fit(store_dir, method, run_dir, cfg, progress=False)
     results = RunResults.from_dict(m)
     return {"test_R@1": results.test.get("raw", "t2v")["R@1"], "seconds": m["train"]["seconds"],
-            "run": str(run_dir)}
+            "epochs_run": m["schedule"]["epochs_run"], "selected_epoch": m["selected_epoch"], "run": str(run_dir)}
 
 
 # ------------------------------------------------------------------------------------------ the bench
 
 
-def _check(videos: int, queries: int, candidates: Sequence[int], train_videos: int, train_epochs: int,
+def _check(videos: int, queries: int, candidates: Sequence[int], train_videos: int, train_epochs: int | None,
            dim: int) -> list[int]:
     if videos < TOP:
         raise ConfigError(f"--videos {videos}: the collection needs at least {TOP} videos (the top {TOP} is compared)")
@@ -326,8 +336,11 @@ def _check(videos: int, queries: int, candidates: Sequence[int], train_videos: i
                           f"compared) and --videos ({videos})")
     if train_videos < 16:
         raise ConfigError(f"--train-videos {train_videos}: at least 16 (a validation set is carved from them)")
-    if train_epochs < 1 or dim < 1:
-        raise ConfigError("--train-epochs and --dim must be at least 1")
+    if train_epochs is not None and train_epochs < 1:
+        raise ConfigError(f"--train-epochs {train_epochs}: at least 1 (leave it out to train until validation stops "
+                          f"improving)")
+    if dim < 1:
+        raise ConfigError(f"--dim {dim}: at least 1")
     return ks
 
 
@@ -339,7 +352,7 @@ def bench_search(
     methods: list[str] | None = None,
     first_stage: str = "exact",
     train_videos: int = 2000,
-    train_epochs: int = 5,
+    train_epochs: int | None = None,
     dim: int = 512,
     seed: int = 0,
     progress: bool = True,
@@ -356,7 +369,8 @@ def bench_search(
         methods: heads (default: every registered head).
         first_stage: ``exact``, ``faiss`` or ``auto`` (:func:`~tvrpipe.search.index.resolve_first_stage`).
         train_videos: captioned train videos of the heads' benchmark.
-        train_epochs: epochs each head trains (warmup then cosine).
+        train_epochs: epochs each head trains (warmup then cosine); None: until validation stops improving,
+            as ``tvrpipe train-head`` trains by default.
         dim: D, the embedding width (ViT-B/32: 512).
         seed: the generated world and the draw of the queries.
         progress: progress bars.
@@ -427,7 +441,8 @@ def bench_search(
         task = bar.add_task("search bench", total=len(methods) * (2 + len(ks)))
         for method in methods:
             bar.update(task, description=f"{method}: training on the benchmark")
-            run_dir = out / "runs" / bench_dir.name / f"{method}-{train_epochs}ep"
+            run_dir = out / "runs" / bench_dir.name / (f"{method}-open" if train_epochs is None else
+                                                        f"{method}-{train_epochs}ep")
             bench.trained[method] = _trained(bench_dir, method, run_dir, train_epochs)
             bar.advance(task)
             full = None

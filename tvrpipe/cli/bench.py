@@ -271,7 +271,9 @@ def bench_search_cmd(
     ] = BS.first_stage,
     train_videos: Annotated[int, typer.Option(
         help="Captioned train videos of the benchmark the heads train on (same generated world).")] = BS.train_videos,
-    train_epochs: Annotated[int, typer.Option(help="Epochs each head trains (warmup, then cosine).")] = BS.train_epochs,
+    train_epochs: Annotated[Optional[int], typer.Option(
+        help="Epochs each head trains (warmup, then cosine). Default: until validation stops improving, as "
+             "train-head trains by default.")] = BS.train_epochs,
     dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = BS.dim,
     json_out: JsonOut = None,
 ) -> None:
