@@ -156,7 +156,7 @@ def closing_search(out: Path, best: dict, test, plain: np.ndarray, k: int = 5) -
     i = int(np.flatnonzero(plain)[0]) if plain.any() else 0
     query, truth = str(captions[test.caption_ids[i]]), str(test.video_ids[test.text_video[i]])
     searcher = open_searcher(out / "features", best["run"])
-    hits = search(searcher, [query], k=k, first_stage="exact")
+    hits = search(searcher, [query], k=k, first_stage="exact").hits
     found = next((h.rank for h in hits if h.video_id == truth), None)
     record = {"method": best["method"], "run": best["run"], "query": query, "true_video": truth,
               "found_at": found, "videos": int(searcher.store.provenance["n_videos"]),

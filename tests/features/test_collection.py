@@ -286,9 +286,11 @@ def test_search_of_a_collection_and_a_changed_file_refused(collection, tmp_path,
     import zarr
 
     folder, _, store_dir = collection
-    r = cli("search", "a red circle", "--features", store_dir, "--top-k", 5, "--json", tmp_path / "h.json",
-            "--html", tmp_path / "h.html")
+    r = cli("search", "a red circle", "a red circle", "--features", store_dir, "--top-k", 5, "--json",
+            tmp_path / "h.json", "--html", tmp_path / "h.html")
     assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "(all 5 searchable videos scored by the head)" in out and "1 repeated query searched once" in out
     hits = json.loads((tmp_path / "h.json").read_text())
     assert sorted(h["path"] for h in hits) == sorted(BEFORE) and [h["rank"] for h in hits] == [1, 2, 3, 4, 5]
     assert all(h["video_id"] == h["path"] and h["start_s"] is None for h in hits)
@@ -308,3 +310,11 @@ def test_search_of_a_collection_and_a_changed_file_refused(collection, tmp_path,
     text = " ".join(r.output.split())
     assert r.exit_code == 1 and "1 videos of the collection in --features" in text and "changed 1: c/kept3.mp4" in text
     assert f"tvrpipe manifest build --videos {copy} --out MANIFEST" in text
+    # --video-root: where the files are now, checked there (the originals are as extracted; the copy is not)
+    r = cli("search", "a red circle", "--features", moved, "--video-root", folder)
+    assert r.exit_code == 0, r.output
+    zarr.open_group(str(moved / "features.zarr"), mode="a").attrs["video_root"] = str(tmp_path / "gone")
+    r = cli("search", "a red circle", "--features", moved, "--video-root", copy)
+    assert r.exit_code == 1 and "changed 1: c/kept3.mp4" in " ".join(r.output.split()), r.output
+    r = cli("search", "a red circle", "--features", moved, "--video-root", tmp_path / "nowhere")
+    assert r.exit_code == 1 and f"--video-root {tmp_path / 'nowhere'} is not a folder" in " ".join(r.output.split())

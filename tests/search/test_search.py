@@ -92,6 +92,32 @@ def test_exact_top_against_numpy_over_blocks(monkeypatch):
         assert idx[i].tolist() == want
         np.testing.assert_allclose(s[i], full[i, want], rtol=1e-6)
     assert idx[0, :2].tolist() == [3, 7]
+    # ties at the cut, across blocks: of four identical videos, the first rows are kept
+    emb[20] = emb[40] = emb[3]
+    idx, _ = exact_top(emb, q, 3)
+    assert idx[0].tolist() == [3, 7, 20]
+
+
+def test_a_faiss_search_short_of_k_falls_back_to_the_exact_top():
+    """HNSW may find fewer than k neighbours (label -1); those queries get the exact top k, never row -1."""
+    rng = np.random.default_rng(1)
+    emb = rng.standard_normal((30, 8)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    q = rng.standard_normal((3, 8)).astype(np.float32)
+
+    class Short:  # answers query 1 with two neighbours missing
+        def search(self, x, k):
+            idx, s = exact_top(emb, x, k)
+            idx, s = idx.copy(), s.copy()
+            idx[1, -2:], s[1, -2:] = -1, -np.inf
+            idx[0, 0], idx[0, 1] = idx[0, 1], idx[0, 0]  # an answered query is kept as FAISS gave it
+            return s, idx
+
+    stage = index_mod.FirstStage(emb, np.arange(30), "faiss", Short())
+    idx, s = stage.top(q, 5)
+    want, want_s = exact_top(emb, q / np.linalg.norm(q, axis=1, keepdims=True), 5)
+    assert idx[1].tolist() == want[1].tolist() and np.isfinite(s).all()
+    assert idx[0].tolist() == [want[0, 1], want[0, 0], *want[0, 2:]]
 
 
 def test_pooled_embeddings_are_the_meanpool_heads(store):
@@ -151,7 +177,9 @@ def test_zero_shot_search_ranks_the_captioned_video_above_chance(store, captions
     """The generated store's captions share concepts with their videos: zero-shot cosine finds them."""
     texts, truth = captions
     searcher = Searcher(store, _head("meanpool"), "zero-shot", 8, None)
-    hits = search(searcher, [f"q{i}" for i in range(len(texts))], k=5, texts=texts)
+    result = search(searcher, [f"q{i}" for i in range(len(texts))], k=5, texts=texts)
+    hits = result.hits
+    assert result.exhaustive and result.candidates == result.searchable == store.provenance["n_videos"]
     found = np.mean([truth[q] in [h.row for h in hits[5 * q: 5 * q + 5]] for q in range(len(texts))])
     chance = 5 / store.provenance["n_videos"]
     assert found > 5 * chance, found
@@ -190,6 +218,29 @@ def test_the_index_is_kept_beside_the_store_and_rebuilt_when_the_store_changes(s
     assert json.loads((folder / "index.json").read_text())["store_key"] == store_key(changed) != meta["store_key"]
 
 
+def test_the_index_is_rebuilt_when_a_shard_is_written_again(store):
+    """An extract rerun that rewrites a video shard (a failed video recovered, another precision) leaves the
+    store's identity as it was; the shard's marker changes, and with it the key."""
+    from tvrpipe.features.store import PROGRESS
+
+    first_stage(store, "exact")
+    key = store_key(store)
+    marker = store.dir / PROGRESS / "videos" / "000001.json"
+    rec = json.loads(marker.read_text())
+    rec["failures"] = [{"video_id": "x", "stage": "decode", "error": "timed out"}]  # the retry's new record
+    marker.write_text(json.dumps(rec))
+    assert store_key(store) != key
+    first_stage(store, "exact")
+    assert json.loads((store.dir / INDEX_DIR / "index.json").read_text())["store_key"] == store_key(store)
+
+
+def test_an_index_built_while_the_store_changes_is_not_kept(store, monkeypatch):
+    keys = iter(["before", "after"])
+    monkeypatch.setattr(index_mod, "store_key", lambda s: next(keys))
+    stage = first_stage(store, "exact")
+    assert len(stage) > 0 and not (store.dir / INDEX_DIR).exists()
+
+
 @pytest.mark.skipif(not faiss_available(), reason="faiss-cpu is not installed (pip install 'tvrpipe[search]')")
 def test_an_exported_index_serves_its_store_and_is_refused_for_another(store, captions, tmp_path):
     out, left_out = export_faiss(store.dir, tmp_path / "idx")
@@ -210,10 +261,11 @@ def test_bad_input_is_one_line_naming_it(store, captions, tmp_path):
     searcher = Searcher(store, _head("meanpool"), "zero-shot", 8, None)
     n = store.provenance["n_videos"]
     for kwargs, match in [
-        ({"k": n + 1}, rf"--top-k {n + 1} is more than the {n} searchable videos"),
+        ({"k": n + 1}, rf"--top-k {n + 1} is more than the {n} videos of"),
         ({"k": 0}, "--top-k 0: ask for at least 1"),
         ({"k": 5, "candidates": 3}, "--candidates 3 is fewer than --top-k 5"),
         ({"first_stage": "ann"}, "--first-stage 'ann': choose one of auto, exact, faiss"),
+        ({"index": tmp_path, "first_stage": "exact"}, "is the first stage; leave out --first-stage exact"),
     ]:
         with pytest.raises(ConfigError, match=match):
             search(searcher, ["a dog"], texts=texts, **kwargs)
@@ -259,3 +311,31 @@ def test_a_store_whose_clip_cannot_be_loaded_says_to_pass_pretrained(store):
     searcher = Searcher(store, _head("meanpool"), "zero-shot", 8, ("tvrpipe-tiny", "/nowhere/clip.safetensors", 0))
     with pytest.raises(ConfigError, match="cannot be loaded .*pass --pretrained with its checkpoint"):
         searcher.encode(["a dog"])
+
+
+def test_a_hits_clip_bounds_for_people(capsys):
+    from tvrpipe.cli.search import _print_hits
+    from tvrpipe.search.results import Hit
+
+    def hit(start, end):
+        return Hit("q", 1, "v", "v.mp4", start, end, 0.5, None, 0)
+
+    assert [hit(*b).clip() for b in ((None, None), (2.0, 4.25), (5.0, None), (None, 3.0), (float("nan"), 1.0))] == [
+        "whole file", "2.0-4.2", "5.0-end", "start-3.0", "start-1.0"]
+    assert hit(5.0, None).clip(2, " &ndash; ", " s") == "5.00 s &ndash; end"
+    _print_hits("q", [hit(5.0, None), hit(None, None)])  # a clip with a start only prints, no traceback
+    out = capsys.readouterr().out
+    assert "5.0-end" in out and "whole file" in out
+
+
+
+def test_a_run_of_quickgelu_weights_from_their_tag_shares_the_stores_architecture():
+    """A run that loaded ViT-B-32 from the openai tag records ViT-B-32-quickgelu; a store extracted from the
+    same tag records ViT-B-32: one architecture. A store of other weights under the plain name is another."""
+    from tvrpipe.search.engine import same_architecture
+
+    assert same_architecture("ViT-B-32", {"model": "ViT-B-32", "pretrained": "/w/clip.pt"})
+    assert same_architecture("ViT-B-32-quickgelu", {"model": "ViT-B-32", "pretrained": "openai"})
+    assert not same_architecture("ViT-B-32-quickgelu", {"model": "ViT-B-32", "pretrained": "laion2b_s34b_b79k"})
+    assert not same_architecture("ViT-B-32-quickgelu", {"model": "ViT-B-32", "pretrained": "/w/clip.pt"})
+    assert not same_architecture("ViT-B-16-quickgelu", {"model": "ViT-B-32", "pretrained": "openai"})

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import MAIN_PATH, app
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, writing
 
 console = Console()
 
@@ -46,7 +46,9 @@ def search_cmd(
         help="Also write one self-contained HTML page: each query with a row of thumbnails per hit.")] = None,
     thumbs: Annotated[int, typer.Option(help="--html: thumbnails per hit, at the store's recorded frame times.")] = 4,
     video_root: Annotated[Optional[Path], typer.Option(
-        help="Where the videos are, for --html thumbnails (default: the folder the store was extracted from).")] = None,
+        help="Where the collection's videos are now, when they moved since extraction: its files are checked for "
+             "changes there and --html decodes thumbnails from there (default: the folder the store was "
+             "extracted from).")] = None,
     pretrained: Annotated[Optional[str], typer.Option(
         help="The store's CLIP checkpoint, where its recorded path no longer reaches it (its sha256 is checked).")
     ] = None,
@@ -64,6 +66,8 @@ def search_cmd(
     if not texts:
         raise ConfigError("no query: give one or more sentences, e.g. tvrpipe search \"a dog catches a frisbee\" "
                           "--features STORE, or --queries FILE")
+    repeated = len(texts) - len(set(texts))
+    texts = list(dict.fromkeys(texts))  # a repeated query has the same hits: searched and shown once
     if html is not None and thumbs < 1:
         raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
     if device not in ("cpu", "cuda"):
@@ -73,31 +77,37 @@ def search_cmd(
             raise ConfigError(f"{flag} {path} is a folder; give a file name")
     if features is None:
         features = _run_features(run)
-    searcher = open_searcher(features, run, device, pretrained)
-    hits = search(searcher, texts, top_k, candidates, first_stage, index)
-    how = "every video" if candidates is None else f"the first stage's {candidates} best"
+    searcher = open_searcher(features, run, device, pretrained, video_root)
+    found = search(searcher, texts, top_k, candidates, first_stage, index)
+    hits = found.hits
+    how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
+           else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos")
     console.print(f"[bold]{searcher.label}[/] over {searcher.store.dir} ({how} scored by the head)", highlight=False)
-    for q in dict.fromkeys(texts):
+    if repeated:
+        console.print(f"{repeated} repeated quer{'ies' if repeated > 1 else 'y'} searched once", highlight=False)
+    for q in texts:
         _print_hits(q, [h for h in hits if h.query == q])
+    # every output made before any is written: a failure leaves none of them behind
     records = [h.record() for h in hits]
+    outputs = []
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(json_out, json.dumps(records, indent=2) + "\n")
-        console.print(f"wrote {json_out}", highlight=False)
+        outputs.append((json_out, json.dumps(records, indent=2) + "\n"))
     if csv_out is not None:
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=list(HIT_COLUMNS))
         w.writeheader()
         w.writerows(records)
-        csv_out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(csv_out, buf.getvalue())
-        console.print(f"wrote {csv_out}", highlight=False)
+        outputs.append((csv_out, buf.getvalue()))
     if html is not None:
-        from tvrpipe.search.html import write_html
+        from tvrpipe.search.html import render_html
 
-        root = video_root or searcher.video_root
-        console.print(f"wrote {write_html(html, hits, searcher.store, root, f'tvrpipe search: {searcher.label}', thumbs)}",
-                      highlight=False)
+        outputs.append((html, render_html(hits, searcher.store, searcher.video_root,
+                                          f"tvrpipe search: {searcher.label}", thumbs)))
+    for path, text in outputs:
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+        console.print(f"wrote {path}", highlight=False)
 
 
 def _run_features(run: Path | None) -> Path:
@@ -116,11 +126,11 @@ def _run_features(run: Path | None) -> Path:
 def _print_hits(query: str, hits) -> None:
     table = Table(title=f"{query}", title_justify="left")
     unc = any(h.uncertainty is not None for h in hits)
-    clips = any(h.start_s is not None for h in hits)
+    clips = any(h.clip() != "whole file" for h in hits)
     for col in ("rank", "video", "path", *(["clip (s)"] if clips else []), "score", *(["uncertainty"] if unc else [])):
         table.add_column(col, justify="right" if col in ("rank", "score", "uncertainty") else "left")
     for h in hits:
-        clip = [f"{h.start_s:.1f}-{h.end_s:.1f}" if h.start_s is not None else ""] if clips else []
+        clip = [h.clip()] if clips else []
         u = [f"{h.uncertainty:.4g}" if h.uncertainty is not None else ""] if unc else []
         table.add_row(str(h.rank), h.video_id, h.path, *clip, f"{h.score:.4f}", *u)
     console.print(table)

@@ -127,6 +127,22 @@ def store_identity(provenance: Mapping[str, Any]) -> dict[str, Any]:
     return {k: provenance.get(k) for k in IDENTITY_KEYS}
 
 
+def written_state(features_dir: str | os.PathLike[str], kind: str = "videos") -> str:
+    """A hash of what the shards of ``kind`` hold, as their markers record it (each chunk's size and CRC-32,
+    and the shard's failed videos). It changes whenever a shard is written again with other values, which
+    the provenance's identity keys do not show: an extract rerun that recovers a failed video, re-extracts
+    a damaged shard or overwrites at another precision."""
+    h = hashlib.sha256()
+    for marker in sorted((Path(features_dir) / PROGRESS / kind).glob("*.json")):
+        h.update(marker.name.encode())
+        h.update(b"\0")
+        try:
+            h.update(marker.read_bytes())
+        except OSError:  # rewritten by an extract at this moment: a state no cache may be kept under
+            h.update(os.urandom(16))
+    return h.hexdigest()
+
+
 def provenance_mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
     """Human-readable differences between two provenances on the identity keys in ``want``."""
     return [

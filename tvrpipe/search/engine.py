@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,7 +164,8 @@ def _selected_head(run: Path, device: str) -> tuple[Head, dict, dict]:
 
 
 def open_searcher(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None,
-                  device: str = "cpu", pretrained: str | None = None) -> Searcher:
+                  device: str = "cpu", pretrained: str | None = None,
+                  video_root: str | os.PathLike[str] | None = None) -> Searcher:
     """The store, the head and the query encoder of a search, everything checked before any query is encoded.
 
     Args:
@@ -173,11 +174,14 @@ def open_searcher(features: str | os.PathLike[str], run: str | os.PathLike[str] 
         device: where the head runs.
         pretrained: where the store's CLIP weights are, when its provenance's path no longer reaches them
             (a moved checkpoint); their sha256 must be the store's.
+        video_root: where the collection's files are now, when they moved since extraction (default: the
+            folder the store records): its files are checked for changes there, and thumbnails read there.
 
     Raises:
         StoreError: the store is missing, incomplete or damaged.
         RunError: the run is unfinished, damaged, or a finetune run whose export is missing.
-        ConfigError: the store holds no videos, or features of another CLIP than the run's.
+        ConfigError: the store holds no videos, or features of another CLIP than the run's; ``video_root``
+            is not a folder; a collection's files changed since extraction.
     """
     from tvrpipe.heads.base import clip_head_config, head_class
 
@@ -188,8 +192,13 @@ def open_searcher(features: str | os.PathLike[str], run: str | os.PathLike[str] 
     D = int(prov["embed_dim"])
     clip = None if "generator" in prov else (str(prov["model"]), str(pretrained or prov["pretrained"]),
                                              int(prov.get("seed", 0)))
-    root = prov.get("video_root")
-    video_root = Path(root) if root else None
+    if video_root is not None:
+        video_root = Path(video_root)
+        if not video_root.is_dir():
+            raise ConfigError(f"--video-root {video_root} is not a folder")
+    else:
+        root = prov.get("video_root")
+        video_root = Path(root) if root else None
     check_collection_unchanged(store, video_root)
     if run is None:
         head = head_class("meanpool")(clip_head_config("meanpool", D, prov.get("logit_scale")))
@@ -198,7 +207,8 @@ def open_searcher(features: str | os.PathLike[str], run: str | os.PathLike[str] 
     run = Path(run)
     head, config, metrics = _selected_head(run, device)
     want = {**(config.get("provenance") or {}), **(metrics.get("provenance") or {})}
-    diff = [f"{k} {want[k]!r} vs the store's {prov.get(k)!r}" for k in CLIP_KEYS if k in want and want[k] != prov.get(k)]
+    diff = [f"{k} {want[k]!r} vs the store's {prov.get(k)!r}" for k in CLIP_KEYS
+            if k in want and want[k] != prov.get(k) and not (k == "model" and same_architecture(want[k], prov))]
     if diff:
         export = metrics.get("export")
         how = (f"`{export['extract']}`" if isinstance(export, dict) and export.get("extract")
@@ -215,6 +225,23 @@ def open_searcher(features: str | os.PathLike[str], run: str | os.PathLike[str] 
         clip = (str(export["model"]), str(file), 0)
     label = f"{config['method']} ({run})"
     return Searcher(store, head, label, int(want.get("max_words", prov["max_words"])), clip, device, video_root)
+
+
+def same_architecture(run_model: str, store: Mapping[str, Any]) -> bool:
+    """Whether a run's CLIP architecture is the store's. A run that loaded QuickGELU weights from their tag
+    (ViT-B-32 ``openai``) records the name that rebuilds them from a file, ``ViT-B-32-quickgelu``; a store
+    extracted from that tag records ``ViT-B-32`` and ran QuickGELU all the same (their weights' sha256 is
+    compared apart)."""
+    model = str(store.get("model"))
+    if run_model == model:
+        return True
+    if run_model != f"{model}-quickgelu":
+        return False
+    import open_clip
+
+    tag = str(store.get("pretrained"))
+    return tag in open_clip.list_pretrained_tags_by_model(model) and bool(
+        open_clip.get_pretrained_cfg(model, tag).get("quick_gelu"))
 
 
 # ------------------------------------------------------------------------------------------- ranking
@@ -307,8 +334,8 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: FirstSta
     return Ranked(np.stack(rows), np.stack(top_scores), np.stack(top_unc), K)
 
 
-def check_top_k(k: int, n: int, store: FeatureStore) -> None:
-    """``--top-k`` between 1 and the searchable videos.
+def check_top_k(k: int, n: int, store: FeatureStore, what: str = "searchable videos") -> None:
+    """``--top-k`` between 1 and ``n``, the store's searchable videos (or its videos, ``what``).
 
     Raises:
         ConfigError: naming both numbers.
@@ -316,13 +343,33 @@ def check_top_k(k: int, n: int, store: FeatureStore) -> None:
     if k < 1:
         raise ConfigError(f"--top-k {k}: ask for at least 1 hit")
     if k > n:
-        raise ConfigError(f"--top-k {k} is more than the {n} searchable videos of --features {store.dir}; "
+        raise ConfigError(f"--top-k {k} is more than the {n} {what} of --features {store.dir}; "
                           f"ask for at most {n}")
+
+
+@dataclass(frozen=True)
+class Found:
+    """What :func:`search` found, and how.
+
+    Attributes:
+        hits: one :class:`Hit` per query and rank, queries in order, best first.
+        searchable: the store's videos with a decoded frame (the others cannot match).
+        candidates: the videos the head scored per query: K of the two stages, or ``searchable`` when it
+            scored every one (no K, or K at least the searchable videos).
+    """
+
+    hits: list[Hit]
+    searchable: int
+    candidates: int
+
+    @property
+    def exhaustive(self) -> bool:
+        return self.candidates >= self.searchable
 
 
 def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
-           texts: TextBatch | None = None) -> list[Hit]:
+           texts: TextBatch | None = None) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -331,19 +378,30 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         k: hits per query; None: :data:`DEFAULT_TOP_K`, or every video of a smaller store.
         candidates: K, the shortlist the head re-ranks; None (or >= the searchable videos): every video.
         first_stage: ``auto`` | ``exact`` | ``faiss`` (:mod:`tvrpipe.search.index`).
-        index: a FAISS index exported by ``tvrpipe export --format faiss`` for the first stage.
+        index: a FAISS index exported by ``tvrpipe export --format faiss``: the first stage (``first_stage``
+            must then be left at ``auto``).
         texts: the queries already encoded (:meth:`Searcher.encode`); encoded here when None.
 
     Returns:
-        One :class:`Hit` per query and rank, queries in order, best first.
+        The hits (one per query and rank, queries in order, best first), and how many videos were scored.
+
+    Raises:
+        ConfigError: an empty query, ``k`` or ``candidates`` out of range, both ``index`` and a ``first_stage``,
+            or a first stage that cannot be had (checked before the first stage is built where the store's
+            size is enough to tell).
     """
-    from tvrpipe.search.index import exported_stage
+    from tvrpipe.search.index import exported_stage, resolve_first_stage
     from tvrpipe.search.index import first_stage as make_stage
 
     check_queries(queries)
+    store = searcher.store
     if candidates is not None and candidates < 1:
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
-    store = searcher.store
+    if index is not None and first_stage != "auto":
+        raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
+    resolve_first_stage(first_stage)
+    if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
+        check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
     stage = exported_stage(index, store) if index is not None else make_stage(store, first_stage)
     k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
     check_top_k(k, len(stage), store)
@@ -355,7 +413,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         ranked = exhaustive(searcher.head, texts, store, stage.rows, k, searcher.device)
     else:
         ranked = two_stage(searcher.head, texts, store, stage, k, candidates, searcher.device)
-    return hits_of(queries, ranked, store.videos)
+    return Found(hits_of(queries, ranked, store.videos), len(stage), ranked.candidates)
 
 
 def hits_of(queries: Sequence[str], ranked: Ranked, videos: pd.DataFrame) -> list[Hit]:

@@ -105,17 +105,36 @@ def write_html(
         >>> write_html("hits.html", hits, open_store("features/msrvtt"), "data/videos")  # doctest: +SKIP
         PosixPath('hits.html')
     """
+    out = Path(out)
+    page = render_html(hits, store, video_root, title, thumbs, progress)
+    write_page(out, page)
+    log.info("wrote %s (%d hits)", out, len(hits))
+    return out
+
+
+def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.PathLike[str] | None,
+                title: str = "tvrpipe search", thumbs: int = 4, progress: bool = False) -> str:
+    """The page :func:`write_html` writes, as text (the thumbnails decoded); nothing is written.
+
+    Raises:
+        ConfigError: ``thumbs`` < 1.
+    """
     if thumbs < 1:
         raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
-    out = Path(out)
     shown = _decode_all(hits, store, None if video_root is None else Path(video_root), thumbs, progress)
-    page = _page(hits, shown, title)
+    # ASCII with character references: the page reads the same whatever encoding opens it
+    return _page(hits, shown, title).encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
+def write_page(out: Path, page: str) -> None:
+    """Write a page from :func:`render_html` to ``out`` atomically, its folder created if missing.
+
+    Raises:
+        WriteError: it cannot be written (one line naming it).
+    """
     with writing(out):
         out.parent.mkdir(parents=True, exist_ok=True)
-    # ASCII with character references: the page reads the same whatever encoding opens it
-    atomic_write_text(out, page.encode("ascii", "xmlcharrefreplace").decode("ascii"))
-    log.info("wrote %s (%d hits, %d videos)", out, len(hits), len(shown))
-    return out
+    atomic_write_text(out, page)
 
 
 def _decode_all(
@@ -194,11 +213,7 @@ def _number(x: float | None, digits: int = 4) -> str:
 
 
 def _clip(hit: Hit) -> str:
-    start = None if hit.start_s is None or math.isnan(hit.start_s) else hit.start_s
-    end = None if hit.end_s is None or math.isnan(hit.end_s) else hit.end_s
-    if start is None and end is None:
-        return "whole file"
-    return f"{'start' if start is None else f'{start:.2f} s'} &ndash; {'end' if end is None else f'{end:.2f} s'}"
+    return hit.clip(2, " &ndash; ", " s")
 
 
 def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.store import FeatureStore, store_identity
+from tvrpipe.features.store import FeatureStore, store_identity, written_state
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,10 @@ _BLOCK = 65_536  # videos per block of the exact stage: 128 MiB of float32 score
 
 def store_key(store: FeatureStore) -> str:
     """A hash of what the pooled embeddings depend on: the store's identity (its manifest, weights,
-    sampling) and its row count. A store extracted again from another folder state has another key."""
-    ident = {**store_identity(store.provenance), "n_videos": int(store.provenance.get("n_videos", 0))}
+    sampling), its row count and what its video shards hold (:func:`written_state`). A store extracted
+    again from another folder state, or whose failed videos were recovered, has another key."""
+    ident = {**store_identity(store.provenance), "n_videos": int(store.provenance.get("n_videos", 0)),
+             "videos": written_state(store.dir, "videos")}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -67,9 +69,17 @@ def resolve_first_stage(kind: str) -> str:
     if kind == "auto":
         return "faiss" if faiss_available() else "exact"
     if kind == "faiss" and not faiss_available():
-        raise ConfigError("--first-stage faiss needs faiss-cpu: pip install 'tvrpipe[search]' (or faiss-cpu), "
-                          "or use --first-stage exact")
+        raise ConfigError(f"--first-stage faiss {_NEEDS_FAISS}, or use --first-stage exact")
     return kind
+
+
+_NEEDS_FAISS = "needs faiss-cpu: pip install 'tvrpipe[search]' (or faiss-cpu)"
+
+
+def require_faiss(what: str) -> None:
+    """Raise :class:`ConfigError` saying that ``what`` (the option asked for) needs faiss-cpu, unless installed."""
+    if not faiss_available():
+        raise ConfigError(f"{what} {_NEEDS_FAISS}")
 
 
 def build_faiss(emb: np.ndarray):
@@ -120,22 +130,30 @@ class FirstStage:
             if hasattr(self.index, "hnsw"):
                 self.index.hnsw.efSearch = max(64, k)  # the beam must hold k: efSearch < k truncates
             scores, idx = self.index.search(np.ascontiguousarray(q), k)
-            return idx.astype(np.int64), scores
+            idx = idx.astype(np.int64)
+            short = np.flatnonzero((idx < 0).any(1))
+            if len(short):  # HNSW found fewer than k (-1 labels; e.g. many identical videos): the exact top k
+                idx[short], scores[short] = exact_top(self.pooled, q[short], k)
+            return idx, scores
         return exact_top(self.pooled, q, k)
 
 
 def exact_top(emb: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The exact top ``k`` rows of ``emb`` by inner product with each row of ``q``, best first (ties by row),
-    over blocks of :data:`_BLOCK` rows so the score matrix never holds more than one block per query."""
+    """The exact top ``k`` rows of ``emb`` by inner product with each row of ``q``, best first, equal scores
+    by row (also at the cut: of identical videos, the first rows are kept), over blocks of :data:`_BLOCK`
+    rows so the score matrix never holds more than one block per query."""
     best_s = np.full((len(q), 0), -np.inf, np.float32)
     best_i = np.zeros((len(q), 0), np.int64)
     for a in range(0, len(emb), _BLOCK):
         s = q @ emb[a : a + _BLOCK].T  # (Q, block)
         i = np.broadcast_to(np.arange(a, a + s.shape[1]), s.shape)
+        # the kept rows all precede this block, so each row of best_* stays in ascending row order
         best_s, best_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i], 1)
         if best_s.shape[1] > k:
-            keep = np.argpartition(-best_s, k - 1, axis=1)[:, :k]
-            best_s, best_i = np.take_along_axis(best_s, keep, 1), np.take_along_axis(best_i, keep, 1)
+            cut = -np.partition(-best_s, k - 1, axis=1)[:, k - 1 : k]  # each query's k-th best score
+            above, at = best_s > cut, best_s == cut
+            keep = above | (at & (np.cumsum(at, axis=1) <= k - above.sum(1, keepdims=True)))  # k per query
+            best_s, best_i = best_s[keep].reshape(len(q), k), best_i[keep].reshape(len(q), k)
     order = np.lexsort((best_i, -best_s), axis=1)  # score descending, then row ascending
     return np.take_along_axis(best_i, order, 1), np.take_along_axis(best_s, order, 1)
 
@@ -184,7 +202,11 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True) -> 
     if kind == "faiss" and index is None:
         index, built = build_faiss(pooled), True
     if cache and (not fresh or built):
-        _save(folder, key, pooled, rows, index)
+        if store_key(store) == key:
+            _save(folder, key, pooled, rows, index)
+        else:  # an extract rewrote shards while they were read: kept, this index would outlive what it read
+            log.warning("%s changed while its search index was built (an extract running?); the index is not kept",
+                        store.dir)
     return FirstStage(pooled, rows, kind, index)
 
 
@@ -242,7 +264,7 @@ def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore) -> Fi
     if meta.get("store_key") != store_key(store):
         raise ConfigError(f"--index {d} was built from another store, or from {store.dir} before it changed; "
                           f"export it again: tvrpipe export --features {store.dir} --format faiss --out {d}.new")
-    resolve_first_stage("faiss")
+    require_faiss(f"--index {d}")
     import faiss
 
     try:
@@ -269,7 +291,7 @@ def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[st
     from tvrpipe.features.export import check_new_export
     from tvrpipe.features.store import open_store
 
-    resolve_first_stage("faiss")
+    require_faiss("--format faiss")
     store = open_store(features_dir)
     out = check_new_export(store, out, "folder")
     out.parent.mkdir(parents=True, exist_ok=True)

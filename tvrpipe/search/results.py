@@ -21,7 +21,7 @@ class Hit:
         path: the video's file, relative to the store's video root.
         start_s, end_s: the clip's bounds inside the file in seconds, None for the whole file.
         score: the head's similarity (higher is better; comparable within one query only).
-        uncertainty: the head's per-pair uncertainty where it has one (UATVR, DUQ, T-MASS), else None.
+        uncertainty: the head's per-pair uncertainty where it has one (UATVR, T-MASS, ProTA), else None.
         row: the video's row in the store (to read its frames and timestamps).
     """
 
@@ -34,6 +34,14 @@ class Hit:
     score: float
     uncertainty: float | None
     row: int
+
+    def clip(self, digits: int = 1, dash: str = "-", unit: str = "") -> str:
+        """The clip's bounds for people (``12.0-15.5``, ``start-15.5``, ``12.0-end``), or ``whole file``."""
+        start, end = (None if v is None or math.isnan(v) else v for v in (self.start_s, self.end_s))
+        if start is None and end is None:
+            return "whole file"
+        first = "start" if start is None else f"{start:.{digits}f}{unit}"
+        return f"{first}{dash}{'end' if end is None else f'{end:.{digits}f}{unit}'}"
 
     def record(self) -> dict[str, Any]:
         """The hit's :data:`HIT_COLUMNS`, for ``--json`` and ``--csv`` (None where there is no value)."""
