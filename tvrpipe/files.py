@@ -22,8 +22,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file."""
+def atomic_write_text(path: Path, text: str, parents: bool = False) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file.
+    ``parents``: create its missing folders first."""
+    if parents:
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with writing(path):

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tvrpipe.cli.app import MAIN_PATH, app
-from tvrpipe.errors import ConfigError, writing
+from tvrpipe.errors import ConfigError
 
 console = Console()
 
@@ -104,9 +104,7 @@ def search_cmd(
         outputs.append((html, render_html(hits, searcher.store, searcher.video_root,
                                           f"tvrpipe search: {searcher.label}", thumbs)))
     for path, text in outputs:
-        with writing(path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, text)
+        atomic_write_text(path, text, parents=True)
         console.print(f"wrote {path}", highlight=False)
 
 

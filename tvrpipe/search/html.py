@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tvrpipe.errors import ConfigError, writing
+from tvrpipe.errors import ConfigError
 from tvrpipe.features.decode import DecodeFailure, frames_at, sample_indices
 from tvrpipe.features.store import FeatureStore
 from tvrpipe.files import atomic_write_text
@@ -107,7 +107,7 @@ def write_html(
     """
     out = Path(out)
     page = render_html(hits, store, video_root, title, thumbs, progress)
-    write_page(out, page)
+    atomic_write_text(out, page, parents=True)
     log.info("wrote %s (%d hits)", out, len(hits))
     return out
 
@@ -124,17 +124,6 @@ def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.P
     shown = _decode_all(hits, store, None if video_root is None else Path(video_root), thumbs, progress)
     # ASCII with character references: the page reads the same whatever encoding opens it
     return _page(hits, shown, title).encode("ascii", "xmlcharrefreplace").decode("ascii")
-
-
-def write_page(out: Path, page: str) -> None:
-    """Write a page from :func:`render_html` to ``out`` atomically, its folder created if missing.
-
-    Raises:
-        WriteError: it cannot be written (one line naming it).
-    """
-    with writing(out):
-        out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, page)
 
 
 def _decode_all(
