@@ -321,7 +321,7 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
                    for run, train_dict in todo}
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        bar = Progress(TextColumn("sweep", style="bold"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}", markup=False),
                        TimeElapsedColumn(), disable=not progress)
         failed = 0
         try:

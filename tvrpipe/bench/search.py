@@ -436,7 +436,7 @@ def bench_search(
     del stage, top, pos
     gc.collect()
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("search bench", total=len(methods) * (2 + len(ks)))
         for method in methods:

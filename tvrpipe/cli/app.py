@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 from collections.abc import Iterable, Mapping
@@ -17,12 +18,17 @@ import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.text import Text
 from typer.core import TyperGroup
 
 from tvrpipe import __version__
 from tvrpipe.errors import TvrpipeError
 
-err_console = Console(stderr=True)
+# Every line a command prints goes through these two consoles. Markup and highlighting are off: queries,
+# file and folder names, paths and ids came from the user or the disk and are printed as they are
+# (`clip [final].mp4`, `AC/DC [/live]`); tvrpipe's own emphasis is a `style=` or a Text, never markup.
+console = Console(markup=False, highlight=False)
+err_console = Console(stderr=True, markup=False, highlight=False)
 
 
 # `tvrpipe --help` shows the commands in the order of the work: the main path first, then the full
@@ -48,20 +54,74 @@ class _ErrorsAsMessages(TyperGroup):
         rank = {n: i for i, n in enumerate(COMMAND_ORDER)}
         return sorted(names, key=lambda n: rank.get(n, len(COMMAND_ORDER)))  # stable: the rest keep their order
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The commands under their panels' headings, each with its whole first sentence (wrapped, not cut)."""
+        panels: dict[str, list[tuple[str, str]]] = {}
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                panel = getattr(cmd, "rich_help_panel", None) or "Commands"
+                panels.setdefault(panel, []).append((name, cmd.get_short_help_str(limit=1000)))
+        for panel, rows in panels.items():
+            with formatter.section(panel):
+                formatter.write_dl(rows)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): every output is resumable
             how, code = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
-            err_console.print(f"[bold yellow]{how}:[/] what was finished is kept; rerun the same command to "
-                              "resume", highlight=False, soft_wrap=True)
+            err_console.print(Text.assemble((f"{how}:", "bold yellow"), " what was finished is kept; rerun the same "
+                                            "command to resume"), soft_wrap=True)
             raise typer.Exit(code) from None
+        except BrokenPipeError:  # stdout's reader left where it was not wrapped (main() wraps it): nothing to say
+            raise typer.Exit(0) from None
         except TvrpipeError as e:
             _one_line(str(e))
         except OSError as e:
             logging.getLogger("tvrpipe").debug("traceback", exc_info=True)
             where = f"{e.filename}: " if e.filename else ""
             _one_line(f"{where}{e.strerror or e} (check that the path exists, is writable and the disk has room)")
+
+
+class QuietClosedPipe:
+    """Standard output that a closed pipe silences instead of failing (``tvrpipe search ... | head -1``).
+
+    Once the reader has gone, what is left to print is dropped and the command goes on: the files it
+    writes never depend on stdout, and no "Broken pipe" error replaces its work. Everything else is the
+    wrapped stream's (encoding, ``isatty``, ``fileno``), so Rich and click treat it as the terminal it is.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        if not self.reader_gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.reader_gone = True
+        try:  # what the stream still buffers, and the interpreter's flush at exit, go to /dev/null, quietly
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # a stream without a descriptor (a test's buffer) has nothing to redirect
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class Terminated(KeyboardInterrupt):
@@ -131,14 +191,14 @@ def refuse_unused(ctx: click.Context, names: Iterable[str], why: str) -> None:
 
 
 def _one_line(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {' '.join(message.split())}", highlight=False, soft_wrap=True)
+    err_console.print(Text.assemble(("error:", "bold red"), " ", " ".join(message.split())), soft_wrap=True)
     raise typer.Exit(1)
 
 
 def new_app(**kwargs: Any) -> typer.Typer:
     """A typer app (or sub-group) with tvrpipe's defaults."""
     return typer.Typer(**{"cls": _ErrorsAsMessages, "no_args_is_help": True, "pretty_exceptions_enable": False,
-                          "rich_markup_mode": "rich", "add_completion": False, **kwargs})
+                          "rich_markup_mode": None, "add_completion": False, **kwargs})
 
 
 app = new_app(

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from tvrpipe.bench.extract import BenchVideos, bench_extract
 from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
 from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
 from tvrpipe.bench.search import bench_search
-from tvrpipe.cli.app import BENCHMARKS, app, defaults_of, finite_float, new_app
+from tvrpipe.cli.app import BENCHMARKS, app, console, defaults_of, finite_float, new_app
 
-console = Console()
 # each option's default is the benchmark function's (or its videos'), declared there once
 BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), defaults_of(bench_finetune),
                               defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator),
@@ -25,18 +22,12 @@ BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), default
 
 
 def _json_target(path: Optional[Path]) -> Optional[Path]:
-    """``--json``'s check, before the measurement (which may take hours) rather than after: the
-    folder is created and must be writable, and the path must not be a folder."""
-    if path is None:
-        return None
-    if path.is_dir():
-        raise typer.BadParameter(f"{path} is a folder; give a file name, e.g. {path / 'bench.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise typer.BadParameter(f"cannot create the folder {path.parent} ({e.strerror})") from None
-    if not os.access(path.parent, os.W_OK):
-        raise typer.BadParameter(f"cannot write to the folder {path.parent}")
+    """``--json``'s check, before the measurement (which may take hours) rather than after: a file name whose
+    folder exists or can be made, writable, outside the folders tvrpipe made. Nothing is created until the
+    measurement is written."""
+    from tvrpipe.features.outputs import check_output_files
+
+    check_output_files({"--json": path})
     return path
 
 
@@ -49,7 +40,7 @@ def _write_json(path: Optional[Path], data) -> None:
     if path is not None:
         from tvrpipe.files import atomic_write_text
 
-        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+        atomic_write_text(path, json.dumps(data, indent=2) + "\n", parents=True)
 
 
 bench_app = new_app(help="Benchmarks: throughput ratios measured in one run (see docs/performance.md).")

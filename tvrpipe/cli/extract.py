@@ -6,14 +6,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, finite_float, given, new_app
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, finite_float, given, new_app
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.extract import ExtractConfig
 
-console = Console()
 EX = ExtractConfig()  # the defaults, declared once: in ExtractConfig
 features_app = new_app(help="Inspect feature stores.")
 app.add_typer(features_app, name="features", rich_help_panel=TOOLS)

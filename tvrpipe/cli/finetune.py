@@ -6,14 +6,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
-from tvrpipe.cli.app import PAPERS, app, finite_float, given, refuse_unused
+from tvrpipe.cli.app import PAPERS, app, console, finite_float, given, refuse_unused
 from tvrpipe.cli.options import apply_recipe, parse_group_lr, parse_overrides, parse_post, print_metrics
 from tvrpipe.errors import ConfigError
 from tvrpipe.training.finetune.config import FinetuneConfig
 
-console = Console()
 FT = FinetuneConfig()  # the defaults, declared once: in FinetuneConfig
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from tvrpipe.cli import (  # noqa: F401  (each adds its commands)
     bench,
     extract,
@@ -15,13 +17,14 @@ from tvrpipe.cli import (  # noqa: F401  (each adds its commands)
     synth,
     train,
 )
-from tvrpipe.cli.app import app
+from tvrpipe.cli.app import QuietClosedPipe, app
 
 __all__ = ["app", "main"]
 
 
 def main() -> None:
     """Run the ``tvrpipe`` command line."""
+    sys.stdout = QuietClosedPipe(sys.stdout)
     app()
 
 

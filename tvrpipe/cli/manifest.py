@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from tvrpipe.cli.app import MAIN_PATH, app, new_app
+from tvrpipe.cli.app import MAIN_PATH, app, console, new_app
 from tvrpipe.cli.options import print_counts
 from tvrpipe.data.datasets import build_manifest, list_datasets, load_spec
 from tvrpipe.data.manifest import read_manifest
@@ -17,7 +17,6 @@ from tvrpipe.errors import ConfigError
 
 manifest_app = new_app(help="Build and inspect dataset manifests (videos.parquet + captions.parquet).")
 app.add_typer(manifest_app, name="manifest", rich_help_panel=MAIN_PATH)
-console = Console()
 
 
 @manifest_app.command("build")
@@ -59,7 +58,7 @@ def build(
         console.print(f"collection of {len(b.manifest.videos):,} videos, no captions -> {out} "
                       f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)", highlight=False)
         if skipped:
-            console.print(f"[yellow]skipped {len(skipped):,} files ({b.undecodable:,} video files that do not "
+            console.print(f"skipped {len(skipped):,} files ({b.undecodable:,} video files that do not "
                           f"decode, {b.not_videos:,} not videos; see {out}/meta.json), e.g. "
                           f"{skipped[0]['path']}: {skipped[0]['reason']}", highlight=False)
         return
@@ -72,7 +71,7 @@ def build(
     m = build_manifest(dataset, annotations, out, split_set, video_root, allow_missing)
     print_counts(m, f"{dataset} ({m.meta['split_set']}) -> {out}")
     if m.meta.get("missing_videos"):
-        console.print(f"[yellow]dropped {len(m.meta['missing_videos'])} missing videos (see {out}/meta.json)")
+        console.print(f"dropped {len(m.meta['missing_videos'])} missing videos (see {out}/meta.json)", style="yellow")
 
 
 @manifest_app.command("show")
@@ -99,6 +98,6 @@ def datasets() -> None:
         table.add_column(col)
     for name in list_datasets():
         spec = load_spec(name)
-        sets = ", ".join(f"[bold]{s}[/]" if s == spec.default_split_set else s for s in spec.split_sets) or "-"
+        sets = Text(", ").join(Text(s, "bold" if s == spec.default_split_set else "") for s in spec.split_sets) or "-"
         table.add_row(name, spec.raw.get("title", ""), sets, str(spec.frames), str(spec.max_words))
     console.print(table)

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import finite_float
+from tvrpipe.cli.app import console, finite_float
 from tvrpipe.config import parse_fields, split_item
 from tvrpipe.errors import ConfigError
 from tvrpipe.rundir import METRICS, POST_PROCESSINGS, Scores
@@ -18,7 +17,6 @@ from tvrpipe.rundir import METRICS, POST_PROCESSINGS, Scores
 if TYPE_CHECKING:
     from tvrpipe.data.manifest import Manifest
 
-console = Console()
 
 # train-head's schedule and post-processing options, shared with `tvrpipe sweep` (one definition of
 # each option's type and help; their defaults are TrainConfig's, read where they are used)

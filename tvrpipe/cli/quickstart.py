@@ -7,13 +7,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from tvrpipe.cli.app import TOOLS, app
+from tvrpipe.cli.app import TOOLS, app, console
 from tvrpipe.quickstart import QuickstartPlan
-
-console = Console()
 
 
 @app.command("quickstart", rich_help_panel=TOOLS)

@@ -6,12 +6,11 @@ import dataclasses
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from tvrpipe.cli.app import PAPERS, app, new_app
+from tvrpipe.cli.app import PAPERS, app, console, new_app
 
-console = Console()
 recipes_app = new_app(help="The papers' training protocols, one recipe per (paper, dataset): `finetune --recipe NAME` "
                            "runs one, `train-head --recipe NAME` trains its head the same way on cached features.",
                       no_args_is_help=False)
@@ -46,8 +45,9 @@ def show(name: Annotated[str, typer.Argument(help="A recipe (`tvrpipe recipes`) 
     from tvrpipe.training.recipes import load_recipe
 
     r = load_recipe(name)
-    console.print(f"[bold]{r.name}[/]: {r.paper}; head {r.method}; {r.dataset}, split set {r.split_set.value} "
-                  f"({r.split_set.source})\n{r.path} (sha256 {r.sha256[:12]})", highlight=False, soft_wrap=True)
+    console.print(Text.assemble((r.name, "bold"), f": {r.paper}; head {r.method}; {r.dataset}, split set "
+                                f"{r.split_set.value} ({r.split_set.source})\n{r.path} (sha256 {r.sha256[:12]})"),
+                  soft_wrap=True)
     table = Table(title="settings (an explicit finetune option overrides one)")
     for col in ("setting", "value", "source"):
         table.add_column(col)

@@ -6,11 +6,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
-from tvrpipe.cli.app import MAIN_PATH, app
-
-console = Console()
+from tvrpipe.cli.app import MAIN_PATH, app, console
 
 
 @app.command("report", rich_help_panel=MAIN_PATH)

@@ -9,13 +9,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from tvrpipe.cli.app import MAIN_PATH, app
+from tvrpipe.cli.app import MAIN_PATH, app, console
 from tvrpipe.errors import ConfigError
-
-console = Console()
 
 
 @app.command("search", rich_help_panel=MAIN_PATH)
@@ -56,6 +54,7 @@ def search_cmd(
 ) -> None:
     """Search a feature store's videos with sentences; print the top hits of each (rank, video, path, clip
     bounds, score, and the head's uncertainty where it has one)."""
+    from tvrpipe.features.outputs import check_output_files
     from tvrpipe.files import atomic_write_text
     from tvrpipe.search.engine import open_searcher, read_queries, search
     from tvrpipe.search.results import HIT_COLUMNS
@@ -72,38 +71,40 @@ def search_cmd(
         raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose cpu or cuda")
-    for flag, path in (("--json", json_out), ("--csv", csv_out), ("--html", html)):
-        if path is not None and path.is_dir():
-            raise ConfigError(f"{flag} {path} is a folder; give a file name")
+    outputs = {"--json": json_out, "--csv": csv_out, "--html": html}
+    check_output_files(outputs, {"--run": run, "--video-root": video_root})
     if features is None:
         features = _run_features(run)
+    check_output_files(outputs, {"--features": features})
     searcher = open_searcher(features, run, device, pretrained, video_root)
+    # the collection's folder too, where the store says it is: a page written there would become one of its files
+    check_output_files(outputs, {"--video-root": searcher.video_root})
     found = search(searcher, texts, top_k, candidates, first_stage, index)
     hits = found.hits
     how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
            else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos")
-    console.print(f"[bold]{searcher.label}[/] over {searcher.store.dir} ({how} scored by the head)", highlight=False)
+    console.print(Text.assemble((searcher.label, "bold"), f" over {searcher.store.dir} ({how} scored by the head)"))
     if repeated:
         console.print(f"{repeated} repeated quer{'ies' if repeated > 1 else 'y'} searched once", highlight=False)
     for q in texts:
         _print_hits(q, [h for h in hits if h.query == q])
     # every output made before any is written: a failure leaves none of them behind
     records = [h.record() for h in hits]
-    outputs = []
+    made = []
     if json_out is not None:
-        outputs.append((json_out, json.dumps(records, indent=2) + "\n"))
+        made.append((json_out, json.dumps(records, indent=2) + "\n"))
     if csv_out is not None:
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=list(HIT_COLUMNS))
         w.writeheader()
         w.writerows(records)
-        outputs.append((csv_out, buf.getvalue()))
+        made.append((csv_out, buf.getvalue()))
     if html is not None:
         from tvrpipe.search.html import render_html
 
-        outputs.append((html, render_html(hits, searcher.store, searcher.video_root,
+        made.append((html, render_html(hits, searcher.store, searcher.video_root,
                                           f"tvrpipe search: {searcher.label}", thumbs)))
-    for path, text in outputs:
+    for path, text in made:
         atomic_write_text(path, text, parents=True)
         console.print(f"wrote {path}", highlight=False)
 
@@ -122,13 +123,20 @@ def _run_features(run: Path | None) -> Path:
 
 
 def _print_hits(query: str, hits) -> None:
-    table = Table(title=f"{query}", title_justify="left")
+    """One query's hits as a table; names wrap instead of being cut, and the path column is left out where it
+    repeats the video id (a collection's ids are its files' paths)."""
+    table = Table(title=Text(query), title_justify="left")
     unc = any(h.uncertainty is not None for h in hits)
     clips = any(h.clip() != "whole file" for h in hits)
-    for col in ("rank", "video", "path", *(["clip (s)"] if clips else []), "score", *(["uncertainty"] if unc else [])):
-        table.add_column(col, justify="right" if col in ("rank", "score", "uncertainty") else "left")
+    paths = any(h.path != h.video_id for h in hits)
+    columns = ("rank", "video", *(["path"] if paths else []), *(["clip (s)"] if clips else []), "score",
+               *(["uncertainty"] if unc else []))
+    for col in columns:
+        numeric = col in ("rank", "score", "uncertainty")
+        table.add_column(col, justify="right" if numeric else "left", overflow="fold", no_wrap=numeric)
     for h in hits:
+        path = [h.path] if paths else []
         clip = [h.clip()] if clips else []
         u = [f"{h.uncertainty:.4g}" if h.uncertainty is not None else ""] if unc else []
-        table.add_row(str(h.rank), h.video_id, h.path, *clip, f"{h.score:.4f}", *u)
+        table.add_row(str(h.rank), h.video_id, *path, *clip, f"{h.score:.4f}", *u)
     console.print(table)

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from tvrpipe.cli.app import PAPERS, app, finite_float, given, refuse_unused
+from tvrpipe.cli.app import PAPERS, app, console, finite_float, given, refuse_unused
 from tvrpipe.cli.options import (
     BatchSizeOption,
     EpochsOption,
@@ -24,7 +24,6 @@ from tvrpipe.cli.options import (
 from tvrpipe.errors import ConfigError
 from tvrpipe.training.settings import TrainConfig
 
-console = Console()
 TR = TrainConfig()  # the defaults, declared once: in TrainConfig
 
 
@@ -109,7 +108,7 @@ def sweep(
                   f"failed; per run: {out / 'runs.csv'}", highlight=False)
     if result.failed:
         for row in result.failed:
-            console.print(f"[red]failed[/] {row['run']}: {row['error']}", highlight=False, soft_wrap=True)
+            console.print(Text.assemble(("failed", "red"), f" {row['run']}: {row['error']}"), soft_wrap=True)
         raise typer.Exit(1)
 
 

@@ -7,14 +7,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
-from tvrpipe.cli.app import TOOLS, app, defaults_of, explicit_options, finite_float
+from tvrpipe.cli.app import TOOLS, app, console, defaults_of, explicit_options, finite_float
 from tvrpipe.cli.options import print_counts
 from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 
-console = Console()
 SY = defaults_of(synthesize)  # each option's default is synthesize's, declared there once
 # The rendering options: with --features-only they do not apply.
 _VIDEO_OPTIONS = ("videos", "size", "fps", "scene_seconds", "captions_per_video", "multi_scene_fraction",

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
+from rich.text import Text
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, explicit_options, given, refuse_unused
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, explicit_options, given, refuse_unused
 from tvrpipe.cli.options import (
     BatchSizeOption,
     EpochsOption,
@@ -27,7 +27,6 @@ from tvrpipe.cli.options import (
 from tvrpipe.errors import ConfigError
 from tvrpipe.training.settings import TrainConfig
 
-console = Console()
 TR = TrainConfig()  # the defaults, declared once: in TrainConfig
 
 
@@ -134,6 +133,6 @@ def heads() -> None:
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
         with torch.random.fork_rng(devices=[]):  # a small instance, for its parameter groups
             groups = ", ".join(cls(cls.Config(embed_dim=64)).param_groups())
-        console.print(f"[bold]{name}[/]: {(cls.__doc__ or '').strip().splitlines()[0]} "
-                      f"(default lr {cls.lr_text()}); parameter groups (finetune --group-lr): {groups}")
+        console.print(Text.assemble((name, "bold"), f": {(cls.__doc__ or '').strip().splitlines()[0]} "
+                                    f"(default lr {cls.lr_text()}); parameter groups (finetune --group-lr): {groups}"))
         console.print(f"    {fields}", highlight=False)

@@ -56,6 +56,7 @@ from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.data.manifest import COLLECTION, read_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.arrays import nonfinite_rows
+from tvrpipe.features.outputs import check_store_out
 from tvrpipe.features.store import (
     PreviousStore,
     Shard,
@@ -318,8 +319,8 @@ def _progress(enabled: bool):
     )
 
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}", markup=False), TimeElapsedColumn(), TimeRemainingColumn(),
         disable=not enabled, transient=False,
     )
 
@@ -527,6 +528,7 @@ def extract(
     t0 = time.perf_counter()
     # Everything that can be checked without the weights is checked before Ray starts (cfg checked itself)
     manifest, root, F, L = open_manifest(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words)
+    check_store_out(out_dir, {"--manifest": manifest_dir, "--video-root": root})
     if manifest.is_collection:
         from tvrpipe.features.collection import check_unchanged
 

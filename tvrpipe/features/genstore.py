@@ -479,7 +479,7 @@ def generate_store(
         v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        columns = (TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, disable=not progress) as bar:
             task = bar.add_task("videos", total=len(v_pending))
             for s in v_pending:

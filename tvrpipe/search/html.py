@@ -142,7 +142,7 @@ def _decode_all(
         for i, row in enumerate(rows):
             times[row], mask[row] = stamps[i], valid[i]
     shown = {}
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("thumbnails", total=len(keys))
         for row, path in keys:

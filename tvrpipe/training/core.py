@@ -281,9 +281,13 @@ def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (
         ConfigError: ``out`` is a feature store, or holds another run; ``explain(old, new)`` may give the
             reason instead.
     """
+    from tvrpipe.features.outputs import enclosing_folder, folder_kind
     from tvrpipe.features.store import check_not_a_store
 
     check_not_a_store(out, "a run")
+    for folder, kind in ((out, folder_kind(out)), *([enclosing_folder(out)] if enclosing_folder(out) else [])):
+        if kind in ("a manifest", "a feature store"):
+            raise ConfigError(f"--out {out}: {folder} is {kind}; a run goes into a folder of its own (e.g. runs/NAME)")
 
     def same(c: dict) -> dict:
         c = _without({k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k != RESUMED}, ignore)
@@ -503,8 +507,8 @@ class RunLoop:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         left = self.schedule.steps_per_epoch * max(0, self.schedule.epochs - self.start_epoch)
-        bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not enabled)
+        bar = Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[info]}", markup=False), TimeRemainingColumn(), disable=not enabled)
         with bar:
             self._bar, self._task = bar, bar.add_task(title, total=left, info="")
             try:

@@ -103,8 +103,8 @@ def _fit_with_progress(trainer, out: Path, job: FinetuneJob) -> None:
 
     thread = threading.Thread(target=fit, daemon=True)
     thread.start()
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not job.progress)
+    bar = Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}", markup=False), TimeRemainingColumn(), disable=not job.progress)
     with bar:
         task = bar.add_task(f"finetune {job.method} ({job.cfg.num_workers} Ray Train workers)", total=None,
                             info="starting the workers")
