@@ -135,6 +135,84 @@ def test_a_folder_without_a_decodable_video_is_one_line_and_writes_nothing(synth
     assert not (tmp_path / "m").exists()
 
 
+def _deep_file(folder: Path, data: bytes) -> str:
+    """A video file nested so deep that its absolute path is over PATH_MAX (made through folder
+    descriptors: no path that long can be opened by name); returns its relative path."""
+    part = "d" * 250
+    depth = 4096 // (len(part) + 1) + 1  # over 4096 bytes below the folder alone
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir(part, dir_fd=fd)
+            fd, up = os.open(part, os.O_RDONLY, dir_fd=fd), fd
+            os.close(up)
+        f = os.open("deep.mp4", os.O_WRONLY | os.O_CREAT, dir_fd=fd)
+        os.write(f, data)
+        os.close(f)
+        os.symlink("..", "up", dir_fd=fd)  # a link back up: not followed, not listed
+    finally:
+        os.close(fd)
+    return "/".join([part] * depth + ["deep.mp4"])
+
+
+def test_every_file_is_in_the_manifest_or_skipped_with_its_reason(synth_videos, tmp_path, cli, monkeypatch):
+    """Odd files are listed in meta.json's skipped, one reason each, and the folder is still built: a broken
+    link, a loop of links, a FIFO, a name that is not UTF-8, a path over PATH_MAX, a path Windows reads as
+    another drive. A ':' in a name is an ordinary file, read even from a relative --videos (FFmpeg would take
+    `a:` for a protocol). Hidden files are counted in the printed line, not listed."""
+    folder = _folder(tmp_path / "v", {"a:b.mp4": 0, "sub/ok.mp4": 1, "C:/x.mp4": 2, ".h.mp4": 3}, synth_videos)
+    (folder / ".git").mkdir()
+    (folder / "notes.txt").write_text("my videos")
+    (folder / "dangling.mp4").symlink_to(folder / "nowhere.mp4")
+    (folder / "loop.mp4").symlink_to("loop.mp4")
+    os.mkfifo(folder / "pipe.mp4")
+    fd = os.open(os.fsencode(folder) + b"/caf\xe9.mp4", os.O_WRONLY | os.O_CREAT)  # Latin-1 bytes
+    os.write(fd, synth_videos[4].read_bytes())
+    os.close(fd)
+    deep = _deep_file(folder, synth_videos[5].read_bytes())
+    out = tmp_path / "m"
+    monkeypatch.chdir(folder)
+
+    r = cli("manifest", "build", "--videos", ".", "--out", out)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert (f"collection of 2 videos, no captions -> {out} (2 files probed, 0 unchanged since the last build) "
+            "skipped 7 files (0 video files that do not decode, 1 not videos, 6 that cannot be opened as named); "
+            f"the reasons are in {out}/meta.json, e.g. C:/x.mp4: ") in text
+    assert text.endswith("; 2 hidden files and folders (names starting with a dot) left out, not listed")
+    assert list(pd.read_parquet(out / "videos.parquet").video_id) == ["a:b.mp4", "sub/ok.mp4"]
+    skipped = {s["path"]: s["reason"] for s in json.loads((out / "meta.json").read_text())["skipped"]}
+    length = len(os.fsencode(folder)) + 1 + len(deep)
+    assert skipped == {
+        "C:/x.mp4": "its path reads as leaving the folder on Windows (a backslash, or a drive such as 'C:/'), "
+                    "which a manifest refuses: rename it to include it",
+        "caf\\xe9.mp4": "its name is not UTF-8 text (a legacy encoding such as Latin-1?): rename it in UTF-8 to "
+                         "include it",
+        "dangling.mp4": "broken link: what it points to does not exist",
+        "loop.mp4": "broken link: a loop of links",
+        "notes.txt": "not a video file (.txt)",
+        "pipe.mp4": "not a regular file (a FIFO)",
+        deep: f"path too long: {length} bytes from /, over the system's limit of 4095 (PATH_MAX), so no program "
+              "can open it by name; move it to a shallower folder or shorten its names to include it",
+    }
+    # a rebuild probes nothing and says the same
+    before = (out / "meta.json").read_bytes()
+    r = cli("manifest", "build", "--videos", ".", "--out", out)
+    assert r.exit_code == 0 and "(0 files probed, 2 unchanged since the last build)" in " ".join(r.output.split())
+    assert (out / "meta.json").read_bytes() == before
+
+
+def test_a_folder_of_only_unusable_videos_names_them(tmp_path, cli):
+    folder = tmp_path / "v"
+    folder.mkdir()
+    (folder / "dangling.mp4").symlink_to(folder / "nowhere.mp4")
+    r = cli("manifest", "build", "--videos", folder, "--out", tmp_path / "m")
+    assert r.exit_code == 1 and (f"no video file (.3gp, .avi, .flv, .m4v, .mkv, .mov, .mp4, .mpeg, .mpg, .webm, "
+                                 f".wmv) under {folder}: it holds 1 files, e.g. dangling.mp4 (broken link: what it "
+                                 "points to does not exist)") in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "m").exists()
+
+
 # ------------------------------------------------------------------------------------- extract
 
 

@@ -12,7 +12,7 @@ from rich.text import Text
 from tvrpipe.cli.app import MAIN_PATH, app, console, new_app
 from tvrpipe.cli.options import print_counts
 from tvrpipe.data.datasets import build_manifest, list_datasets, load_spec
-from tvrpipe.data.manifest import read_manifest
+from tvrpipe.data.manifest import META_FILE, read_manifest
 from tvrpipe.errors import ConfigError
 
 manifest_app = new_app(help="Build and inspect dataset manifests (videos.parquet + captions.parquet).")
@@ -56,11 +56,16 @@ def build(
         b = build_collection(videos, out)
         skipped = b.manifest.meta["skipped"]
         console.print(f"collection of {len(b.manifest.videos):,} videos, no captions -> {out} "
-                      f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)", highlight=False)
+                      f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)")
+        hidden = (f"{b.hidden:,} hidden files and folders (names starting with a dot) left out, not listed"
+                  if b.hidden else "")
         if skipped:
-            console.print(f"skipped {len(skipped):,} files ({b.undecodable:,} video files that do not "
-                          f"decode, {b.not_videos:,} not videos; see {out}/meta.json), e.g. "
-                          f"{skipped[0]['path']}: {skipped[0]['reason']}", highlight=False)
+            console.print(f"skipped {len(skipped):,} files ({b.undecodable:,} video files that do not decode, "
+                          f"{b.not_videos:,} not videos, {b.unusable:,} that cannot be opened as named); the "
+                          f"reasons are in {out / META_FILE}, e.g. {skipped[0]['path']}: {skipped[0]['reason']}"
+                          + (f"; {hidden}" if hidden else ""), style="yellow")
+        elif hidden:
+            console.print(hidden)
         return
     if dataset is None or annotations is None:
         raise ConfigError("give --dataset and --annotations (a benchmark or a table of your own), or --videos FOLDER "

@@ -197,9 +197,12 @@ def visible(text: str) -> bool:
 
 def outside_root(path: str) -> bool:
     """Whether a manifest path would leave the video root: absolute, or climbing out with ``..``. A
-    manifest made elsewhere must not make extract open arbitrary files of this machine."""
+    manifest made elsewhere must not make extract open arbitrary files of this machine. A Windows
+    absolute path (``C:\\videos\\x.mp4``) is refused everywhere; a name with a drive but no root
+    (``a:b.mp4``) only on Windows, where it names another drive: on POSIX it is an ordinary file name."""
     p = PurePosixPath(path.replace("\\", "/"))
-    if p.is_absolute() or PureWindowsPath(path).drive:
+    win = PureWindowsPath(path)
+    if p.is_absolute() or win.is_absolute() or (win.drive and os.name == "nt"):
         return True
     depth = 0
     for part in p.parts:

@@ -8,7 +8,9 @@ across machines that hold the same folder. Every video is split ``test``; there 
 
 Each video file is probed once (:func:`~tvrpipe.features.decode.probe_video`: it opens and a frame
 decodes); a file that does not decode is left out and listed in ``meta.json`` ``"skipped"`` with
-the reason, as is every file that is not a video. The manifest's ``files.parquet`` records each
+the reason, as is every file that is not a video and every one that cannot be opened as named (a
+broken link, a name that is not UTF-8, a path over the system's limit; :func:`scan_folder`).
+Hidden files and folders are counted, not listed. The manifest's ``files.parquet`` records each
 video's size and modification time (ns): a rebuild into the same ``--out`` probes only the files
 whose fingerprint changed since (a rebuild of a folder of 100,000 videos is a walk and a ``stat``
 per file), and extract compares the folder against it (:func:`check_unchanged`), so that a file
@@ -19,11 +21,13 @@ the file system's time resolution goes unnoticed.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,7 @@ from tvrpipe.data.manifest import (
     VIDEOS_FILE,
     Manifest,
     make_tables,
+    outside_root,
     write_manifest,
 )
 from tvrpipe.errors import ConfigError, ManifestError
@@ -53,19 +58,47 @@ class FolderScan:
     """The files under a folder, as paths relative to it (posix form), sorted.
 
     Attributes:
-        videos: files with a video extension.
+        videos: files with a video extension that can be opened by name.
         others: every other file (hidden ones left out).
+        unusable: ``(path, reason)`` of the entries that cannot be taken as named: broken links and
+            loops of links, what is not a regular file (a FIFO, a socket, a device), video files
+            whose name is not UTF-8 or whose path is over the system's limit, folders that cannot
+            be listed. A path that is not UTF-8 is shown with its bytes escaped (``caf\\xe9.mp4``).
+        hidden: files and folders left out because their name starts with a dot (not listed: a
+            folder of videos gathers ``.DS_Store``, ``._x.mp4`` and ``.git`` by the thousand).
     """
 
     videos: list[str]
     others: list[str]
+    unusable: list[tuple[str, str]] = field(default_factory=list)
+    hidden: int = 0
+
+
+def _shown_path(path: str) -> str:
+    """``path`` as it can be written and printed: itself when it is UTF-8 text, else its bytes with the
+    ones that are not UTF-8 escaped (``caf\\xe9.mp4``; a name read from disk keeps them as surrogates)."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _not_regular(mode: int) -> str:
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "")
+    return f"not a regular file ({kind})" if kind else "not a regular file"
 
 
 def scan_folder(folder: str | os.PathLike[str], skip: tuple[str | os.PathLike[str], ...] = ()) -> FolderScan:
     """Every file under ``folder``, recursively, split into video files (an extension of
-    :data:`~tvrpipe.data.manifest.VIDEO_EXTENSIONS`, any case) and the rest. Names starting with a
-    dot are skipped, folders too, and the folders ``skip`` (a manifest written inside the folder);
-    links to folders are followed, once each (a link back up is not).
+    :data:`~tvrpipe.data.manifest.VIDEO_EXTENSIONS`, any case), the rest, and what cannot be taken
+    (:attr:`FolderScan.unusable`, with the reason). Names starting with a dot are skipped, folders
+    too, and the folders ``skip`` (a manifest written inside the folder); links to folders are
+    followed, once each (a link back up is not).
+
+    The walk holds each folder open (:func:`os.fwalk`), so that a tree nested deeper than the
+    system's path limit is still listed to the end: its files are named as unusable, never lost.
 
     Raises:
         ManifestError: ``folder`` is not a directory.
@@ -75,23 +108,77 @@ def scan_folder(folder: str | os.PathLike[str], skip: tuple[str | os.PathLike[st
     root = Path(folder)
     if not root.is_dir():
         raise ManifestError(f"--videos {root}: not a directory")
-    videos, others = [], []
-    seen = {os.path.realpath(root), *(os.path.realpath(p) for p in skip)}
-    for here, dirs, names in os.walk(root, followlinks=True):
+    # the path extract opens (the folder as given, made absolute) or search opens (the folder resolved)
+    root_len = max(len(os.fsencode(os.path.abspath(root))), len(os.fsencode(root.resolve())))
+    path_max = os.pathconf(root, "PC_PATH_MAX")  # bytes with the closing NUL: 4096 on Linux
+    videos, others, unusable, hidden = [], [], [], 0
+    seen = set()
+    for p in (root, *skip):
+        try:
+            st = os.stat(p)
+            seen.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass  # a --out not made yet
+    for here, dirs, names, fd in os.fwalk(root, follow_symlinks=True):
+        rel = Path(here).relative_to(root)
         keep = []
         for d in sorted(dirs):
-            real = os.path.realpath(os.path.join(here, d))
-            if not d.startswith(".") and real not in seen:
-                seen.add(real)
+            if d.startswith("."):
+                hidden += 1
+                continue
+            try:
+                st = os.stat(d, dir_fd=fd)
+                os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd))
+            except OSError as e:
+                unusable.append((_shown_path((rel / d).as_posix()) + "/",
+                                 f"a folder that cannot be listed ({e.strerror or e}): its files are not looked at"))
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
                 keep.append(d)
         dirs[:] = keep
-        rel = Path(here).relative_to(root)
         for name in names:
-            if name.startswith(".") or not os.path.isfile(os.path.join(here, name)):  # a dangling link, a socket
+            if name.startswith("."):
+                hidden += 1
                 continue
             path = (rel / name).as_posix()
-            (videos if Path(name).suffix.lower() in VIDEO_EXTENSIONS else others).append(path)
-    return FolderScan(sorted(videos), sorted(others))
+            shown = _shown_path(path)
+            try:
+                st = os.stat(name, dir_fd=fd)
+            except FileNotFoundError:
+                if _is_link(name, fd):
+                    unusable.append((shown, "broken link: what it points to does not exist"))
+                continue  # removed since the folder was listed
+            except OSError as e:
+                why = ("broken link: a loop of links" if e.errno == errno.ELOOP
+                       else f"cannot stat it ({e.strerror or e})")
+                unusable.append((shown, why))
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                unusable.append((shown, _not_regular(st.st_mode)))
+                continue
+            if Path(name).suffix.lower() not in VIDEO_EXTENSIONS:
+                others.append(shown)
+                continue
+            if shown != path:  # parquet holds UTF-8 text only, and an id must name the file exactly
+                unusable.append((shown, "its name is not UTF-8 text (a legacy encoding such as Latin-1?): rename "
+                                        "it in UTF-8 to include it"))
+                continue
+            length = root_len + 1 + len(os.fsencode(path))
+            if length >= path_max:
+                unusable.append((shown, f"path too long: {length} bytes from /, over the system's limit of "
+                                        f"{path_max - 1} (PATH_MAX), so no program can open it by name; move it "
+                                        "to a shallower folder or shorten its names to include it"))
+                continue
+            videos.append(path)
+    return FolderScan(sorted(videos), sorted(others), sorted(unusable), hidden)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def fingerprint(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -111,6 +198,9 @@ class CollectionBuild:
             probed again.
         undecodable: video files left out because they do not decode.
         not_videos: files left out because their extension is not a video's.
+        unusable: entries left out because they cannot be taken as named (:attr:`FolderScan.unusable`,
+            and video paths a manifest refuses).
+        hidden: files and folders left out, unlisted, because their name starts with a dot.
     """
 
     manifest: Manifest
@@ -118,6 +208,8 @@ class CollectionBuild:
     known: int
     undecodable: int
     not_videos: int
+    unusable: int = 0
+    hidden: int = 0
 
 
 def _previous(out: Path, root: str) -> dict[str, tuple[int, int, str | None]]:
@@ -149,7 +241,10 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     ``meta.json`` records ``kind`` and ``dataset`` (``"collection"``), ``video_root`` (the folder,
     absolute), the sampling defaults ``frames`` and ``max_words`` (the custom spec's) and
     ``skipped``: each file left out, ``{"path", "reason"}`` (plus ``bytes`` and ``mtime_ns`` for a
-    video file that does not decode, so that a rebuild does not probe it again while unchanged).
+    video file that does not decode, so that a rebuild does not probe it again while unchanged):
+    files that are not videos, videos that do not decode, and what cannot be taken as named (broken
+    links, names that are not UTF-8, paths over the system's limit: :func:`scan_folder`). Hidden
+    files and folders are counted, not listed.
     ``files.parquet`` holds each video's ``bytes`` and ``mtime_ns``.
 
     Args:
@@ -174,15 +269,22 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     root, out = Path(videos_dir).expanduser(), Path(out_dir)
     scan = scan_folder(root, skip=(out,))
     root_abs = str(root.resolve())
-    if not scan.videos:
-        held = (f"it holds {len(scan.others)} files, e.g. {', '.join(scan.others[:_SHOW])}" if scan.others
-                else "it holds no file (hidden files and folders are skipped)")
-        raise ManifestError(f"no video file ({', '.join(sorted(VIDEO_EXTENSIONS))}) under {root}: {held}")
+    # a file named `..\x.mp4` or (in a folder `C:`) `C:/x.mp4`: a legal name here, refused by the manifest
+    # because Windows reads it as leaving the folder; the file is skipped, the folder still built
+    refused = [(p, "its path reads as leaving the folder on Windows (a backslash, or a drive such as 'C:/'), "
+                   "which a manifest refuses: rename it to include it") for p in scan.videos if outside_root(p)]
+    candidates = [p for p in scan.videos if not outside_root(p)]
+    unusable = sorted([*scan.unusable, *refused])
+    if not candidates:
+        held = [*scan.others, *(f"{p} ({why})" for p, why in unusable)]
+        held_text = (f"it holds {len(held)} files, e.g. {', '.join(held[:_SHOW])}" if held
+                     else "it holds no file (hidden files and folders are skipped)")
+        raise ManifestError(f"no video file ({', '.join(sorted(VIDEO_EXTENSIONS))}) under {root}: {held_text}")
     before = _previous(out, root_abs)
     prints: dict[str, tuple[int, int]] = {}
     reasons: dict[str, str | None] = {}
     to_probe = []
-    for path in scan.videos:
+    for path in candidates:
         try:
             prints[path] = fingerprint(root / path)
         except OSError as e:  # removed since the walk, or unreadable
@@ -193,19 +295,22 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
             reasons[path] = old[2]
         else:
             to_probe.append(path)
-    known = len(scan.videos) - len(to_probe) - sum(p not in prints for p in scan.videos)
+    known = len(candidates) - len(to_probe) - sum(p not in prints for p in candidates)
     reasons.update(zip(to_probe, _probe_all([root / p for p in to_probe], probe_video, progress)))
-    good = [p for p in scan.videos if p in prints and reasons[p] is None]
-    bad = [p for p in scan.videos if reasons[p] is not None]
+    good = [p for p in candidates if p in prints and reasons[p] is None]
+    bad = [p for p in candidates if reasons[p] is not None]
     if not good:
         shown = ", ".join(f"{p} ({reasons[p]})" for p in bad[:_SHOW]) + (
             f" and {len(bad) - _SHOW} more" if len(bad) > _SHOW else "")
-        raise ManifestError(f"none of the {len(bad)} video files under {root} decodes: {shown}")
+        also = (f"; {len(unusable)} more cannot be taken as named: "
+                + ", ".join(f"{p} ({why})" for p, why in unusable[:_SHOW]) if unusable else "")
+        raise ManifestError(f"none of the {len(bad)} video files under {root} decodes: {shown}{also}")
     skipped: list[dict[str, Any]] = [
         {"path": p, "reason": reasons[p], **({"bytes": prints[p][0], "mtime_ns": prints[p][1]} if p in prints else {})}
         for p in bad]
     skipped += [{"path": p, "reason": f"not a video file ({Path(p).suffix.lower() or 'no extension'})"}
                 for p in scan.others]
+    skipped += [{"path": p, "reason": why} for p, why in unusable]
     skipped.sort(key=lambda s: s["path"])
     spec = load_spec("custom")  # the same sampling defaults as a table of one's own videos
     meta = {"kind": COLLECTION, "dataset": COLLECTION, "video_root": root_abs, "frames": spec.frames,
@@ -214,10 +319,10 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     files = pd.DataFrame({"video_id": good, "bytes": [prints[p][0] for p in good],
                           "mtime_ns": [prints[p][1] for p in good]}).astype({"bytes": "int64", "mtime_ns": "int64"})
     m = write_manifest(out, videos, captions, meta, source=str(root), files=files)
-    if bad:
-        log.info("%d of %d video files under %s do not decode and were left out (listed in %s)", len(bad),
-                    len(scan.videos), root, out / META_FILE)
-    return CollectionBuild(m, probed=len(to_probe), known=known, undecodable=len(bad), not_videos=len(scan.others))
+    if skipped:
+        log.info("%d files under %s were left out (the reasons are in %s)", len(skipped), root, out / META_FILE)
+    return CollectionBuild(m, probed=len(to_probe), known=known, undecodable=len(bad), not_videos=len(scan.others),
+                           unusable=len(unusable), hidden=scan.hidden)
 
 
 def _probe_all(paths: list[Path], probe, progress: bool) -> list[str | None]:

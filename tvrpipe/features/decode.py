@@ -457,7 +457,7 @@ def _read_decord(
 
 def _open_decord(decord: Any, path: Path, width: int, height: int) -> Any:
     return decord.VideoReader(
-        str(path), num_threads=1, width=width, height=height, fault_tol=_NO_DUPLICATES
+        _ffmpeg_name(path), num_threads=1, width=width, height=height, fault_tol=_NO_DUPLICATES
     )
 
 
@@ -519,7 +519,7 @@ def _pyav_packet_times(path: Path) -> np.ndarray:
     """Presentation times (s) of the video stream's packets, sorted: float64 [n]."""
     import av
 
-    with av.open(str(path)) as container:
+    with av.open(_ffmpeg_name(path)) as container:
         stream = _video_stream(container, path)
         pts = []
         try:
@@ -552,7 +552,7 @@ def _pyav_decode(
     want = {int(k): row for row, k in enumerate(idx)}
     crops = np.empty((len(idx), image_size, image_size, 3), np.uint8)
     found, aligned, times = 0, True, []
-    with av.open(str(path)) as container:
+    with av.open(_ffmpeg_name(path)) as container:
         stream = _video_stream(container, path)
         stream.codec_context.thread_count = 1  # one core per decode, like decord's path
         t0, time_base, rate = stream.start_time or 0, stream.time_base, _frame_rate(stream)
@@ -605,7 +605,7 @@ def _probe_size(path: Path) -> tuple[int, int]:
 
     try:
         # skip_frame=all: the stream-info probe reads the headers without decoding frames.
-        with av.open(str(path), options={"threads": "1", "skip_frame": "all"}) as container:
+        with av.open(_ffmpeg_name(path), options={"threads": "1", "skip_frame": "all"}) as container:
             stream = _video_stream(container, path)
             codec = stream.codec_context
             width, height, rotation = codec.width, codec.height, 0
@@ -622,7 +622,7 @@ def _probe_size(path: Path) -> tuple[int, int]:
         import decord
 
         log.debug("%s: PyAV cannot probe it (%s); asking decord", path, exc)
-        height, width = decord.VideoReader(str(path), num_threads=1).next().shape[:2]
+        height, width = decord.VideoReader(_ffmpeg_name(path), num_threads=1).next().shape[:2]
         return width, height
     if width < 1 or height < 1:
         raise RuntimeError(f"the video stream reports size {width}x{height}")
@@ -649,7 +649,7 @@ def probe_video(path: str | os.PathLike[str]) -> str | None:
     try:
         _check_file(p)
         try:
-            with av.open(str(p), options={"threads": "1"}) as container:
+            with av.open(_ffmpeg_name(p), options={"threads": "1"}) as container:
                 stream = _video_stream(container, p)
                 stream.codec_context.thread_count = 1
                 for _ in _pyav_frames(av, container, stream):
@@ -727,6 +727,13 @@ def _check_sizes(num_frames: int, image_size: int) -> None:
 def _bound(value: float | None) -> float | None:
     """A clip bound: None and NaN (a missing value in a manifest table) mean open."""
     return None if value is None or np.isnan(value) else float(value)
+
+
+def _ffmpeg_name(path: str | os.PathLike[str]) -> str:
+    """The name under which FFmpeg (PyAV, decord) opens ``path``: absolute, because FFmpeg reads a relative
+    name whose first part holds a ':' as a protocol (``a:b.mp4``: "Protocol not found"), while on POSIX
+    that is an ordinary file name."""
+    return os.path.abspath(path)
 
 
 def _check_file(path: Path) -> None:
@@ -879,7 +886,7 @@ def frames_at(path: str | os.PathLike[str], times: Sequence[float], height: int)
 
     out: list[np.ndarray | None] = [None] * len(want)
     try:
-        with av.open(str(path)) as container:
+        with av.open(_ffmpeg_name(path)) as container:
             stream = _video_stream(container, path)
             stream.codec_context.thread_count = 1
             t0, time_base, rate = stream.start_time or 0, float(stream.time_base), _frame_rate(stream)
