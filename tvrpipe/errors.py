@@ -43,6 +43,10 @@ class WorkerDiedError(TvrpipeError):
     """A process doing part of the work ended without returning (killed, out of memory, crashed)."""
 
 
+class DownloadError(TvrpipeError):
+    """Pretrained weights are not on this machine and their host does not answer (no network, a firewall)."""
+
+
 class WriteError(TvrpipeError):
     """A file could not be written: a full disk, a read-only or unwritable folder, a quota."""
 

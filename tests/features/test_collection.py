@@ -396,3 +396,140 @@ def test_search_of_a_collection_and_a_changed_file_refused(collection, tmp_path,
     assert r.exit_code == 1 and "changed 1: c/kept3.mp4" in " ".join(r.output.split()), r.output
     r = cli("search", "a red circle", "--features", moved, "--video-root", tmp_path / "nowhere")
     assert r.exit_code == 1 and f"--video-root {tmp_path / 'nowhere'} is not a folder" in " ".join(r.output.split())
+
+
+# ------------------------------------------------------------------------------- the weights' facts
+
+
+def _removed_one(collection, tmp_path) -> tuple[Path, Path, Path]:
+    """(folder, manifest, store): a copy of the collection's store, and the folder less b/removed.mp4, whose
+    update copies every row (nothing to encode)."""
+    src_folder, _, src_store = collection
+    folder, out = tmp_path / "videos", tmp_path / "store"
+    shutil.copytree(src_folder, folder)
+    shutil.copytree(src_store, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    (folder / "b" / "removed.mp4").unlink()
+    build_collection(folder, tmp_path / "manifest", progress=False)
+    return folder, tmp_path / "manifest", out
+
+
+def _cache_entry(tmp_path, monkeypatch, **edits) -> Path:
+    """A cache of this test's own holding the tiny CLIP's true facts, with ``edits``; its entry's path."""
+    from tvrpipe.features.clip import load_clip, weights_facts
+    from tvrpipe.features.weights import remember_facts, weights_key
+
+    monkeypatch.setenv("TVRPIPE_CACHE", str(tmp_path / "cache"))
+    key = weights_key(TINY_MODEL, "none", 0)
+    remember_facts(key, {**weights_facts(load_clip(TINY_MODEL, "none", seed=0)), **edits})
+    return tmp_path / "cache" / "weights" / f"{key}.json"
+
+
+def test_an_update_that_only_copies_takes_no_fact_from_an_edited_cache(collection, tmp_path, monkeypatch):
+    """A cache entry edited to another logit scale: the new store records the store it replaces' (the true
+    weights'), and the entry is rewritten with the true facts."""
+    folder, manifest, out = _removed_one(collection, tmp_path)
+    true_scale = open_store(out).provenance["logit_scale"]
+    entry = _cache_entry(tmp_path, monkeypatch, logit_scale=true_scale + 1.5)
+    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    s = extract(manifest, folder, out, _cfg())
+    assert (s.reused, s.videos_done) == (4, 0)
+    assert open_store(out).provenance["logit_scale"] == true_scale
+    assert json.loads(entry.read_text())["logit_scale"] == true_scale
+
+
+def test_a_cache_entry_of_other_weights_does_not_advise_overwrite(collection, tmp_path, monkeypatch, caplog):
+    """A cached sha256 that disagrees with the store: the weights are loaded to decide, and they are the
+    store's; the update runs (no --overwrite advice, which would delete a good store)."""
+    folder, manifest, out = _removed_one(collection, tmp_path)
+    want = open_store(out).provenance["weights_sha256"]
+    _cache_entry(tmp_path, monkeypatch, weights_sha256="0" * 64)
+    with caplog.at_level(logging.WARNING):
+        s = extract(manifest, folder, out, _cfg())
+    assert (s.reused, s.videos_done) == (4, 0)
+    new = open_store(out).provenance
+    assert new["weights_sha256"] == want and new["n_videos"] == 4
+    assert "--overwrite" not in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["folder", "garbage", "wrong types", "missing", "other key"])
+def test_an_unusable_cache_entry_is_one_warning_and_a_load(collection, tmp_path, monkeypatch, caplog, damage):
+    _, manifest, src_store = collection
+    out = tmp_path / "store"
+    shutil.copytree(src_store, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    entry = _cache_entry(tmp_path, monkeypatch)
+    good = json.loads(entry.read_text())
+    if damage == "folder":
+        entry.unlink()
+        entry.mkdir()
+    elif damage == "garbage":
+        entry.write_text("{not json")
+    elif damage == "wrong types":
+        entry.write_text(json.dumps({**good, "embed_dim": "64", "logit_scale": float("nan")}))
+    elif damage == "missing":
+        entry.write_text(json.dumps({k: v for k, v in good.items() if k != "preprocessing"}))
+    else:  # an entry copied under another name
+        entry.write_text(json.dumps({**good, "key": "ab" * 32}))
+    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    with caplog.at_level(logging.WARNING, logger="tvrpipe.features.weights"):
+        s = extract(manifest, collection[0], out, _cfg())  # complete: nothing to do but learn the facts
+    assert (s.videos_done, s.videos_skipped) == (0, 5)
+    read = [r.getMessage() for r in caplog.records if "ignored, the weights are loaded instead" in r.getMessage()]
+    assert len(read) == 1 and str(entry) in read[0], caplog.text
+    if damage == "folder":  # it cannot be replaced either: a warning, never a failed run
+        assert entry.is_dir() and "weights facts not cached in" in caplog.text
+    else:
+        assert json.loads(entry.read_text()) == good
+
+
+# ------------------------------------------------------------------------------- --pretrained
+
+
+def test_a_relative_checkpoint_is_recorded_by_its_absolute_path(collection, tmp_path, monkeypatch):
+    """A store records the checkpoint it was made from by a path that reaches it from any folder."""
+    from safetensors.torch import save_file
+
+    from tvrpipe.features.clip import load_clip
+
+    folder, manifest, _ = collection
+    (tmp_path / "ckpt").mkdir()
+    state = {k: v.contiguous() for k, v in load_clip(TINY_MODEL, "none", seed=4).model.state_dict().items()}
+    save_file(state, str(tmp_path / "ckpt" / "clip.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    extract(manifest, folder, "store", _cfg(pretrained="ckpt/clip.safetensors"))
+    prov = open_store(tmp_path / "store").provenance
+    assert prov["pretrained"] == str((tmp_path / "ckpt" / "clip.safetensors").resolve())
+    assert prov["weights_sha256"] == load_clip(TINY_MODEL, "ckpt/clip.safetensors").weights_sha256
+    # a store made when the path was recorded as given resumes: the sha256 names the weights
+    import zarr
+
+    zarr.open_group(tmp_path / "store" / "features.zarr", mode="a").attrs["pretrained"] = "ckpt/clip.safetensors"
+    s = extract(manifest, folder, "store", _cfg(pretrained="ckpt/clip.safetensors"))
+    assert (s.videos_done, s.videos_skipped) == (0, 5)
+
+
+def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_ray(collection, tmp_path, monkeypatch):
+    """ViT-B-32 openai, in no local cache, and a host that refuses: one line naming the model, the tag, the
+    host and --pretrained with a file, before any encoder starts."""
+    import time
+
+    import huggingface_hub.constants as hf
+
+    from tvrpipe.errors import DownloadError
+
+    folder, manifest, _ = collection
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # open_clip's own cache: ~/.cache/clip
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(hf, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    for name in ("https_proxy", "HTTPS_PROXY", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: None)
+    monkeypatch.setattr(extract_module, "cluster_cpus", lambda: pytest.fail("workers started"))
+    t0 = time.perf_counter()
+    with pytest.raises(DownloadError, match=r"^--pretrained openai: the weights of ViT-B-32 openai are not in this "
+                                            r"machine's open_clip or Hugging Face cache and cannot be downloaded "
+                                            r"from 127\.0\.0\.1 \(no connection within 5 s: .*\); on a machine "
+                                            r"without network, download them elsewhere and pass the file: "
+                                            r"--pretrained /path/to/file\.safetensors \(or \.pt\)$"):
+        extract(manifest, folder, tmp_path / "store", _cfg(model="ViT-B-32", pretrained="openai"))
+    assert time.perf_counter() - t0 < 30
+    assert not (tmp_path / "store" / "features.zarr").exists()

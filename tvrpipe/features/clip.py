@@ -46,7 +46,7 @@ from open_clip.pretrained import get_pretrained_cfg
 from open_clip.transformer import text_global_pool
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.weights import MODEL_CONFIG_DIR, check_checkpoint, looks_like_path
+from tvrpipe.features.weights import MODEL_CONFIG_DIR, check_checkpoint, check_download, looks_like_path
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,9 @@ def load_clip(
     Raises:
         ConfigError: Unknown model or tag, unsupported text tower, missing or unreadable
             checkpoint, unavailable device.
+        DownloadError: A tag's weights are not cached here and their host does not answer
+            (:func:`~tvrpipe.features.weights.check_download`), in seconds rather than after
+            open_clip's minutes of retries.
 
     Example:
         >>> bundle = load_clip("tvrpipe-tiny", "none", seed=0)
@@ -162,6 +165,7 @@ def load_clip(
             )
         tag = pretrained
         quick_gelu = bool(tag_cfg.get("quick_gelu", False)) and not cfg.get("quick_gelu", False)
+        check_download(model_name, tag)  # open_clip would retry a download that cannot succeed for minutes
 
     # open_clip initialises every model from the global RNG (then overwrites it when loading
     # weights): fork it so the init is seeded and the caller's RNG state is left alone.
@@ -174,18 +178,16 @@ def load_clip(
         except RuntimeError as exc:
             if tag is None:
                 raise
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise ConfigError(
-                f"--pretrained {tag}: cannot fetch or load the weights of {model_name!r} ({reason}); "
-                f"offline, pass a local checkpoint file instead"
+                f"--pretrained {tag}: cannot fetch or load the weights of {model_name!r} ({_reason(exc)}); "
+                f"offline, pass a local checkpoint file instead: --pretrained /path/to/file.safetensors (or .pt)"
             ) from exc
     if checkpoint is not None:
         try:
             open_clip.load_checkpoint(model, checkpoint, strict=True)
         except Exception as exc:  # torch.load / safetensors / load_state_dict all raise differently
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise ConfigError(
-                f"--pretrained: cannot load checkpoint {checkpoint} into {model_name!r} ({reason}); "
+                f"--pretrained: cannot load checkpoint {checkpoint} into {model_name!r} ({_reason(exc)}); "
                 f"give a state dict saved from this architecture"
             ) from exc
     model.eval().requires_grad_(False)
@@ -218,6 +220,12 @@ def load_clip(
         quick_gelu_forced=quick_gelu,
         logit_scale=clip_logit_scale(model),
     )
+
+
+def _reason(exc: BaseException, limit: int = 200) -> str:
+    """The first line of ``exc``'s text, at most ``limit`` characters, shortened at a word's end."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def weights_facts(bundle: ClipBundle) -> dict[str, Any]:

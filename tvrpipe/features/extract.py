@@ -39,11 +39,13 @@ are encoded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,8 +70,11 @@ from tvrpipe.features.store import (
 from tvrpipe.features.weights import (
     cached_facts,
     check_checkpoint,
+    check_download,
+    confirmed_facts,
     guess_image_size,
     remember_facts,
+    resolve_pretrained,
     weights_key,
 )
 from tvrpipe.features.workers import ClipEncoder, Decoder
@@ -427,7 +432,12 @@ def _start_workers(cfg: ExtractConfig) -> _Workers:
     import ray
 
     _check_device(cfg)
-    ray_init(cfg.address, data=False)
+    # a tag's weights that cannot be downloaded fail here in seconds (an encoder's open_clip would retry for
+    # minutes, its messages in Ray's worker logs); checked while Ray starts, as it imports torch
+    with ThreadPoolExecutor(1) as pool:
+        download = pool.submit(check_download, cfg.model, cfg.pretrained)
+        ray_init(cfg.address, data=False)
+        download.result()
     cpus = cluster_cpus()
     gpu = cfg.device == "cuda"
     # CPU encoders share the cores with the decoders; a GPU encoder needs one core to feed it
@@ -483,6 +493,19 @@ def _reported_facts(encoder, key: str) -> dict[str, Any]:
     return facts
 
 
+def _recorded(out: Path) -> list[dict[str, Any]]:
+    """The provenance of the store in ``out`` and of the store an update replaces (``.previous``), those there."""
+    from tvrpipe.features.store import PREVIOUS, StoreError, store_attributes
+
+    found = []
+    for d in (out, out / PREVIOUS):
+        try:
+            found.append(store_attributes(d))
+        except StoreError:
+            pass
+    return found
+
+
 def _loaded_facts(cfg: ExtractConfig, key: str) -> dict[str, Any]:
     """The weights' facts when the cache has none and no encoder is needed: loaded here, once per machine."""
     from tvrpipe.features.clip import load_clip, weights_facts
@@ -534,6 +557,8 @@ def extract(
 
         check_unchanged(manifest, manifest_dir, root)
     check_checkpoint(cfg.pretrained)
+    # recorded as a path that reaches the file from any folder (the sha256 stays the weights' identity)
+    cfg = dataclasses.replace(cfg, pretrained=resolve_pretrained(cfg.pretrained))
     out = Path(out_dir)
 
     def reached(phase: str) -> None:
@@ -555,7 +580,9 @@ def extract(
     try:
         # a rerun may have nothing to do, an interrupted update nothing but copies: no encoder, no Ray yet
         if not cfg.overwrite and (_complete(out) or manifest.is_collection and update_interrupted(out)):
-            facts = cached_facts(key) or _loaded_facts(cfg, key)
+            # cached facts only where the store resumed or replaced records the same: a new store's facts
+            # come from that store or from the weights, never from the cache alone
+            facts = confirmed_facts(cached_facts(key), _recorded(out)) or _loaded_facts(cfg, key)
         else:  # the encoders that do the work report the weights' facts; the driver loads no model
             workers = _start_workers(cfg)
             reached("ray")

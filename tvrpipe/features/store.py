@@ -143,12 +143,30 @@ def written_state(features_dir: str | os.PathLike[str], kind: str = "videos") ->
     return h.hexdigest()
 
 
+def _is_path(pretrained: Any) -> bool:
+    from tvrpipe.features.weights import looks_like_path
+
+    return isinstance(pretrained, str) and pretrained != "none" and looks_like_path(pretrained)
+
+
+def differs(key: str, have: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
+    """Whether two provenances differ on the identity key ``key``. Two checkpoint paths do not, where both
+    record the same ``weights_sha256``: the sha256 names the weights, and a path differs with where it was
+    given from (a store made before paths were recorded resolved holds the relative one) or where the
+    file has moved."""
+    a, b = have.get(key), want.get(key)
+    if key == "pretrained" and a != b and _is_path(a) and _is_path(b):
+        sha = have.get("weights_sha256")
+        return sha is None or sha != want.get("weights_sha256")
+    return a != b
+
+
 def provenance_mismatch(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
     """Human-readable differences between two provenances on the identity keys in ``want``."""
     return [
         f"{k}: store has {have.get(k)!r}, expected {want[k]!r}"
         for k in IDENTITY_KEYS
-        if k in want and have.get(k) != want[k]
+        if k in want and differs(k, have, want)
     ]
 
 
@@ -478,7 +496,7 @@ class StoreWriter:
     def _updatable(self, attrs: Mapping[str, Any]) -> bool:
         """Whether a store with ``attrs`` is an earlier state of this collection's store: a collection store
         whose identity differs from this one's in ``manifest_sha256`` at most."""
-        diff = [k for k in IDENTITY_KEYS if attrs.get(k) != self.provenance.get(k)]
+        diff = [k for k in IDENTITY_KEYS if differs(k, attrs, self.provenance)]
         return (attrs.get("kind") == COLLECTION and self.provenance.get("kind") == COLLECTION
                 and set(diff) <= {"manifest_sha256"})
 

@@ -71,6 +71,7 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
     from tvrpipe.features.decode import FRAME_SAMPLING
     from tvrpipe.features.extract import check_max_words, open_manifest
     from tvrpipe.features.store import manifest_sha256
+    from tvrpipe.features.weights import resolve_pretrained
     from tvrpipe.training.data import split_rows
 
     # ---- options (cfg checked itself), manifest and weights are checked before anything is written or Ray starts
@@ -79,7 +80,9 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
     bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
     check_max_words(L, bundle.context_length)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
-    cfg = dataclasses.replace(cfg, frames=F, max_words=L)  # what the run uses, the manifest's where not given
+    # what the run uses: the manifest's frames and words where not given, a checkpoint by its absolute path (the
+    # run's workers and a later `extract --pretrained` reach it from any folder)
+    cfg = dataclasses.replace(cfg, frames=F, max_words=L, pretrained=resolve_pretrained(cfg.pretrained))
     rates, copied = probe_head(method, head_cfg, cfg, bundle, recipe)
     if cfg.init_from_clip and not copied:
         log.warning("--init-from-clip: %s, so nothing is copied: %s keeps its own initialisation", copied.reason,

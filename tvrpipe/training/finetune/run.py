@@ -56,6 +56,7 @@ def finetune(
     job, pairs, config, bundle = build_job(manifest_dir, video_root, method, out_dir, cfg, overrides, post, progress,
                                            recipe)
     out, missing = Path(out_dir), gpu_missing(job.cfg)
+    config = _as_first_recorded(out, config)
     if dry_run:  # every check the run makes before its first write, writing nothing
         from tvrpipe.training.finetune.dryrun import plan_run
 
@@ -72,3 +73,24 @@ def finetune(
         if job.cfg.num_workers == 0:
             return run_job(job, 0, 1, "cuda" if job.cfg.use_gpu else "cpu")
         return ray_train(job)
+
+
+def _as_first_recorded(out: Path, config: dict) -> dict:
+    """``config`` with the ``--pretrained`` that a run in ``out`` recorded before checkpoint paths were recorded
+    resolved (the path as given, relative), where that path names the same file from here: such a run
+    resumes, and its record stays what it was."""
+    from tvrpipe.errors import RunError
+    from tvrpipe.features.weights import resolve_pretrained
+    from tvrpipe.rundir import CONFIG, read_config
+
+    if not (out / CONFIG).is_file():
+        return config
+    try:
+        section = read_config(out).get("finetune")
+    except RunError:  # a damaged config.yaml: check_run_dir says so
+        return config
+    then = section.get("pretrained") if isinstance(section, dict) else None
+    now = config["finetune"]["pretrained"]
+    if isinstance(then, str) and then != now and resolve_pretrained(then) == now:
+        return {**config, "finetune": {**config["finetune"], "pretrained": then}}
+    return config
