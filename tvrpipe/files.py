@@ -1,9 +1,15 @@
-"""Files written whole or not at all (a temporary file and a rename), and their sha256."""
+"""Files written whole or not at all (a temporary file and a rename), their sha256, and the staged names
+that a writer killed before its rename leaves behind."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +17,64 @@ from tvrpipe.errors import writing
 
 if TYPE_CHECKING:
     import pandas as pd
+
+log = logging.getLogger(__name__)
+
+STALE_AFTER_S = 3600.0  # a staged name lives for the seconds its writer takes to write and rename it
+_STAGED = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)")
+
+
+def staged_name(name: str, pid: int | None = None, kind: str = "tmp") -> str:
+    """The name under which process ``pid`` (default: this one) stages ``name`` before renaming it into place
+    (``kind`` ``tmp``), or sets an old ``name`` aside while it replaces it (``old``): ``.NAME.tmp-PID``."""
+    return f".{name}.{kind}-{os.getpid() if pid is None else pid}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (this process included: another of its threads may be
+    writing; a staged name of a pid reused since is left to the age limit)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
+
+
+def remove_staged(folder: str | os.PathLike[str], names: Iterable[str] | None = None,
+                  locked: bool = False) -> list[Path]:
+    """Remove what writers killed before their rename (``kill -9``, a power cut, a lost node) left in
+    ``folder``: the files and folders named by :func:`staged_name` (of ``names`` only, where given) whose
+    process is gone or that are older than :data:`STALE_AFTER_S`; with ``locked`` (the caller holds the
+    folder's lock, so nobody else writes there) every one. Another name is never touched, nor a live
+    writer's; one that cannot be removed (a read-only folder) is left. Returns what was removed."""
+    wanted = None if names is None else set(names)
+    removed = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:  # no folder (yet), or none readable: nothing of ours to remove
+        return []
+    for p in entries:
+        m = _STAGED.fullmatch(p.name)
+        if m is None or (wanted is not None and m["name"] not in wanted):
+            continue
+        try:
+            if not (locked or not pid_alive(int(m["pid"])) or time.time() - p.lstat().st_mtime > STALE_AFTER_S):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            continue  # its own writer renamed or removed it meanwhile
+        except OSError as e:
+            log.debug("%s: left in place (%s)", p, e)
+    if removed:
+        log.info("removed %d staged file(s) of an interrupted write in %s: %s", len(removed), folder,
+                 ", ".join(p.name for p in removed[:5]))
+    return removed
 
 
 def file_sha256(path: Path) -> str:
@@ -28,7 +92,7 @@ def atomic_write_text(path: Path, text: str, parents: bool = False) -> None:
     if parents:
         with writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(staged_name(path.name))
     try:
         with writing(path):
             tmp.write_text(text)
@@ -39,7 +103,7 @@ def atomic_write_text(path: Path, text: str, parents: bool = False) -> None:
 
 def atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
     """Write ``df`` as Parquet through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(staged_name(path.name))
     try:
         with writing(path):
             df.to_parquet(tmp, index=False)

@@ -126,21 +126,30 @@ class DirLock:
             self.release()
 
 
-def check_unlocked(directory: str | os.PathLike[str], option: str = "--out") -> None:
-    """Raise :class:`LockError` if another process holds ``directory``'s lock, as :class:`DirLock` would,
-    without creating or writing anything (a dry run's check: the lock file is opened read-only)."""
+def lock_holder(directory: str | os.PathLike[str]) -> str | None:
+    """Who holds ``directory``'s lock (the holder's own line: pid, host, start time, command), or None when
+    nobody does. Creates and writes nothing: the lock file is opened read-only (a reader's or a dry run's
+    check)."""
     try:
         fd = os.open(Path(directory) / LOCK_NAME, os.O_RDONLY)
     except OSError:  # no lock file (or none readable): nobody holds it
-        return
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-        raise LockError(f"{Path(directory)} is being written by {holder}; wait for it to finish or choose another "
-                        f"{option}") from None
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
     finally:
         os.close(fd)  # closing drops the shared lock, if taken
+    return None
+
+
+def check_unlocked(directory: str | os.PathLike[str], option: str = "--out") -> None:
+    """Raise :class:`LockError` if another process holds ``directory``'s lock, as :class:`DirLock` would,
+    without creating or writing anything (a dry run's check)."""
+    holder = lock_holder(directory)
+    if holder is not None:
+        raise LockError(f"{Path(directory)} is being written by {holder}; wait for it to finish or choose another "
+                        f"{option}")
 
 
 @contextmanager

@@ -487,3 +487,49 @@ def recorded(run: Path, key: str) -> Any:
     """``metrics.json[key]`` of a run (None before training finished)."""
     metrics = read_metrics(run)
     return None if metrics is None else metrics.get(key)
+
+
+@dataclass(frozen=True)
+class RunClip:
+    """The CLIP a run learnt with, and where its weights are.
+
+    Attributes:
+        model: the open_clip architecture that rebuilds the weights.
+        pretrained: an open_clip tag or a checkpoint file (``none``: random weights of ``seed``); None where the
+            run does not record it.
+        seed: the seed of random weights.
+        source: where the weights come from, in words.
+        features: the store the run trained on (a ``train-head`` run), None for live features (``finetune``).
+        manifest: the manifest folder the run read its videos from (a ``finetune`` run), else None.
+        video_root: its videos' folder (a ``finetune`` run), else None.
+    """
+
+    model: str
+    pretrained: str | None
+    seed: int
+    source: str
+    features: str | None = None
+    manifest: str | None = None
+    video_root: str | None = None
+
+
+def run_clip(run: Path, config: Mapping[str, Any], metrics: Mapping[str, Any] | None) -> RunClip:
+    """The CLIP of a run (its ``config.yaml`` and ``metrics.json``): a ``finetune --end-to-end`` run's exported
+    CLIP (the run's file), another ``finetune`` run's frozen CLIP (the weights it started from), or the CLIP a
+    ``train-head`` run's store was extracted with (its provenance, which the run records)."""
+    prov = {**(config.get("provenance") or {}), **((metrics or {}).get("provenance") or {})}
+    export = (metrics or {}).get("export")
+    finetune = config.get("finetune")
+    if isinstance(finetune, Mapping):
+        live = {"manifest": config.get("manifest"), "video_root": config.get("video_root")}
+        if isinstance(export, Mapping) and export.get("file"):
+            file = str(Path(run) / export["file"])
+            return RunClip(str(export.get("model") or prov.get("model")), file, 0,
+                           f"its finetuned CLIP {file}", **live)
+        model, pretrained = str(finetune.get("model")), str(finetune.get("pretrained"))
+        return RunClip(model, pretrained, int(finetune.get("seed") or 0),
+                       f"{model} {pretrained}, frozen while the run's head trained", **live)
+    model, pretrained = str(prov.get("model")), prov.get("pretrained")
+    features = config.get("features")
+    return RunClip(model, None if pretrained is None else str(pretrained), 0,
+                   f"{model} {pretrained}, as its store {features} was extracted", features=features)

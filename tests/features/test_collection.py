@@ -363,7 +363,7 @@ def test_search_of_a_collection_and_a_changed_file_refused(collection, tmp_path,
     the folder the store records; once a file changes under it, search refuses (nothing served stale)."""
     import zarr
 
-    folder, _, store_dir = collection
+    folder, manifest, store_dir = collection
     r = cli("search", "a red circle", "a red circle", "--features", store_dir, "--top-k", 5, "--json",
             tmp_path / "h.json", "--html", tmp_path / "h.html")
     assert r.exit_code == 0, r.output
@@ -387,7 +387,10 @@ def test_search_of_a_collection_and_a_changed_file_refused(collection, tmp_path,
     r = cli("search", "a red circle", "--features", moved)
     text = " ".join(r.output.split())
     assert r.exit_code == 1 and "1 videos of the collection in --features" in text and "changed 1: c/kept3.mp4" in text
-    assert f"tvrpipe manifest build --videos {copy} --out MANIFEST" in text
+    # the commands as they run: the manifest folder and CLIP the store records
+    assert (f"`tvrpipe manifest build --videos {copy} --out {manifest.resolve()}` and `tvrpipe extract --manifest "
+            f"{manifest.resolve()} --video-root {copy} --out {moved} --model tvrpipe-tiny --pretrained none --frames 12 "
+            "--max-words 32 --video-shard 2`") in text
     # --video-root: where the files are now, checked there (the originals are as extracted; the copy is not)
     r = cli("search", "a red circle", "--features", moved, "--video-root", folder)
     assert r.exit_code == 0, r.output

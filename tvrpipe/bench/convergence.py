@@ -155,7 +155,8 @@ def bench_convergence(
     runs: list[Run] = []
     for size, spec in sizes.items():
         # wait=True: benches of other heads started in parallel in the same --out share its stores
-        store_dir = generate_store(out / "stores" / size, spec, progress=progress, wait=True)
+        store_dir = generate_store(out / "stores" / size, spec, progress=progress, wait=True,
+                                   made_by="tvrpipe bench convergence")
         for method in methods:
             plan = [] if only_default or no_grid else [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
             plan += [] if only_default else [("open", lr, None) for lr in lrs]

@@ -100,7 +100,7 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
     from tvrpipe.heads.base import list_heads
 
     out = Path(out_dir)
-    store = generate_store(out / "store", spec, progress=True)
+    store = generate_store(out / "store", spec, progress=True, made_by="tvrpipe bench train-head")
     results = []
     for method in methods or list_heads():
         row = in_fresh_process(_one_method, (str(store), method, steps, batch_size, str(out / "runs" / method),

@@ -400,9 +400,9 @@ def bench_search(
     coll_spec = collection_spec(videos, dim, seed=seed)
     bench_spec = benchmark_spec(coll_spec, train_videos)
     coll_dir = generate_store(out / "stores" / f"collection-{videos}-d{dim}-s{seed}", coll_spec, progress=progress,
-                              wait=True)
+                              wait=True, made_by="tvrpipe bench search")
     bench_dir = generate_store(out / "stores" / f"benchmark-{train_videos}-d{dim}-s{seed}", bench_spec,
-                               progress=progress, wait=True)
+                               progress=progress, wait=True, made_by="tvrpipe bench search")
 
     # the first stage, built afresh (timed) and kept beside the collection for the arms' processes
     store = open_store(coll_dir)

@@ -26,9 +26,7 @@ import codecs
 import json
 import logging
 import os
-import re
 import shlex
-import time
 import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tvrpipe.errors import ManifestError
+from tvrpipe.files import remove_staged, staged_name
 
 log = logging.getLogger(__name__)
 
@@ -329,49 +328,6 @@ def write_parquet(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
     pq.write_table(arrow, path, compression="zstd")
 
 
-def staged_name(name: str, pid: int) -> str:
-    """The temporary name under which a process stages the manifest file ``name`` before its rename."""
-    return f".{name}.tmp-{pid}"
-
-
-_STAGED = re.compile(r"\.(" + "|".join(re.escape(n) for n in (VIDEOS_FILE, CAPTIONS_FILE, FILES_FILE, META_FILE))
-                     + r")\.tmp-(\d+)")
-_STALE_AFTER_S = 3600.0  # a staged file lives for the seconds a build takes to write its files
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this machine (this process included: another of its threads may be
-    writing; a staged file of a pid reused since is left to the age limit)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process
-    return True
-
-
-def remove_stale_staged(out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Remove the files a manifest build staged in ``out_dir`` and never renamed (the build was killed:
-    ``kill -9``, a power cut): names of :func:`staged_name`'s pattern whose process is gone, or that are
-    over an hour old. Another file is never touched, nor a live build's. Returns what was removed."""
-    removed = []
-    for p in Path(out_dir).iterdir():
-        m = _STAGED.fullmatch(p.name)
-        if m is None or not p.is_file():
-            continue
-        try:
-            stale = not _pid_alive(int(m.group(2))) or time.time() - p.stat().st_mtime > _STALE_AFTER_S
-            if stale:
-                p.unlink()
-                removed.append(p)
-        except FileNotFoundError:
-            continue  # its own build renamed or removed it meanwhile
-    if removed:
-        log.info("removed %d staged file(s) of an interrupted manifest build in %s", len(removed), out_dir)
-    return removed
-
-
 def write_manifest(
     out_dir: str | os.PathLike[str],
     videos: pd.DataFrame,
@@ -438,17 +394,19 @@ def write_manifest(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    remove_stale_staged(out)
+    # what a build killed before its renames staged here (only the manifest's own names: the folder may be
+    # the user's)
+    remove_staged(out, (VIDEOS_FILE, CAPTIONS_FILE, FILES_FILE, META_FILE))
     staged: list[tuple[Path, Path]] = []
     try:
         for name, write in writes:
-            tmp = out / staged_name(name, os.getpid())
+            tmp = out / staged_name(name)
             write(tmp)
             staged.append((tmp, out / name))
     except BaseException:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
-        for leftover in out.glob(f".*.tmp-{os.getpid()}"):
+        for leftover in out.glob(staged_name("*")):
             leftover.unlink(missing_ok=True)
         raise
     for tmp, final in staged:

@@ -45,6 +45,7 @@ import math
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.arrays import nonfinite_rows
 from tvrpipe.features.outputs import check_store_out
 from tvrpipe.features.store import (
+    FeatureStore,
     PreviousStore,
     Shard,
     StoreWriter,
@@ -404,6 +406,64 @@ def open_manifest(manifest_dir, video_root, out_dir, frames: int | None, max_wor
     return manifest, root, F, L
 
 
+MANIFEST_PLACEHOLDER = "MANIFEST_DIR"  # where a command must name a manifest folder that no record names
+VIDEOS_PLACEHOLDER = "VIDEO_DIR"
+
+
+def extract_command(settings: Mapping[str, Any], out: str | os.PathLike[str],
+                    shards: tuple[int, int] | None = None) -> str:
+    """The ``tvrpipe extract`` command line, ready to paste, that computes into ``out`` the features that
+    ``settings`` (a store's provenance, or one with another CLIP's ``model``/``pretrained``) describe: its
+    ``manifest`` folder and ``video_root`` (:data:`MANIFEST_PLACEHOLDER`/:data:`VIDEOS_PLACEHOLDER` where
+    unrecorded), CLIP (``model``, ``pretrained``, ``seed`` of random weights), ``frames``, ``max_words`` and
+    the ``precision`` its rows were computed in (which a resumed or updated store must keep), and the
+    ``shards`` (videos, captions per shard) where they are not what the defaults give.
+
+    Example:
+        >>> extract_command({"manifest": "m", "video_root": "v", "model": "ViT-B-16", "pretrained": "openai",
+        ...                  "frames": 12, "max_words": 32, "precision": "bf16"}, "feats")
+        'tvrpipe extract --manifest m --video-root v --out feats --model ViT-B-16 --pretrained openai --frames 12 --max-words 32 --precision bf16'
+    """
+    import shlex
+
+    d = ExtractConfig()
+    args: list[Any] = ["tvrpipe", "extract", "--manifest", settings.get("manifest") or MANIFEST_PLACEHOLDER,
+                       "--video-root", settings.get("video_root") or VIDEOS_PLACEHOLDER, "--out", out,
+                       "--model", settings.get("model") or d.model, "--pretrained", settings.get("pretrained") or d.pretrained]
+    seed = int(settings.get("seed") or d.seed)
+    if str(settings.get("pretrained")) == "none" and seed != d.seed:
+        args += ["--seed", seed]
+    for key, option in (("frames", "--frames"), ("max_words", "--max-words")):
+        if settings.get(key) is not None:
+            args += [option, settings[key]]
+    precision = settings.get("precision")
+    if precision == "fp16":  # half precision only runs on a GPU
+        args += ["--device", "cuda", "--precision", "fp16"]
+    elif precision is not None and precision != d.encode_precision:  # fp32: auto on a CPU
+        args += ["--precision", precision]
+    if shards is not None:
+        for chunk, n, default, option in ((shards[0], settings.get("n_videos"), d.video_shard, "--video-shard"),
+                                          (shards[1], settings.get("n_texts"), d.text_shard, "--text-shard")):
+            if n is not None and chunk != max(1, min(default, int(n))):  # a shard never exceeds the rows
+                args += [option, chunk]
+    return " ".join(a if a in (MANIFEST_PLACEHOLDER, VIDEOS_PLACEHOLDER) else shlex.quote(a)
+                    for a in map(str, args))
+
+
+def rebuild_command(store: FeatureStore, video_root: str | os.PathLike[str] | None = None,
+                    pretrained: str | None = None) -> str:
+    """:func:`extract_command` of ``store`` itself, into its own folder: the command that resumes, repairs or
+    (for a collection whose files changed) updates it. ``video_root``/``pretrained``: where its videos and
+    CLIP checkpoint are now, where they moved since extraction."""
+    prov = dict(store.provenance)
+    if video_root is not None:
+        prov["video_root"] = str(video_root)
+    if pretrained is not None:
+        prov["pretrained"] = pretrained
+    shards = (store.array("videos/frames").chunks[0], store.array("texts/tokens").chunks[0])
+    return extract_command(prov, store.dir, shards)
+
+
 def check_max_words(L: int, context_length: int) -> None:
     """Refuse ``--max-words`` (L) beyond the text tower's context length."""
     if L > context_length:
@@ -605,6 +665,7 @@ def extract(
             precision=cfg.encode_precision,  # what the rows are computed in (not an identity key)
             seed=cfg.seed,  # rebuilds the weights of --pretrained none
             video_root=str(root.resolve()),  # where the rows were decoded from (search shows frames from there)
+            manifest=str(Path(manifest_dir).resolve()),  # what the advice to update or extract it again names
             **({"kind": COLLECTION} if manifest.is_collection else {}),
         )
         with StoreWriter(out, sidecar, texts.drop(columns="text"), provenance, cfg.video_shard, cfg.text_shard,

@@ -439,6 +439,7 @@ def generate_store(
     progress: bool = False,
     overwrite: bool = False,
     wait: bool = False,
+    made_by: str = MADE_BY,
 ) -> Path:
     """Write a complete synthetic feature store (same layout as ``tvrpipe extract``'s).
 
@@ -457,6 +458,8 @@ def generate_store(
         overwrite: delete the store in ``out_dir`` (whatever its spec) and generate it afresh.
         wait: if another process is writing this store (a second bench on the same ``--out``),
             wait for it, then check and finish what it wrote, instead of raising ``LockError``.
+        made_by: the command that makes the store (``tvrpipe bench search``), recorded in its provenance:
+            the messages about the store name it, as what repairs it.
 
     Returns:
         ``out_dir`` as a Path.
@@ -475,7 +478,7 @@ def generate_store(
     lat = _latents(spec, videos, captions)
     texts = captions.assign(video_row=lat.video_row)[["caption_id", "video_id", "video_row", "split"]]
     with StoreWriter(out, videos[["video_id", "split", "path"]], texts, _provenance(spec, videos, captions),
-                     video_shard, text_shard, overwrite, made_by=MADE_BY, wait=wait) as writer:
+                     video_shard, text_shard, overwrite, made_by=made_by, wait=wait) as writer:
         v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -63,10 +63,10 @@ import zarr
 
 from tvrpipe.data.manifest import COLLECTION
 from tvrpipe.environment import resumed_versions, versions
-from tvrpipe.errors import ConfigError, TvrpipeError, writing
+from tvrpipe.errors import ConfigError, LockError, TvrpipeError, writing
 from tvrpipe.features.arrays import nonfinite_rows
-from tvrpipe.files import atomic_write_parquet, atomic_write_text
-from tvrpipe.lock import DirLock
+from tvrpipe.files import atomic_write_parquet, atomic_write_text, remove_staged
+from tvrpipe.lock import DirLock, lock_holder
 
 log = logging.getLogger(__name__)
 
@@ -431,6 +431,9 @@ class StoreWriter:
         self._video_row = pd.Series(np.arange(self.n_videos), index=videos["video_id"].to_numpy())
         self._lock = DirLock(self.dir, "--out", wait=wait)
         try:
+            # what writers killed mid-write left (a store's group, a sidecar, a search's index): a search
+            # writes its index without this lock, so only names of processes that are gone
+            remove_staged(self.dir)
             self._open(videos, texts, video_shard, text_shard, overwrite, update)
         except BaseException:
             self._lock.release()
@@ -845,9 +848,23 @@ def store_attributes(features_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(_store_group(Path(features_dir)).attrs)
 
 
+def _check_not_being_written(d: Path) -> None:
+    """Raise :class:`LockError` when a writer holds the store's lock (an extract creating, resuming or updating
+    it): what a reader finds there meanwhile (no group, an incomplete one, a collection's store moved aside into
+    :data:`PREVIOUS`) is a state of that writer's, not a store to repair."""
+    holder = lock_holder(d)
+    if holder is not None:
+        doing = "updated" if update_interrupted(d) else "written"
+        raise LockError(f"{d}: the feature store is being {doing} by {holder}; rerun when it finishes")
+
+
 def _store_group(d: Path) -> zarr.Group:
     path = d / STORE_NAME
     if not (path / "zarr.json").is_file():
+        _check_not_being_written(d)
+        if update_interrupted(d):
+            raise StoreError(f"{d}: an update of the collection's store was interrupted (the store it replaces is "
+                             f"kept in {d / PREVIOUS}); finish it by running {_again('tvrpipe extract')}")
         raise StoreError(f"{d}: no feature store here (expected {STORE_NAME}); create one with `tvrpipe extract`")
     return _open_group(path)
 
@@ -876,11 +893,13 @@ def open_store(features_dir: str | os.PathLike[str], expect: Mapping[str, Any] |
     Raises:
         StoreError: missing, incomplete, damaged, or different provenance; the message says
             how to repair it.
+        LockError: missing or incomplete while a writer (an extract) holds its lock; the message names it.
     """
     d = Path(features_dir)
     group, prov = _open_checked(d)
     made_by = str(prov.get("made_by") or "tvrpipe extract")
     if not prov.get("complete"):
+        _check_not_being_written(d)
         raise StoreError(
             f"{d}: {prov.get('incomplete_reason')}" if prov.get("incomplete_reason")
             else f"{d}: the extraction has not finished; resume it by running {_again(made_by)}"

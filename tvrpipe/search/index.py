@@ -33,6 +33,7 @@ import numpy as np
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import FeatureStore, store_identity, written_state
+from tvrpipe.files import remove_staged, staged_name
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ def resolve_first_stage(kind: str) -> str:
     return kind
 
 
-_NEEDS_FAISS = "needs faiss-cpu: pip install 'tvrpipe[search]' (or faiss-cpu)"
+# faiss-cpu is all the `search` extra holds; tvrpipe is installed from a checkout, so the extra is not a name
+# pip could fetch
+_NEEDS_FAISS = "needs faiss-cpu (tvrpipe's search extra): pip install faiss-cpu"
 
 
 def require_faiss(what: str) -> None:
@@ -201,6 +204,8 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True) -> 
     built = False
     if kind == "faiss" and index is None:
         index, built = build_faiss(pooled), True
+    if cache:  # what a search killed while it kept its index left beside the store
+        remove_staged(store.dir, (INDEX_DIR,))
     if cache and (not fresh or built):
         if store_key(store) == key:
             _save(folder, key, pooled, rows, index)
@@ -234,12 +239,12 @@ def write_index_files(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarr
 def _save(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index) -> None:
     """Write the cache under a temporary name and rename it into place; a folder that cannot be written
     (a shared, read-only store) only costs recomputing it next time."""
-    tmp = folder.with_name(f".{INDEX_DIR}.tmp-{os.getpid()}")
+    tmp = folder.with_name(staged_name(INDEX_DIR))
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         write_index_files(tmp, key, pooled, rows, index)
-        old = folder.with_name(f".{INDEX_DIR}.old-{os.getpid()}")
+        old = folder.with_name(staged_name(INDEX_DIR, kind="old"))
         if folder.exists():
             os.replace(folder, old)
         os.replace(tmp, folder)
@@ -298,7 +303,7 @@ def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[st
     pooled, rows = pooled_rows(store)
     if not len(rows):
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = out.with_name(staged_name(out.name))
     try:
         with writing(out):
             tmp.mkdir()

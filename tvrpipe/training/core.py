@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from tvrpipe.environment import ENVIRONMENT_KEYS, run_versions
 from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
-from tvrpipe.files import file_sha256
+from tvrpipe.files import file_sha256, remove_staged
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch, head_class
 from tvrpipe.rundir import (
     BEST,
@@ -340,8 +340,7 @@ def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
     """
     old = check_run_dir(out, config, ignore, explain)
     for folder in (out, out / "plots"):
-        for staged in folder.glob(".*.tmp-*") if folder.is_dir() else ():
-            staged.unlink(missing_ok=True)
+        remove_staged(folder, locked=True)
     config = dict(config)
     if old is not None:
         then, now = _picked(old, ignore), _picked(json.loads(json.dumps(config)), ignore)
