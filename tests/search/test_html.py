@@ -207,9 +207,43 @@ def test_the_page_loads_nothing_from_outside(store, data, tmp_path):
     page = Page(raw)
     assert raw.isascii() and "näive café ✓" in page.plain  # character references, whatever the encoding
     assert "http://" not in raw and "https://" not in raw and "url(" not in raw and "@import" not in raw
-    assert page.urls and all(v.startswith("data:image/") for _, _, v in page.urls), page.urls
+    loads = [v for tag, k, v in page.urls if not (tag == "a" and k == "href")]
+    assert loads and all(v.startswith("data:image/") for v in loads), page.urls
+    # links are no loads: each opens a hit's own video file, when the reader follows it
+    files = {(data / "videos" / store.videos.path[r]).absolute().as_uri() for r in (0, 3, 5)}
+    assert all(v.partition("#")[0] in files for tag, k, v in page.urls if k == "href"), page.urls
     assert not {"link", "iframe", "object", "embed", "video", "audio", "source", "base"} & set(page.tags)
     assert "default-src 'none'; img-src data:;" in raw  # the page's CSP forbids any other load
+
+
+def test_each_hit_links_its_video_at_its_moment_and_the_legend_says_what_numbers_mean(store, data, tmp_path):
+    """The clip cell's link opens the file at the hit's bounds (a media fragment), each thumbnail's at its own
+    frame time; the legend gives the head's meaning of the score and of the uncertainty, and which way is
+    more uncertain."""
+    from tvrpipe.search.html import Meaning
+
+    v = store.videos
+    whole = hits_for(store, "q", [1], uncertainty=0.5)
+    moment = [Hit(query="q", rank=2, video_id="m", path=v.path[2], start_s=1.5, end_s=3.25, score=-0.2,
+                  uncertainty=0.75, row=2),
+              Hit(query="q", rank=3, video_id="n", path=v.path[3], start_s=None, end_s=2.0, score=-0.3,
+                  uncertainty=0.25, row=3)]
+    meaning = Meaning("minus a distance (higher ranks first)", "a variance: larger, less certain")
+    raw = write_html(tmp_path / "p.html", whole + moment, store, data / "videos", thumbs=2, meaning=meaning).read_text()
+    page = Page(raw)
+    hrefs = [v for tag, k, v in page.urls if tag == "a" and k == "href"]
+    url = {r: (data / "videos" / v.path[r]).absolute().as_uri() for r in (1, 2, 3)}
+    opens = [h for h in hrefs if h in (url[1], f"{url[2]}#t=1.50,3.25", f"{url[3]}#t=0.00,2.00")]
+    assert opens == [url[1], f"{url[2]}#t=1.50,3.25", f"{url[3]}#t=0.00,2.00"], hrefs
+    for r in (1, 2, 3):  # each thumbnail opens its video at the frame it shows
+        t = valid_times(store, r)[sample_indices(len(valid_times(store, r)), 2)]
+        assert [f"{url[r]}#t={x:.2f}" for x in t] == [h for h in hrefs if h.startswith(url[r] + "#t=")
+                                                       and "," not in h], hrefs
+    assert "score minus a distance (higher ranks first)." in page.plain
+    assert "uncertainty a variance: larger, less certain" in page.plain
+    # without the video folder there is nothing to open, and the legend says so
+    page = Page(write_html(tmp_path / "q.html", whole, store, None).read_text())
+    assert not [v for tag, k, v in page.urls if tag == "a"] and "there is no file to open" in page.plain
 
 
 def test_write_is_atomic_and_errors_are_one_line(store, tmp_path):

@@ -100,10 +100,11 @@ def search_cmd(
         w.writerows(records)
         made.append((csv_out, buf.getvalue()))
     if html is not None:
-        from tvrpipe.search.html import render_html
+        from tvrpipe.search.html import Meaning, render_html
 
+        meaning = Meaning(searcher.head.score_meaning, searcher.head.uncertainty_meaning)
         made.append((html, render_html(hits, searcher.store, searcher.video_root,
-                                          f"tvrpipe search: {searcher.label}", thumbs)))
+                                       f"tvrpipe search: {searcher.label}", thumbs, meaning=meaning)))
     for path, text in made:
         atomic_write_text(path, text, parents=True)
         console.print(f"wrote {path}", highlight=False)

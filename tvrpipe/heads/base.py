@@ -157,6 +157,10 @@ class Head(nn.Module):
     # one lr, or ``{D: lr}`` where the curves at several widths D disagree (a wider head can need a
     # smaller lr); :meth:`lr_for` reads it at a store's width.
     default_lr: ClassVar[float | Mapping[int, float]] = 1e-3
+    # What the raw score of a (text, video) pair and the pair's uncertainty (:meth:`pair_uncertainty`)
+    # mean, in words for people: the search page's legend says it beside the numbers.
+    score_meaning: ClassVar[str] = "the head's similarity of the query and the video (higher ranks first)"
+    uncertainty_meaning: ClassVar[str | None] = None
 
     def init_from_clip(self, clip: nn.Module) -> Copied:
         """Initialise modules from the live CLIP where the head's paper does (finetune ``--init-from-clip``;

@@ -197,6 +197,9 @@ def attention_block_mean(block: ResidualAttentionBlock, x: Tensor, mask: Tensor)
 class DUQ(Head):
     """DUQ: raw X-Pool scores; ISUM + IDUM in training; Eq. 16 re-ranking reported beside the raw."""
 
+    score_meaning = ("DUQ Eq. 1, the X-Pool cosine of the sentence and the video pooled by attention to it, from -1 to"
+                     " 1 (higher ranks first; Eq. 16's re-ranking is not applied)")
+
     Config = Config
 
     def __init__(self, config: Config) -> None:

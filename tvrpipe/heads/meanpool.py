@@ -55,6 +55,9 @@ def mean_video(frames: Tensor, frame_mask: Tensor) -> Tensor:
 class MeanPool(Head):
     """CLIP4Clip meanP: cosine between the sentence and the mean of the normalised frames."""
 
+    score_meaning = ("the cosine of the sentence embedding and the mean of the frame embeddings, from -1 to 1 (higher "
+                     "ranks first)")
+
     uses_tokens = False  # reads the sentence embedding only
 
     Config = Config

@@ -232,6 +232,9 @@ def sequence_transformer(x: Tensor, mask: Tensor, positions: Tensor, blocks: nn.
 class SeqTransf(Head):
     """CLIP4Clip seqTransf: temporal transformer + residual, then mean pooling and cosine."""
 
+    score_meaning = ("the cosine of the sentence embedding and the temporal transformer's video embedding, from -1 to "
+                     "1 (higher ranks first)")
+
     uses_tokens = False  # reads the sentence embedding only
     default_lr = DEFAULT_LR
 

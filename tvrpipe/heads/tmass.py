@@ -119,6 +119,10 @@ class Config(XPoolConfig):
 class TMass(XPool):
     """T-MASS: the max over M fixed samples of the stochastic text's cosine with the pooled video."""
 
+    score_meaning = ("T-MASS Eq. 10: the best cosine, over the text mass's fixed samples, of a sampled text and the "
+                     "video pooled by attention to the sentence; from -1 to 1 (higher ranks first)")
+    uncertainty_meaning = ("the radius |R|_1 of the text mass around the query: larger, a less certain query")
+
     Config = Config
 
     def __init__(self, config: Config) -> None:

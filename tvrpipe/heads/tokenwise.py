@@ -100,6 +100,9 @@ def token_wise_similarity(words: Tensor, wmask: Tensor, frames: Tensor, fmask: T
 class TokenWise(Head):
     """UATVR Eq. 7: mean of word-to-frame maxima and frame-to-word maxima of cosines."""
 
+    score_meaning = ("UATVR Eq. 7: half the sum of each word's best frame cosine averaged over the words and each "
+                     "frame's best word cosine averaged over the frames; from -1 to 1 (higher ranks first)")
+
     Config = Config
 
     def __init__(self, config: Config) -> None:

@@ -146,6 +146,11 @@ def multi_instance_infonce(logits: Tensor, k_rows: int, k_cols: int) -> Tensor:
 class UATVR(Head):
     """UATVR: Eq. 8 token-wise score over DSA-enlarged sequences; DUA and KL in training."""
 
+    score_meaning = ("UATVR Eq. 8: the token-wise similarity (Eq. 7) over words, frames and the extra learnable "
+                     "tokens, from -1 to 1 (higher ranks first)")
+    uncertainty_meaning = ("the pair's sigma level, the geometric mean of the text's and the video's sigma: larger, less "
+                           "certain")
+
     Config = Config
     default_lr = DEFAULT_LR
 

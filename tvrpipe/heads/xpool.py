@@ -82,6 +82,9 @@ class Config(HeadConfig):
 class XPool(Head):
     """X-Pool: cosine between the sentence and the frames pooled by attention to that sentence."""
 
+    score_meaning = ("the cosine of the sentence embedding and the video pooled by attention to that sentence, from -1"
+                     " to 1 (higher ranks first)")
+
     uses_tokens = False  # reads the sentence embedding only
 
     Config = Config

@@ -60,14 +60,25 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.path { font-family: monospace; font-size: 90%; word-break: break-all; max-width: 24em; }
 figure { display: inline-block; margin: 0 4px 0 0; text-align: center; font-size: 75%; color: #666; }
 figure img { display: block; }
-p.why { color: #a33; margin: 2px 0; font-size: 85%; }"""
+p.why { color: #a33; margin: 2px 0; font-size: 85%; }
+dl { font-size: 90%; color: #444; max-width: 60em; }
+dt { font-weight: bold; float: left; width: 7em; }
+dd { margin: 0 0 4px 7em; }"""
+
+
+@dataclass(frozen=True)
+class Meaning:
+    """What a page's numbers mean, in the ranking head's words (``Head.score_meaning``, ``uncertainty_meaning``)."""
+
+    score: str = "the head's similarity of the query and the video (higher ranks first)"
+    uncertainty: str | None = None
 
 
 @dataclass(frozen=True)
 class _Thumbs:
     """What one video shows: its images (data URIs with their captions), or why there are none."""
 
-    images: tuple[tuple[str, str], ...]  # (data URI, caption)
+    images: tuple[tuple[str, str, float | None], ...]  # (data URI, caption, the frame's time in seconds)
     why: str | None = None  # None: real frames
 
 
@@ -79,6 +90,7 @@ def write_html(
     title: str = "tvrpipe search",
     thumbs: int = 4,
     progress: bool = False,
+    meaning: Meaning | None = None,
 ) -> Path:
     """Write the hits as one self-contained HTML page, a row of thumbnails per hit.
 
@@ -93,6 +105,7 @@ def write_html(
         title: The page's title and heading.
         thumbs: Thumbnails per hit, at most (fewer when the store recorded fewer frames).
         progress: Show a progress bar while decoding.
+        meaning: What the scores and uncertainties mean, for the page's legend (the head's words).
 
     Returns:
         The page's path.
@@ -106,14 +119,15 @@ def write_html(
         PosixPath('hits.html')
     """
     out = Path(out)
-    page = render_html(hits, store, video_root, title, thumbs, progress)
+    page = render_html(hits, store, video_root, title, thumbs, progress, meaning)
     atomic_write_text(out, page, parents=True)
     log.info("wrote %s (%d hits)", out, len(hits))
     return out
 
 
 def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.PathLike[str] | None,
-                title: str = "tvrpipe search", thumbs: int = 4, progress: bool = False) -> str:
+                title: str = "tvrpipe search", thumbs: int = 4, progress: bool = False,
+                meaning: Meaning | None = None) -> str:
     """The page :func:`write_html` writes, as text (the thumbnails decoded); nothing is written.
 
     Raises:
@@ -121,9 +135,10 @@ def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.P
     """
     if thumbs < 1:
         raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
-    shown = _decode_all(hits, store, None if video_root is None else Path(video_root), thumbs, progress)
+    root = None if video_root is None else Path(video_root)
+    shown = _decode_all(hits, store, root, thumbs, progress)
     # ASCII with character references: the page reads the same whatever encoding opens it
-    return _page(hits, shown, title).encode("ascii", "xmlcharrefreplace").decode("ascii")
+    return _page(hits, shown, title, root, meaning or Meaning()).encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
 def _decode_all(
@@ -169,7 +184,7 @@ def _thumbnails(video_root: Path | None, path: str, times: np.ndarray) -> _Thumb
     except Exception as exc:  # one bad video never fails the page
         log.warning("%s: cannot make thumbnails: %s: %s", video_root / path, type(exc).__name__, exc)
         return _placeholder("cannot decode the file")
-    return _Thumbs(tuple((_jpeg_uri(f), f"{s:.2f} s") for f, s in zip(frames, times)))
+    return _Thumbs(tuple((_jpeg_uri(f), f"{s:.2f} s", float(s)) for f, s in zip(frames, times)))
 
 
 def _jpeg_uri(frame: np.ndarray) -> str:
@@ -188,7 +203,7 @@ def _placeholder(why: str) -> _Thumbs:
            f'<text x="{w // 2}" y="{h // 2}" font-family="sans-serif" font-size="11" fill="#555" '
            f'text-anchor="middle" dominant-baseline="middle">{html.escape(why)}</text></svg>')
     uri = "data:image/svg+xml;base64," + base64.b64encode(svg.encode("utf-8")).decode("ascii")
-    return _Thumbs(((uri, ""),), why)
+    return _Thumbs(((uri, "", None),), why)
 
 
 def _csp_hash(source: str) -> str:
@@ -205,18 +220,35 @@ def _clip(hit: Hit) -> str:
     return hit.clip(2, " &ndash; ", " s")
 
 
-def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool) -> str:
+def video_link(video_root: Path | None, hit: Hit, at: float | None = None) -> str | None:
+    """The video file's ``file:`` URL, opening at ``at`` seconds or at the hit's clip (a media fragment,
+    ``#t=start,end``, which browsers honour when they play the file); None without a file to point at."""
+    if video_root is None or not hit.path:
+        return None
+    url = (video_root / hit.path).absolute().as_uri()
+    if at is not None:
+        return f"{url}#t={at:.2f}"
+    start, end = (None if v is None or math.isnan(v) else v for v in (hit.start_s, hit.end_s))
+    if start is None and end is None:
+        return url
+    return f"{url}#t={0.0 if start is None else start:.2f}" + ("" if end is None else f",{end:.2f}")
+
+
+def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool, video_root: Path | None) -> str:
     e = html.escape
     figures = "".join(
-        f'<figure><img src="{uri}" alt="{e(hit.video_id)} at {e(caption)}" title="{e(caption)}">'
+        f'<figure><a href="{e(video_link(video_root, hit, at) or "")}" title="open the video at {e(caption)}">'
+        f'<img src="{uri}" alt="{e(hit.video_id)} at {e(caption)}" title="{e(caption)}"></a>'
         f"<figcaption>{e(caption)}</figcaption></figure>" if caption else
         f'<figure><img src="{uri}" alt="{e(shown.why or "")}"></figure>'
-        for uri, caption in shown.images
+        for uri, caption, at in shown.images
     )
     why = f'<p class="why">no thumbnails: {e(shown.why)}</p>' if shown.why else ""
+    link = video_link(video_root, hit)
+    clip = _clip(hit) + (f'<br><a href="{e(link)}">open</a>' if link else "")
     cells = [
         f'<td class="num">{hit.rank}</td>', f"<td>{e(hit.video_id)}</td>", f'<td class="path">{e(hit.path)}</td>',
-        f"<td>{_clip(hit)}</td>", f'<td class="num">{_number(hit.score)}</td>',
+        f"<td>{clip}</td>", f'<td class="num">{_number(hit.score)}</td>',
     ]
     if with_uncertainty:
         cells.append(f'<td class="num">{_number(hit.uncertainty)}</td>')
@@ -224,7 +256,8 @@ def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool) -> str:
     return "<tr>" + "".join(cells) + "</tr>"
 
 
-def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str) -> str:
+def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str, video_root: Path | None,
+          meaning: Meaning) -> str:
     e = html.escape
     by_query: dict[str, list[Hit]] = {}
     for h in hits:
@@ -235,7 +268,8 @@ def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str
     for query, qhits in by_query.items():
         with_u = any(h.uncertainty is not None for h in qhits)
         head = ["rank", "video", "path", "clip", "score"] + (["uncertainty"] if with_u else []) + ["frames"]
-        rows = "\n".join(_row(h, shown[h.row, h.path], with_u) for h in sorted(qhits, key=lambda h: h.rank))
+        rows = "\n".join(_row(h, shown[h.row, h.path], with_u, video_root)
+                          for h in sorted(qhits, key=lambda h: h.rank))
         sections.append(
             f'<section>\n<h2>Query: &ldquo;{e(query)}&rdquo;</h2>\n<table>\n<thead><tr>'
             + "".join(f"<th>{c}</th>" for c in head) + f"</tr></thead>\n<tbody>\n{rows}\n</tbody>\n</table>\n</section>"
@@ -246,6 +280,15 @@ def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str
     # Only inline data: images, this style and this script: nothing is ever fetched.
     csp = f"default-src 'none'; img-src data:; style-src {_csp_hash(_STYLE)}; script-src {_csp_hash(_SCRIPT)}"
     body = "\n".join(sections) if sections else "<p>No hits.</p>"
+    legend = [("score", f"{meaning.score}. Scores compare videos for one query; across queries or heads their "
+                        "scales differ.")]
+    if any(h.uncertainty is not None for h in hits):
+        legend.append(("uncertainty", meaning.uncertainty or "the head's uncertainty about the pair"))
+    legend.append(("clip", "the moment of the file the hit is (whole file, or its bounds in seconds); "
+                           "<q>open</q> and each thumbnail open the video file at that moment"
+                   if video_root is not None else "the moment of the file the hit is (whole file, or its bounds in "
+                                                  "seconds); without the video folder there is no file to open"))
+    legend_html = "<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(v) if k != 'clip' else v}</dd>" for k, v in legend) + "</dl>"
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -258,6 +301,7 @@ def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str
 <body>
 <h1>{e(title)}</h1>
 <p>{summary}</p>
+{legend_html}
 {body}
 <script>{_SCRIPT}</script>
 </body>

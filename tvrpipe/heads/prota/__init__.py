@@ -381,6 +381,19 @@ class ProTA(Head):
         m_t2v, m_v2t = self.pair_margins(text_emb, video_emb)
         return {"margin": (m_t2v + m_v2t) / 2}
 
+    @property
+    def score_meaning(self) -> str:  # type: ignore[override]  # the score depends on the config
+        if self.config.probabilistic:
+            return ("ProTA Eq. 11: the token-level aggregation (Eq. 2-8) of negative 2-Wasserstein distances between "
+                    "the text's and the video's token Gaussians, so mostly below 0; higher (nearer 0) ranks first")
+        return "ProTA Eq. 8: the token-level aggregation (Eq. 2-8) of word-frame similarities (higher ranks first)"
+
+    @property
+    def uncertainty_meaning(self) -> str | None:  # type: ignore[override]
+        if self.config.probabilistic:
+            return "the mean of the text's and the video's token variance: larger, less certain"
+        return None
+
     def pair_uncertainty(self, text_emb: Emb, video_emb: Emb) -> Tensor | None:
         """The mean of the text's and the video's token variance (probabilistic ProTA; None otherwise)."""
         if not self.config.probabilistic:
