@@ -53,6 +53,7 @@ install: $(STAMP)
 
 quickstart: $(STAMP)
 	$(BIN)/tvrpipe quickstart
+	@echo "tvrpipe lives in $(BIN)/, not on your PATH: run 'source $(BIN)/activate' once in this shell, then 'tvrpipe --help' (or call $(BIN)/tvrpipe)"
 
 # ruff's small rule set (pyproject.toml); the layout rules (imports down the stack, no private names
 # across modules) are tests/test_layout.py, in the suite

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tvrpipe.config import above, at_least, check_fields
 from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
 from tvrpipe.errors import ConfigError, WorkerDiedError
 
@@ -103,12 +104,18 @@ def _ending(exitcode: int | None) -> str:
 class BenchVideos:
     """Shape of the generated benchmark videos."""
 
-    count: int = 16
-    width: int = 1280
-    height: int = 720
-    seconds: float = 10.0
-    fps: int = 30
-    gop: int = 250  # x264's default keyint: sampled frames need most of the GOP decoded
+    count: int = at_least(0, 16, option="--videos")  # 0: a template that a benchmark sizes itself
+    width: int = at_least(16, 1280, option="--width")
+    height: int = at_least(16, 720, option="--height")
+    seconds: float = above(0, 10.0, option="--seconds")
+    fps: int = at_least(1, 30, option="--fps")
+    gop: int = at_least(1, 250)  # x264's default keyint: sampled frames need most of the GOP decoded
+
+    def __post_init__(self) -> None:
+        check_fields(self, "bench extract")  # before any video is rendered: the encoder's errors name no option
+        for option, v in (("--width", self.width), ("--height", self.height)):
+            if v % 2:
+                raise ConfigError(f"{option} must be even, got {v} (H.264 in yuv420p halves the colour planes)")
 
 
 @dataclass

@@ -97,8 +97,11 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
     Example:
         >>> rows = bench_train_head("bench/train-head", ["xpool"])  # doctest: +SKIP
     """
-    from tvrpipe.heads.base import list_heads
+    from tvrpipe.heads.base import head_class, list_heads
 
+    at_least_each({"--steps": (steps, 1), "--batch-size": (batch_size, 2)})
+    for method in methods or []:
+        head_class(method)  # an unknown head fails before the scale store is generated
     out = Path(out_dir)
     store = generate_store(out / "store", spec, progress=True, made_by="tvrpipe bench train-head")
     results = []
@@ -108,6 +111,15 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
         results.append({**row, **_official(method)})  # its test split is the 1k-A size
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return results
+
+
+def at_least_each(options: dict[str, tuple[int, int]]) -> None:
+    """Refuse an option below its least value (``{option: (value, least)}``), before a benchmark starts."""
+    from tvrpipe.errors import ConfigError
+
+    for option, (value, least) in options.items():
+        if value < least:
+            raise ConfigError(f"{option} must be >= {least}, got {value}")
 
 
 # ---- evaluation cost alone: ``tvrpipe bench eval`` ----------------------------------------------
@@ -217,8 +229,11 @@ def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None,
         >>> bench_eval(["tmass"], ["msrvtt1k"])  # doctest: +SKIP
     """
     from tvrpipe.errors import ConfigError
-    from tvrpipe.heads.base import list_heads
+    from tvrpipe.heads.base import head_class, list_heads
 
+    at_least_each({"--frames": (frames, 1), "--words": (words, 1), "--dim": (dim, 1), "--block-texts": (block_texts, 1)})
+    for method in methods or []:
+        head_class(method)
     sizes = sizes or list(EVAL_SIZES)
     unknown = [s for s in sizes if s not in EVAL_SIZES]
     if unknown:

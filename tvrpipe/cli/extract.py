@@ -202,6 +202,8 @@ def verify(features: Annotated[Path, typer.Argument(help="A feature store direct
             f"{features}: {len(report.damage)} damaged shard(s), e.g. {report.damage[0]}; repair by running "
             f"`{report.made_by}` again with the same options and --out: it re-extracts exactly those shards"
         )
+    if report.tables:
+        raise StoreError(report.tables)
     bad = {k: v for k, v in report.nonfinite.items() if v}
     if bad:
         store = open_store(features)

@@ -483,6 +483,16 @@ def index_video_files(video_root: str | os.PathLike[str]) -> dict[str, str]:
 MISSING_ADVICE = "fix --video-root or pass --allow-missing to drop them"  # `tvrpipe manifest build`'s options
 
 
+def _emptied_splits(videos: pd.DataFrame, missing: list[str]) -> list[str]:
+    """The splits (or "the manifest", without splits) that would hold no video once ``missing`` are dropped."""
+    kept = ~isin_mask(videos["video_id"], pd.Series(missing, dtype=object))
+    if not kept.any():
+        return ["the manifest"]
+    if "split" not in videos.columns:
+        return []
+    return [f"the {s} split" for s in dict.fromkeys(videos["split"]) if not kept[(videos["split"] == s).to_numpy()].any()]
+
+
 def resolve_paths(
     videos: pd.DataFrame, video_root: str | os.PathLike[str], allow_missing: bool = False,
     advice: str = MISSING_ADVICE,
@@ -525,6 +535,11 @@ def resolve_paths(
             missing.append(vid)
     out = videos.assign(path=paths)
     if missing and not allow_missing:
+        emptied = _emptied_splits(out, missing)
+        if emptied:  # dropping the missing videos would leave nothing to build from: advise only what can work
+            advice = (f"with them dropped, {' and '.join(emptied)} would hold no video, so check that --video-root "
+                      f"is the folder that holds this dataset's video files (looked for by name, e.g. "
+                      f"{out['video_id'].iloc[0]} as {Path(str(videos['path'].iloc[0])).name}, in any subfolder)")
         raise ManifestError(
             f"{len(missing)} of {len(videos)} videos not found under {root}: "
             f"{_name_some(missing)}; {advice}"

@@ -16,7 +16,7 @@ from pathlib import Path
 from tvrpipe.data.manifest import META_FILE, VIDEOS_FILE
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import PREVIOUS, PROGRESS, SIDECARS, STORE_NAME
-from tvrpipe.lock import LOCK_NAME, check_writable
+from tvrpipe.lock import LOCK_NAME, check_writable, nearest_existing
 from tvrpipe.rundir import CONFIG, EPOCHS, METRICS_FILE
 
 # What a store's folder holds besides its arrays and tables: its lock, its progress, the store an
@@ -83,6 +83,10 @@ def check_output_files(outputs: Mapping[str, str | os.PathLike[str] | None],
         seen[real] = option
         if p.exists() and not os.access(p, os.W_OK):
             raise ConfigError(f"{option} {p}: the file exists and cannot be written; choose another name")
+        ancestor = nearest_existing(p.parent)
+        if not ancestor.is_dir():
+            raise ConfigError(f"{option} {p}: {ancestor} is a file, so the folder cannot be created; choose another "
+                              "path")
         check_writable(p.parent, option)
 
 

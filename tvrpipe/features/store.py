@@ -913,14 +913,16 @@ def open_store(features_dir: str | os.PathLike[str], expect: Mapping[str, Any] |
         diff = provenance_mismatch(prov, expect)
         if diff:
             raise StoreError(f"{d}: features were made with other settings ({'; '.join(diff)})")
-    return FeatureStore(
-        dir=d,
-        provenance=prov,
+    return FeatureStore(dir=d, provenance=prov, **_read_sidecars(d, prov, made_by), group=group)
+
+
+def _read_sidecars(d: Path, prov: dict, made_by: str) -> dict[str, pd.DataFrame]:
+    """A complete store's three tables, each checked against its rows (:func:`_read_sidecar`)."""
+    return dict(
         videos=_read_sidecar(d / "videos.parquet", int(prov["n_videos"]), made_by, ("video_id", "split")),
         texts=_read_sidecar(d / "texts.parquet", int(prov["n_texts"]), made_by,
                             ("caption_id", "video_id", "video_row", "split")),
         failures=_read_sidecar(d / "failures.parquet", -1, made_by, ("video_id", "stage", "error")),
-        group=group,
     )
 
 
@@ -937,6 +939,7 @@ class VerifyReport:
         seconds: wall time.
         damage: damaged shards, each naming the array, the chunk and the rows.
         nonfinite: for each embedding array, the rows holding NaN or infinite values.
+        tables: of a complete store, why its row tables (videos, texts, failures) cannot be read, or None.
     """
 
     dir: Path
@@ -948,11 +951,12 @@ class VerifyReport:
     damage: list[Damage] = field(default_factory=list)
     nonfinite: dict[str, list[int]] = field(default_factory=dict)
     made_by: str = "tvrpipe extract"
+    tables: str | None = None
 
     @property
     def ok(self) -> bool:
-        """No damage and no non-finite value."""
-        return not self.damage and not any(self.nonfinite.values())
+        """No damage, no non-finite value, and tables that read."""
+        return not self.damage and not any(self.nonfinite.values()) and self.tables is None
 
 
 def verify_store(features_dir: str | os.PathLike[str]) -> VerifyReport:
@@ -980,5 +984,10 @@ def verify_store(features_dir: str | os.PathLike[str]) -> VerifyReport:
             else:
                 report.damage.append(Damage(shard, "its completion marker is missing" if problem == NOT_WRITTEN
                                             else problem))
+    if report.complete:  # every command reads the row tables first: one that does not read is a broken store
+        try:
+            _read_sidecars(d, prov, report.made_by)
+        except StoreError as e:
+            report.tables = str(e)
     report.seconds = time.perf_counter() - t0
     return report

@@ -1,0 +1,227 @@
+"""What users type and what their disks hold, met through the CLI as a user meets it: names, paths and
+queries printed literally (never as Rich markup), outputs checked before anything is written and never
+inside an input, a closed stdout pipe that ends printing quietly, advice that works, and help that reads
+at 80 columns. One collection of oddly named videos, extracted once with the tiny CLIP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tvrpipe.data.synth import synthesize
+from tvrpipe.features.clip import TINY_MODEL
+
+# [x], [/x] and [bold] in folder and file names: Rich would read each as markup (and [/x] as a closing tag
+# with nothing open: a MarkupError)
+FOLDER = "vids [old]"
+FILES = {"clip [final].mp4": 0, "[bold]loud.mp4": 1, "sub[/x]/AC [live].mp4": 2}
+QUERIES = ("clip [final] cut", "AC/DC [/live] concert", "[bold]loud[/bold] music")
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory):
+    """(root, folder, manifest, store): the three oddly named videos as a collection, and its store."""
+    import ray
+    from typer.testing import CliRunner
+
+    from tvrpipe.cli.main import app
+    from tvrpipe.cluster import ray_init
+    from tvrpipe.features.extract import ExtractConfig, extract
+
+    root = tmp_path_factory.mktemp("odd [root]")
+    synthesize(root / "synth", 3, seed=5, progress=False)
+    folder = root / FOLDER
+    for name, k in FILES.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / "synth" / "videos" / f"synth_{k:05d}.mp4", folder / name)
+    runner = CliRunner()
+    r = runner.invoke(app, ["manifest", "build", "--videos", str(folder), "--out", str(root / "man [m]")])
+    assert r.exit_code == 0, r.output
+    ray_init(None, num_cpus=2)
+    try:
+        cfg = ExtractConfig(model=TINY_MODEL, pretrained="none", frames=4, video_shard=2, batch_size=3, progress=False,
+                            timeout_s=30.0)
+        summary = extract(root / "man [m]", folder, root / "store [s]", cfg)
+    finally:
+        ray.shutdown()
+    assert (summary.videos_done, summary.failed) == (len(FILES), 0)
+    return root, folder, root / "man [m]", root / "store [s]"
+
+
+# ------------------------------------------------------------------------------------------- markup
+
+
+def test_names_paths_and_queries_print_as_they_are_in_every_command(odd, cli, tmp_path):
+    root, folder, manifest, store = odd
+    r = cli("manifest", "build", "--videos", folder, "--out", tmp_path / "m [2]")
+    assert r.exit_code == 0 and f"-> {tmp_path / 'm [2]'}" in _flat(r.output), r.output
+    r = cli("manifest", "show", manifest)
+    assert r.exit_code == 0 and str(folder) in _flat(r.output) and str(manifest) in _flat(r.output), r.output
+    r = cli("features", "show", store)
+    assert r.exit_code == 0 and f"video_root: {folder}" in _flat(r.output) and "store [s]" in r.output, r.output
+    r = cli("features", "verify", store)
+    assert r.exit_code == 0 and _flat(r.output).startswith(f"{store}: "), r.output
+
+    r = cli("search", *QUERIES, "--features", store, "--json", tmp_path / "h [1].json")
+    out = _flat(r.output)
+    assert r.exit_code == 0, r.output
+    for q in QUERIES:
+        assert q in out, (q, r.output)
+    for name in FILES:  # in the table, whole (the path column repeats the id for a collection: left out)
+        assert out.count(name) == len(QUERIES), (name, r.output)
+    assert "│ path" not in r.output and f"over {store}" in out and f"wrote {tmp_path / 'h [1].json'}" in out
+    hits = json.loads((tmp_path / "h [1].json").read_text())
+    assert {h["query"] for h in hits} == set(QUERIES) and {h["video_id"] for h in hits} == set(FILES)
+
+    r = cli("export", "--features", store, "--format", "npy", "--out", tmp_path / "pooled [p]")
+    assert r.exit_code == 0 and f"wrote {tmp_path / 'pooled [p]'}" in _flat(r.output), r.output
+
+
+@pytest.mark.parametrize("path", ["vids [old]/nosuch", "my[/]store", "[bold]x[/bold]"])
+def test_a_path_in_an_error_is_printed_as_given(cli, tmp_path, path):
+    r = cli("search", "a dog", "--features", tmp_path / path)
+    assert r.exit_code == 1 and f"error: {tmp_path / path}: no feature store here" in _flat(r.output), r.output
+    assert "MarkupError" not in r.output
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+
+def test_extract_refuses_an_out_that_is_its_manifest_or_holds_other_files(odd, cli, tmp_path):
+    root, folder, manifest, _ = odd
+    copy = tmp_path / "manifest"
+    shutil.copytree(manifest, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    args = ("extract", "--manifest", copy, "--video-root", folder, "--model", TINY_MODEL, "--pretrained", "none")
+    r = cli(*args, "--out", copy)
+    assert r.exit_code == 1 and f"--out {copy} holds --manifest {copy}, an input of this command" in _flat(r.output)
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # the manifest untouched
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "thesis.tex").write_text("x")
+    r = cli(*args, "--out", other)
+    assert r.exit_code == 1 and "holds 1 entry that are not a feature store's (e.g. thesis.tex)" in _flat(r.output)
+    r = cli(*args, "--out", copy / "store")
+    assert r.exit_code == 1 and f"is inside a manifest ({copy})" in _flat(r.output), r.output
+    assert sorted(p.name for p in other.iterdir()) == ["thesis.tex"] and not (copy / "store").exists()
+
+
+def test_search_outputs_are_all_checked_before_any_is_written(odd, cli, tmp_path):
+    _, _, _, store = odd
+    table = (store / "videos.parquet").read_bytes()
+    r = cli("search", "a dog", "--features", store, "--json", store / "videos.parquet")
+    assert r.exit_code == 1 and f"--json {store / 'videos.parquet'} is inside a feature store" in _flat(r.output)
+    assert (store / "videos.parquet").read_bytes() == table
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for bad, why in ((blocker / "x.csv", f"{blocker} is a file, so the folder cannot be created"),
+                     (tmp_path, "is a folder; give a file name"),
+                     (tmp_path / "ok.json", "name the same file")):
+        r = cli("search", "a dog", "--features", store, "--json", tmp_path / "ok.json", "--csv", bad)
+        assert r.exit_code == 1 and why in _flat(r.output), r.output
+        assert not (tmp_path / "ok.json").exists()  # the good output waits for the bad one: none is written
+
+
+def test_bench_json_creates_nothing_before_the_measurement_writes_it(cli, tmp_path):
+    r = cli("bench", "search", "--out", tmp_path / "b", "--videos", 0, "--json", tmp_path / "new" / "sub" / "r.json")
+    assert r.exit_code == 1 and "--videos 0" in r.output
+    assert not (tmp_path / "new").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--width", 0), "--width must be >= 16, got 0"),
+    (("--width", 33), "--width must be even, got 33"),
+    (("--fps", 0), "--fps must be >= 1, got 0"),
+    (("--seconds", 0), "--seconds must be > 0, got 0.0"),
+])
+def test_bench_extract_options_are_checked_before_anything_is_made(cli, tmp_path, args, message):
+    r = cli("bench", "extract", "--out", tmp_path / "b", *args)
+    assert r.exit_code == 1 and f"error: {message}" in r.output, r.output
+    assert not (tmp_path / "b").exists()
+
+
+def test_verify_fails_on_a_store_whose_table_does_not_read(odd, cli, tmp_path):
+    _, _, _, store = odd
+    copy = tmp_path / "s"
+    shutil.copytree(store, copy, ignore=shutil.ignore_patterns(".tvrpipe.lock", "search-index"))
+    (copy / "videos.parquet").write_bytes(b"not parquet")
+    r = cli("features", "verify", copy)
+    assert r.exit_code == 1 and f"{copy / 'videos.parquet'} is missing or damaged" in _flat(r.output), r.output
+    assert "ok:" not in r.output
+
+
+def test_a_dataset_whose_videos_are_all_missing_is_not_advised_allow_missing(cli, shared_annotations, tmp_path):
+    (tmp_path / "videos").mkdir()
+    r = cli("manifest", "build", "--dataset", "msvd", "--annotations", shared_annotations / "msvd", "--video-root",
+            tmp_path / "videos", "--out", tmp_path / "m")
+    text = _flat(r.output)
+    assert r.exit_code == 1 and "1970 of 1970 videos not found" in text, r.output
+    assert "the manifest would hold no video" in text and "--allow-missing" not in text
+    assert not (tmp_path / "m").exists()
+
+
+# ------------------------------------------------------------------------------------ closed pipes
+
+
+def _closed_stdout(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``tvrpipe ARGS`` whose stdout's reader has gone before it writes a byte (`| head -0`)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run([sys.executable, "-m", "tvrpipe", *args], stdout=w, stderr=subprocess.PIPE, text=True,
+                              cwd=cwd, timeout=300)
+    finally:
+        os.close(w)
+
+
+def test_a_closed_pipe_ends_printing_quietly_and_files_are_still_written(odd, tmp_path):
+    _, _, _, store = odd
+    p = _closed_stdout("manifest", "build", "--help", cwd=tmp_path)
+    assert (p.returncode, p.stderr) == (0, "")
+    p = _closed_stdout("search", "a red circle", "a blue square", "--features", str(store), "--json", "a.json",
+                       "--csv", "b.csv", "--html", "c.html", cwd=tmp_path)
+    assert (p.returncode, p.stderr) == (0, ""), p.stderr
+    assert len(json.loads((tmp_path / "a.json").read_text())) == 2 * len(FILES)
+    assert (tmp_path / "b.csv").read_text().count("\n") == 1 + 2 * len(FILES)
+    assert (tmp_path / "c.html").read_text().count("<tr>") == 2 * (len(FILES) + 1)
+
+
+# ------------------------------------------------------------------------------------------- help
+
+
+def _commands(group, path=()):
+    import click
+
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+        else:
+            yield (*path, name), cmd
+
+
+def test_every_help_reads_at_80_columns(cli, monkeypatch):
+    """No line over 80 characters, every option's names whole, and no `<bool>` for a flag."""
+    import typer
+
+    from tvrpipe.cli.main import app
+
+    monkeypatch.setenv("COLUMNS", "80")
+    for path, cmd in _commands(typer.main.get_command(app)):
+        r = cli(*path, "--help")
+        assert r.exit_code == 0, (path, r.output)
+        assert max(map(len, r.output.splitlines())) <= 80, (path, r.output)
+        for p in cmd.params:
+            for opt in (*p.opts, *p.secondary_opts):
+                if opt.startswith("-"):
+                    assert opt in r.output.split() or f"{opt}," in r.output or f"{opt}/" in r.output, (path, opt)
+        assert "<bool>" not in r.output and "…" not in r.output, (path, r.output)
