@@ -78,7 +78,9 @@ def test_manifest_of_nested_folders_with_stable_ids(synth_videos, tmp_path, monk
     meta = json.loads((tmp_path / "m" / "meta.json").read_text())
     assert {k: meta[k] for k in ("kind", "dataset", "video_root", "frames", "max_words", "skipped")} == {
         "kind": "collection", "dataset": "collection", "video_root": str(folder.resolve()), "frames": 12,
-        "max_words": 32, "skipped": []}
+        "max_words": 32, "skipped": [
+            {"path": ".h.mp4", "reason": "hidden (its name starts with a dot)"},
+            {"path": ".hidden/", "reason": "a hidden folder (its name starts with a dot): not looked into"}]}
     files = pd.read_parquet(tmp_path / "m" / "files.parquet")
     assert list(files.video_id) == sorted(BEFORE)
     assert files.bytes.dtype == np.int64 and files.mtime_ns.dtype == np.int64
@@ -159,7 +161,7 @@ def test_every_file_is_in_the_manifest_or_skipped_with_its_reason(synth_videos, 
     """Odd files are listed in meta.json's skipped, one reason each, and the folder is still built: a broken
     link, a loop of links, a FIFO, a name that is not UTF-8, a path over PATH_MAX, a path Windows reads as
     another drive. A ':' in a name is an ordinary file, read even from a relative --videos (FFmpeg would take
-    `a:` for a protocol). Hidden files are counted in the printed line, not listed."""
+    `a:` for a protocol). Hidden files are listed too, a hidden folder as one entry."""
     folder = _folder(tmp_path / "v", {"a:b.mp4": 0, "sub/ok.mp4": 1, "C:/x.mp4": 2, ".h.mp4": 3}, synth_videos)
     (folder / ".git").mkdir()
     (folder / "notes.txt").write_text("my videos")
@@ -177,13 +179,15 @@ def test_every_file_is_in_the_manifest_or_skipped_with_its_reason(synth_videos, 
     text = " ".join(r.output.split())
     assert r.exit_code == 0, r.output
     assert (f"collection of 2 videos, no captions -> {out} (2 files probed, 0 unchanged since the last build) "
-            "skipped 7 files (0 video files that do not decode, 1 not videos, 6 that cannot be opened as named); "
-            f"the reasons are in {out}/meta.json, e.g. C:/x.mp4: ") in text
-    assert text.endswith("; 2 hidden files and folders (names starting with a dot) left out, not listed")
+            "skipped 9 files (0 video files that do not decode, 1 not videos, 6 that cannot be opened as named, 2 "
+            f"hidden files and folders (names starting with a dot)); the reasons are in {out}/meta.json, e.g. "
+            "C:/x.mp4: ") in text
     assert list(pd.read_parquet(out / "videos.parquet").video_id) == ["a:b.mp4", "sub/ok.mp4"]
     skipped = {s["path"]: s["reason"] for s in json.loads((out / "meta.json").read_text())["skipped"]}
     length = len(os.fsencode(folder)) + 1 + len(deep)
     assert skipped == {
+        ".git/": "a hidden folder (its name starts with a dot): not looked into",
+        ".h.mp4": "hidden (its name starts with a dot)",
         "C:/x.mp4": "its path reads as leaving the folder on Windows (a backslash, or a drive such as 'C:/'), "
                     "which a manifest refuses: rename it to include it",
         "caf\\xe9.mp4": "its name is not UTF-8 text (a legacy encoding such as Latin-1?): rename it in UTF-8 to "

@@ -57,15 +57,13 @@ def build(
         skipped = b.manifest.meta["skipped"]
         console.print(f"collection of {len(b.manifest.videos):,} videos, no captions -> {out} "
                       f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)")
-        hidden = (f"{b.hidden:,} hidden files and folders (names starting with a dot) left out, not listed"
-                  if b.hidden else "")
         if skipped:
-            console.print(f"skipped {len(skipped):,} files ({b.undecodable:,} video files that do not decode, "
-                          f"{b.not_videos:,} not videos, {b.unusable:,} that cannot be opened as named); the "
-                          f"reasons are in {out / META_FILE}, e.g. {skipped[0]['path']}: {skipped[0]['reason']}"
-                          + (f"; {hidden}" if hidden else ""), style="yellow")
-        elif hidden:
-            console.print(hidden)
+            kinds = [f"{b.undecodable:,} video files that do not decode", f"{b.not_videos:,} not videos",
+                     f"{b.unusable:,} that cannot be opened as named",
+                     f"{b.hidden:,} hidden files and folders (names starting with a dot)"]
+            shown = next((s for s in skipped if not str(s["path"]).startswith(".")), skipped[0])
+            console.print(f"skipped {len(skipped):,} files ({', '.join(kinds)}); the reasons are in "
+                          f"{out / META_FILE}, e.g. {shown['path']}: {shown['reason']}", style="yellow")
         return
     if dataset is None or annotations is None:
         raise ConfigError("give --dataset and --annotations (a benchmark or a table of your own), or --videos FOLDER "

@@ -2,7 +2,7 @@
 
 ``tvrpipe manifest build --videos FOLDER --out DIR`` lists every video file under ``FOLDER``, in
 any subfolder, whose extension is one of :data:`~tvrpipe.data.manifest.VIDEO_EXTENSIONS` (any
-case); names starting with a dot (hidden files and folders) are left out. Each video's id is its
+case); names starting with a dot (hidden files and folders) are left out, and listed. Each video's id is its
 path relative to the folder (``trips/2024/beach.mp4``), so ids are stable across rebuilds and
 across machines that hold the same folder. Every video is split ``test``; there are no captions.
 
@@ -64,14 +64,14 @@ class FolderScan:
             loops of links, what is not a regular file (a FIFO, a socket, a device), video files
             whose name is not UTF-8 or whose path is over the system's limit, folders that cannot
             be listed. A path that is not UTF-8 is shown with its bytes escaped (``caf\\xe9.mp4``).
-        hidden: files and folders left out because their name starts with a dot (not listed: a
-            folder of videos gathers ``.DS_Store``, ``._x.mp4`` and ``.git`` by the thousand).
+        hidden: files and folders whose name starts with a dot (``.DS_Store``, ``._x.mp4``, ``.git``),
+            left out; a hidden folder is one entry (``.git/``), its contents not looked into.
     """
 
     videos: list[str]
     others: list[str]
     unusable: list[tuple[str, str]] = field(default_factory=list)
-    hidden: int = 0
+    hidden: list[str] = field(default_factory=list)
 
 
 def _shown_path(path: str) -> str:
@@ -111,7 +111,7 @@ def scan_folder(folder: str | os.PathLike[str], skip: tuple[str | os.PathLike[st
     # the path extract opens (the folder as given, made absolute) or search opens (the folder resolved)
     root_len = max(len(os.fsencode(os.path.abspath(root))), len(os.fsencode(root.resolve())))
     path_max = os.pathconf(root, "PC_PATH_MAX")  # bytes with the closing NUL: 4096 on Linux
-    videos, others, unusable, hidden = [], [], [], 0
+    videos, others, unusable, hidden = [], [], [], []
     seen = set()
     for p in (root, *skip):
         try:
@@ -124,7 +124,7 @@ def scan_folder(folder: str | os.PathLike[str], skip: tuple[str | os.PathLike[st
         keep = []
         for d in sorted(dirs):
             if d.startswith("."):
-                hidden += 1
+                hidden.append(_shown_path((rel / d).as_posix()) + "/")
                 continue
             try:
                 st = os.stat(d, dir_fd=fd)
@@ -139,7 +139,7 @@ def scan_folder(folder: str | os.PathLike[str], skip: tuple[str | os.PathLike[st
         dirs[:] = keep
         for name in names:
             if name.startswith("."):
-                hidden += 1
+                hidden.append(_shown_path((rel / name).as_posix()))
                 continue
             path = (rel / name).as_posix()
             shown = _shown_path(path)
@@ -171,7 +171,7 @@ def scan_folder(folder: str | os.PathLike[str], skip: tuple[str | os.PathLike[st
                                         "to a shallower folder or shorten its names to include it"))
                 continue
             videos.append(path)
-    return FolderScan(sorted(videos), sorted(others), sorted(unusable), hidden)
+    return FolderScan(sorted(videos), sorted(others), sorted(unusable), sorted(hidden))
 
 
 def _is_link(name: str, dir_fd: int) -> bool:
@@ -200,7 +200,8 @@ class CollectionBuild:
         not_videos: files left out because their extension is not a video's.
         unusable: entries left out because they cannot be taken as named (:attr:`FolderScan.unusable`,
             and video paths a manifest refuses).
-        hidden: files and folders left out, unlisted, because their name starts with a dot.
+        hidden: files and folders left out because their name starts with a dot (listed in ``skipped``, a
+            hidden folder as one entry).
     """
 
     manifest: Manifest
@@ -311,6 +312,8 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     skipped += [{"path": p, "reason": f"not a video file ({Path(p).suffix.lower() or 'no extension'})"}
                 for p in scan.others]
     skipped += [{"path": p, "reason": why} for p, why in unusable]
+    skipped += [{"path": p, "reason": "a hidden folder (its name starts with a dot): not looked into" if p.endswith("/")
+                 else "hidden (its name starts with a dot)"} for p in scan.hidden]
     skipped.sort(key=lambda s: s["path"])
     spec = load_spec("custom")  # the same sampling defaults as a table of one's own videos
     meta = {"kind": COLLECTION, "dataset": COLLECTION, "video_root": root_abs, "frames": spec.frames,
@@ -322,7 +325,7 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     if skipped:
         log.info("%d files under %s were left out (the reasons are in %s)", len(skipped), root, out / META_FILE)
     return CollectionBuild(m, probed=len(to_probe), known=known, undecodable=len(bad), not_videos=len(scan.others),
-                           unusable=len(unusable), hidden=scan.hidden)
+                           unusable=len(unusable), hidden=len(scan.hidden))
 
 
 def _probe_all(paths: list[Path], probe, progress: bool) -> list[str | None]:
