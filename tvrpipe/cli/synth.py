@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -96,5 +97,5 @@ def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrit
     console.print(f"generated feature store in {out}: {parts}; D = {spec.embed_dim}, F = {spec.frames}, "
                   f"L = {spec.max_words}, noise {spec.noise:g}, near-duplicates {spec.near_duplicates:g}, "
                   f"scenes {spec.scenes} ({spec.caption_describes} captions)", highlight=False)
-    console.print(f"train a head on it: tvrpipe train-head --features {out} --method xpool --out runs/xpool",
+    console.print(f"train a head on it: tvrpipe train-head --features {shlex.quote(str(out))} --method xpool --out runs/xpool",
                   highlight=False)

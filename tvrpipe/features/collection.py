@@ -25,6 +25,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -376,7 +377,7 @@ def check_unchanged(manifest: Manifest, manifest_dir: str | os.PathLike[str],
     root = Path(video_root)
     rows = manifest.files.merge(manifest.videos[["video_id", "path"]], on="video_id")
     changed, gone = changed_files(rows, root)
-    rebuild = f"`tvrpipe manifest build --videos {root} --out {manifest_dir}`"
+    rebuild = f"`{shlex.join(['tvrpipe', 'manifest', 'build', '--videos', str(root), '--out', str(manifest_dir)])}`"
     if changed or gone:
         raise ConfigError(
             f"{len(changed) + len(gone)} of {len(rows)} video files of the collection in {manifest_dir} changed or "

@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import time
 import warnings
@@ -374,7 +375,7 @@ def _damage_message(d: Path, damage: list[Damage], made_by: str) -> str:
     more = f" and {len(damage) - 1} more damaged shard(s)" if len(damage) > 1 else ""
     return (
         f"{d}: the feature store is damaged: {damage[0]}{more}; repair it by running {_again(made_by)}: "
-        f"it re-extracts exactly the damaged shards (`tvrpipe features verify {d}` lists them)"
+        f"it re-extracts exactly the damaged shards (`tvrpipe features verify {shlex.quote(str(d))}` lists them)"
     )
 
 

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,7 +269,8 @@ def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore) -> Fi
                           "(expected index.json, faiss.index, rows.npy and pooled.npy)")
     if meta.get("store_key") != store_key(store):
         raise ConfigError(f"--index {d} was built from another store, or from {store.dir} before it changed; "
-                          f"export it again: tvrpipe export --features {store.dir} --format faiss --out {d}.new")
+                          f"export it again: tvrpipe export --features {shlex.quote(str(store.dir))} --format faiss --out "
+                          f"{shlex.quote(f'{d}.new')}")
     require_faiss(f"--index {d}")
     import faiss
 

@@ -5,6 +5,7 @@ architecture name that rebuilds it."""
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 import torch
@@ -35,8 +36,10 @@ def export_clip(model, out: Path, method: str, end_to_end: bool) -> tuple[dict, 
         return provenance, None
     name = provenance["model"]
     save_clip(model.clip, out / CLIP_FILE, {"model": name, "source": f"tvrpipe finetune --method {method}"})
+    weights = shlex.quote(str((out / CLIP_FILE).absolute()))  # the command works from any folder, as printed
     return provenance, {"file": CLIP_FILE, "model": name, "weights_sha256": provenance["weights_sha256"],
-                        "extract": f"tvrpipe extract --model {name} --pretrained {out / CLIP_FILE}"}
+                        "extract": f"tvrpipe extract --model {name} --pretrained {weights}"}
+
 
 def adopt_head_scale(clip: nn.Module, head: Head) -> None:
     """Give the exported CLIP the logit scale its head learned (clamped at 100, as CLIP clamps its own).
