@@ -87,6 +87,19 @@ def test_names_paths_and_queries_print_as_they_are_in_every_command(odd, cli, tm
     assert r.exit_code == 0 and f"wrote {tmp_path / 'pooled [p]'}" in _flat(r.output), r.output
 
 
+def test_a_generated_store_run_and_report_in_odd_folders_print_as_they_are(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short paths: the tables' titles hold them on one line
+    store, run, report = Path("gen [g]"), Path("run [/r]"), Path("rep [bold]")
+    r = cli("synth", "--features-only", "--out", store, "--set", "train_videos=40", "--set", "test_videos=20")
+    assert r.exit_code == 0 and f"--features '{store}' --method" in _flat(r.output), r.output  # quoted: pastes whole
+    r = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", 1, "--out", run)
+    assert r.exit_code == 0 and f"meanpool: test ({run}/metrics.json)" in _flat(r.output), r.output
+    r = cli("evaluate", "--run", run)
+    assert r.exit_code == 0 and f"{run}: test ({run}/eval_test.json)" in _flat(r.output), r.output
+    r = cli("report", run, "--out", report)
+    assert r.exit_code == 0 and f"report: {report}/report.md" in _flat(r.output), r.output
+
+
 @pytest.mark.parametrize("path", ["vids [old]/nosuch", "my[/]store", "[bold]x[/bold]"])
 def test_a_path_in_an_error_is_printed_as_given(cli, tmp_path, path):
     r = cli("search", "a dog", "--features", tmp_path / path)
