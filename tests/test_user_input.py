@@ -129,6 +129,26 @@ def test_extract_refuses_an_out_that_is_its_manifest_or_holds_other_files(odd, c
     assert sorted(p.name for p in other.iterdir()) == ["thesis.tex"] and not (copy / "store").exists()
 
 
+def test_an_out_folder_is_never_a_folder_tvrpipe_made_for_another_purpose(odd, cli, tmp_path):
+    root, folder, manifest, store = odd
+    run = tmp_path / "run"
+    r = cli("synth", "--features-only", "--out", tmp_path / "gen", "--set", "train_videos=40", "--set", "test_videos=20")
+    assert r.exit_code == 0, r.output
+    r = cli("train-head", "--features", tmp_path / "gen", "--method", "meanpool", "--epochs", 1, "--out", run)
+    assert r.exit_code == 0, r.output
+    plots = sorted(p.name for p in (run / "plots").iterdir())
+    for args, said in ((("manifest", "build", "--videos", folder, "--out", store), f"--out {store} is a feature store"),
+                       (("manifest", "build", "--videos", folder, "--out", run / "m"), f"is inside a run ({run})"),
+                       (("report", run, "--out", run), f"--out {run} is a run"),
+                       (("report", run, "--out", store / "r"), f"is inside a feature store ({store})"),
+                       (("train-head", "--features", tmp_path / "gen", "--method", "meanpool", "--out", manifest),
+                        f"{manifest} is a manifest")):
+        r = cli(*args)
+        assert r.exit_code == 1 and said in _flat(r.output), (args, r.output)
+    assert sorted(p.name for p in (run / "plots").iterdir()) == plots and not (run / "m").exists()
+    assert not (run / "report.md").exists() and not (store / "r").exists()
+
+
 def test_search_outputs_are_all_checked_before_any_is_written(odd, cli, tmp_path):
     _, _, _, store = odd
     table = (store / "videos.parquet").read_bytes()

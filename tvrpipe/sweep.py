@@ -256,6 +256,7 @@ def run_sweep(
     Example:
         >>> run_sweep("features/msrvtt", plan_sweep(["xpool", "tmass"], [0, 1, 2]), "runs/sweep")  # doctest: +SKIP
     """
+    from tvrpipe.features.outputs import check_output_folder
     from tvrpipe.features.store import check_not_a_store, open_store, store_identity
     from tvrpipe.lock import check_writable
     from tvrpipe.training.data import check_captioned
@@ -272,6 +273,7 @@ def run_sweep(
         base = dataclasses.replace(base, device="cuda")  # checked again as it is made
     check_writable(out, "--out")
     check_not_a_store(out, "a sweep")
+    check_output_folder(out)
     store = open_store(features)
     check_captioned(store)  # before --out is made: every run of the grid would fail alike
     identity = store_identity(store.provenance)  # what fit records as the run's store

@@ -52,7 +52,9 @@ def build(
             raise ConfigError(f"--videos builds a collection from a folder, without annotations; {', '.join(others)} "
                               "belong to a dataset's annotation files: give one or the other")
         from tvrpipe.features.collection import build_collection
+        from tvrpipe.features.outputs import check_output_folder
 
+        check_output_folder(out, may_be="a manifest")
         b = build_collection(videos, out)
         skipped = b.manifest.meta["skipped"]
         console.print(f"collection of {len(b.manifest.videos):,} videos, no captions -> {out} "
@@ -71,6 +73,9 @@ def build(
     if allow_missing and video_root is None:
         raise ConfigError("--allow-missing drops the videos not found under --video-root: give --video-root too "
                           "(without it no video is looked for)")
+    from tvrpipe.features.outputs import check_output_folder
+
+    check_output_folder(out, may_be="a manifest")
     m = build_manifest(dataset, annotations, out, split_set, video_root, allow_missing)
     print_counts(m, f"{dataset} ({m.meta['split_set']}) -> {out}")
     if m.meta.get("missing_videos"):

@@ -90,6 +90,21 @@ def check_output_files(outputs: Mapping[str, str | os.PathLike[str] | None],
         check_writable(p.parent, option)
 
 
+def check_output_folder(out: str | os.PathLike[str], option: str = "--out", may_be: str | None = None) -> None:
+    """An output folder of a command (``--out``): not a folder tvrpipe made for another purpose (a store, a
+    manifest, a run; ``may_be`` names the one kind it may be, to be updated), nor inside one.
+
+    Raises:
+        ConfigError: naming the option and what the folder is.
+    """
+    kind = folder_kind(out) if Path(out).is_dir() else None
+    if kind is not None and kind != may_be:
+        raise ConfigError(f"{option} {out} is {kind}; write into a folder of its own")
+    inside = enclosing_folder(out)
+    if inside is not None:
+        raise ConfigError(f"{option} {out} is inside {inside[1]} ({inside[0]}); write into a folder of its own")
+
+
 def check_store_out(out: str | os.PathLike[str], inputs: Mapping[str, str | os.PathLike[str] | None]) -> None:
     """``extract --out``: a new or empty folder, or a feature store (to resume or update), never a manifest,
     a run, one of the command's ``inputs`` (``{option: folder}``), or a folder that holds other files.

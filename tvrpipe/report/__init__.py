@@ -106,6 +106,7 @@ def write_report(
         >>> write_report(["runs/"], "report", video_root="data/videos", manifest="data/manifest")  # doctest: +SKIP
         PosixPath('report/report.md')
     """
+    from tvrpipe.features.outputs import check_output_folder
     from tvrpipe.files import atomic_write_text
     from tvrpipe.lock import check_writable
 
@@ -114,6 +115,7 @@ def write_report(
     if not runs:
         raise ConfigError("name at least one run directory (or a folder that holds runs)")
     check_writable(out, "--out")
+    check_output_folder(out)  # a report's plots would land among a run's, a manifest's or a store's files
     found, skipped = find_runs(runs)
     for s in skipped:
         log.warning("skipped %s: %s", s.dir, s.reason)
