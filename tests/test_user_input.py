@@ -36,7 +36,6 @@ def odd(tmp_path_factory):
 
     from tvrpipe.cli.main import app
     from tvrpipe.cluster import ray_init
-    from tvrpipe.features.extract import ExtractConfig, extract
 
     root = tmp_path_factory.mktemp("odd [root]")
     synthesize(root / "synth", 3, seed=5, progress=False)
@@ -48,13 +47,14 @@ def odd(tmp_path_factory):
     r = runner.invoke(app, ["manifest", "build", "--videos", str(folder), "--out", str(root / "man [m]")])
     assert r.exit_code == 0, r.output
     ray_init(None, num_cpus=2)
-    try:
-        cfg = ExtractConfig(model=TINY_MODEL, pretrained="none", frames=4, video_shard=2, batch_size=3, progress=False,
-                            timeout_s=30.0)
-        summary = extract(root / "man [m]", folder, root / "store [s]", cfg)
+    try:  # through the CLI, as a user extracts
+        r = runner.invoke(app, ["extract", "--manifest", str(root / "man [m]"), "--video-root", str(folder), "--out",
+                                str(root / "store [s]"), "--model", TINY_MODEL, "--pretrained", "none", "--frames", "4",
+                                "--video-shard", "2"])
     finally:
         ray.shutdown()
-    assert (summary.videos_done, summary.failed) == (len(FILES), 0)
+    out = _flat(r.output)
+    assert r.exit_code == 0 and "3 extracted, 0 already done, 0 failed" in out, r.output
     return root, folder, root / "man [m]", root / "store [s]"
 
 
