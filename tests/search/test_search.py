@@ -490,8 +490,8 @@ def test_faiss_missing_advises_the_install_that_works(tiny_copy, cli, monkeypatc
     monkeypatch.setattr(index_mod, "faiss_available", lambda: False)
     r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss")
     assert r.exit_code == 1, r.output
-    assert ("--first-stage faiss needs faiss-cpu (tvrpipe's search extra): pip install faiss-cpu, or use "
-            "--first-stage exact") in _text(r)
+    assert ("--first-stage faiss needs faiss-cpu (tvrpipe's search extra): pip install faiss-cpu, or in tvrpipe's "
+            "checkout pip install -e '.[search]', or use --first-stage exact") in _text(r)
 
 
 def _run_on(store, out):

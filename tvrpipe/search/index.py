@@ -77,7 +77,8 @@ def resolve_first_stage(kind: str) -> str:
 
 # faiss-cpu is all the `search` extra holds; tvrpipe is installed from a checkout, so the extra is not a name
 # pip could fetch
-_NEEDS_FAISS = "needs faiss-cpu (tvrpipe's search extra): pip install faiss-cpu"
+_NEEDS_FAISS = ("needs faiss-cpu (tvrpipe's search extra): pip install faiss-cpu, or in tvrpipe's checkout "
+                "pip install -e '.[search]'")
 
 
 def require_faiss(what: str) -> None:
