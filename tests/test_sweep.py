@@ -155,7 +155,7 @@ def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, interrupt_call):
     import tvrpipe.training.fit as fitmod
     from tvrpipe.training.fit import TrainConfig, fit
 
-    restore = interrupt_call(fitmod, "evaluate_split", 2)  # stops after the first epoch
+    restore = interrupt_call(fitmod, "evaluate_split", 3)  # the untrained head, epoch 1, then stops in epoch 2
     interrupted = out / "xpool__num_heads=1__seed1"
     with pytest.raises(KeyboardInterrupt):
         fit(store, "xpool", interrupted, TrainConfig(epochs=2, batch_size=16, seed=1), {"num_heads": 1}, ("dsl",),

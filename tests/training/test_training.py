@@ -73,7 +73,7 @@ def test_run_directory_contents(trained, store):
     # the generated store has no val split: validation is carved from train, and said so
     assert m["validation"].startswith("carved from train: 16 videos")
     assert m["val"]["t2v"]["n"] == 16
-    assert 1 <= m["selected_epoch"] <= 3
+    assert 0 <= m["selected_epoch"] <= 3  # 0: no epoch beat the untrained head on validation
     assert m["selection"].startswith("validation")
     rows = (out / "epochs.csv").read_text().splitlines()
     assert len(rows) == 4 and rows[0].startswith("epoch,loss")
@@ -84,12 +84,42 @@ def test_run_directory_contents(trained, store):
     assert saved["train"]["allocator"].startswith(("glibc", "left as"))
 
 
-def test_selection_uses_validation_not_test(trained):
-    out, m = trained["meanpool"]
+@pytest.mark.parametrize("name", BASELINES)
+def test_selection_uses_validation_not_test_and_the_untrained_head_competes(trained, name):
+    """The selected epoch is the first with the best validation key, the untrained head (epoch 0) included:
+    meanpool's ranking has nothing to learn (its scale only sharpens the loss), so it keeps epoch 0."""
+    out, m = trained[name]
     with open(out / "epochs.csv") as f:
-        rows = list(csv.DictReader(f))
-    best = max(rows, key=lambda r: (float(r["val_t2v_R@1"]), float(r["val_t2v_R@5"]), float(r["val_t2v_R@10"])))
-    assert int(best["epoch"]) == m["selected_epoch"]
+        rows = [(int(r["epoch"]), float(r["val_t2v_R@1"]), float(r["val_t2v_R@5"]), float(r["val_t2v_R@10"]))
+                for r in csv.DictReader(f)]
+    u = m["untrained_val"]["t2v"]
+    candidates = [(0, u["R@1"], u["R@5"], u["R@10"]), *rows]
+    best = max(candidates, key=lambda r: (r[1:], -r[0]))  # ties: the earlier epoch
+    assert best[0] == m["selected_epoch"]
+    if name == "meanpool":
+        assert m["selected_epoch"] == 0 and m["val"] == m["untrained_val"]
+
+
+def test_a_learning_rate_that_wrecks_the_head_keeps_the_untrained_head(store, tmp_path, cli):
+    """Two epochs at lr 0.3 take X-Pool far below its start on validation: the run selects epoch 0, its test
+    scores are the untrained head's, its best checkpoint is the untrained weights, and it says so."""
+    untrained = fit(store, "xpool", tmp_path / "u", TrainConfig(epochs=0, batch_size=32, seed=0), progress=False)
+    r = cli("train-head", "--features", store, "--method", "xpool", "--epochs", 2, "--batch-size", 32, "--lr", 0.3,
+            "--out", tmp_path / "w")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "w" / "metrics.json").read_text())
+    with open(tmp_path / "w" / "epochs.csv") as f:
+        trained_r1 = [float(row["val_t2v_R@1"]) for row in csv.DictReader(f)]
+    assert max(trained_r1) < m["untrained_val"]["t2v"]["R@1"] - 10  # the lr did wreck it
+    assert m["selected_epoch"] == 0 and m["schedule"]["epochs_run"] == 2
+    assert m["val"] == m["untrained_val"] == untrained["val"] and m["test"] == untrained["test"]
+    assert (load_head(tmp_path / "w" / "checkpoints" / "best.safetensors").state_dict().keys()
+            == load_head(tmp_path / "u" / "checkpoints" / "best.safetensors").state_dict().keys())
+    for k, v in load_head(tmp_path / "w" / "checkpoints" / "best.safetensors").state_dict().items():
+        torch.testing.assert_close(v, load_head(tmp_path / "u" / "checkpoints" / "best.safetensors").state_dict()[k],
+                                   rtol=0, atol=0)  # the same seed's initial weights, stored as they were
+    assert ("no epoch beat the untrained head on validation, so the run keeps it (epoch 0); where training at "
+            "lr 0.3 made it worse, try a smaller one, e.g. --lr 0.03") in " ".join(r.output.split())
 
 
 def test_evaluate_run_reproduces_test_metrics(trained, store, cli):
@@ -125,7 +155,7 @@ def test_zero_epochs_is_zero_shot(store, tmp_path):
 def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, interrupt_call, method):
     cfg = TrainConfig(epochs=3, batch_size=32, lr=1e-3, seed=1)
     full = fit(store, method, tmp_path / "full", cfg, progress=False)
-    restore = interrupt_call(fit_module, "evaluate_split", 2)  # in the second epoch
+    restore = interrupt_call(fit_module, "evaluate_split", 3)  # the untrained head's, epoch 1's, then epoch 2's
     with pytest.raises(KeyboardInterrupt):
         fit(store, method, tmp_path / "cut", cfg, progress=False)
     restore()
@@ -277,7 +307,9 @@ def test_train_head_cli(store, tmp_path, cli):
     r = cli("train-head", "--features", store, "--method", "meanpool", "--out", tmp_path / "c", "--epochs", "1",
             "--batch-size", "32", "--set", "embed_dim=32")
     assert r.exit_code == 0, r.output
-    assert "selected epoch 1" in r.output and "t2v" in r.output
+    text = " ".join(r.output.split())
+    assert "selected epoch 0 of 1" in text and "t2v" in text  # meanpool's ranking has nothing to learn: a tie
+    assert "no epoch beat the untrained head on validation, so the run keeps it (epoch 0)" in text
     r = cli("train-head", "--features", store, "--method", "meanpool", "--out", tmp_path / "d", "--set", "nope=1")
     assert r.exit_code == 1 and "unknown config key 'nope'" in r.output
     r = cli("train-head", "--features", store, "--method", "nosuch", "--out", tmp_path / "d")
@@ -417,14 +449,26 @@ def test_prefetch_does_not_change_training(store, tmp_path):
 REAL_EVALUATE = fit_module.evaluate_split
 
 
-def _scripted_validation(monkeypatch, r1_by_epoch, interrupt_at=None):
-    """Validation returns R@1 from a script (one value per epoch); test is evaluated for real."""
+def _scripted_validation(monkeypatch, r1_by_epoch, interrupt_at=None, untrained=0.0):
+    """Validation returns R@1 from a script (one value per trained epoch; ``untrained`` for the untrained head
+    that selection compares them with); test is evaluated for real."""
     real = REAL_EVALUATE
-    seen = {"val": 0}
+    seen = {"val": 0, "begin": False}
+    real_begin = core.RunLoop.begin
+
+    def begin(self, validate):
+        seen["begin"] = True
+        try:
+            real_begin(self, validate)
+        finally:
+            seen["begin"] = False
 
     def scripted(head, split, cfg, *a, **kw):
         out = real(head, split, cfg, *a, **kw)
         if split.name != "val":
+            return out
+        if seen["begin"]:
+            out["t2v"] = {**out["t2v"], "R@1": untrained, "R@5": 0.0, "R@10": 0.0}
             return out
         seen["val"] += 1
         if interrupt_at is not None and seen["val"] == interrupt_at:
@@ -434,6 +478,7 @@ def _scripted_validation(monkeypatch, r1_by_epoch, interrupt_at=None):
         return out
 
     monkeypatch.setattr(fit_module, "evaluate_split", scripted)
+    monkeypatch.setattr(core.RunLoop, "begin", begin)
 
 
 R1_SCRIPT = [10, 20, 30, 25, 26, 30, 28, 29, 27, 40, 41]  # best at epoch 3; epoch 6 only ties it

@@ -101,6 +101,12 @@ def train_head(
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
                   f" ({describe_lrs(sch['lr_groups'])}{', stopped early' if sch['stopped_early'] else ''})",
                   highlight=False)
+    if metrics["selected_epoch"] == 0 and sch["epochs_run"] > 0:
+        lr = sch.get("lr")
+        smaller = (f"training at lr {lr:g} made it worse, try a smaller one, e.g. --lr {lr / 10:g}" if lr is not None
+                   else f"training at {describe_lrs(sch['lr_groups'])} made it worse, try rates 10 times smaller")
+        console.print(f"no epoch beat the untrained head on validation, so the run keeps it (epoch 0); where "
+                      f"{smaller}", style="yellow")
     print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
 
 

@@ -458,6 +458,7 @@ class RunLoop:
         self.checkpoints = Checkpoints(self.out / CHECKPOINTS)
         self.rows: list[dict] = []
         self.best: dict | None = None  # {"epoch", "key", "val", "sha256"} of the selected epoch
+        self.untrained: dict | None = None  # the validation scores of the untrained models (epoch 0)
         self.best_score: float | None = None
         self.since_best = self.halvings = 0
         self.stopped = False
@@ -490,6 +491,7 @@ class RunLoop:
                            f"{' '.join(str(e).split())[:160]}); delete {self.checkpoints.folder} to train from "
                            "scratch") from None
         self.start_epoch, self.best, self.rows = state["epoch"] + 1, state["best"], rows_from_state(state)
+        self.untrained = state.get("untrained")  # None: a run begun before the untrained models competed
         if self.schedule.total is None:  # early stopping's count, kept by open-ended runs
             self.best_score, self.since_best = state["best_score"], state["since_best"]
             self.halvings, self.stopped = state["halvings"], state["stopped"]
@@ -498,6 +500,19 @@ class RunLoop:
             if self.rows:  # the log of the last committed epoch, had the run stopped before writing it
                 write_epochs(self.out, self.rows)
         return state
+
+    def begin(self, validate: Callable[[], dict]) -> None:
+        """Before the first epoch of a new run, on rank 0: the untrained models, validated and written as the
+        best (epoch 0). An epoch is then selected only where it beats its start on validation, so a run never
+        returns a head worse than the one it started from (a learning rate that wrecks a head selects epoch 0).
+        Early stopping still counts from the first trained epoch: heads that dip before they climb are not cut.
+        A resumed run keeps the selection it recorded."""
+        if self.rank != 0 or self.start_epoch > 0 or self.best is not None:
+            return
+        val = self.untrained = validate()
+        self.checkpoints.folder.mkdir(parents=True, exist_ok=True)
+        sha = {prefix: write(self.checkpoints.folder / f"{prefix}{BEST}") for prefix, write in self.models.items()}
+        self.best = {"epoch": 0, "key": list(Scores.from_dict(val).selection_key()), "val": val, "sha256": sha[""]}
 
     # ---- the loop
     @contextmanager
@@ -573,8 +588,8 @@ class RunLoop:
                 self.stopped = self.since_best >= self.schedule.patience
         stopping = {"best_score": self.best_score, "since_best": self.since_best, "halvings": self.halvings,
                     "stopped": self.stopped} if self.schedule.total is None else {}
-        self.checkpoints.commit({"epoch": epoch, "best": self.best, "rows": json.dumps(self.rows), **stopping,
-                                 **state})
+        self.checkpoints.commit({"epoch": epoch, "best": self.best, "untrained": self.untrained,
+                                 "rows": json.dumps(self.rows), **stopping, **state})
         write_epochs(self.out, self.rows)
         if self.on_epoch is not None:
             self.on_epoch(row)
@@ -589,7 +604,7 @@ class RunLoop:
             RunError: the best checkpoint changed after it was written.
         """
         folder = self.checkpoints.folder
-        if self.best is None:  # zero epochs: evaluate the untrained (zero-shot) models
+        if self.best is None:  # zero epochs without begin(): evaluate the untrained (zero-shot) models
             val = validate()
             sha = {prefix: write(folder / f"{prefix}{BEST}") for prefix, write in self.models.items()}
             self.best = {"epoch": 0, "key": None, "val": val, "sha256": sha[""]}
@@ -606,6 +621,8 @@ class RunLoop:
         best = self.best
         metrics = {"method": method, "selected_epoch": best["epoch"], "selection": SELECTION,
                    "validation": validation, "val": best["val"], "test": test,
+                   # what selection compared the epochs against: the untrained models on validation
+                   **({"untrained_val": self.untrained} if self.untrained is not None else {}),
                    "checkpoint": {"file": f"{CHECKPOINTS}/{BEST}", "sha256": best.get("sha256")},
                    "schedule": {**schedule, "epochs_run": len(self.rows)}, "train": dict(train), **extras}
         write_metrics(self.out, metrics)

@@ -273,6 +273,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         if opt:
             load_optimizer_state(opt, state["optimizer"], out)
     loop.resume(restore)
+    # the untrained head competes in the selection: a run never ends below its start on validation
+    loop.begin(lambda: evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts))
 
     # ---- data: an epoch visits every video once, with one of its captions drawn at random
     pairs = CaptionPairs(train_split.text_video, train_split.n_videos)
