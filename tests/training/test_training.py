@@ -151,6 +151,20 @@ def test_zero_epochs_is_zero_shot(store, tmp_path):
     assert m["selected_epoch"] == 0 and m["test"]["t2v"]["R@1"] > 5 * 100.0 / N_TEST
 
 
+def test_every_run_records_the_zero_shot_row_on_its_test_set(trained, store, tmp_path, cli):
+    """Beside its own test scores a run records zero-shot CLIP's on the same test set (meanpool untrained, as
+    `--epochs 0` gives them), and train-head prints them as a row beside each direction's."""
+    zero = fit(store, "meanpool", tmp_path / "zs", TrainConfig(epochs=0), progress=False)["test"]
+    for name in BASELINES:
+        _, m = trained[name]
+        assert m["zero_shot"]["test"]["t2v"] == zero["t2v"] and m["zero_shot"]["test"]["v2t"] == zero["v2t"]
+        assert m["zero_shot"]["head"].startswith("meanpool, untrained")
+    r = cli("train-head", "--features", store, "--method", "tokenwise", "--epochs", 0, "--out", tmp_path / "t")
+    lines = [" ".join(line.replace("│", " ").split()) for line in r.output.splitlines()]
+    want = " ".join(f"{zero['t2v'][k]:.1f}" for k in ("R@1", "R@5", "R@10", "MdR", "MnR"))
+    assert r.exit_code == 0 and f"t2v zero-shot {want}" in lines, r.output
+
+
 @pytest.mark.parametrize("method", ["tokenwise", "tmass"])  # tmass: dropout and sampled noise
 def test_resume_after_interruption_matches_uninterrupted(store, tmp_path, interrupt_call, method):
     cfg = TrainConfig(epochs=3, batch_size=32, lr=1e-3, seed=1)

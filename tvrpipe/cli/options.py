@@ -68,14 +68,18 @@ def parse_post(post: list[str]) -> tuple[str, ...]:
     return tuple(post)
 
 
-def print_metrics(title: str, metrics: dict) -> None:
-    """An evaluation's scores as a table (one row per direction and score variant), then the head's readouts."""
+def print_metrics(title: str, metrics: dict, zero_shot: dict | None = None) -> None:
+    """An evaluation's scores as a table (one row per direction and score variant; ``zero_shot``: the raw
+    scores of zero-shot CLIP on the same split, a row beside each direction's), then the head's readouts."""
     scores = Scores.from_dict(metrics)
+    reference = Scores.from_dict(zero_shot).metrics if zero_shot else {}
     table = Table(title=title)
     for col in ("", *METRICS):
         table.add_column(col, justify="right")
     for key in sorted(scores.metrics):
         table.add_row(key, *(f"{scores.metrics[key][c]:.1f}" for c in METRICS))
+        if key in reference:
+            table.add_row(f"{key} zero-shot", *(f"{reference[key][c]:.1f}" for c in METRICS), style="dim")
     console.print(table)
     if scores.dsl_not_applicable:
         console.print(f"no DSL: {scores.dsl_not_applicable}", highlight=False)

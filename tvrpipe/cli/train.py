@@ -107,7 +107,8 @@ def train_head(
                    else f"training at {describe_lrs(sch['lr_groups'])} made it worse, try rates 10 times smaller")
         console.print(f"no epoch beat the untrained head on validation, so the run keeps it (epoch 0); where "
                       f"{smaller}", style="yellow")
-    print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"])
+    print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"],
+                  (metrics.get("zero_shot") or {}).get("test"))
 
 
 @app.command("evaluate", rich_help_panel=MAIN_PATH)

@@ -132,6 +132,9 @@ def _prefetch(items: Iterator[Any]) -> Iterator[Any]:
             yield item
 
 
+ZERO_SHOT = "meanpool, untrained: the cosine of the sentence and the mean of the frames (zero-shot CLIP)"
+
+
 def store_head_config(store, method: str, overrides: dict[str, Any] | None = None) -> HeadConfig:
     """The config of ``method`` trained on ``store``: D and the CLIP's logit scale from the store's
     provenance (:func:`clip_head_config`), then the user's ``overrides`` (unknown keys fail)."""
@@ -319,6 +322,10 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     selected = load_head(loop.checkpoints.folder / BEST, train.device)
     test = evaluate_split(selected, splits.test, train.device, train.eval_batch, train.block_texts, post=post,
                           querybank=splits.train if "qbnorm" in post else None)
+    # the zero-shot row beside the run's, on the same test set: CLIP's own cosine of the mean-pooled frames
+    # (meanpool untrained; its ranking has nothing to train), which a trained head has to beat
+    zero_shot = head_class("meanpool")(store_head_config(store, "meanpool")).to(device).eval()
+    zero_test = evaluate_split(zero_shot, splits.test, train.device, train.eval_batch, train.block_texts)
     rows = loop.rows
     return loop.write_results(
         method, splits.val_source, test,
@@ -330,7 +337,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                "data_share": float(np.mean([r["data_share"] for r in rows])) if rows else None,
                "seconds": float(sum(r["seconds"] for r in rows)),
                # what the wall times above ran with (this session's; a resumed run may differ)
-               "threads": torch.get_num_threads(), "allocator": tune_allocator()})
+               "threads": torch.get_num_threads(), "allocator": tune_allocator()},
+        extras={"zero_shot": {"head": ZERO_SHOT, "test": zero_test}})
 
 
 def _lr_changed(out: Path, old: dict, new: dict, lr: float, lr_source: str) -> str | None:
