@@ -491,7 +491,7 @@ def test_a_full_disk_is_one_line_naming_the_file(cli, tmp_path, monkeypatch, whe
 
     if where == "save_file":
         monkeypatch.setattr(safetensors.torch, "save_file", full)
-        name = "last.safetensors"
+        name = "best.safetensors"  # the first weights written: the untrained head's, which selection compares
     else:
         monkeypatch.setattr(torch, "save", full)
         name = "state.pt"

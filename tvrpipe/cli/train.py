@@ -99,8 +99,9 @@ def train_head(
     metrics = fit(features, method, out, cfg, overrides, parse_post(post or []), recipe=record)
     sch = metrics["schedule"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
-                  f" ({describe_lrs(sch['lr_groups'])}{', stopped early' if sch['stopped_early'] else ''})",
-                  highlight=False)
+                  f" ({describe_lrs(sch['lr_groups'])}{', stopped early' if sch['stopped_early'] else ''}); "
+                  f"{_gallery('validation', metrics['val'])}, {_gallery('test', metrics['test'])}: R@K is read "
+                  "against the gallery, so validation and test compare only at equal sizes")
     if metrics["selected_epoch"] == 0 and sch["epochs_run"] > 0:
         lr = sch.get("lr")
         smaller = (f"training at lr {lr:g} made it worse, try a smaller one, e.g. --lr {lr / 10:g}" if lr is not None
@@ -109,6 +110,11 @@ def train_head(
                       f"{smaller}", style="yellow")
     print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"],
                   (metrics.get("zero_shot") or {}).get("test"))
+
+
+def _gallery(split: str, scores: dict) -> str:
+    """``split``'s gallery size: its videos (v2t's queries) and captions (t2v's)."""
+    return f"{split} {scores['v2t']['n']:,} videos / {scores['t2v']['n']:,} captions"
 
 
 @app.command("evaluate", rich_help_panel=MAIN_PATH)
