@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 CONFIG = "config.yaml"
 METRICS_FILE = "metrics.json"
 EPOCHS = "epochs.csv"
+TEST_RANKS = "test_ranks.npz"  # each test query's raw rank: the report's error bars and paired tests
 CHECKPOINTS = "checkpoints"
 BEST = "best.safetensors"
 LAST = "last.safetensors"
@@ -160,6 +161,35 @@ class RunResults:
 
 
 # ---------------------------------------------------------------------------------------------- files
+
+
+def write_test_ranks(run: Path, ranks: Mapping[str, Any], caption_ids: Any, video_ids: Any) -> None:
+    """Write ``test_ranks.npz``: the raw rank of each test query (``ranks``: ``{"t2v", "v2t"}``, in the split's
+    caption and video order) and the ids of those captions and videos, so that two runs are compared query by
+    query only where they ranked the same queries. Through a temporary file and a rename."""
+    import numpy as np
+
+    path = Path(run) / TEST_RANKS
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    try:
+        with writing(path):
+            np.savez(tmp, t2v=np.asarray(ranks["t2v"], dtype=np.int32), v2t=np.asarray(ranks["v2t"], dtype=np.int32),
+                     caption_ids=np.asarray(caption_ids, dtype=str), video_ids=np.asarray(video_ids, dtype=str))
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_test_ranks(run: Path) -> dict[str, Any] | None:
+    """A run's ``test_ranks.npz`` as ``{"t2v", "v2t", "caption_ids", "video_ids"}`` arrays, or None: a run
+    that predates it, or a file that does not read (the report then leaves the run's error bars out)."""
+    import numpy as np
+
+    try:
+        with np.load(Path(run) / TEST_RANKS, allow_pickle=False) as f:
+            return {k: f[k] for k in ("t2v", "v2t", "caption_ids", "video_ids")}
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def read_metrics(run: Path) -> dict | None:

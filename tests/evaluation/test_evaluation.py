@@ -481,3 +481,26 @@ def test_dsl_is_not_applied_to_distance_scores():
     assert "dsl_not_applicable" not in res
     assert res["t2v_dsl"] == pytest.approx(
         ref_metrics(ref_t2v_ranks(ref_dual_softmax(res["sim"].numpy(), 100.0, axis=0), np.arange(6))))
+
+
+def test_bootstrap_intervals_of_recall_against_their_definition():
+    """The interval is the central 95 % of R@1 over resamples of the queries: degenerate where every query
+    agrees, about the normal approximation's width for many queries, and a paired difference of a run with
+    itself is exactly 0; bad input is refused."""
+    from tvrpipe.evaluation.metrics import bootstrap_recall, paired_recall_difference
+
+    assert bootstrap_recall([1] * 50) == (100.0, 100.0) and bootstrap_recall([3] * 50) == (0.0, 0.0)
+    rng = np.random.default_rng(0)
+    ranks = np.where(rng.random(2000) < 0.3, 1, 2)  # R@1 = p near 0.3 over 2,000 queries
+    p = float(np.mean(ranks == 1))
+    lo, hi = bootstrap_recall(ranks)
+    half = 100 * 1.96 * math.sqrt(p * (1 - p) / len(ranks))  # the normal approximation's half width
+    assert lo < 100 * p < hi and abs((hi - lo) / 2 - half) < 0.2 * half
+    assert paired_recall_difference(ranks, ranks) == (0.0, 0.0, 0.0)
+    better = np.where(rng.random(2000) < 0.5, 1, ranks)  # the same queries, half of them moved to rank 1
+    d, lo, hi = paired_recall_difference(better, ranks)
+    assert d == pytest.approx(100 * (np.mean(better == 1) - p)) and 0 < lo < d < hi
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        bootstrap_recall([])
+    with pytest.raises(ValueError, match="one length"):
+        paired_recall_difference([1, 2], [1])

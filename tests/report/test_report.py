@@ -17,7 +17,12 @@ from PIL import Image
 from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.engine import evaluate_head
-from tvrpipe.evaluation.metrics import t2v_ranks
+from tvrpipe.evaluation.metrics import (
+    bootstrap_recall,
+    paired_recall_difference,
+    retrieval_metrics,
+    t2v_ranks,
+)
 from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import StoreWriter, make_provenance, manifest_sha256, open_store
 from tvrpipe.report import find_runs, gallery_data, group_runs, write_report
@@ -89,10 +94,44 @@ def test_single_run_rows_equal_metrics_json(report, runs):
     for label, run in (("tmass", runs / "tmass" / "seed0"), ("duq", runs / "duq" / "seed0"),
                        ("meanpool", runs / "zero-shot")):
         test = _metrics(run)["test"]
+        ranks = np.load(run / "test_ranks.npz")
         for direction, name in (("t2v", "Text-to-video"), ("v2t", "Video-to-text")):
             row = _row(s[f"{name}, raw scores"], label)
             assert row[1] == "1"
-            assert row[2:] == [f"{test[direction][m]:.1f}" for m in METRICS], (label, direction)
+            lo, hi = bootstrap_recall(ranks[direction], k=1)  # a run of one seed: its interval over the queries
+            cells = [f"{test[direction][m]:.1f}" for m in METRICS]
+            assert [c.replace("**", "") for c in row[2:]] == [f"{cells[0]} [{lo:.1f}, {hi:.1f}]", *cells[1:]], \
+                (label, direction)
+
+
+def test_test_ranks_are_the_runs_test_scores_and_the_intervals_match_an_independent_bootstrap(report, runs):
+    """test_ranks.npz holds the ranks behind metrics.json's test scores, in the split's query order; the
+    report's intervals agree with a bootstrap written here (other draws, 20,000 of them) to within the
+    resampling noise of 2,000 draws, and each paired difference is the two runs' R@1 difference, marked
+    within noise exactly where its interval covers 0."""
+    run = runs / "tmass" / "seed0"
+    ranks, test = np.load(run / "test_ranks.npz"), _metrics(run)["test"]
+    for direction in ("t2v", "v2t"):
+        assert retrieval_metrics(ranks[direction]) == test[direction]
+        rng = np.random.default_rng(12345)
+        hits = ranks[direction] <= 1
+        draws = [100.0 * hits[rng.integers(0, len(hits), len(hits))].mean() for _ in range(20000)]
+        want = np.percentile(draws, [2.5, 97.5])
+        step = 100.0 / len(hits)  # R@1 moves in steps of one query
+        np.testing.assert_allclose(bootstrap_recall(ranks[direction]), want, atol=step + 1e-9)
+    assert len(ranks["caption_ids"]) == test["t2v"]["n"] and len(ranks["video_ids"]) == test["n_videos"]
+    s = _section(report)
+    paired = s["Which differences are noise: Text-to-video, raw R@1"]
+    rows = {(r[0], r[1]): r for r in paired if r[0] != "a"}
+    labels = {"tmass": runs / "tmass" / "seed0", "duq": runs / "duq" / "seed0", "meanpool": runs / "zero-shot"}
+    assert {frozenset(k) for k in rows} == {frozenset(p) for p in (("tmass", "duq"), ("tmass", "meanpool"),
+                                                                    ("duq", "meanpool"))}
+    for (a, b), r in rows.items():
+        ra, rb = (np.load(labels[x] / "test_ranks.npz")["t2v"] for x in (a, b))
+        d, lo, hi = paired_recall_difference(ra, rb, k=1)
+        assert d == pytest.approx(_metrics(labels[a])["test"]["t2v"]["R@1"] - _metrics(labels[b])["test"]["t2v"]["R@1"])
+        assert r[2:5] == [f"{d:+.1f}", f"[{lo:+.1f}, {hi:+.1f}]", "within noise" if lo <= 0 <= hi else
+                          ("a higher" if lo > 0 else "b higher")]
 
 
 def test_seeds_form_one_row_with_mean_and_sample_std(report, runs):

@@ -274,6 +274,7 @@ def evaluate_head(
     text_ids: Sequence[str] | None = None,
     video_ids: Sequence[str] | None = None,
     readouts: bool = False,
+    ranks: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a head on a test split: raw t2v / v2t metrics, plus requested post-processing.
 
@@ -300,6 +301,8 @@ def evaluate_head(
             pairs (``{name: {"match", "nonmatch"}}``) and its ``item_readouts`` (``{name: value}``),
             and the means of a re-ranking's per-query readouts over correct and incorrect raw top-1
             retrievals (``{name_direction: {"correct", "incorrect"}}``), under ``"readouts"``.
+        ranks: also return each query's raw rank (int32, in query order: the captions for t2v, the videos
+            with a caption for v2t) under ``"ranks"``, ``{"t2v", "v2t"}``, for error bars over queries.
 
     Returns:
         ``{"t2v": {...}, "v2t": {...}, "n_texts": int, "n_videos": int}`` plus ``"t2v_dsl"``,
@@ -334,12 +337,15 @@ def evaluate_head(
         t2 = time.perf_counter()
         names = (text_ids, video_ids)
         check_finite(sim, "similarity", *names)
+        raw = {"t2v": t2v_ranks(sim, tv), "v2t": v2t_ranks(sim, tv)}
         result: dict[str, Any] = {
-            "t2v": retrieval_metrics(t2v_ranks(sim, tv)),
-            "v2t": retrieval_metrics(v2t_ranks(sim, tv)),
+            "t2v": retrieval_metrics(raw["t2v"]),
+            "v2t": retrieval_metrics(raw["v2t"]),
             "n_texts": n_t,
             "n_videos": n_v,
         }
+        if ranks:
+            result["ranks"] = {d: np.asarray(r, dtype=np.int32) for d, r in raw.items()}
         reranked = head.rerank(sim, text_emb, video_emb)
         if reranked is not None:  # a head-declared step over the full matrix, reported apart from raw
             for direction, ranks in (("t2v", t2v_ranks), ("v2t", v2t_ranks)):

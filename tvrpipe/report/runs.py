@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import pandas as pd
@@ -70,6 +71,12 @@ class RunRecord:
     def scores(self, variant: str, direction: str) -> dict | None:
         """Test metrics of one score variant (``raw``, ``dsl``, ...) and direction, if reported."""
         return self.test.get(variant, direction)
+
+    @cached_property  # read once, on first use
+    def test_ranks(self) -> dict | None:
+        """Each raw test query's rank and the ids of the queries (``rundir.read_test_ranks``); None for a run
+        without them (one trained before runs kept them, or a finetune run)."""
+        return rundir.read_test_ranks(self.dir)
 
     def readout_series(self) -> dict[str, list[str]]:
         """``{readout: [columns of epochs.csv]}``: validation readouts logged per epoch.

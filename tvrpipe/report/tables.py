@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tvrpipe.environment import versions_text
+from tvrpipe.evaluation.metrics import bootstrap_recall, paired_recall_difference
 from tvrpipe.report.runs import DIRECTIONS, RunRecord, Skipped
 from tvrpipe.rundir import METRICS, ordered_variants
 from tvrpipe.training.recipes import Published
@@ -51,6 +52,13 @@ class Row:
     @property
     def seeds(self) -> list[int | None]:
         return [r.seed for r in self.runs]
+
+    def interval(self, variant: str, direction: str) -> tuple[float, float] | None:
+        """The 95 % bootstrap interval of R@1 over the test queries (:func:`bootstrap_recall`), for a row of one
+        run that kept its ranks, raw scores only; None otherwise (a row of seeds shows their spread instead)."""
+        if variant != "raw" or len(self.runs) != 1 or self.runs[0].test_ranks is None:
+            return None
+        return bootstrap_recall(self.runs[0].test_ranks[direction], k=1)
 
     @cached_property  # read once: every table and CSV line of the row asks
     def published(self) -> PublishedRow | None:
@@ -276,7 +284,9 @@ def _table(section: Section, variant: str, direction: str) -> list[str]:
         cells = []
         for m in METRICS:
             text = _cell(row.values(variant, direction, m))
-            cells.append(f"**{text}**" if len(rows) > 1 and means[m][i] == best[m] else text)
+            text = f"**{text}**" if len(rows) > 1 and means[m][i] == best[m] else text
+            interval = row.interval(variant, direction) if m == "R@1" else None
+            cells.append(text if interval is None else f"{text} [{interval[0]:.1f}, {interval[1]:.1f}]")
         lines.append(f"| {row.label} | {_seeds_cell(row, variant, direction)} | " + " | ".join(cells) + " |")
         published = row.published if variant == "raw" else None  # the papers print raw scores
         if published and published.left_out:
@@ -365,6 +375,8 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                     for m in METRICS:
                         mean, std = mean_std(row.values(variant, direction, m))
                         rec[m], rec[f"{m} std"] = mean, std
+                    interval = row.interval(variant, direction)
+                    rec["R@1 95% low"], rec["R@1 95% high"] = interval if interval else (None, None)
                     rec["runs"] = " ".join(str(r.dir) for r in runs)
                     rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
                     rows.append(rec)
@@ -384,6 +396,27 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                                         for k, v in ((m, x), (f"{m} std", None))},
                                      "runs": f"{pub.source} ({pub.backbone}), recipe {published.name}{differs}"})
     return rows
+
+
+def paired_table(section: Section, direction: str = "t2v") -> list[str]:
+    """Markdown lines: each pair of the section's one-run rows that ranked the same test queries, the difference
+    of their R@1 with its paired 95 % bootstrap interval (:func:`paired_recall_difference`), marked "within
+    noise" where the interval covers 0."""
+    rows = [row for row in section.rows if row.interval("raw", direction) is not None]
+    lines = []
+    for i, a in enumerate(rows):
+        ra = a.runs[0].test_ranks
+        for b in rows[i + 1:]:
+            rb = b.runs[0].test_ranks
+            if not np.array_equal(ra["caption_ids"], rb["caption_ids"]) or not np.array_equal(
+                    ra["video_ids"], rb["video_ids"]):
+                continue  # not the same queries: no pairing
+            d, lo, hi = paired_recall_difference(ra[direction], rb[direction], k=1)
+            verdict = "within noise" if lo <= 0 <= hi else ("a higher" if lo > 0 else "b higher")
+            lines.append(f"| {a.label} | {b.label} | {d:+.1f} | [{lo:+.1f}, {hi:+.1f}] | {verdict} |")
+    if not lines:
+        return []
+    return ["| a | b | R@1 a − b | 95 % interval | |", "|---|---|---:|---:|---|", *lines]
 
 
 def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, plots: dict[str, str],
@@ -407,7 +440,8 @@ def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, 
               ("Protocol: each run's epoch is selected on validation (t2v R@1, R@5, R@10), never on test; test is "
                "evaluated once. Raw scores and every post-processing or re-ranking are in tables of their own. "
                "Cells are the mean ± the sample standard deviation (ddof=1) over the seeds of a row (`seeds` "
-               "column); a row of one seed has no ±. Recall in %, median and mean rank 1-based; the best mean of "
+               "column); a row of one seed has no ±, and its raw R@1 has [the 95 % bootstrap interval over the "
+               "test queries] instead, where the run kept its ranks (test_ranks.npz). Recall in %, median and mean rank 1-based; the best mean of "
                "each column is in bold. Under a row trained from a recipe, ↳ published is what its paper prints "
                "for that row, as the recipe held it when the runs trained, naming the settings in which the runs "
                "differ from the recipe; it is left out, saying why, where the runs' dataset, split set, backbone or "
@@ -420,6 +454,14 @@ def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, 
                 if table:
                     title, what = SCORE_TITLES.get(variant, (f"after {variant}", ""))
                     lines += [f"### {name}, {title}", "", *([f"_{what}_", ""] if what else []), *table, ""]
+        for direction, name in DIRECTIONS.items():
+            paired = paired_table(s, direction)
+            if paired:
+                lines += [f"### Which differences are noise: {name}, raw R@1", "",
+                          ("Each pair of runs that ranked the same test queries: the difference of their R@1 and "
+                           "its 95 % interval from a paired bootstrap over the queries (2,000 resamples, each "
+                           "drawing the queries once for both runs). Where the interval covers 0 the difference is "
+                           "within the noise of this test set."), "", *paired, ""]
         readouts = _readout_table(s)
         if readouts:
             lines += ["### Uncertainty readouts (test split)", "",

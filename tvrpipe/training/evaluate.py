@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def evaluate_split(head: Head, split: SplitData, device: str | torch.device, eval_batch: int, block_texts: int,
-                   post: tuple[str, ...] = (), querybank: SplitData | None = None, readouts: bool = True) -> dict:
+                   post: tuple[str, ...] = (), querybank: SplitData | None = None, readouts: bool = True,
+                   ranks: bool = False) -> dict:
     """``head``'s scores on ``split`` through the evaluation engine: what both trainers validate and test
     with, and ``evaluate`` scores a finished run with. ``eval_batch`` items per encoder call and
     ``block_texts`` texts per similarity block on ``device``; ``querybank``: the training split's captions,
@@ -46,6 +47,7 @@ def evaluate_split(head: Head, split: SplitData, device: str | torch.device, eva
         text_ids=split.caption_ids,
         video_ids=split.video_ids,
         readouts=readouts,
+        ranks=ranks,
     )
 
 

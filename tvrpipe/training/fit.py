@@ -47,6 +47,7 @@ from tvrpipe.rundir import (
     load_head,
     load_optimizer_state,
     save_head,
+    write_test_ranks,
 )
 from tvrpipe.training.allocator import tune_allocator
 from tvrpipe.training.core import (
@@ -321,7 +322,8 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     loop.selected(lambda: evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts))
     selected = load_head(loop.checkpoints.folder / BEST, train.device)
     test = evaluate_split(selected, splits.test, train.device, train.eval_batch, train.block_texts, post=post,
-                          querybank=splits.train if "qbnorm" in post else None)
+                          querybank=splits.train if "qbnorm" in post else None, ranks=True)
+    write_test_ranks(out, test.pop("ranks"), splits.test.caption_ids, splits.test.video_ids)
     # the zero-shot row beside the run's, on the same test set: CLIP's own cosine of the mean-pooled frames
     # (meanpool untrained; its ranking has nothing to train), which a trained head has to beat
     zero_shot = head_class("meanpool")(store_head_config(store, "meanpool")).to(device).eval()
