@@ -59,6 +59,11 @@ def train_head(
              "tmass); the other groups train at --lr (repeatable; `tvrpipe heads` lists the groups).")] = None,
     weight_decay: WeightDecayOption = TR.weight_decay,
     seed: Annotated[int, typer.Option(help="Random seed (init, sampling).")] = TR.seed,
+    init_from_clip: Annotated[bool, typer.Option(
+        "--init-from-clip/--no-init-from-clip",
+        help="Start the head's temporal transformer (seqtransf, uatvr, prota) from the text transformer of the CLIP "
+             "the store was extracted with, as CLIP4Clip does; config.yaml records what was copied.")
+    ] = TR.init_from_clip,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = TR.device,
     prefetch: Annotated[
         bool, typer.Option(help="Build the next batch in a background thread (off may be faster on 2-core CPUs).")
@@ -72,7 +77,8 @@ def train_head(
     # what the user gave; TrainConfig holds every other default (what --help shows)
     options = given(ctx, dict(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size,
                               optimizer=optimizer, lr=lr, group_lr=parse_group_lr(group_lr or []),
-                              weight_decay=weight_decay, seed=seed, device=device, prefetch=prefetch))
+                              weight_decay=weight_decay, seed=seed, device=device, prefetch=prefetch,
+                              init_from_clip=init_from_clip))
     record = None
     if recipe is None:
         if method is None or out is None:

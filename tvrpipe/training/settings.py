@@ -61,6 +61,9 @@ class TrainConfig:
     # CLIP4Clip: warmup proportion 0.1, then cosine (runs with --epochs)
     warmup_fraction: float = within(0.0, 1.0, 0.1)
     seed: int = 0
+    # CLIP4Clip Sec. 3.2 (and ProTA, UATVR's DSA): a temporal transformer starts from CLIP's text transformer;
+    # here from the CLIP the store was extracted with (Head.init_from_clip); off: the head's own initialisation
+    init_from_clip: bool = False
     eval_batch: int = at_least(1, 256)  # items per encode call at evaluation
     block_texts: int = at_least(1, 256)  # texts per similarity block at evaluation (memory bound)
     device: str = "cpu"
