@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,30 +86,29 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write_text(path: Path, text: str, parents: bool = False) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers never see half a file.
-    ``parents``: create its missing folders first."""
+def atomic_write(path: Path, write: Callable[[Path], object], parents: bool = False) -> None:
+    """Write ``path`` with ``write(tmp)`` under its staged name (:func:`staged_name`), then rename it into place:
+    readers never see half a file. ``parents``: create its missing folders first."""
     if parents:
         with writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(staged_name(path.name))
     try:
         with writing(path):
-            tmp.write_text(text)
+            write(tmp)
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # a write that failed half-way (a full disk) leaves nothing
 
 
+def atomic_write_text(path: Path, text: str, parents: bool = False) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (:func:`atomic_write`)."""
+    atomic_write(path, lambda tmp: tmp.write_text(text), parents)
+
+
 def atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
-    """Write ``df`` as Parquet through a temporary file and a rename."""
-    tmp = path.with_name(staged_name(path.name))
-    try:
-        with writing(path):
-            df.to_parquet(tmp, index=False)
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ``df`` as Parquet through a temporary file and a rename (:func:`atomic_write`)."""
+    atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def shipped_folder(package: str, repository: str) -> Path:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from tvrpipe.errors import NonFiniteError, RunError, TvrpipeError, writing
-from tvrpipe.files import atomic_write_text, file_sha256
+from tvrpipe.files import atomic_write, atomic_write_text, file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -169,15 +169,14 @@ def write_test_ranks(run: Path, ranks: Mapping[str, Any], caption_ids: Any, vide
     query only where they ranked the same queries. Through a temporary file and a rename."""
     import numpy as np
 
-    path = Path(run) / TEST_RANKS
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
-    try:
-        with writing(path):
-            np.savez(tmp, t2v=np.asarray(ranks["t2v"], dtype=np.int32), v2t=np.asarray(ranks["v2t"], dtype=np.int32),
-                     caption_ids=np.asarray(caption_ids, dtype=str), video_ids=np.asarray(video_ids, dtype=str))
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    arrays = {"t2v": np.asarray(ranks["t2v"], dtype=np.int32), "v2t": np.asarray(ranks["v2t"], dtype=np.int32),
+              "caption_ids": np.asarray(caption_ids, dtype=str), "video_ids": np.asarray(video_ids, dtype=str)}
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: savez would append ".npz" to a staged name
+            np.savez(f, **arrays)
+
+    atomic_write(Path(run) / TEST_RANKS, write)
 
 
 def read_test_ranks(run: Path) -> dict[str, Any] | None:

@@ -228,7 +228,7 @@ def video_link(video_root: Path | None, hit: Hit, at: float | None = None) -> st
     url = (video_root / hit.path).absolute().as_uri()
     if at is not None:
         return f"{url}#t={at:.2f}"
-    start, end = (None if v is None or math.isnan(v) else v for v in (hit.start_s, hit.end_s))
+    start, end = hit.bounds()
     if start is None and end is None:
         return url
     return f"{url}#t={0.0 if start is None else start:.2f}" + ("" if end is None else f",{end:.2f}")

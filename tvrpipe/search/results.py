@@ -35,9 +35,14 @@ class Hit:
     uncertainty: float | None
     row: int
 
+    def bounds(self) -> tuple[float | None, float | None]:
+        """``(start_s, end_s)`` of the clip, None for a bound it does not have (None or NaN in the store)."""
+        start, end = (None if v is None or math.isnan(v) else v for v in (self.start_s, self.end_s))
+        return start, end
+
     def clip(self, digits: int = 1, dash: str = "-", unit: str = "") -> str:
         """The clip's bounds for people (``12.0-15.5``, ``start-15.5``, ``12.0-end``), or ``whole file``."""
-        start, end = (None if v is None or math.isnan(v) else v for v in (self.start_s, self.end_s))
+        start, end = self.bounds()
         if start is None and end is None:
             return "whole file"
         first = "start" if start is None else f"{start:.{digits}f}{unit}"

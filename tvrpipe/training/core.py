@@ -285,7 +285,7 @@ def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (
     from tvrpipe.features.store import check_not_a_store
 
     check_not_a_store(out, "a run")
-    for folder, kind in ((out, folder_kind(out)), *([enclosing_folder(out)] if enclosing_folder(out) else [])):
+    for folder, kind in ((out, folder_kind(out)), enclosing_folder(out) or (None, None)):
         if kind in ("a manifest", "a feature store"):
             raise ConfigError(f"--out {out}: {folder} is {kind}; a run goes into a folder of its own (e.g. runs/NAME)")
 
