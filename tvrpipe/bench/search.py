@@ -196,8 +196,8 @@ def query_batch(store, rows: np.ndarray):
     """Captions ``rows`` (sorted) of a store as a float32 TextBatch, every token column (as a search encodes)."""
     import torch
 
+    from tvrpipe.features.arrays import read_rows
     from tvrpipe.heads.base import TextBatch
-    from tvrpipe.training.data import read_rows
 
     f32 = lambda name: torch.from_numpy(read_rows(store.array(name), rows).astype(np.float32))  # noqa: E731
     return TextBatch(f32("texts/tokens"), torch.from_numpy(read_rows(store.array("texts/token_mask"), rows)),

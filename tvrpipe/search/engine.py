@@ -292,7 +292,7 @@ def same_architecture(run_model: str, store: Mapping[str, Any]) -> bool:
 
 
 def _video_batch(store: FeatureStore, rows: np.ndarray, device: str) -> VideoBatch:
-    from tvrpipe.training.data import read_rows
+    from tvrpipe.features.arrays import read_rows
 
     order = np.argsort(rows, kind="stable")
     frames = read_rows(store.array("videos/frames"), rows[order])

@@ -23,33 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import zarr
 
 from tvrpipe.errors import ConfigError, NonFiniteError
-from tvrpipe.features.arrays import nonfinite_rows
+from tvrpipe.features.arrays import nonfinite_rows, read_rows
 from tvrpipe.features.store import FeatureStore
 from tvrpipe.heads.base import TextBatch, VideoBatch
 
 CARVE_SEED = 20240501  # fixed: the carved validation set does not depend on the training seed
-
-
-def read_rows(array: zarr.Array, rows: np.ndarray, width: int | None = None) -> np.ndarray:
-    """``array[rows]`` for sorted row indices, read one chunk at a time (bounded extra memory); with
-    ``width``, only the first ``width`` entries of the second dimension (``array[rows, :width]``)."""
-    cols, shape = slice(None), list(array.shape[1:])
-    if width is not None:
-        cols, shape[0] = slice(0, width), min(width, shape[0])
-    out = np.empty((len(rows), *shape), dtype=array.dtype)
-    if len(rows) == 0:
-        return out
-    step = array.chunks[0]
-    chunk_of = rows // step
-    starts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]])
-    for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
-        c = int(chunk_of[a])
-        block = array[c * step : min((c + 1) * step, array.shape[0]), cols]
-        out[a:b] = block[rows[a:b] - c * step]
-    return out
 
 
 def real_width(token_mask: np.ndarray) -> int:
