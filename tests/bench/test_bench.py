@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 # the bench-convergence tests' store (64 train videos, D = 16) and trainer (stops within 6 epochs)
-TINY_STORE = dict(train_videos=64, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
+TINY_STORE = dict(train_videos=64, val_videos=100, test_videos=16, captions_per_train_video=2, frames=4,
                   max_words=6, embed_dim=16, seed=2)
 TINY_TRAINER = dict(batch_size=32, min_steps=4, patience=2, max_epochs=6)
 

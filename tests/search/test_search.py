@@ -412,7 +412,7 @@ def test_an_extract_removes_what_killed_writers_left_in_its_store(tmp_path, cli)
 
     out = tmp_path / "gen"
     args = ("synth", "--features-only", "--out", out, "--set", "train_videos=8", "--set", "test_videos=4",
-            "--set", "embed_dim=8", "--set", "frames=2", "--set", "max_words=4")
+            "--set", "embed_dim=8", "--set", "frames=2", "--set", "scenes=1", "--set", "max_words=4")
     assert cli(*args).exit_code == 0
     dead = _dead_pid()
     left = [out / f".features.zarr.tmp-{dead}", out / f".{INDEX_DIR}.tmp-{dead}"]

@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from tvrpipe.errors import ConfigError, RunError
-from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.features.genstore import CALIBRATED, GenSpec, generate_store
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +180,10 @@ class SearchBench:
 
 
 def collection_spec(videos: int, dim: int, frames: int = FRAMES, words: int = WORDS, seed: int = 0) -> GenSpec:
-    """The searched collection: ``videos`` test videos, one caption each (the queries are drawn from them)."""
+    """The searched collection: ``videos`` test videos, one caption each (the queries are drawn from them), in
+    the calibrated world (real CLIP's statistics, multi-scene videos, partial captions, near-duplicates)."""
     return GenSpec(train_videos=0, val_videos=0, test_videos=videos, captions_per_test_video=1, frames=frames,
-                   max_words=words, embed_dim=dim, seed=seed)
+                   max_words=words, embed_dim=dim, seed=seed, **CALIBRATED)
 
 
 def benchmark_spec(collection: GenSpec, train_videos: int) -> GenSpec:

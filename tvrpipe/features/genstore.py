@@ -10,30 +10,41 @@ The latent model (all choices; no paper defines it). Content lives in a random
 keeps the difficulty from changing with D), plus a small full-rank residual:
 
 - a bank of ``concepts`` random unit vectors ``c_k`` (the "words" of the world);
-- a scene is ``concept_words`` concepts (object, action, setting, ...) plus a video-specific
-  offset: ``z = normalise(sum_p c_{k_p} / sqrt(P) + OFFSET * o)``, ``o`` a random unit vector;
-  a video is ``scenes`` scenes in a row, each a contiguous block of its valid frames;
+- a scene is ``concept_words`` concepts (object, action, setting, ...) plus the video's offset:
+  ``z = normalise(sum_p c_{k_p} / sqrt(P) + OFFSET * o_v)``, ``o_v`` a random unit vector that all
+  scenes of the video share (its shots share their setting and look); a multi-scene video (a
+  ``multi_scene`` fraction) is ``scenes`` scenes in a row, each a contiguous block of its valid
+  frames; the others are one scene;
 - near-duplicates (inter-pair uncertainty): a fraction of the videos of each split copy another
   video of the same split (its concepts and offsets) and change ONE concept of one scene;
 - frames: ``A_v * (z_scene + jitter_t + style_v + eps_t + r) + mu_v``: a smooth per-video
   temporal jitter, a per-video "style" in a low-rank nuisance subspace (camera, lighting: constant
-  over the video, so mean pooling cannot remove it but a learned projection can), i.i.d. noise,
-  the residual ``r``, a shared mean offset ``mu_v`` (CLIP's modality cone), a scale giving norms
-  of about ``NORM``;
+  over the video, so mean pooling cannot remove it but a learned projection can), small i.i.d.
+  noise (frames of one shot are close views), the residual ``r``, a shared mean ``mu_v`` (CLIP's
+  cone), a scale giving norms of about ``NORM``;
 - captions describe the whole video (``z`` = normalised mean of its scenes) or ONE scene of it
-  (intra-pair uncertainty); sentence = ``A_t * (z + style_t + eps + r) + mu_t`` with a text mean
-  ``mu_t`` and a text style subspace of their own; each caption of a video has its own noise
-  (paraphrases);
+  (intra-pair uncertainty: every caption with "scene", a ``partial_captions`` fraction of a
+  multi-scene video's captions with "mixed"); sentence = ``A_t * (z + style_t + eps + r) + mu_t``
+  with a text mean ``mu_t`` and a text style subspace of their own; each caption of a video has
+  its own noise (paraphrases); a caption is a much noisier view of its content than a frame (a
+  sentence names a few things of a video);
+- the two means lie outside the content subspace and meet at cosine ``MEAN_ALIGN``: CLIP's
+  modality gap (unrelated sentence and frame still have cosine ~0.15);
 - word tokens: SOT (a constant vector, as in causal CLIP), then content words (noisy copies of
-  the described concepts) and stop words (noisy copies of a small generic bank) in random order,
-  then EOS, which equals the sentence exactly: 2 + content + 1..~8 stop words valid tokens (at
-  most L; content words that do not fit are cut, as a long caption is), the rest zero, mask False.
+  the described concepts, noisier than the sentence: CLIP aligns only EOT with images) and stop
+  words (noisy copies of a small generic bank) in random order, then EOS, which equals the
+  sentence exactly: 2 + content + 1..~8 stop words valid tokens (at most L; content words that
+  do not fit are cut, as a long caption is), the rest zero, mask False.
 
 ``noise`` scales the per-coordinate standard deviation of the observation noise (``noise *
-NOISE_UNIT`` for captions, twice that per frame). Measured t2v R@1 of a plain cosine between the
-sentence and the mean of the frames (chance 1/n): default spec, 100-200 test videos: ~45-50%;
-D=512 with 1,000 test videos (MSR-VTT 1k-A sized): ~40%, near CLIP4Clip meanP; 3 scenes with
-scene captions: ~5-9%; near_duplicates=0.5: a few points lower; noise=0.2: ~100%.
+NOISE_UNIT`` for captions, ``FRAME_NOISE`` times that per frame). The constants are calibrated so
+that :data:`CALIBRATED`'s world (D = 512, 1,000 test videos) shows real CLIP ViT-B/32's statistics
+on MSR-VTT 1k-A (:mod:`tvrpipe.features.worldstats` holds the targets and their sources;
+``tvrpipe synth --describe`` measures them): zero-shot t2v R@1 about 31 for mean pooling, 26 for
+the middle frame, 18 for token-wise matching; cosines 0.86 between frames of one video, 0.49
+between frames of two videos, 0.51 between sentences, 0.30 between a sentence and its frames,
+0.15 between a sentence and other frames. Harder: ``noise`` up, ``near_duplicates`` up,
+``caption_describes="scene"``.
 
 Randomness: global latents come from ``default_rng([seed, 0])``; the noise of rows
 ``[64 b, 64 b + 64)`` of each kind from ``default_rng([seed, kind, b])``, so the arrays depend on
@@ -70,19 +81,32 @@ LATENT_VIDEOS = "latent_videos.parquet"
 LATENT_TEXTS = "latent_texts.parquet"
 MADE_BY = "tvrpipe synth --features-only"  # the command that repairs the store (the repair hints name it)
 
+# The world of every benchmark (presets, bench search): the fields calibrated to real CLIP
+# ViT-B/32 on MSR-VTT (see the module doc), with multi-scene videos, partial captions and
+# near-duplicates at rates no paper measures, so chosen: 30 % of videos of 3 shots, half of their
+# captions about one shot, 10 % near-duplicates.
+CALIBRATED = dict(noise=1.0, scenes=3, multi_scene=0.3, caption_describes="mixed", partial_captions=0.5,
+                  near_duplicates=0.1)
+# The same statistics with one scene per video and whole-video captions (its noise gives mean
+# pooling's R@1 31; its frames are closer to each other than real CLIP's, 0.94).
+ONE_SCENE = dict(noise=1.05, scenes=1, multi_scene=1.0, caption_describes="whole", partial_captions=0.5,
+                 near_duplicates=0.0)
+
 BLOCK = 64  # rows per random stream (choice: independent of shard sizes)
-NOISE_UNIT = 0.375  # per-coordinate noise std at noise=1 (choice: calibrated, see module doc)
-OFFSET = 0.5  # video-specific offset in a scene latent, relative to its unit concept part
-JITTER = 0.3  # temporal jitter norm, relative to the unit scene latent
-FRAME_NOISE = 2.0  # frame noise / caption noise (one frame is a poor view; 12 frames average it)
-WORD_NOISE = 1.0  # content-word noise / caption noise
-STYLE = 1.0  # per-coordinate std of the style inside its subspace, in units of the noise
+NOISE_UNIT = 0.30  # per-coordinate caption noise std at noise=1 (calibrated, see module doc)
+OFFSET = 0.5  # the video's offset in a scene latent, relative to its unit concept part
+JITTER = 0.2  # temporal jitter norm, relative to the unit scene latent
+FRAME_NOISE = 0.06  # frame noise / caption noise (frames of one shot are close views)
+WORD_NOISE = 1.8  # content-word noise / caption noise (CLIP aligns only EOT with images)
+STYLE = 0.43  # per-coordinate std of the style inside its subspace, in units of the noise
 STYLE_RANK = 8  # D / STYLE_RANK dimensions of nuisance subspace per modality
 STOP_WORDS = 32  # generic (stop) word bank size
 MEAN_STOP_WORDS = 4  # Poisson mean of the stop words of a caption (plus one)
 RESIDUAL = 0.3  # norm of the isotropic full-rank residual outside the intrinsic subspace
 BANK = 4096  # noise vectors to draw pairs from (4096^2 combinations; see _embed)
-MEAN_OFFSET = 1.0  # norm of the shared mean offset of each modality, relative to the unit signal
+MEAN_OFFSET = 1.1  # norm of the frames' shared mean, relative to the unit signal (CLIP's cone)
+MEAN_OFFSET_T = 2.7  # the same for the text mean
+MEAN_ALIGN = 0.31  # cosine between the frame mean and the text mean directions
 NORM = 10.0  # typical norm of a stored embedding (ViT-B/32 projected features are ~10)
 _VIDEOS, _TEXTS = 1, 2
 
@@ -100,8 +124,12 @@ class GenSpec:
         frames: F.
         max_words: L (SOT and EOT included).
         embed_dim: D (512 for ViT-B/32).
-        scenes: scenes per video (contiguous frame blocks); > 1 for multi-scene videos.
-        caption_describes: "whole" (all scenes) or "scene" (one random scene per caption).
+        scenes: scenes of a multi-scene video (contiguous frame blocks).
+        multi_scene: fraction of the videos that have ``scenes`` scenes; the others have one.
+        caption_describes: "whole" (all scenes), "scene" (one random scene per caption) or "mixed"
+            (a caption of a multi-scene video describes one scene with probability
+            ``partial_captions``, else the whole video).
+        partial_captions: with "mixed", the probability that a caption of a multi-scene video is partial.
         near_duplicates: fraction of each split's videos that copy another video but one concept.
         noise: observation noise (difficulty), per coordinate in units of ``NOISE_UNIT``.
         min_frames: if set, each video has a random length in [min_frames, frames] (padded).
@@ -122,7 +150,9 @@ class GenSpec:
     max_words: int = 32
     embed_dim: int = 64
     scenes: int = 1
+    multi_scene: float = 1.0
     caption_describes: str = "whole"
+    partial_captions: float = 0.5
     near_duplicates: float = 0.0
     noise: float = 0.5
     min_frames: int | None = None
@@ -144,20 +174,25 @@ class GenSpec:
                 raise ConfigError(f"GenSpec.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_words < 2:
             raise ConfigError(f"GenSpec.max_words must be >= 2 (SOT and EOT), got {self.max_words}")
-        if self.caption_describes not in ("whole", "scene"):
+        if self.caption_describes not in ("whole", "scene", "mixed"):
             raise ConfigError(
-                f"GenSpec.caption_describes must be 'whole' or 'scene', got {self.caption_describes!r}"
+                f"GenSpec.caption_describes must be 'whole', 'scene' or 'mixed', got {self.caption_describes!r}"
             )
+        for name in ("multi_scene", "partial_captions"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"GenSpec.{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0.0 <= self.near_duplicates < 1.0:
             raise ConfigError(f"GenSpec.near_duplicates must be in [0, 1), got {self.near_duplicates}")
         if self.noise < 0:
             raise ConfigError(f"GenSpec.noise must be >= 0, got {self.noise}")
         shortest = self.frames if self.min_frames is None else self.min_frames
-        if not self.scenes <= shortest <= self.frames:
+        if not shortest <= self.frames:
+            raise ConfigError(f"GenSpec: min_frames ({self.min_frames}) must be <= frames ({self.frames})")
+        if self.scenes > shortest:
+            what = "frames" if self.min_frames is None else "min_frames"
             raise ConfigError(
-                f"GenSpec: need scenes ({self.scenes}) <= min_frames ({self.min_frames}) <= frames "
-                f"({self.frames}) so that every scene has a frame"
-            )
+                f"GenSpec: a multi-scene video shows each of its scenes ({self.scenes}) in a frame of its own, and "
+                f"{what} is {shortest}; set scenes={shortest} or fewer (scenes=1: one scene per video), or more {what}")
         if self.concepts < 2 and self.near_duplicates > 0:
             raise ConfigError("GenSpec: near_duplicates need at least 2 concepts")
 
@@ -200,6 +235,11 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+def _intrinsic(spec: GenSpec) -> int:
+    """The content subspace's dimension: ``intrinsic_dim``, leaving two dimensions of R^D for the means."""
+    return max(1, min(spec.intrinsic_dim, spec.embed_dim - 2))
+
+
 def _orthonormal(rng: np.random.Generator, d: int, r: int) -> np.ndarray:
     q, _ = np.linalg.qr(rng.standard_normal((d, r)))
     return q.astype(np.float32)  # (D, r)
@@ -226,6 +266,7 @@ class _Latents:
     z: np.ndarray  # (n_videos, S, d) unit scene latents
     z_whole: np.ndarray  # (n_videos, d) unit: what a whole-video caption describes
     dup_group: np.ndarray  # (n_videos,) row of the video a near-duplicate copies (own row otherwise)
+    multi: np.ndarray  # (n_videos,) bool: the video has ``scenes`` scenes (else one, repeated in every slot)
     n_frames: np.ndarray  # (n_videos,) valid frames
     video_row: np.ndarray  # (n_texts,)
     scene: np.ndarray  # (n_texts,) described scene, -1 = whole video
@@ -236,9 +277,10 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
     rng = np.random.default_rng([spec.seed, 0])
     D, S, P, K = spec.embed_dim, spec.scenes, spec.concept_words, spec.concepts
     F, L = spec.frames, spec.max_words
-    d = min(D, spec.intrinsic_dim)
+    d = _intrinsic(spec)
     nv, nt = len(videos), len(captions)
-    basis = _orthonormal(rng, D, d)
+    full = _orthonormal(rng, D, min(D, d + 2))
+    basis, outside = full[:, :d], full[:, d:]  # content inside; the modality means outside (below)
     residual = (RESIDUAL / np.sqrt(2) * _unit(rng.standard_normal((BANK, D)))).astype(np.float32)
     concepts = _unit(rng.standard_normal((K, d))).astype(np.float32)
     stop = _unit(rng.standard_normal((STOP_WORDS, d))).astype(np.float32)
@@ -250,16 +292,25 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
     # noise act like per-item biases (hubness), which must stay small.
     var_v = 1 + JITTER**2 + (STYLE * sigma) ** 2 * R + (FRAME_NOISE * sigma) ** 2 * d + RESIDUAL**2
     var_t = 1 + (STYLE * sigma) ** 2 * R + sigma**2 * d + RESIDUAL**2
-    scale_v, scale_t = NORM / np.sqrt(var_v + MEAN_OFFSET**2), NORM / np.sqrt(var_t + MEAN_OFFSET**2)
-    mu_v = (scale_v * MEAN_OFFSET * _unit(rng.standard_normal(D))).astype(np.float32)
-    mu_t = (scale_t * MEAN_OFFSET * _unit(rng.standard_normal(D))).astype(np.float32)
+    scale_v, scale_t = NORM / np.sqrt(var_v + MEAN_OFFSET**2), NORM / np.sqrt(var_t + MEAN_OFFSET_T**2)
+    # The modality means point out of the content subspace (CLIP's cone is a direction of its own): a
+    # mean inside it would add <mean, content> to every score, a per-item bias (hubness) as large as
+    # the signal. They meet at MEAN_ALIGN, which sets the cosine of unrelated sentence and frame.
+    if outside.shape[1] == 2:
+        u_v, u_t = outside[:, 0], MEAN_ALIGN * outside[:, 0] + np.sqrt(1 - MEAN_ALIGN**2) * outside[:, 1]
+    else:  # D < 3: no room outside
+        u_v = u_t = _unit(rng.standard_normal(D))
+    mu_v = (scale_v * MEAN_OFFSET * u_v).astype(np.float32)
+    mu_t = (scale_t * MEAN_OFFSET_T * u_t).astype(np.float32)
     words = np.concatenate([concepts, stop]) @ basis.T  # (K + STOP_WORDS, D)
     word_noise = (WORD_NOISE * sigma / np.sqrt(2)) * rng.standard_normal((BANK, d)) @ basis.T
     word_noise += RESIDUAL / np.sqrt(2) * _unit(rng.standard_normal((BANK, D)))
     sot = (scale_t * np.sqrt(var_t) * _unit(rng.standard_normal(D)) + mu_t).astype(np.float32)
 
     parts = rng.integers(0, K, size=(nv, S, P))
-    offsets = _unit(rng.standard_normal((nv, S, d))).astype(np.float32)
+    # one offset per video, shared by its scenes (the shots of a clip share their setting and look)
+    offsets = np.repeat(_unit(rng.standard_normal((nv, 1, d))).astype(np.float32), S, axis=1)
+    multi = (rng.random(nv) < spec.multi_scene) if S > 1 else np.zeros(nv, bool)
     # Near-duplicates: inside each split, copy a random original and change one concept.
     dup_group = np.arange(nv)
     split = videos["split"].to_numpy()
@@ -271,16 +322,26 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
         perm = rng.permutation(rows)
         copies, originals = perm[:n_dup], perm[n_dup:]
         src = rng.choice(originals, size=n_dup, replace=n_dup > len(originals))
-        parts[copies], offsets[copies], dup_group[copies] = parts[src], offsets[src], src
+        parts[copies], offsets[copies], dup_group[copies], multi[copies] = parts[src], offsets[src], src, multi[src]
         j, p = rng.integers(0, S, n_dup), rng.integers(0, P, n_dup)
+        j = np.where(multi[copies], j, 0)  # a one-scene video's scene is its scene 0
         parts[copies, j, p] = (parts[copies, j, p] + rng.integers(1, K, n_dup)) % K
+    # a one-scene video repeats its scene 0 in every scene slot: its frames all show it
+    parts[~multi, 1:], offsets[~multi, 1:] = parts[~multi, :1], offsets[~multi, :1]
     z = _unit(concepts[parts].sum(axis=2) / np.sqrt(P) + OFFSET * offsets)  # (nv, S, d)
 
     lo = F if spec.min_frames is None else spec.min_frames
     n_frames = rng.integers(lo, F + 1, size=nv)
     video_row = pd.Series(np.arange(nv), index=videos["video_id"]).loc[captions["video_id"]].to_numpy()
-    scene = rng.integers(0, S, size=nt) if spec.caption_describes == "scene" else np.full(nt, -1)
-    n_content = S * P if spec.caption_describes == "whole" else P
+    # scene = the one scene a caption describes, -1 = the whole video (a one-scene video's captions)
+    scene = rng.integers(0, S, size=nt)
+    if spec.caption_describes == "whole":
+        scene[:] = -1
+    elif spec.caption_describes == "mixed":
+        scene[rng.random(nt) >= spec.partial_captions] = -1
+    scene[~multi[video_row]] = -1
+    n_content = np.where(scene >= 0, P, S * P)
+    n_content[~multi[video_row]] = P
     n_stop = 1 + rng.poisson(MEAN_STOP_WORDS - 1, size=nt)
     n_valid = np.minimum(L, 2 + n_content + n_stop)  # SOT, words, EOS
     return _Latents(
@@ -288,7 +349,7 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
         word_noise=word_noise.astype(np.float32),
         concepts=concepts, stop=stop, sot=sot, mu_v=mu_v, mu_t=mu_t, style_v=style_v, style_t=style_t,
         scale_v=float(scale_v), scale_t=float(scale_t), parts=parts, z=z.astype(np.float32),
-        z_whole=_unit(z.mean(axis=1)).astype(np.float32), dup_group=dup_group, n_frames=n_frames,
+        z_whole=_unit(z.mean(axis=1)).astype(np.float32), dup_group=dup_group, multi=multi, n_frames=n_frames,
         video_row=video_row, scene=scene, n_valid=n_valid,
     )
 
@@ -350,7 +411,7 @@ def _text_block(spec: GenSpec, lat: _Latents, a: int, b: int, block: int):
     n, sigma = b - a, float(spec.noise * NOISE_UNIT)
     vrow, scene, nvalid = lat.video_row[a:b], lat.scene[a:b], lat.n_valid[a:b]
     rows = np.arange(n)
-    z = lat.z_whole[vrow] if spec.caption_describes == "whole" else lat.z[vrow, scene]  # (n, d)
+    z = np.where((scene >= 0)[:, None], lat.z[vrow, np.maximum(scene, 0)], lat.z_whole[vrow])  # (n, d)
     style = rng.standard_normal((n, lat.style_t.shape[1]), dtype=np.float32) @ lat.style_t.T
     sent = z + np.float32(STYLE * sigma) * style
     sent += np.float32(sigma) * rng.standard_normal((n, d), dtype=np.float32)
@@ -362,7 +423,10 @@ def _text_block(spec: GenSpec, lat: _Latents, a: int, b: int, block: int):
     # content concepts: every scene's for a whole-video caption, one scene's otherwise;
     # content words come first, then stop words; the first n_mid are shuffled into the middle
     parts = lat.parts[vrow]  # (n, S, P)
-    content = parts.reshape(n, S * P) if spec.caption_describes == "whole" else parts[rows, scene]
+    whole = (scene < 0) & lat.multi[vrow]  # the concepts of every scene; else those of one
+    content = np.full((n, S * P), -1)
+    content[whole] = parts[whole].reshape(-1, S * P)
+    content[~whole, :P] = parts[rows[~whole], np.maximum(scene[~whole], 0)]
     M, C = L - 2, content.shape[1]
     W = max(M, C)
     n_mid = nvalid - 2
@@ -446,7 +510,7 @@ def generate_store(
     Shards are generated and written one at a time, so memory stays at a few shards even for
     MSR-VTT-sized stores; rerunning on a partial store resumes it, and on a damaged one
     regenerates exactly the damaged shards. Beside the store,
-    ``latent_videos.parquet`` (row, video_id, dup_group, n_frames, concepts) and
+    ``latent_videos.parquet`` (row, video_id, dup_group, n_frames, scenes, concepts) and
     ``latent_texts.parquet`` (row, caption_id, video_row, scene, concepts) record the ground truth.
 
     Args:
@@ -505,13 +569,14 @@ def _write_latents(
     out: Path, spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame, lat: _Latents
 ) -> None:
     nv = len(videos)
+    S = spec.scenes
+    shown = np.where(lat.multi, S, 1)  # a one-scene video's concepts are its scene 0's
     lv = pd.DataFrame({"row": np.arange(nv), "video_id": videos["video_id"], "dup_group": lat.dup_group,
-                       "n_frames": lat.n_frames, "concepts": list(lat.parts.reshape(nv, -1))})
+                       "n_frames": lat.n_frames, "scenes": shown,
+                       "concepts": [p[:k].ravel() for p, k in zip(lat.parts, shown)]})
     parts = lat.parts[lat.video_row]  # (n_texts, S, P)
-    if spec.caption_describes == "whole":
-        concepts = list(parts.reshape(len(parts), -1))
-    else:
-        concepts = list(parts[np.arange(len(parts)), lat.scene])
+    whole = (lat.scene < 0) & lat.multi[lat.video_row]
+    concepts = [p.ravel() if w else p[max(j, 0)] for p, w, j in zip(parts, whole, lat.scene)]
     lt = pd.DataFrame({"row": np.arange(len(captions)), "caption_id": captions["caption_id"],
                        "video_row": lat.video_row, "scene": lat.scene, "concepts": concepts})
     for df, name in ((lv, LATENT_VIDEOS), (lt, LATENT_TEXTS)):
