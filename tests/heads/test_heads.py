@@ -629,3 +629,50 @@ def test_init_from_clip_copies_nothing_where_it_does_not_fit(vit_b32):
     assert create_head("xpool", embed_dim=512).init_from_clip(vit_b32) == []  # no temporal transformer
     assert create_head("seqtransf", embed_dim=512, num_heads=16).init_from_clip(vit_b32) == []  # CLIP's has 8
     assert create_head("uatvr", embed_dim=512, dsa=False).init_from_clip(vit_b32) == []
+
+
+# ------------------------------------------------------------------------------ zero_shot_start
+# The opt-in start from zero-shot CLIP (not in the papers): score = cos(sentence, mean of the real
+# frames) + g x (the head's score), g a parameter from 0, for every head.
+
+
+def _zero_shot(texts, videos) -> np.ndarray:
+    """cos(sentence, mean of each video's real frames), NumPy float64 loops."""
+    s = texts.sentence.double().numpy()
+    out = np.zeros((len(s), videos.frames.shape[0]))
+    for j in range(videos.frames.shape[0]):
+        real = videos.frames[j][videos.frame_mask[j]].double().numpy()
+        m = real.mean(0)
+        for i in range(len(s)):
+            out[i, j] = s[i] @ m / np.linalg.norm(s[i]) / np.linalg.norm(m)
+    return out
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_starts_at_zero_shot_and_mixes_the_heads_score(name):
+    texts, videos = batches(5, 4, seed=1)
+    videos.frames[1, -1] = float("nan")  # padding holds anything; it never reaches the mean
+    plain = perturbed(name)
+    mixed = create_head(name, embed_dim=D, zero_shot_start=True).eval()
+    missing, unexpected = mixed.load_state_dict(plain.state_dict(), strict=False)
+    assert missing == ["zero_shot_gate"] and unexpected == []
+    with torch.no_grad():
+        # g = 0: exactly zero-shot CLIP, whatever the head's weights
+        s0 = mixed.similarity(mixed.encode_texts(texts), mixed.encode_videos(videos)).double().numpy()
+        np.testing.assert_allclose(s0, _zero_shot(texts, videos), atol=1e-5)
+        mixed.zero_shot_gate.fill_(0.5)
+        s = mixed.similarity(mixed.encode_texts(texts), mixed.encode_videos(videos)).double().numpy()
+        head = plain.similarity(plain.encode_texts(texts), plain.encode_videos(videos)).double().numpy()
+    np.testing.assert_allclose(s, _zero_shot(texts, videos) + 0.5 * head, atol=1e-5)
+    assert "g = 0.5, learned from 0" in mixed.meaning() and "not in the papers" in mixed.meaning()
+    assert plain.meaning() == plain.score_meaning
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_the_gate_learns_from_the_loss(name):
+    torch.manual_seed(0)
+    mixed = create_head(name, embed_dim=D, zero_shot_start=True).train()
+    texts, videos = batches(4, 4, seed=2)
+    mixed.loss(texts, videos).total.backward()
+    assert mixed.zero_shot_gate.grad is not None and mixed.zero_shot_gate.grad.abs() > 0
+    assert "zero_shot_gate" not in dict(create_head(name, embed_dim=D).named_parameters())

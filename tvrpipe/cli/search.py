@@ -102,7 +102,7 @@ def search_cmd(
     if html is not None:
         from tvrpipe.search.html import Meaning, render_html
 
-        meaning = Meaning(searcher.head.score_meaning, searcher.head.uncertainty_meaning)
+        meaning = Meaning(searcher.head.meaning(), searcher.head.uncertainty_meaning)
         made.append((html, render_html(hits, searcher.store, searcher.video_root,
                                        f"tvrpipe search: {searcher.label}", thumbs, meaning=meaning)))
     for path, text in made:

@@ -64,6 +64,11 @@ def train_head(
         help="Start the head's temporal transformer (seqtransf, uatvr, prota) from the text transformer of the CLIP "
              "the store was extracted with, as CLIP4Clip does; config.yaml records what was copied.")
     ] = TR.init_from_clip,
+    zero_shot_start: Annotated[bool, typer.Option(
+        "--zero-shot-start",
+        help="NOT PART OF THE PAPERS: score = cos(sentence, mean of the frames) + g x (the head's score), with g "
+             "learned from 0, so training starts at zero-shot CLIP; any head. config.yaml records it under "
+             "not_in_papers and the report marks the run.")] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = TR.device,
     prefetch: Annotated[
         bool, typer.Option(help="Build the next batch in a background thread (off may be faster on 2-core CPUs).")
@@ -89,6 +94,8 @@ def train_head(
 
         r, method, overrides, record = apply_recipe(ctx, recipe, method, set_ or [], options, TRAIN_HEAD)
         out = out if out is not None else Path("runs") / f"{r.name}-head"
+    if zero_shot_start:
+        overrides = {**overrides, "zero_shot_start": True}
     cfg = TrainConfig(**options)  # the options first: a bad one is named before the store is looked for
     if cfg.epochs == 0:
         refuse_unused(ctx, ("batch_size", "optimizer", "lr", "group_lr", "weight_decay"),
@@ -114,6 +121,9 @@ def train_head(
                    else f"training at {describe_lrs(sch['lr_groups'])} made it worse, try rates 10 times smaller")
         console.print(f"no epoch beat the untrained head on validation, so the run keeps it (epoch 0); where "
                       f"{smaller}", style="yellow")
+    if "zero_shot_gate" in metrics:
+        console.print(f"--zero-shot-start (not in the papers): score = zero-shot cosine + {metrics['zero_shot_gate']:.3g} "
+                      f"x the {method} score at the selected epoch")
     print_metrics(f"{method}: test ({out / 'metrics.json'})", metrics["test"],
                   (metrics.get("zero_shot") or {}).get("test"))
 

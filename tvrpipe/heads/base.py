@@ -113,6 +113,9 @@ class HeadConfig:
     # the papers reuse CLIP's learned scale: train-head and finetune set it from the features' CLIP
     # (clip_head_config)
     logit_scale_init: float = math.log(1 / 0.07)  # CLIP Sec. 2.5 init, where no CLIP's scale is known
+    # score = cos(sentence, mean of the frames) + g x (the head's score), g a parameter that starts at 0,
+    # so training starts at zero-shot CLIP (train-head --zero-shot-start)
+    zero_shot_start: bool = False  # choice, not part of any paper
 
     owner: ClassVar[str] = "head"  # not a setting: the head's registered name, for messages (register_head)
 
@@ -135,6 +138,21 @@ class Copied(list):
     def __init__(self, names: Iterable[str] = (), reason: str = "") -> None:
         super().__init__(names)
         self.reason = reason
+
+
+ZS_TEXT, ZS_VIDEO = "zero_shot_sentence", "zero_shot_video"  # the keys zero_shot_start adds to Emb
+
+
+def _zero_shot_text(texts: TextBatch) -> Emb:
+    return {ZS_TEXT: torch.nn.functional.normalize(texts.sentence, dim=-1)}
+
+
+def _zero_shot_video(videos: VideoBatch) -> Emb:
+    """The L2-normalised mean of each video's real frames (CLIP4Clip's meanP at zero shot)."""
+    mask = videos.frame_mask.bool().unsqueeze(-1)  # (B, F, 1); padding is zeroed, whatever it holds
+    frames = torch.where(mask, videos.frames, torch.zeros((), dtype=videos.frames.dtype, device=mask.device))
+    mean = frames.sum(1) / mask.sum(1).clamp(min=1).to(frames.dtype)
+    return {ZS_VIDEO: torch.nn.functional.normalize(mean, dim=-1)}
 
 
 class Head(nn.Module):
@@ -223,6 +241,32 @@ class Head(nn.Module):
         super().__init__()
         self.config = config
         self.logit_scale = nn.Parameter(torch.tensor(float(config.logit_scale_init)))
+        if config.zero_shot_start:
+            self.zero_shot_gate = nn.Parameter(torch.zeros(()))
+            # Instance attributes shadow the class's methods, so every caller (the losses, evaluation,
+            # search) gets the mixed score and the sentence and mean-pooled video it needs, while the
+            # head's own code (super() calls, its sub-modules) stays the paper's.
+            cls = type(self)
+            self.encode_texts = lambda texts: {**cls.encode_texts(self, texts), **_zero_shot_text(texts)}
+            self.encode_videos = lambda videos: {**cls.encode_videos(self, videos), **_zero_shot_video(videos)}
+            self.similarity = lambda t, v: self.mix_zero_shot(t, v, cls.similarity(self, t, v))
+
+    def meaning(self) -> str:
+        """What a pair's score means, in words (the search page's legend): :attr:`score_meaning`, and with
+        ``zero_shot_start`` the mix it is part of."""
+        if not self.config.zero_shot_start:
+            return self.score_meaning
+        return (f"cos(sentence, mean of the frames) + g x (the {self.name} score: {self.score_meaning}); "
+                f"g = {float(self.zero_shot_gate.detach()):.3g}, learned from 0 (--zero-shot-start, not in the papers)")
+
+    def mix_zero_shot(self, text_emb: Emb, video_emb: Emb, score: Tensor) -> Tensor:
+        """``score`` (n_text, n_video), or with ``zero_shot_start`` cos(sentence, mean-pooled video) + g x
+        ``score``: heads whose loss scores pairs other than through :meth:`similarity` pass those scores
+        here."""
+        if not self.config.zero_shot_start:
+            return score
+        cos = text_emb[ZS_TEXT].to(score.dtype) @ video_emb[ZS_VIDEO].to(score.dtype).t()
+        return cos + self.zero_shot_gate.to(score.dtype) * score
 
     def encode_texts(self, texts: TextBatch) -> Emb:
         raise NotImplementedError

@@ -281,7 +281,7 @@ class DUQ(Head):
         cfg = self.config
         te, ve = self.encode_texts(texts), self.encode_videos(videos)
         scale = self.logits_scale()  # lambda
-        s = self.xpool.similarity(te, ve)  # (B, B) raw cosines
+        s = self.similarity(te, ve)  # (B, B) raw cosines (mixed with zero-shot's under zero_shot_start)
         eye = torch.eye(s.shape[0], device=s.device, dtype=s.dtype)
         terms = {"s": symmetric_infonce(s * scale)}  # Eq. 1
         total = terms["s"]

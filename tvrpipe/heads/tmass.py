@@ -286,8 +286,9 @@ class TMass(XPool):
     def loss(self, texts: TextBatch, videos: VideoBatch, eps: Tensor | None = None) -> LossOutput:
         """L = w_s L_s + alpha L_sup + w_ce L_ce (Eq. 9; Tab. 6a switches), every term logged."""
         weights = {"s": self.config.w_s, "sup": self.config.alpha, "ce": self.config.w_ce}
-        cos = self._train_logits(self.encode_texts(texts), self.encode_videos(videos), eps,
-                                 terms=tuple(k for k, w in weights.items() if w > 0))
+        te, ve = self.encode_texts(texts), self.encode_videos(videos)
+        cos = self._train_logits(te, ve, eps, terms=tuple(k for k, w in weights.items() if w > 0))
+        cos = {k: self.mix_zero_shot(te, ve, c) for k, c in cos.items()}  # as is, unless zero_shot_start
         scale = self.logits_scale()
         terms = {k: symmetric_infonce(c * scale) for k, c in cos.items()}
         total = sum(weights[k] * v for k, v in terms.items())

@@ -182,6 +182,14 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
+ZERO_SHOT_START_KEY = "head.zero_shot_start"
+
+
+def _not_in_papers(identity: dict[str, Any]) -> str:
+    """The mark of a run that trained something no paper does (train-head --zero-shot-start)."""
+    return " + zero-shot start (not in the papers)" if identity.get(ZERO_SHOT_START_KEY) else ""
+
+
 def _labels(method: str, identities: list[dict[str, Any]]) -> list[str]:
     """Name each group of one method by the settings that tell it apart from the others.
 
@@ -191,12 +199,13 @@ def _labels(method: str, identities: list[dict[str, Any]]) -> list[str]:
     """
     if len(identities) == 1:  # a finetune run still says so: its row never reads like a train-head one
         mode = identities[0].get("mode", "train-head")
-        return [method if mode == "train-head" else f"{method} ({mode})"]
+        return [(method if mode == "train-head" else f"{method} ({mode})") + _not_in_papers(identities[0])]
     order = {"mode": 0, "head": 1, "train": 2, "finetune": 2, "store": 3}
     values = [{k: json.dumps(v, sort_keys=True, default=str) for k, v in ident.items()} for ident in identities]
     shown: list[list[str]] = []
     for i, mine in enumerate(values):
-        keys = [k for k in mine if any(k in other and other[k] != mine[k] for j, other in enumerate(values) if j != i)]
+        keys = [k for k in mine if k != ZERO_SHOT_START_KEY
+                and any(k in other and other[k] != mine[k] for j, other in enumerate(values) if j != i)]
         shown.append(sorted(keys, key=lambda k: (order.get(k.split(".")[0], 4), k)))
     def leaf(k: str) -> str:
         return k.split(".", 1)[-1]
@@ -208,7 +217,7 @@ def _labels(method: str, identities: list[dict[str, Any]]) -> list[str]:
         parts = [str(ident[k]) if k == "mode" else f"{k if leaf(k) in clash else leaf(k)}={_fmt_value(ident[k])}"
                  for k in keys]
         parts = parts[:4] + ([f"+{len(parts) - 4} more"] if len(parts) > 4 else [])
-        labels.append(f"{method} ({', '.join(parts)})" if parts else method)
+        labels.append((f"{method} ({', '.join(parts)})" if parts else method) + _not_in_papers(ident))
     for i, label in enumerate(labels):  # left alike (should not happen): numbered, still distinct
         if labels.count(label) > 1:
             labels[i] = f"{label} [{labels[:i + 1].count(label)}]"

@@ -64,7 +64,8 @@ OPTION_SETTINGS = tuple(k for k in SETTINGS if k not in IMPLEMENTED)  # each a f
 EXECUTION_SETTINGS = ("chunk_size",)
 # what train-head takes from a recipe (the rest belongs to the features, fixed when they were extracted)
 TRAIN_HEAD = {"batch_size": "batch_size", "epochs": "epochs", "optimizer": "optimizer", "head_lr": "lr",
-              "group_lr": "group_lr", "weight_decay": "weight_decay", "warmup_fraction": "warmup_fraction"}
+              "group_lr": "group_lr", "weight_decay": "weight_decay", "warmup_fraction": "warmup_fraction",
+              "init_from_clip": "init_from_clip"}
 DIRECTIONS = ("t2v", "v2t")
 
 log = logging.getLogger(__name__)
