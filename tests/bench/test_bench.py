@@ -547,3 +547,38 @@ def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):
     r = cli("bench", "search", "--out", out, "--json", tmp_path)
     assert r.exit_code == 1 and "is a folder" in r.output
     assert not out.exists()
+
+
+def test_bench_worlds_sets_each_head_beside_zero_shot_with_intervals(cli, tmp_path):
+    """One world, one head, tiny: both variants trained, each row's interval and paired difference equal to a
+    bootstrap of the runs' own test ranks, the zero-shot start's untrained validation equal to zero-shot CLIP's,
+    the table written, and a rerun reads the runs instead of training them again."""
+    import numpy as np
+
+    from tvrpipe.bench.worlds import bench_worlds
+    from tvrpipe.evaluation.metrics import bootstrap_recall, paired_recall_difference
+    from tvrpipe.rundir import read_metrics, read_test_ranks
+
+    out = tmp_path / "w"
+    r = cli("bench", "worlds", "--out", out, "--world", "onescene", "--method", "xpool", "--train-videos", 40,
+            "--dim", 16, "--max-epochs", 2, "--patience", 1)
+    assert r.exit_code == 0, r.output
+    rows = json.loads((out / "worlds.json").read_text())
+    assert [(x["method"], x["zero_shot_start"]) for x in rows] == [("xpool", False), ("xpool", True)]
+    runs = out / "runs" / "onescene"
+    zero = read_test_ranks(runs / "zero-shot")["t2v"]
+    assert len(zero) == 1000  # the targets' gallery: MSR-VTT 1k-A's size
+    for x, name in zip(rows, ("xpool", "xpool-zero-shot-start")):
+        ranks = read_test_ranks(runs / name)["t2v"]
+        assert x["test_r1"] == pytest.approx(100 * np.mean(ranks == 1))
+        assert (x["test_low"], x["test_high"]) == pytest.approx(bootstrap_recall(ranks))
+        assert (x["diff"], x["diff_low"], x["diff_high"]) == pytest.approx(paired_recall_difference(ranks, zero))
+        assert x["verdict"] == ("beats zero-shot" if x["diff_low"] > 0 else "trails zero-shot" if x["diff_high"] < 0
+                                else "within noise")
+        assert x["epochs_run"] <= 2
+    assert rows[1]["untrained_val_r1"] == pytest.approx(read_metrics(runs / "zero-shot")["val"]["t2v"]["R@1"])
+    assert "| onescene | xpool | zero-shot start |" in (out / "worlds.md").read_text()
+    again = bench_worlds(out, ["onescene"], ["xpool"], 40, 16, 2, 1, progress=False)
+    assert [x.test_r1 for x in again] == [x["test_r1"] for x in rows]
+    r = cli("bench", "worlds", "--out", out, "--world", "nowhere")
+    assert r.exit_code == 1 and "--world 'nowhere' is not one of: onescene, multiscene" in r.output

@@ -177,6 +177,35 @@ def bench_convergence_cmd(
     console.print(table)
 
 
+@bench_app.command("worlds")
+def bench_worlds_cmd(
+    out: Annotated[Path, typer.Option(help="Working directory (stores and runs; rerun to resume).")] = Path(
+        "bench/worlds"),
+    world: Annotated[Optional[list[str]], typer.Option(
+        help="onescene, multiscene (repeatable; default both).")] = None,
+    method: Annotated[Optional[list[str]], typer.Option(
+        help="Heads (repeatable; default every head with parameters that change a ranking).")] = None,
+    train_videos: Annotated[int, typer.Option(help="Train videos of each world (x 4 captions).")] = 1000,
+    dim: Annotated[int, typer.Option(help="Feature width D (512: ViT-B/32, the calibration's).")] = 512,
+    max_epochs: Annotated[int, typer.Option(help="Cap of each run's open-ended schedule (epochs).")] = 20,
+    patience: Annotated[int, typer.Option(help="Epochs without a better validation score before a run stops.")] = 4,
+) -> None:
+    """Does each head beat zero-shot CLIP on the calibrated worlds, with its defaults and with --zero-shot-start?"""
+    from rich.table import Table
+
+    from tvrpipe.bench.worlds import bench_worlds
+
+    rows = bench_worlds(out, world, method, train_videos, dim, max_epochs, patience)
+    table = Table(title=f"test t2v R@1 on 1,000 queries against zero-shot CLIP ({out / 'worlds.md'})")
+    for col in ("world", "head", "start", "epoch", "test R@1 [95 %]", "zero-shot", "difference [95 %]", "verdict"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.world, r.method, "zero-shot" if r.zero_shot_start else "paper's",
+                      f"{r.selected_epoch}/{r.epochs_run}", f"{r.test_r1:.1f} [{r.test_low:.1f}, {r.test_high:.1f}]",
+                      f"{r.zero_shot_r1:.1f}", f"{r.diff:+.1f} [{r.diff_low:+.1f}, {r.diff_high:+.1f}]", r.verdict)
+    console.print(table)
+
+
 @bench_app.command("eval")
 def bench_eval_cmd(
     method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
