@@ -13,12 +13,14 @@ from tvrpipe.bench.extract import BenchVideos, bench_extract
 from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
 from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
 from tvrpipe.bench.search import bench_search
+from tvrpipe.bench.worlds import bench_worlds
 from tvrpipe.cli.app import BENCHMARKS, app, console, defaults_of, finite_float, new_app
 
 # each option's default is the benchmark function's (or its videos'), declared there once
 BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), defaults_of(bench_finetune),
                               defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator),
                               defaults_of(bench_search))
+BW = defaults_of(bench_worlds)
 
 
 def _json_target(path: Optional[Path]) -> Optional[Path]:
@@ -185,15 +187,13 @@ def bench_worlds_cmd(
         help="onescene, multiscene (repeatable; default both).")] = None,
     method: Annotated[Optional[list[str]], typer.Option(
         help="Heads (repeatable; default every head with parameters that change a ranking).")] = None,
-    train_videos: Annotated[int, typer.Option(help="Train videos of each world (x 4 captions).")] = 1000,
-    dim: Annotated[int, typer.Option(help="Feature width D (512: ViT-B/32, the calibration's).")] = 512,
-    max_epochs: Annotated[int, typer.Option(help="Cap of each run's open-ended schedule (epochs).")] = 20,
-    patience: Annotated[int, typer.Option(help="Epochs without a better validation score before a run stops.")] = 4,
+    train_videos: Annotated[int, typer.Option(help="Train videos of each world (x 4 captions).")] = BW.train_videos,
+    dim: Annotated[int, typer.Option(help="Feature width D (512: ViT-B/32, the calibration's).")] = BW.dim,
+    max_epochs: Annotated[int, typer.Option(help="Cap of each run's open-ended schedule (epochs).")] = BW.max_epochs,
+    patience: Annotated[int, typer.Option(help="Epochs without a better validation score before a run stops.")] = BW.patience,
 ) -> None:
     """Does each head beat zero-shot CLIP on the calibrated worlds, with its defaults and with --zero-shot-start?"""
     from rich.table import Table
-
-    from tvrpipe.bench.worlds import bench_worlds
 
     rows = bench_worlds(out, world, method, train_videos, dim, max_epochs, patience)
     table = Table(title=f"test t2v R@1 on 1,000 queries against zero-shot CLIP ({out / 'worlds.md'})")
