@@ -186,6 +186,23 @@ def test_bench_json_is_checked_before_the_measurement(cli, tmp_path, command, mo
     assert r.exit_code == 1 and f"{tmp_path / 'a-file'} is a file, so the folder cannot be created" in said(r), r.output
 
 
+@pytest.mark.parametrize("command", ["extract", "train-head", "finetune", "convergence", "worlds", "search"])
+def test_bench_out_is_checked_before_anything_is_made(cli, tmp_path, command):
+    def said(r):  # the message without rich's box and line breaks
+        return " ".join(r.output.replace("\u2502", " ").split())
+
+    (tmp_path / "a-file").write_text("kept")
+    r = cli("bench", command, "--out", tmp_path / "a-file")
+    assert r.exit_code == 1 and f"--out {tmp_path / 'a-file'} is a file" in said(r), r.output
+    assert (tmp_path / "a-file").read_text() == "kept"
+    store = tmp_path / "store"
+    (store / "features.zarr").mkdir(parents=True)  # the marker a feature store writes first
+    for out in (store, store / "bench"):
+        r = cli("bench", command, "--out", out)
+        assert r.exit_code == 1 and "a feature store" in said(r) and "write into a folder of its own" in said(r), r.output
+    assert sorted(p.name for p in store.iterdir()) == ["features.zarr"]
+
+
 def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_path, caplog):
     import csv
 

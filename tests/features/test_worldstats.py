@@ -51,7 +51,7 @@ def _reference(store, split="test"):
             hits += all(s[g] <= s[q] for g in range(n) if g != q)
         return 100.0 * hits / n
 
-    means = [unit(np.mean([F[r, j] for j in range(F.shape[1]) if M[r, j]], axis=0)) for r in rows]
+    means = [unit(np.mean(fr, axis=0)) for fr in frames]  # of the normalised frames, as meanpool
 
     def tokenwise(q, g):
         c = np.array([[w @ f for f in frames[g]] for w in words[q]])

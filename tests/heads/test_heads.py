@@ -637,12 +637,12 @@ def test_init_from_clip_copies_nothing_where_it_does_not_fit(vit_b32):
 
 
 def _zero_shot(texts, videos) -> np.ndarray:
-    """cos(sentence, mean of each video's real frames), NumPy float64 loops."""
+    """cos(sentence, mean of each video's L2-normalised real frames), NumPy float64 loops."""
     s = texts.sentence.double().numpy()
     out = np.zeros((len(s), videos.frames.shape[0]))
     for j in range(videos.frames.shape[0]):
         real = videos.frames[j][videos.frame_mask[j]].double().numpy()
-        m = real.mean(0)
+        m = (real / np.linalg.norm(real, axis=1, keepdims=True)).mean(0)
         for i in range(len(s)):
             out[i, j] = s[i] @ m / np.linalg.norm(s[i]) / np.linalg.norm(m)
     return out

@@ -33,6 +33,18 @@ def _json_target(path: Optional[Path]) -> Optional[Path]:
     return path
 
 
+def _work_dir(path: Path) -> Path:
+    """A bench's ``--out``, checked before anything is generated: a folder (or a name for one) that is not, and
+    is not inside, a store, manifest or run tvrpipe made for another purpose."""
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.features.outputs import check_output_folder
+
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path} is a file; a bench's --out is a working folder: choose another path")
+    check_output_folder(path)
+    return path
+
+
 JsonOut = Annotated[Optional[Path], typer.Option(
     "--json", help="Also write the measurements as JSON to this file (its folder is created).",
     callback=_json_target)]
@@ -51,7 +63,8 @@ app.add_typer(bench_app, name="bench", rich_help_panel=BENCHMARKS)
 
 @bench_app.command("extract")
 def bench_extract_cmd(
-    out: Annotated[Path, typer.Option(help="Working directory (videos are rendered once and reused).")] = Path(
+    out: Annotated[Path, typer.Option(
+        callback=_work_dir, help="Working directory (videos are rendered once and reused).")] = Path(
         "bench/extract"
     ),
     videos: Annotated[int, typer.Option(help="Number of generated videos.")] = BV.count,
@@ -79,7 +92,8 @@ def bench_extract_cmd(
 
 @bench_app.command("train-head")
 def bench_train_head_cmd(
-    out: Annotated[Path, typer.Option(help="Working directory (the 5.9 GB scale store is generated once).")] = Path(
+    out: Annotated[Path, typer.Option(
+        callback=_work_dir, help="Working directory (the 5.9 GB scale store is generated once).")] = Path(
         "bench/train-head"
     ),
     method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
@@ -110,7 +124,8 @@ def bench_train_head_cmd(
 
 @bench_app.command("finetune")
 def bench_finetune_cmd(
-    out: Annotated[Path, typer.Option(help="Working directory (videos are rendered once and reused).")] = Path(
+    out: Annotated[Path, typer.Option(
+        callback=_work_dir, help="Working directory (videos are rendered once and reused).")] = Path(
         "bench/finetune"
     ),
     model: Annotated[str, typer.Option(help="open_clip architecture (random weights), e.g. ViT-B-32 or tvrpipe-tiny.")] = BF.model,
@@ -141,7 +156,8 @@ def bench_finetune_cmd(
 
 @bench_app.command("convergence")
 def bench_convergence_cmd(
-    out: Annotated[Path, typer.Option(help="Working directory (stores are generated once and reused; benches "
+    out: Annotated[Path, typer.Option(
+        callback=_work_dir, help="Working directory (stores are generated once and reused; benches "
                                            "of other heads may share it, side by side).")] = Path(
         "bench/convergence"
     ),
@@ -181,7 +197,8 @@ def bench_convergence_cmd(
 
 @bench_app.command("worlds")
 def bench_worlds_cmd(
-    out: Annotated[Path, typer.Option(help="Working directory (stores and runs; rerun to resume).")] = Path(
+    out: Annotated[Path, typer.Option(
+        callback=_work_dir, help="Working directory (stores and runs; rerun to resume).")] = Path(
         "bench/worlds"),
     world: Annotated[Optional[list[str]], typer.Option(
         help="onescene, multiscene (repeatable; default both).")] = None,
@@ -276,7 +293,8 @@ def bench_allocator_cmd(
 
 @bench_app.command("search")
 def bench_search_cmd(
-    out: Annotated[Path, typer.Option(help="Working directory: the generated stores (4.5 GB at 100,000 videos) and "
+    out: Annotated[Path, typer.Option(
+        callback=_work_dir, help="Working directory: the generated stores (4.5 GB at 100,000 videos) and "
                                            "the trained runs are made once and reused; results.json.")] = Path(
         "bench/search"
     ),

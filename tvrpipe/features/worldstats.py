@@ -6,7 +6,8 @@ on MSR-VTT. :func:`measure` reads the same statistics from any store (generated 
 
 - zero-shot t2v R@1 of three parameter-free scorers on a 1,000-video gallery (MSR-VTT 1k-A's size;
   smaller test splits use all their videos, and the gallery size is reported beside):
-  mean pooling (cosine of the sentence with the mean of the frames), one frame (the middle one),
+  mean pooling (cosine of the sentence with the mean of the L2-normalised frames, as the
+  ``meanpool`` head and the zero-shot row score), one frame (the middle one),
   and token-wise matching (UATVR Eq. 7, the ``tokenwise`` head, which has no trained parameter);
 - cosines of raw features: two frames of one video, two frames of different videos, a sentence
   with its video's frames and with other videos' frames.
@@ -141,7 +142,7 @@ def measure(store, split: str = "test", gallery: int = GALLERY, seed: int = 0) -
 
     s = _unit(sent.astype(np.float64))
     fu = _unit(frames.astype(np.float64)) * fmask[..., None]  # padded frames are zero
-    mean = _unit((frames * fmask[..., None]).sum(1).astype(np.float64) / nf[:, None])
+    mean = _unit(fu.sum(1) / nf[:, None])  # meanpool's mean_video: the frames are normalised first
     middle = fu[np.arange(n), _middle(fmask)]
     out = {
         "meanpool_r1": _r1(s @ mean.T),

@@ -148,11 +148,11 @@ def _zero_shot_text(texts: TextBatch) -> Emb:
 
 
 def _zero_shot_video(videos: VideoBatch) -> Emb:
-    """The L2-normalised mean of each video's real frames (CLIP4Clip's meanP at zero shot)."""
-    mask = videos.frame_mask.bool().unsqueeze(-1)  # (B, F, 1); padding is zeroed, whatever it holds
-    frames = torch.where(mask, videos.frames, torch.zeros((), dtype=videos.frames.dtype, device=mask.device))
-    mean = frames.sum(1) / mask.sum(1).clamp(min=1).to(frames.dtype)
-    return {ZS_VIDEO: torch.nn.functional.normalize(mean, dim=-1)}
+    """The zero-shot row's video: meanpool's ``mean_video`` (the normalised mean of the L2-normalised
+    real frames), so that g = 0 is that row's computation, not an approximation of it."""
+    from tvrpipe.heads.meanpool import mean_video  # meanpool imports this module
+
+    return {ZS_VIDEO: mean_video(videos.frames, videos.frame_mask)}
 
 
 class Head(nn.Module):
