@@ -4,7 +4,7 @@
 #
 # torch is left unpinned in pyproject.toml on purpose: these machines carry a local
 # torch==2.13.0+cpu wheel that breaks torchvision (and so open_clip) when a pin admits it
-# (DESIGN.md, "Environment facts"). uv never looks at that wheel: the lock holds the index's
+# (docs/design.md, "Environment facts"). uv never looks at that wheel: the lock holds the index's
 # regular build, which runs on CPU too (a test checks the lock for it).
 
 PYTHON ?= python3

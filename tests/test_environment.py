@@ -60,8 +60,9 @@ def _lock() -> dict:
 
 
 def test_the_lock_holds_the_index_torch_never_the_local_cpu_wheel():
-    """The machines carry a local torch==2.13.0+cpu wheel that breaks torchvision (DESIGN.md): the lock
-    must hold a regular build from the package index, with hashes, and no file or local version."""
+    """The machines carry a local torch==2.13.0+cpu wheel that breaks torchvision (docs/design.md,
+    "Environment facts"): the lock must hold a regular build from the package index, with hashes, and no
+    file or local version."""
     torch_entries = [p for p in _lock()["package"] if p["name"] == "torch"]
     assert torch_entries
     for p in torch_entries:

@@ -1,4 +1,4 @@
-"""The package's layout rules (DESIGN.md, "Layout"), read from the source with ``ast``: imports go
+"""The package's layout rules (docs/design.md, "Layout"), read from the source with ``ast``: imports go
 down the stack of stages, and no module imports another module's private (``_name``) names.
 
 ruff's PLC2701 only sees private names imported from other distributions, so the rule for

@@ -1,6 +1,7 @@
 """tvrpipe: CLIP-based text-video retrieval, from manifests to features to heads.
 
-The public API (DESIGN.md), loaded on first use so that ``import tvrpipe`` stays cheap::
+The public API (docs/design.md, "Stages and data flow"), loaded on first use so that ``import tvrpipe``
+stays cheap::
 
     from tvrpipe import create_head, list_heads, extract, fit, evaluate
 """

@@ -1,6 +1,6 @@
 """The software a store or a run was made with: recorded next to tvrpipe's version in every feature
 store's provenance and every run's ``config.yaml``, printed by ``tvrpipe features show`` and the report,
-so that a number can be traced to its environment (DESIGN.md, data contracts).
+so that a number can be traced to its environment (docs/design.md, "Data contracts").
 
 Example:
     >>> from tvrpipe.environment import versions, versions_text

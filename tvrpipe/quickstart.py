@@ -1,4 +1,4 @@
-"""``tvrpipe quickstart``: the whole pipeline, offline, on generated videos (DESIGN.md, "Synthetic data
+"""``tvrpipe quickstart``: the whole pipeline, offline, on generated videos (docs/design.md, "Synthetic data
 and the offline quickstart").
 
 synth (the benchmark, and as many other videos of the same world: the tiny CLIP's training data, so

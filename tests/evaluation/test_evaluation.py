@@ -1,7 +1,8 @@
 """Evaluation: metrics against independent NumPy references, the block engine, DSL and QB-Norm.
 
-The references below are written from the definitions in DESIGN.md ("Evaluation protocol") in a
-different style from the library (sorting and Python loops instead of blockwise counting).
+The references below are written from the definitions in docs/protocol.md (summed up in docs/design.md,
+"Evaluation protocol") in a different style from the library (sorting and Python loops instead of
+blockwise counting).
 """
 
 from __future__ import annotations

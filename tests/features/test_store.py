@@ -55,7 +55,7 @@ def test_layout_dtypes_chunks_and_roundtrip(tmp_path):
     assert store.array("texts/tokens").shape == (10, L, D)
     assert store.array("texts/sentence").dtype == np.float16
     assert store.array("videos/frame_mask").dtype == bool
-    # uncompressed, as DESIGN.md asks (fp16 embeddings barely compress)
+    # uncompressed, as docs/design.md ("Feature store") says (fp16 embeddings barely compress)
     meta = json.loads((tmp_path / STORE_NAME / "videos" / "frames" / "zarr.json").read_text())
     assert [c["name"] for c in meta["codecs"]] == ["bytes"]
     assert store.provenance["complete"] is True and store.provenance["frames"] == F

@@ -431,7 +431,7 @@ def read_charades_csv(ctx: ReadContext, args: dict[str, Any]) -> Rows:
     """``Charades_v1_{train,test}.csv``: one query per video from its ``descriptions`` field.
 
     ``descriptions`` holds several annotators' descriptions separated by ``;``; the default
-    ``caption_mode: first`` keeps the first one (DESIGN.md: one description per video).
+    ``caption_mode: first`` keeps the first one (docs/design.md, "Manifest": one description per video).
     """
     _need_split(ctx, "charades_csv")
     path = ctx.file(args["file"])

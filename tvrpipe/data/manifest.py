@@ -1,6 +1,6 @@
 """The manifest: two Parquet tables that name a dataset's videos and captions.
 
-Contract (DESIGN.md, "Manifest"), in ``<data_dir>/manifest/``:
+Contract (docs/design.md, "Manifest"), in ``<data_dir>/manifest/``:
 
 - ``videos.parquet``: ``video_id`` (str, unique), ``path`` (str, relative to the video root),
   ``split`` (train|val|test), ``start_s``, ``end_s`` (float seconds or null; a clip inside a file).

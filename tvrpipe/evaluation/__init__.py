@@ -10,7 +10,7 @@ The run directory the trainers write and the readers read is :mod:`tvrpipe.rundi
 
 Names load on first use, so that importing the package does not import torch.
 
-See DESIGN.md, "Evaluation protocol".
+See docs/design.md, "Evaluation protocol", and docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Retrieval metrics from a text-video similarity matrix (DESIGN.md, "Evaluation protocol").
+"""Retrieval metrics from a text-video similarity matrix (docs/design.md, "Evaluation protocol").
 
 Functional: every function takes a similarity matrix ``sim`` of shape ``(n_text, n_video)``
 (NumPy array or torch tensor, any float dtype, kept as given) and ``text_video``, the column

@@ -2,7 +2,7 @@
 
 Both change the scores with information beyond one (query, gallery item) pair, so tvrpipe
 reports them under their own keys (``t2v_dsl``, ``t2v_qbnorm``, ...) next to the raw numbers,
-never in their place (DESIGN.md, "Evaluation protocol").
+never in their place (docs/design.md, "Evaluation protocol").
 
 Dual softmax at inference (DSL; Cheng et al. 2021, "Improving Video-Text Retrieval by
 Multi-Stream Corpus Alignment and Dual Softmax Loss", arXiv:2109.04290). The inference rule we

@@ -2,7 +2,7 @@
 
 Radford et al., "Learning Transferable Visual Models From Natural Language Supervision" (2021),
 through open_clip (https://github.com/mlfoundations/open_clip, 3.x). The feature store
-(DESIGN.md, "Feature store") keeps three things per item, all computed here:
+(docs/design.md, "Feature store") keeps three things per item, all computed here:
 
 - frames: the projected image [CLS] embedding of each frame, ``model.encode_image`` (N, D);
 - word tokens: ``ln_final(x) @ text_projection`` at every text position (M, L, D), the input of

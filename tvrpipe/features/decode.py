@@ -1,6 +1,6 @@
 """Video decoding: F frames per video, resized at decode time, centre-cropped to S x S.
 
-Decode is the extraction bottleneck (DESIGN.md, "Extraction"), so the fast path does as little
+Decode is the extraction bottleneck (docs/design.md, "Extraction"), so the fast path does as little
 as it can: a cheap PyAV probe for the frame size, then one decord ``VideoReader`` opened with
 ``num_threads=1`` and the target size (FFmpeg scales while decoding), ONE sorted ``get_batch``
 per video, and a centre crop by slicing. When decord fails, PyAV decodes the file sequentially

@@ -1,6 +1,6 @@
 """``tvrpipe extract``: manifest + videos -> CLIP features in the Zarr store, with Ray.
 
-The flow (DESIGN.md, "Extraction")::
+The flow (docs/design.md, "Extraction")::
 
     Ray up; at once: decoder actors (CPU, 1 core each) and encoder actors (GPU with --device cuda,
     fp16 autocast; else CPU), each encoder loading the weights once and reporting their facts
@@ -11,7 +11,7 @@ The flow (DESIGN.md, "Extraction")::
       -> caption shards go to the same encoders in between (tokens, mask, EOS sentence)
       -> the driver buffers rows per shard and writes each whole shard, then its marker
 
-Decode is the bottleneck (DESIGN.md measured ~160 frames/s per core for 720p H.264), so decoding
+Decode is the bottleneck (~160 frames/s per core for 720p H.264: docs/design.md, "Extraction"), so decoding
 gets the cores and encoding overlaps with it. The actors are plain Ray actors driven by one loop in
 this process, not a Ray Data pipeline: Ray Data started an actor pool per stage plus its own
 executor, which cost about 4 s before the first video decoded (docs/performance.md). Locally

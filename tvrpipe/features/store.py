@@ -1,6 +1,6 @@
 """The feature store: a Zarr v3 group of CLIP features, the contract between extraction and heads.
 
-Layout (DESIGN.md, "Feature store"), in ``<features_dir>/``::
+Layout (docs/design.md, "Feature store"), in ``<features_dir>/``::
 
     features.zarr/            Zarr v3 group, uncompressed float16 (fp16 embeddings barely compress)
       videos/frames           float16 [n_videos, F, D]   projected frame [CLS] embeddings

@@ -1,7 +1,7 @@
 """The head interface, its inputs and outputs, and the registry.
 
 A *head* turns cached (or live) CLIP features into a text-video similarity. Every head has the
-same small interface (DESIGN.md, "Heads"):
+same small interface (docs/design.md, "Heads"):
 
 - ``encode_texts(TextBatch) -> Emb`` and ``encode_videos(VideoBatch) -> Emb``: per-item work,
   computed once per item at evaluation;

@@ -65,7 +65,8 @@ Choices (docs/methods.md, "DUQ"):
   expected distance, between the min the positives were trained with and the max of the
   negatives). It factors exactly: mean_{m,n} cos = <mean_m z^m/|z^m|, mean_n z^n/|z^n|>, one
   (D,)-vector per item and a matrix product. The K samples use a fixed noise buffer drawn from
-  ``noise_seed`` (DESIGN.md's common random numbers), independent for texts and videos.
+  ``noise_seed`` (common random numbers: docs/design.md, "A method head is done when"), independent
+  for texts and videos.
 - **Eq. 16 is a step over the full score matrix** (``Head.rerank``), after the block engine:
   u_s and u_d of a query are Eq. 3 over its whole candidate set (a caption's videos for t2v, a
   video's captions for v2t), so each direction gets its own re-ranked matrix, reported as
@@ -129,7 +130,7 @@ class Config(HeadConfig):
     rerank: bool = True  # DUQ Sec. 3.4 "Inference": report the Eq. 16 re-ranking beside the raw scores
     agg_heads: int | None = at_least(1, None)  # None: D // 64 (8 at D = 512), DUQ code module_agg num_heads=8
     drop_sot: bool = True  # DUQ Sec. 3.1: F_t = [w_1, ..., w_Nt], the words (no SOT), as tokenwise and uatvr
-    noise_seed: int = 0  # choice (DESIGN.md): seed of the fixed (K, D) inference noise
+    noise_seed: int = 0  # choice (common random numbers, docs/design.md): seed of the fixed (K, D) noise
     log_sigma_init: float = 0.0  # choice: initial bias of h_sigma (0: sigma ~ 1, torch's default Linear init)
     # h_mu = identity and the fusion passes the global feature through, so the distance branch starts
     # at the zero-shot alignment of the cached features (as X-Pool's official identity init)

@@ -52,10 +52,11 @@ Choices (docs/methods.md, "T-MASS"):
 - **Leak-free inference**: every (query text, video) pair pools the video with the query text.
   The official ``eval`` selects the best sample against the query-pooled video, but its final
   cosine (``sim_matrix_inference_stochastic``, which keeps ``sims[i, :, :, i]``) uses each video
-  pooled with its own captions (DESIGN.md).
-- **Fixed noise** (DESIGN.md): the M inference draws eps_1..eps_M are a (M, D) buffer drawn once
-  from ``noise_seed``; every pair uses the same M draws, so a pair's score is a pure function of
-  the pair and the weights. The official code draws fresh noise for every video.
+  pooled with its own captions (docs/design.md, "Evaluation protocol").
+- **Fixed noise** (docs/design.md, "A method head is done when"): the M inference draws
+  eps_1..eps_M are a (M, D) buffer drawn once from ``noise_seed``; every pair uses the same M
+  draws, so a pair's score is a pure function of the pair and the weights. The official code draws
+  fresh noise for every video.
 
 Efficiency (exact): with eps fixed, a pair with radius R, raw text t and pooled video z has::
 
@@ -106,7 +107,7 @@ class Config(XPoolConfig):
     w_ce: float = at_least(0, 0.0)  # T-MASS Tab. 6a: weight of L_ce on t itself (rows 1-2; the final model has none)
     train_radius: str = one_of(TRAIN_RADII, "pairs")  # choice: radius of every (text, video) pair as at inference; "paired": official code
     theta_init: float = 1.0  # choice: official code leaves theta uninitialised; 1 starts at exp(mean S)
-    noise_seed: int = 0  # choice (DESIGN.md): seed of the fixed (M, D) inference noise
+    noise_seed: int = 0  # choice (common random numbers, docs/design.md): seed of the fixed (M, D) noise
     radius_bias: bool = True  # T-MASS Eq. 7 "the linear layer": the official nn.Linear(T', d) has a bias
 
     def check(self) -> None:

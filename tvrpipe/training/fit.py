@@ -4,7 +4,7 @@ The loop reads top to bottom: schedule, model and optimiser, resume, data, steps
 epoch skeleton it shares with ``finetune`` (selection, checkpoints, resume, run files) is
 :mod:`tvrpipe.training.core`.
 
-Protocol (DESIGN.md, "Evaluation protocol"): the epoch is selected on the **validation** split
+Protocol (docs/design.md, "Evaluation protocol"): the epoch is selected on the **validation** split
 (the store's, or carved from train: see :mod:`tvrpipe.training.data`), never on test; test is
 evaluated once, with the selected checkpoint; DSL and QB-Norm are reported under their own keys.
 

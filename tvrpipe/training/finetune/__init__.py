@@ -1,8 +1,9 @@
 """``tvrpipe finetune``: train a registered head on live CLIP features of decoded frames.
 
-DESIGN.md's full-paper path. ``--end-to-end`` unfreezes both CLIP towers, as the papers finetune
-them (CLIP4Clip Sec. 4.1, X-Pool Sec. 4, UATVR Sec. 4.1, DUQ Sec. 4.1, T-MASS Sec. 4.1); without it
-CLIP stays frozen and the head trains on live features with training-time frame sampling.
+The full-paper path (docs/design.md, "Stages and data flow"). ``--end-to-end`` unfreezes both CLIP
+towers, as the papers finetune them (CLIP4Clip Sec. 4.1, X-Pool Sec. 4, UATVR Sec. 4.1, DUQ Sec. 4.1,
+T-MASS Sec. 4.1); without it CLIP stays frozen and the head trains on live features with
+training-time frame sampling.
 
 :func:`~tvrpipe.training.finetune.run.finetune` reads top to bottom: build the job, dry run, lock, start the run, run the loop here
 or launch it on Ray. Each job it calls has its module:
