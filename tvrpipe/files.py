@@ -86,9 +86,24 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _discard(tmp: Path) -> None:
+    """Remove what a write that failed half-way (a full disk, Ctrl-C) left under a staged name: a file or a
+    folder."""
+    if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.unlink(missing_ok=True)
+
+
 def atomic_write(path: Path, write: Callable[[Path], object], parents: bool = False) -> None:
     """Write ``path`` with ``write(tmp)`` under its staged name (:func:`staged_name`), then rename it into place:
-    readers never see half a file. ``parents``: create its missing folders first."""
+    readers never see half a file. ``write`` may make a file or a folder at ``tmp``. ``parents``: create its
+    missing folders first. A failure to write becomes a :class:`~tvrpipe.errors.WriteError` naming ``path``;
+    tvrpipe's own errors, raised by ``write``, pass through.
+
+    Example:
+        >>> atomic_write(Path("out/emb.npy"), lambda tmp: np.save(tmp, emb), parents=True)  # doctest: +SKIP
+    """
     if parents:
         with writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +113,28 @@ def atomic_write(path: Path, write: Callable[[Path], object], parents: bool = Fa
             write(tmp)
             os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)  # a write that failed half-way (a full disk) leaves nothing
+        _discard(tmp)
+
+
+def atomic_write_all(folder: Path, writes: Iterable[tuple[str, Callable[[Path], object]]]) -> None:
+    """Write several files of ``folder`` that belong together (a manifest's tables and its ``meta.json``):
+    every one under its staged name first, then all renamed into place, so a failure before the renames
+    leaves the folder's earlier files as they were. ``writes``: ``(name, write)`` pairs, as
+    :func:`atomic_write`'s ``write``."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, write in writes:
+            tmp = folder / staged_name(name)
+            staged.append((tmp, folder / name))
+            with writing(folder / name):
+                write(tmp)
+    except BaseException:
+        for tmp, _ in staged:
+            _discard(tmp)
+        raise
+    for tmp, final in staged:
+        with writing(final):
+            os.replace(tmp, final)
 
 
 def atomic_write_text(path: Path, text: str, parents: bool = False) -> None:

@@ -243,10 +243,7 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: Path, metadata: d
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise NonFiniteError(f"{what}: weights {', '.join(bad[:5])} are NaN or infinite; not saved to {path}")
-    tmp = path.with_name(f".{path.name}.tmp")
-    with writing(path):
-        _write_safetensors(state, tmp, metadata)
-        os.replace(tmp, path)
+    atomic_write(path, lambda tmp: _write_safetensors(state, tmp, metadata))
     return file_sha256(path)
 
 

@@ -43,6 +43,7 @@ import numpy as np
 from tvrpipe.config import above, at_least, check_fields
 from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
 from tvrpipe.errors import ConfigError, WorkerDiedError
+from tvrpipe.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +202,30 @@ class ExtractBench:
         ]
 
 
-def make_bench_videos(out_dir: Path, spec: BenchVideos, seed: int = 0) -> Path:
-    """Render the benchmark videos once (reused when ``spec`` is unchanged); returns the manifest dir."""
+def _encode_video(tmp: Path, k: int, spec, base: np.ndarray, n: int) -> None:
+    """Bench video ``k`` (``n`` frames of ``spec``'s size) encoded into ``tmp``: a textured background that
+    pans plus a moving block, enough motion and detail that the encoder produces realistic P-frames (a flat
+    image would decode unrealistically fast)."""
     import av
 
+    h, w = spec.height, spec.width
+    with av.open(str(tmp), "w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=spec.fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        s.options = {"preset": "ultrafast", "crf": "23", "g": str(spec.gop)}
+        for i in range(n):
+            dy, dx = (i + k) % 8, (2 * i + k) % 8
+            img = base[dy : dy + h, dx : dx + w].copy()
+            x = int((i / n) * (w - 120))
+            img[h // 3 : h // 3 + 120, x : x + 120] = (255, 40 * (k % 6), 0)
+            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def make_bench_videos(out_dir: Path, spec: BenchVideos, seed: int = 0) -> Path:
+    """Render the benchmark videos once (reused when ``spec`` is unchanged); returns the manifest dir."""
     videos = out_dir / "videos"
     stamp = out_dir / "bench_videos.json"
     want = json.dumps({**asdict(spec), "seed": seed}, sort_keys=True)
@@ -216,28 +237,12 @@ def make_bench_videos(out_dir: Path, spec: BenchVideos, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     n = int(spec.seconds * spec.fps)
     h, w = spec.height, spec.width
-    # A textured background that pans plus a moving block: enough motion and detail that the
-    # encoder produces realistic P-frames (a flat image would decode unrealistically fast).
     base = rng.integers(0, 256, size=(h // 8 + 2, w // 8 + 2, 3), dtype=np.uint8)
     base = np.kron(base, np.ones((8, 8, 1), np.uint8))
     rows = []
     for k in range(spec.count):
         path = videos / f"bench_{k:04d}.mp4"
-        tmp = path.with_name(f".{path.name}.tmp")
-        with av.open(str(tmp), "w", format="mp4") as c:
-            s = c.add_stream("libx264", rate=spec.fps)
-            s.width, s.height, s.pix_fmt = w, h, "yuv420p"
-            s.options = {"preset": "ultrafast", "crf": "23", "g": str(spec.gop)}
-            for i in range(n):
-                dy, dx = (i + k) % 8, (2 * i + k) % 8
-                img = base[dy : dy + h, dx : dx + w].copy()
-                x = int((i / n) * (w - 120))
-                img[h // 3 : h // 3 + 120, x : x + 120] = (255, 40 * (k % 6), 0)
-                for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                    c.mux(p)
-            for p in s.encode():
-                c.mux(p)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp, k=k: _encode_video(tmp, k, spec, base, n))
         rows.append(k)
     v, c = make_tables(
         [{"video_id": f"bench_{k:04d}", "path": f"bench_{k:04d}.mp4", "split": "test"} for k in rows],
@@ -312,10 +317,8 @@ def _bench_weights(path: Path, model: str) -> None:
         from tvrpipe.features.clip import load_clip
 
         state = load_clip(model, "none", seed=0).model.state_dict()
-        tmp = path.with_name(f".{path.name}.tmp")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp)),
+                     parents=True)
 
 
 def _fresh_extract(arg) -> tuple[dict, float, int]:

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tvrpipe.errors import ManifestError
-from tvrpipe.files import remove_staged, staged_name
+from tvrpipe.files import atomic_write_all, remove_staged
 
 log = logging.getLogger(__name__)
 
@@ -397,20 +397,7 @@ def write_manifest(
     # what a build killed before its renames staged here (only the manifest's own names: the folder may be
     # the user's)
     remove_staged(out, (VIDEOS_FILE, CAPTIONS_FILE, FILES_FILE, META_FILE))
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for name, write in writes:
-            tmp = out / staged_name(name)
-            write(tmp)
-            staged.append((tmp, out / name))
-    except BaseException:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        for leftover in out.glob(staged_name("*")):
-            leftover.unlink(missing_ok=True)
-        raise
-    for tmp, final in staged:
-        os.replace(tmp, final)
+    atomic_write_all(out, writes)
     if files is None:  # a collection's fingerprints would describe files this manifest does not list
         (out / FILES_FILE).unlink(missing_ok=True)
     log.info("wrote manifest to %s", out)

@@ -64,7 +64,8 @@ from tvrpipe.data.manifest import (
     write_manifest,
     write_parquet,
 )
-from tvrpipe.errors import ConfigError, VideoError
+from tvrpipe.errors import ConfigError, VideoError, WriteError
+from tvrpipe.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -522,8 +523,7 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
     Raises:
         VideoError: the encoder failed.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    def encode(tmp: Path) -> None:
         with av.open(str(tmp), "w", format="mp4", options={"fflags": "+bitexact"}) as container:
             stream = container.add_stream(CODEC, rate=fps)
             stream.width, stream.height = frames.shape[2], frames.shape[1]
@@ -536,12 +536,11 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
                 frame.pts = i
                 container.mux(stream.encode(frame))
             container.mux(stream.encode())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, (av.FFmpegError, OSError)):
-            raise VideoError(f"cannot write {path}: {e}") from e
-        raise
+
+    try:
+        atomic_write(path, encode)
+    except WriteError as e:  # the encoder's failure or the disk's: the video is what could not be made
+        raise VideoError(f"cannot write {path}: {e.__cause__}") from e.__cause__
 
 
 def _check_readable(path: Path, n_frames: int, size: int) -> None:
@@ -611,12 +610,7 @@ def attribute_rows(plans: Sequence[VideoPlan], size: int, frames_per_scene: int)
 
 
 def _write_table(table: pd.DataFrame, schema: pa.Schema, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write_parquet(table, schema, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, lambda tmp: write_parquet(table, schema, tmp))
 
 
 def _clear_previous(out: Path, keep: set[str]) -> None:

@@ -18,9 +18,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from tvrpipe.errors import ConfigError, writing
+from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.features.store import open_store
+from tvrpipe.files import atomic_write
 from tvrpipe.lock import check_writable, nearest_existing
 
 ARRAYS = tuple(f"{kind}/{name}" for kind, names in STORE_ARRAYS.items() for name in names)
@@ -50,14 +51,12 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     if free < need:
         raise ConfigError(f"--out {out}: the export needs about {need / 1e9:.2f} GB and {ancestor} has "
                           f"{free / 1e9:.2f} GB free; make room or write it elsewhere")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        h5 = h5py.File(tmp, "w")
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}); choose a writable path") from None
-    try:
-        with writing(out), h5:
+    def write(tmp: Path) -> None:
+        try:
+            h5 = h5py.File(tmp, "w")
+        except OSError as e:
+            raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}); choose a writable path") from None
+        with h5:
             for name in ARRAYS:
                 src = store.array(name)
                 # HDF5 refuses chunks for an empty dataset (a collection's store has no captions)
@@ -77,9 +76,8 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
             for k, v in store.provenance.items():
                 h5.attrs[k] = json.dumps(v)
             h5.flush()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    atomic_write(out, write, parents=True)
     return out
 
 
@@ -150,27 +148,20 @@ def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[s
     table = store.videos[["video_id", "split", "path"]].astype(str).reset_index(drop=True)[has]
     emb = emb[has]
     provenance = json.dumps({**store.provenance, "pooling": "meanpool: L2-normalised mean of L2-normalised frames"})
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with writing(out):
-            if fmt == "npy":
-                tmp.mkdir()
-                np.save(tmp / "embeddings.npy", emb)
-                table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
-                    tmp / "videos.csv", index=False)
-                (tmp / "provenance.json").write_text(provenance)
-            else:
-                import pyarrow as pa
-                import pyarrow.parquet as pq
-
-                arrow = pa.Table.from_pandas(table, preserve_index=False).append_column(
-                    "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]))
-                pq.write_table(arrow.replace_schema_metadata({"tvrpipe": provenance}), tmp)
-            os.replace(tmp, out)
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
+    def write(tmp: Path) -> None:
+        if fmt == "npy":
+            tmp.mkdir()
+            np.save(tmp / "embeddings.npy", emb)
+            table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
+                tmp / "videos.csv", index=False)
+            (tmp / "provenance.json").write_text(provenance)
         else:
-            tmp.unlink(missing_ok=True)
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            arrow = pa.Table.from_pandas(table, preserve_index=False).append_column(
+                "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]))
+            pq.write_table(arrow.replace_schema_metadata({"tvrpipe": provenance}), tmp)
+
+    atomic_write(out, write, parents=True)
     return out, int((~has).sum())

@@ -71,6 +71,7 @@ import pandas as pd
 from tvrpipe.data.manifest import CAPTION_COLUMNS, VIDEO_COLUMNS
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import Shard, StoreWriter, make_provenance, manifest_sha256
+from tvrpipe.files import atomic_write_parquet
 
 log = logging.getLogger(__name__)
 
@@ -580,6 +581,4 @@ def _write_latents(
     lt = pd.DataFrame({"row": np.arange(len(captions)), "caption_id": captions["caption_id"],
                        "video_row": lat.video_row, "scene": lat.scene, "concepts": concepts})
     for df, name in ((lv, LATENT_VIDEOS), (lt, LATENT_TEXTS)):
-        tmp = out / f".{name}.tmp-{os.getpid()}"
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, out / name)
+        atomic_write_parquet(df, out / name)
