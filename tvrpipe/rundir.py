@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tvrpipe.errors import NonFiniteError, RunError, TvrpipeError, writing
-from tvrpipe.files import atomic_write, atomic_write_text, file_sha256
+from tvrpipe.errors import NonFiniteError, RunError, TvrpipeError
+from tvrpipe.files import atomic_write, atomic_write_text, file_sha256, remove_staged
 
 if TYPE_CHECKING:
     import torch
@@ -396,9 +396,7 @@ class Checkpoints:
         sha = self._staged.get(source) or self.files[source]
 
         def copy(path: Path) -> str:
-            tmp = path.with_name(f"{path.name}.tmp")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, path)
+            atomic_write(path, lambda tmp: shutil.copyfile(src, tmp))
             return sha
         return self.stage(name, copy)
 
@@ -408,10 +406,7 @@ class Checkpoints:
         import torch
 
         files = {**self.files, **self._staged}
-        tmp = self.folder / f".{self.STATE}.tmp"
-        with writing(self.folder / self.STATE):
-            torch.save({**state, "files": files}, tmp)
-            os.replace(tmp, self.folder / self.STATE)
+        atomic_write(self.folder / self.STATE, lambda tmp: torch.save({**state, "files": files}, tmp))
         for name in self._staged:
             os.replace(self._next(name), self.folder / name)
         self.files, self._staged = files, {}
@@ -439,7 +434,8 @@ class Checkpoints:
                 os.replace(staged, self.folder / name)  # committed, not yet moved into place
             else:
                 staged.unlink()  # an epoch that was not committed
-        for partial in self.folder.glob(".*.tmp"):  # a file cut off as it was written
+        remove_staged(self.folder)  # a file cut off as it was written (its writer is gone)
+        for partial in self.folder.glob(".*.tmp"):  # the same, in a run written before staged names had a pid
             partial.unlink()
         for name, sha in files.items():
             if not (self.folder / name).is_file():
