@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tvrpipe"
 # The stack, bottom first: a module may import its own stage and any stage below it, never one above.
 LAYERS = {
     "tvrpipe": 0, "tvrpipe.errors": 0, "tvrpipe.config": 0, "tvrpipe.environment": 0, "tvrpipe.lock": 0,
-    "tvrpipe.files": 0, "tvrpipe.cluster": 0,
+    "tvrpipe.files": 0, "tvrpipe.cluster": 0, "tvrpipe.progress": 0,
     "tvrpipe.heads": 1,
     "tvrpipe.rundir": 2,  # the run directory: trainers write it, report and evaluation read it (heads for its weights)
     "tvrpipe.data": 2,

@@ -321,10 +321,9 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
         task = ray.remote(_run_one).options(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0)
         pending = {task.remote(str(features), run.method, str(out / run.name), train_dict, run.head, tuple(post)): run
                    for run, train_dict in todo}
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from tvrpipe.progress import progress_bar
 
-        bar = Progress(TextColumn("sweep", style="bold"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}", markup=False),
-                       TimeElapsedColumn(), disable=not progress)
+        bar = progress_bar(field="info", elapsed=True, enabled=progress)
         failed = 0
         try:
             with bar:

@@ -88,15 +88,14 @@ def memory(
 ) -> None:
     """Each recipe's estimated peak memory per worker with its batch at once, and the largest --chunk-size that
     fits each GPU memory (as `finetune --dry-run --gpu-memory` estimates it, without a dataset: random weights)."""
-    from rich.progress import track
-
+    from tvrpipe.progress import track
     from tvrpipe.training.plan import parse_memory, recipe_memory
     from tvrpipe.training.recipes import list_recipes, load_recipe
 
     budgets = [(g, parse_memory(g)) for g in (gpu_memory or ["24GiB", "40GiB", "80GiB"])]
     recipes = [load_recipe(n) for n in (names or list_recipes())]
     rows = [recipe_memory(r, [b for _, b in budgets], num_workers)
-            for r in track(recipes, description="measuring", transient=True, disable=len(recipes) < 2)]
+            for r in track(recipes, "measuring", transient=True, enabled=len(recipes) >= 2)]
     table = Table(title=f"peak memory per worker ({num_workers} worker(s); an estimate: the GPU adds its context, "
                         "about 0.5 GiB) and the largest --chunk-size that fits")
     for col in ("recipe", "pairs x frames", "precision", "batch at once", *(f"chunk for {g}" for g, _ in budgets)):

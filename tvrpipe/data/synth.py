@@ -51,7 +51,6 @@ import decord
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 import tvrpipe
 from tvrpipe.data.manifest import (
@@ -66,6 +65,7 @@ from tvrpipe.data.manifest import (
 )
 from tvrpipe.errors import ConfigError, VideoError, WriteError
 from tvrpipe.files import atomic_write
+from tvrpipe.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -703,7 +703,7 @@ def synthesize(
     vdir.mkdir(parents=True, exist_ok=True)
     # Sequential on purpose: a 64x64 video renders and encodes in ~10 ms, so a process pool
     # would spend more on start-up and pickling than it saves at the sizes synth is used for.
-    for i, p in enumerate(tqdm(plans, desc="synth", unit="video", disable=not progress)):
+    for i, p in enumerate(track(plans, "synth: videos", enabled=progress)):
         frames = render_frames(p, size, frames_per_scene)
         write_mp4(vdir / f"{p.video_id}.mp4", frames, fps)
         if i == 0:

@@ -332,11 +332,11 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
 def _probe_all(paths: list[Path], probe, progress: bool) -> list[str | None]:
     if not paths:
         return []
-    from rich.progress import track
+    from tvrpipe.progress import track
 
     with ThreadPoolExecutor(max_workers=min(_PROBE_THREADS, os.cpu_count() or 1, len(paths))) as pool:
-        return list(track(pool.map(probe, paths), total=len(paths), description="probing videos",
-                          disable=not progress, transient=True))
+        return list(track(pool.map(probe, paths), "probing videos", total=len(paths), enabled=progress,
+                          transient=True))
 
 
 def changed_files(rows: pd.DataFrame, root: Path) -> tuple[list[str], list[str]]:

@@ -316,20 +316,9 @@ def _check_device(cfg: ExtractConfig) -> None:
 
 
 def _progress(enabled: bool):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from tvrpipe.progress import progress_bar
 
-    return Progress(
-        TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}", markup=False), TimeElapsedColumn(), TimeRemainingColumn(),
-        disable=not enabled, transient=False,
-    )
+    return progress_bar(field="rate", elapsed=True, eta=True, enabled=enabled)
 
 
 def _rows_for(jobs: list[tuple[Shard, np.ndarray | None]], table: pd.DataFrame) -> pd.DataFrame:

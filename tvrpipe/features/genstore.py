@@ -545,10 +545,9 @@ def generate_store(
     with StoreWriter(out, videos[["video_id", "split", "path"]], texts, _provenance(spec, videos, captions),
                      video_shard, text_shard, overwrite, made_by=made_by, wait=wait) as writer:
         v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from tvrpipe.progress import progress_bar
 
-        columns = (TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, disable=not progress) as bar:
+        with progress_bar(elapsed=True, enabled=progress) as bar:
             task = bar.add_task("videos", total=len(v_pending))
             for s in v_pending:
                 frames, mask, stamps = _video_shard(spec, lat, s, len(videos))

@@ -518,11 +518,10 @@ class RunLoop:
     @contextmanager
     def progress(self, title: str, enabled: bool = True) -> Iterator[None]:
         """A progress bar over the steps left (time remaining, the trainer's line of ``info``)."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from tvrpipe.progress import progress_bar
 
         left = self.schedule.steps_per_epoch * max(0, self.schedule.epochs - self.start_epoch)
-        bar = Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("{task.fields[info]}", markup=False), TimeRemainingColumn(), disable=not enabled)
+        bar = progress_bar(field="info", eta=True, enabled=enabled)
         with bar:
             self._bar, self._task = bar, bar.add_task(title, total=left, info="")
             try:

@@ -89,7 +89,7 @@ def _fit_with_progress(trainer, out: Path, job: FinetuneJob) -> None:
     output does not reach this terminal)."""
     import threading
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from tvrpipe.progress import progress_bar
 
     progress = ProgressFile(out)
     progress.path.unlink(missing_ok=True)
@@ -103,8 +103,7 @@ def _fit_with_progress(trainer, out: Path, job: FinetuneJob) -> None:
 
     thread = threading.Thread(target=fit, daemon=True)
     thread.start()
-    bar = Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[info]}", markup=False), TimeRemainingColumn(), disable=not job.progress)
+    bar = progress_bar(field="info", eta=True, enabled=job.progress)
     with bar:
         task = bar.add_task(f"finetune {job.method} ({job.cfg.num_workers} Ray Train workers)", total=None,
                             info="starting the workers")
