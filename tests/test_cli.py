@@ -11,6 +11,7 @@ import sys
 
 import pandas as pd
 import pytest
+import typer
 
 
 def test_help_lists_command_groups(cli):
@@ -517,3 +518,31 @@ def test_export_checks_the_room_it_needs_before_writing(cli, tmp_path, monkeypat
     text = " ".join(r.output.split())
     assert r.exit_code == 1 and f"--out {tmp_path / 'f.h5'}: the export needs about 0.02 GB and" in text, r.output
     assert "0.00 GB free" in text and not list(tmp_path.glob("*f.h5*"))
+
+
+def test_given_fields_passes_the_options_given_that_name_a_config_field():
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from tvrpipe.cli.app import given_fields
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float = 1e-3
+        timeout_s: float = 5.0
+        group_lr: dict = dataclasses.field(default_factory=dict)
+
+    got = {}
+    app = typer.Typer()
+
+    @app.command()
+    def cmd(ctx: typer.Context, lr: float = 1e-3, timeout: float = 5.0, group_lr: list[str] = [],  # noqa: B006
+            out: str = "o") -> None:
+        got.update(given_fields(ctx, Cfg, {"timeout": "timeout_s"},
+                                {"group_lr": lambda v: dict(x.split("=") for x in v)}))
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--out", "x"]).exit_code == 0 and got == {}  # defaults and non-fields stay out
+    assert runner.invoke(app, ["--lr", "0.5", "--timeout", "9", "--group-lr", "head=1"]).exit_code == 0
+    assert got == {"lr": 0.5, "timeout_s": 9.0, "group_lr": {"head": "1"}}

@@ -70,7 +70,7 @@ def test_the_peak_memory_of_a_step_falls_with_the_chunk_size(device, record):
     if device.type != "cuda":
         pytest.skip("the peak is measured by CUDA's allocator")
     model = live("xpool", "fp16", device, "ViT-B-32")
-    batch = inputs(32, 12, model._bundle.image_size)
+    batch = inputs(32, 12, model.bundle.image_size)
     peaks = {}
     for chunk in (None, 8, 2):
         model.zero_grad(set_to_none=True)

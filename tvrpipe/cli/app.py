@@ -11,7 +11,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any
 
 import click
@@ -162,6 +162,20 @@ def given(ctx: click.Context, values: Mapping[str, Any], names: Mapping[str, str
     names = names or {}
     explicit = explicit_options(ctx)
     return {names.get(k, k): v for k, v in values.items() if k in explicit}
+
+
+def given_fields(ctx: click.Context, config: type, names: Mapping[str, str] | None = None,
+                 convert: Mapping[str, Callable[[Any], Any]] | None = None) -> dict[str, Any]:
+    """:func:`given` for every option of the command that sets a field of the dataclass ``config`` (by name, or
+    through ``names``, {parameter: field}), read from ``ctx.params``: a command no longer names each of its
+    options a second time, and an option added to it reaches the config by having the field's name.
+    ``convert``: {parameter: function} for options given as text that the config takes parsed (``--group-lr``)."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(config)}
+    names, convert = names or {}, convert or {}
+    values = {k: convert[k](v) if k in convert else v for k, v in ctx.params.items() if names.get(k, k) in fields}
+    return given(ctx, values, names)
 
 
 def defaults_of(function: Any) -> Any:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, finite_float, given, new_app
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, finite_float, given_fields, new_app
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.extract import ExtractConfig
 
@@ -108,12 +108,7 @@ def extract_cmd(
         out = default_features_dir(name, model, pretrained)
         console.print(f"features: {out}", highlight=False)
     # what the user gave; ExtractConfig holds every other default (what --help shows)
-    cfg = ExtractConfig(**given(ctx, dict(
-        model=model, pretrained=pretrained, frames=frames, max_words=max_words, batch_size=batch_size, device=device,
-        precision=precision,
-        address=address, decoders=decoders, encoders=encoders, timeout=timeout, seed=seed, video_shard=video_shard,
-        text_shard=text_shard, overwrite=overwrite, retry_failed=retry_failed,
-        max_failed_fraction=max_failed_fraction), {"timeout": "timeout_s"}))
+    cfg = ExtractConfig(**given_fields(ctx, ExtractConfig, {"timeout": "timeout_s"}))
     ours = not ray_running()  # a Ray this command starts is stopped when it is done (one it joined is left)
     try:
         summary = extract(manifest, video_root, out, cfg)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tvrpipe.cli.app import PAPERS, app, console, finite_float, given, refuse_unused
+from tvrpipe.cli.app import PAPERS, app, console, finite_float, given_fields, refuse_unused
 from tvrpipe.cli.options import apply_recipe, parse_group_lr, parse_overrides, parse_post, print_metrics
 from tvrpipe.errors import ConfigError
 from tvrpipe.training.finetune.config import FinetuneConfig
@@ -127,14 +127,8 @@ def finetune_cmd(
     from tvrpipe.training.finetune import finetune
 
     # what the user gave; FinetuneConfig holds every other default (what --help shows)
-    options = given(ctx, dict(
-        end_to_end=end_to_end, model=model, pretrained=pretrained, epochs=epochs, epoch_pairs=epoch_pairs,
-        batch_size=batch_size, frames=frames, max_words=max_words, optimizer=optimizer, clip_lr=clip_lr,
-        head_lr=head_lr, group_lr=parse_group_lr(group_lr or []), weight_decay=weight_decay, grad_clip=grad_clip,
-        precision=precision, grad_checkpointing=grad_checkpointing, chunk_size=chunk_size, init_from_clip=init_from_clip,
-        num_workers=num_workers, use_gpu=use_gpu, address=address, cpus_per_worker=cpus_per_worker,
-        loader_workers=loader_workers, seed=seed, timeout=timeout, max_failed_fraction=max_failed_fraction),
-        {"timeout": "timeout_s"})
+    options = given_fields(ctx, FinetuneConfig, {"timeout": "timeout_s"},
+                           {"group_lr": lambda v: parse_group_lr(v or [])})
     record = None
     if recipe is None:
         missing = [f"--{k.replace('_', '-')}" for k, v in (("method", method), ("manifest", manifest),

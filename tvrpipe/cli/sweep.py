@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from tvrpipe.cli.app import PAPERS, app, console, finite_float, given, refuse_unused
+from tvrpipe.cli.app import PAPERS, app, console, finite_float, given_fields, refuse_unused
 from tvrpipe.cli.options import (
     BatchSizeOption,
     EpochsOption,
@@ -84,8 +84,7 @@ def sweep(
         refuse_unused(ctx, ("max_epochs", "patience"), "they shape a run until validation stops improving, and "
                       "these train a fixed number of epochs; leave them out")
     # what the user gave; TrainConfig holds every other default (what --help shows)
-    cfg = TrainConfig(**given(ctx, dict(epochs=epochs, max_epochs=max_epochs, patience=patience,
-                                        batch_size=batch_size, lr=lr, weight_decay=weight_decay)))
+    cfg = TrainConfig(**given_fields(ctx, TrainConfig))
     console.print(f"{len(runs)} runs ({len(names)} methods x {len(_ints('--seeds', seeds))} seeds"
                   f"{' x swept values' if set_ else ''}) into {out}", highlight=False)
     result = run_sweep(features, runs, out, cfg, parse_post(post or []), address, cpus_per_run, gpus_per_run)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, explicit_options, given, refuse_unused
+from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, explicit_options, given_fields, refuse_unused
 from tvrpipe.cli.options import (
     BatchSizeOption,
     EpochsOption,
@@ -80,10 +80,7 @@ def train_head(
     from tvrpipe.training.fit import fit
 
     # what the user gave; TrainConfig holds every other default (what --help shows)
-    options = given(ctx, dict(epochs=epochs, max_epochs=max_epochs, patience=patience, batch_size=batch_size,
-                              optimizer=optimizer, lr=lr, group_lr=parse_group_lr(group_lr or []),
-                              weight_decay=weight_decay, seed=seed, device=device, prefetch=prefetch,
-                              init_from_clip=init_from_clip))
+    options = given_fields(ctx, TrainConfig, convert={"group_lr": lambda v: parse_group_lr(v or [])})
     record = None
     if recipe is None:
         if method is None or out is None:

@@ -84,7 +84,8 @@ class LiveModel(nn.Module):
     def __init__(self, bundle, head: Head, end_to_end: bool, precision: str) -> None:
         super().__init__()
         self.clip, self.head = bundle.model, head
-        self._bundle, self.end_to_end, self.precision = bundle, end_to_end, precision
+        # public: step, plan, the loop and the export read the device, sizes and tokenizer from it
+        self.bundle, self.end_to_end, self.precision = bundle, end_to_end, precision
         self.frozen_features: dict = {}  # evaluation features of a frozen CLIP, per split
 
     def autocast(self):
@@ -93,7 +94,7 @@ class LiveModel(nn.Module):
         if self.precision == "fp32":
             return nullcontext()
         dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
-        return torch.autocast(self._bundle.device.type, dtype=dtype)
+        return torch.autocast(self.bundle.device.type, dtype=dtype)
 
     def features(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str],
                  max_words: int) -> tuple[TextBatch, VideoBatch]:
@@ -107,12 +108,12 @@ class LiveModel(nn.Module):
         """Frame [CLS] projections of uint8 frames (B, F, S, S, 3), zero where the mask is False."""
         from tvrpipe.features.clip import image_features
 
-        frame_mask = frame_mask.to(self._bundle.device)
+        frame_mask = frame_mask.to(self.bundle.device)
         B, F = frame_mask.shape
         if not frame_mask.any():  # every video of the batch failed to decode: nothing to encode
-            return VideoBatch(torch.zeros(B, F, self._bundle.embed_dim, device=self._bundle.device), frame_mask)
+            return VideoBatch(torch.zeros(B, F, self.bundle.embed_dim, device=self.bundle.device), frame_mask)
         with self._grad(), self.autocast():
-            emb = image_features(self._bundle, frames[frame_mask.cpu()], self.clip).float()  # (n_real, D)
+            emb = image_features(self.bundle, frames[frame_mask.cpu()], self.clip).float()  # (n_real, D)
         video = emb.new_zeros(B * F, emb.shape[-1]).index_copy(
             0, torch.nonzero(frame_mask.reshape(-1)).squeeze(1), emb).view(B, F, -1)  # (B, F, D)
         return VideoBatch(video, frame_mask)
@@ -121,10 +122,10 @@ class LiveModel(nn.Module):
         """Word tokens (zero after EOS), their mask and the EOS sentence of captions."""
         from tvrpipe.features.clip import text_features, tokenize
 
-        ids, mask = tokenize(self._bundle, texts, max_words)
+        ids, mask = tokenize(self.bundle, texts, max_words)
         with self._grad(), self.autocast():
-            tokens, sentence = text_features(self._bundle, ids, self.clip)
-        return TextBatch(tokens.float(), mask.to(self._bundle.device), sentence.float())
+            tokens, sentence = text_features(self.bundle, ids, self.clip)
+        return TextBatch(tokens.float(), mask.to(self.bundle.device), sentence.float())
 
     def forward(self, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str], max_words: int,
                 head_rng: tuple | None = None):
@@ -132,7 +133,7 @@ class LiveModel(nn.Module):
         head draws its noise from (:func:`~tvrpipe.training.core.rng_state`; default: where CLIP left it)."""
         t, v = gather_pairs(*self.features(frames, frame_mask, texts, max_words))
         if head_rng is not None:
-            set_rng_state(head_rng, self._bundle.device)
+            set_rng_state(head_rng, self.bundle.device)
         out = self.head.loss(t, v)  # heads run in fp32, outside autocast
         return out.total, out.terms
 

@@ -173,8 +173,8 @@ def measure_step(model, texts: list[str], frames: int, max_words: int, pairs: in
     fp32 tensors the optimiser keeps per weight. The model is left as it was given."""
     own = (model.precision, checkpointing)
     settings = settings or [own]
-    S = model._bundle.image_size
-    D = model._bundle.embed_dim
+    S = model.bundle.image_size
+    D = model.bundle.embed_dim
     params = list(model.parameters())
     exclude = {p.untyped_storage().data_ptr() for p in params}
     trainable = [p for p in params if p.requires_grad]

@@ -66,7 +66,7 @@ def step_gradients(model: LiveModel, wrapped: nn.Module, frames: torch.Tensor, f
 
     The random state at the call is the step's (``seed_step``): the head draws from it in both paths.
     """
-    device = model._bundle.device
+    device = model.bundle.device
     head_rng = rng_state(device)
     parts = chunks(len(texts), chunk)
     # with several workers the path follows the option alone, never this worker's count of decoded pairs: every
@@ -88,7 +88,7 @@ def step_gradients(model: LiveModel, wrapped: nn.Module, frames: torch.Tensor, f
 
 def _chunked(model: LiveModel, frames: torch.Tensor, frame_mask: torch.Tensor, texts: list[str], max_words: int,
              parts: list[slice], scaler, head_rng: RngState, check) -> tuple[torch.Tensor, dict]:
-    device = model._bundle.device
+    device = model.bundle.device
     first: list[tuple[RngState, TextBatch, VideoBatch]] = []
     with torch.no_grad():  # 1. every chunk's features, without a graph
         for s in parts:

@@ -31,7 +31,7 @@ def export_clip(model, out: Path, method: str, end_to_end: bool) -> tuple[dict, 
 
     if end_to_end:
         adopt_head_scale(model.clip, model.head)
-    provenance = {"weights_sha256": state_dict_sha256(model.clip), "model": extract_model_name(model._bundle)}
+    provenance = {"weights_sha256": state_dict_sha256(model.clip), "model": extract_model_name(model.bundle)}
     if not end_to_end:
         return provenance, None
     name = provenance["model"]

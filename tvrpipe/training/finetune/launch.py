@@ -16,7 +16,6 @@ from tvrpipe.training.finetune.job import FinetuneJob
 from tvrpipe.training.finetune.loop import ProgressFile, run_job
 
 NO_GPU = "--use-gpu: no CUDA device is available here; leave it out to train on the CPU"
-PROGRESS_FILE = ".progress.json"
 
 
 

@@ -61,7 +61,7 @@ def encode_split(model: LiveModel, loader_for, videos: np.ndarray, captions: np.
             tokens.append(t.tokens.cpu().numpy())
             token_masks.append(t.token_mask.cpu().numpy())
             sentences.append(t.sentence.cpu().numpy())
-    D, F, L = model._bundle.embed_dim, job.frames, job.max_words
+    D, F, L = model.bundle.embed_dim, job.frames, job.max_words
     column = {int(v): i for i, v in enumerate(videos)}
     join = lambda parts, shape, dtype: np.concatenate(parts) if parts else np.zeros(shape, dtype)  # noqa: E731
     return SplitData(name=name, frames=join(frames, (0, F, D), np.float32), frame_mask=join(masks, (0, F), bool),
@@ -86,7 +86,7 @@ def evaluate(model: LiveModel, loader_for, split: tuple[np.ndarray, np.ndarray],
     querybank = None
     if "qbnorm" in post:  # training captions, encoded by the same CLIP
         querybank = encode_split(model, loader_for, videos[:0], job.train_texts, job, failures, "train")
-    return evaluate_split(model.head, data, model._bundle.device, job.cfg.eval_batch, job.cfg.block_texts, post=post,
+    return evaluate_split(model.head, data, model.bundle.device, job.cfg.eval_batch, job.cfg.block_texts, post=post,
                           querybank=querybank, readouts=readouts)
 
 
@@ -108,7 +108,7 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
 
     # ---- model, optimiser
     model = live_model(job, device)
-    bundle, head = model._bundle, model.head
+    bundle, head = model.bundle, model.head
     groups = param_groups(model, cfg.clip_lr, cfg.head_lr, cfg.weight_decay, cfg.group_lr)
     opt = make_optimizer(cfg.optimizer, groups)
     scaler = torch.amp.GradScaler(bundle.device.type, enabled=cfg.precision == "fp16")
@@ -229,7 +229,7 @@ def distributed(model: LiveModel, world: int) -> nn.Module:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    device = model._bundle.device
+    device = model.bundle.device
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
 
