@@ -23,6 +23,8 @@ from tvrpipe.search.engine import (
     search,
     two_stage,
 )
+from tvrpipe.search.first_stages import exact as exact_mod
+from tvrpipe.search.first_stages import faiss_hnsw as hnsw_mod
 from tvrpipe.search.index import (
     INDEX_DIR,
     exact_top,
@@ -84,7 +86,7 @@ def test_exact_top_against_numpy_over_blocks(monkeypatch):
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
     emb[7] = emb[3]  # a tie: the lower row first
     q[0] = emb[3]
-    monkeypatch.setattr(index_mod, "_BLOCK", 16)  # four blocks, the last short
+    monkeypatch.setattr(exact_mod, "_BLOCK", 16)  # four blocks, the last short
     idx, s = exact_top(emb, q, 5)
     full = q @ emb.T
     for i in range(3):
@@ -194,7 +196,7 @@ def test_faiss_first_stage_equals_exact_below_hnsw_and_recalls_above(store, capt
     f_idx, f_s = flat.top(q, 10)
     np.testing.assert_allclose(f_s, e_s, rtol=1e-5, atol=1e-6)
     assert (f_idx == e_idx).mean() > 0.99  # equal up to ties of float rounding
-    monkeypatch.setattr(index_mod, "HNSW_FROM", 10)
+    monkeypatch.setattr(hnsw_mod, "HNSW_FROM", 10)
     hnsw = first_stage(store, "faiss", cache=False)
     assert hasattr(hnsw.index, "hnsw")
     h_idx, _ = hnsw.top(q, 10)

@@ -389,7 +389,9 @@ def bench_search(
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import head_class, list_heads
     from tvrpipe.rundir import BEST, CHECKPOINTS
-    from tvrpipe.search.index import INDEX_DIR, exact_top, faiss_kind, resolve_first_stage
+    from tvrpipe.search.first_stages.exact import exact_top
+    from tvrpipe.search.first_stages.faiss_hnsw import faiss_kind
+    from tvrpipe.search.index import INDEX_DIR, resolve_first_stage
     from tvrpipe.search.index import first_stage as build_first_stage
 
     ks = _check(videos, queries, candidates, train_videos, train_epochs, dim)

@@ -35,15 +35,13 @@ import numpy as np
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import FeatureStore, store_identity, written_state
 from tvrpipe.files import remove_staged, staged_name
+from tvrpipe.search.first_stages.exact import exact_top
+from tvrpipe.search.first_stages.faiss_hnsw import build_faiss, faiss_available, faiss_kind
 
 log = logging.getLogger(__name__)
 
 INDEX_DIR = "search-index"
 FIRST_STAGES = ("auto", "exact", "faiss")
-HNSW_FROM = 20_000  # below it a flat index is exact and fast enough (a matrix product over 20k x D)
-HNSW_M = 32  # FAISS' usual graph degree for 512-d embeddings
-HNSW_EF_CONSTRUCTION = 80
-_BLOCK = 65_536  # videos per block of the exact stage: 128 MiB of float32 scores per 512 queries
 
 
 def store_key(store: FeatureStore) -> str:
@@ -53,15 +51,6 @@ def store_key(store: FeatureStore) -> str:
     ident = {**store_identity(store.provenance), "n_videos": int(store.provenance.get("n_videos", 0)),
              "videos": written_state(store.dir, "videos")}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def faiss_available() -> bool:
-    """Whether faiss-cpu is installed (the ``search`` extra)."""
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def resolve_first_stage(kind: str) -> str:
@@ -85,25 +74,6 @@ def require_faiss(what: str) -> None:
     """Raise :class:`ConfigError` saying that ``what`` (the option asked for) needs faiss-cpu, unless installed."""
     if not faiss_available():
         raise ConfigError(f"{what} {_NEEDS_FAISS}")
-
-
-def build_faiss(emb: np.ndarray):
-    """An inner-product FAISS index of ``emb`` (L2-normalised rows: inner product = cosine)."""
-    import faiss
-
-    n, d = emb.shape
-    if n < HNSW_FROM:
-        index = faiss.IndexFlatIP(d)
-    else:
-        index = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
-    index.add(np.ascontiguousarray(emb, dtype=np.float32))
-    return index
-
-
-def faiss_kind(index) -> str:
-    """A FAISS index in words, for index.json and the bench."""
-    return type(index).__name__
 
 
 @dataclass
@@ -141,26 +111,6 @@ class FirstStage:
                 idx[short], scores[short] = exact_top(self.pooled, q[short], k)
             return idx, scores
         return exact_top(self.pooled, q, k)
-
-
-def exact_top(emb: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The exact top ``k`` rows of ``emb`` by inner product with each row of ``q``, best first, equal scores
-    by row (also at the cut: of identical videos, the first rows are kept), over blocks of :data:`_BLOCK`
-    rows so the score matrix never holds more than one block per query."""
-    best_s = np.full((len(q), 0), -np.inf, np.float32)
-    best_i = np.zeros((len(q), 0), np.int64)
-    for a in range(0, len(emb), _BLOCK):
-        s = q @ emb[a : a + _BLOCK].T  # (Q, block)
-        i = np.broadcast_to(np.arange(a, a + s.shape[1]), s.shape)
-        # the kept rows all precede this block, so each row of best_* stays in ascending row order
-        best_s, best_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i], 1)
-        if best_s.shape[1] > k:
-            cut = -np.partition(-best_s, k - 1, axis=1)[:, k - 1 : k]  # each query's k-th best score
-            above, at = best_s > cut, best_s == cut
-            keep = above | (at & (np.cumsum(at, axis=1) <= k - above.sum(1, keepdims=True)))  # k per query
-            best_s, best_i = best_s[keep].reshape(len(q), k), best_i[keep].reshape(len(q), k)
-    order = np.lexsort((best_i, -best_s), axis=1)  # score descending, then row ascending
-    return np.take_along_axis(best_i, order, 1), np.take_along_axis(best_s, order, 1)
 
 
 def pooled_rows(store: FeatureStore) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,1 @@
+"""The first stages of a search: one module per backend."""
