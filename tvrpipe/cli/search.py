@@ -14,6 +14,7 @@ from rich.text import Text
 
 from tvrpipe.cli.app import MAIN_PATH, app, console
 from tvrpipe.errors import ConfigError
+from tvrpipe.search.first_stages import AUTO, first_stage_help
 
 
 @app.command("search", rich_help_panel=MAIN_PATH)
@@ -33,10 +34,10 @@ def search_cmd(
         help="K: the shortlist of the first stage (pooled CLIP embeddings) that the run's head re-ranks; "
              "default: the head scores every video (exhaustive).")] = None,
     first_stage: Annotated[str, typer.Option(
-        help="auto: a FAISS index (kept in <features>/search-index/) where faiss-cpu is installed, else exact; "
-             "exact: a matrix product; faiss.")] = "auto",
+        help="What ranks every video for --candidates (its index kept in <features>/search-index/). "
+             f"{first_stage_help()}.")] = AUTO,
     index: Annotated[Optional[Path], typer.Option(
-        help="A FAISS index folder written by `tvrpipe export --format faiss` for the first stage; it must be "
+        help="An index folder written by `tvrpipe export --format faiss` for the first stage; it must be "
              "of this very store.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the hits as a JSON list.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write the hits as CSV.")] = None,

@@ -1,7 +1,8 @@
 """``tvrpipe search``: rank a feature store's videos for sentences, with a trained run's head or zero-shot CLIP.
 
 Two stages (:func:`search`): the first ranks every video's pooled CLIP embedding against the query's
-sentence embedding (:mod:`tvrpipe.search.index`: exact, or a FAISS index); the run's head then scores the
+sentence embedding (:mod:`tvrpipe.search.index`, with a first stage of :mod:`tvrpipe.search.first_stages`:
+exact, or an index); the run's head then scores the
 ``candidates`` best of them and the top ``k`` of its scores are the hits. With ``candidates`` None (or at
 least the collection's size) the head scores every video (:func:`exhaustive`), in blocks of videos so
 memory stays bounded: the two stages with K = n are the exhaustive search.
@@ -421,8 +422,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         queries: the sentences.
         k: hits per query; None: :data:`DEFAULT_TOP_K`, or every video of a smaller store.
         candidates: K, the shortlist the head re-ranks; None (or >= the searchable videos): every video.
-        first_stage: ``auto`` | ``exact`` | ``faiss`` (:mod:`tvrpipe.search.index`).
-        index: a FAISS index exported by ``tvrpipe export --format faiss``: the first stage (``first_stage``
+        first_stage: ``auto`` or a registered first stage (:func:`~tvrpipe.search.first_stages.list_first_stages`).
+        index: an index exported by ``tvrpipe export --format faiss``: the first stage (``first_stage``
             must then be left at ``auto``).
         texts: the queries already encoded (:meth:`Searcher.encode`); encoded here when None.
 
@@ -434,7 +435,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             or a first stage that cannot be had (checked before the first stage is built where the store's
             size is enough to tell).
     """
-    from tvrpipe.search.index import exported_stage, resolve_first_stage
+    from tvrpipe.search.first_stages import resolve_first_stage
+    from tvrpipe.search.index import exported_stage
     from tvrpipe.search.index import first_stage as make_stage
 
     check_queries(queries)
