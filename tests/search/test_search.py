@@ -487,6 +487,22 @@ def test_a_generated_store_is_refused_before_anything_is_written_naming_its_make
     assert not (bench / INDEX_DIR).exists()
 
 
+@pytest.mark.skipif(not faiss_available(), reason="faiss-cpu is not installed (pip install 'tvrpipe[search]')")
+def test_the_cli_searches_with_any_registered_first_stage_and_its_settings(tiny_copy, cli):
+    """`--first-stage faiss-ivfpq --first-stage-set ...` ranks as the exact stage where the shortlist holds every
+    video; an unknown setting is refused in one line naming the ones there are, before any index is built."""
+    r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss-ivfpq", "--first-stage-set",
+            "nprobe=4", "--first-stage-set", "ivf_from=2", "--json", tiny_copy.parent / "ivf.json")
+    assert r.exit_code == 0, r.output
+    r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "exact", "--json", tiny_copy.parent / "x.json")
+    assert r.exit_code == 0, r.output
+    assert (tiny_copy.parent / "ivf.json").read_text() == (tiny_copy.parent / "x.json").read_text()
+    meta = json.loads((tiny_copy / INDEX_DIR / "index.json").read_text())
+    assert meta["first_stage"]["name"] == "faiss-ivfpq" and meta["first_stage"]["settings"]["ivf_from"] == 2
+    r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss", "--first-stage-set", "nprobe=4")
+    assert r.exit_code == 1 and "first stage faiss-hnsw has no setting 'nprobe'; known: ef_construction" in _text(r)
+
+
 def test_faiss_missing_advises_the_install_that_works(tiny_copy, cli, monkeypatch):
     monkeypatch.setattr(hnsw_mod.FaissHNSW, "available", classmethod(lambda cls: False))
     r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss")

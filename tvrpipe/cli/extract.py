@@ -143,6 +143,9 @@ def export_cmd(
     first_stage: Annotated[Optional[str], typer.Option(
         help=f"--format faiss: which index, one of {', '.join(exportable_first_stages())} (default: "
              f"{EXPORTED}; tvrpipe search --help says what each is).", show_default=False)] = None,
+    first_stage_set: Annotated[Optional[list[str]], typer.Option(
+        metavar="KEY=VALUE", help="--format faiss: a build setting of the index, KEY=VALUE (repeatable; docs/search.md lists them).",
+        show_default=False)] = None,
 ) -> None:
     """Export a feature store: all of it to HDF5, or its pooled video embeddings to npy, Parquet or a search index."""
     from tvrpipe.features.export import POOLED_FORMATS, export_hdf5, export_pooled
@@ -150,12 +153,14 @@ def export_cmd(
     if format == "hdf5":
         console.print(f"wrote {export_hdf5(features, out)}")
         return
-    if first_stage is not None and format != "faiss":
-        raise ConfigError(f"--first-stage {first_stage} is for --format faiss, not --format {format}")
+    if (first_stage is not None or first_stage_set) and format != "faiss":
+        option = "--first-stage" if first_stage is not None else "--first-stage-set"
+        raise ConfigError(f"{option} is for --format faiss, not --format {format}")
     if format == "faiss":
         from tvrpipe.search.index import export_faiss
 
-        path, left_out = export_faiss(features, out, *([first_stage] if first_stage is not None else []))
+        path, left_out = export_faiss(features, out, *([first_stage] if first_stage is not None else []),
+                                      settings=first_stage_set)
     elif format not in POOLED_FORMATS:
         raise ConfigError(f"--format {format!r} is not supported; use hdf5, {', '.join(POOLED_FORMATS)} or faiss")
     else:

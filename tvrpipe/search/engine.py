@@ -414,7 +414,7 @@ class Found:
 
 def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
-           texts: TextBatch | None = None) -> Found:
+           texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = ()) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -426,6 +426,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         index: an index exported by ``tvrpipe export --format faiss``: the first stage (``first_stage``
             must then be left at ``auto``).
         texts: the queries already encoded (:meth:`Searcher.encode`); encoded here when None.
+        first_stage_settings: the first stage's settings over its Config's defaults (``KEY=VALUE`` items or a
+            mapping); with ``index``, its search-time ones only.
 
     Returns:
         The hits (one per query and rank, queries in order, best first), and how many videos were scored.
@@ -435,7 +437,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             or a first stage that cannot be had (checked before the first stage is built where the store's
             size is enough to tell).
     """
-    from tvrpipe.search.first_stages import resolve_first_stage
+    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.index import exported_stage
     from tvrpipe.search.index import first_stage as make_stage
 
@@ -445,14 +447,16 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
     if index is not None and first_stage != "auto":
         raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
-    resolve_first_stage(first_stage)
+    if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
+        stage_config(resolve_first_stage(first_stage), first_stage_settings)
     if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
         check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
         _check_candidates(candidates, k)
     # the queries first: a store whose sentences cannot be encoded (a generated one, a moved checkpoint) is refused
     # before its index is written
     texts = texts if texts is not None else searcher.encode(queries)
-    stage = exported_stage(index, store) if index is not None else make_stage(store, first_stage)
+    stage = (exported_stage(index, store, first_stage_settings) if index is not None
+             else make_stage(store, first_stage, settings=first_stage_settings))
     k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
     check_top_k(k, len(stage), store)
     _check_candidates(candidates, k)

@@ -44,7 +44,7 @@ from tvrpipe.search.first_stages import (
     resolve_first_stage,
     stage_config,
 )
-from tvrpipe.search.first_stages.base import normalised
+from tvrpipe.search.first_stages.base import Settings, normalised, stage_settings
 from tvrpipe.search.first_stages.exact import exact_top
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def pooled_rows(store: FeatureStore) -> tuple[np.ndarray, np.ndarray]:
 
 
 def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
-                settings: Mapping[str, Any] | None = None) -> FirstStage:
+                settings: Settings | None = None) -> FirstStage:
     """The store's first stage ``kind`` (a registered name, an alias, or ``auto``) with ``settings`` over its
     Config's defaults, from ``<store>/search-index/`` when it was built from this very store (the index too,
     when built by this first stage with these build settings), else computed (and kept there when the folder
@@ -204,7 +204,7 @@ def _save(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index: F
 
 
 def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore,
-                   settings: Mapping[str, Any] | None = None) -> FirstStage:
+                   settings: Settings | None = None) -> FirstStage:
     """An index written by ``tvrpipe export --format faiss``, checked against ``store``; ``settings`` are its
     first stage's search-time ones (a beam, probes).
 
@@ -226,7 +226,7 @@ def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore,
                           f"export it again: tvrpipe export --features {shlex.quote(str(store.dir))} --format faiss "
                           f"{'' if cls.name == EXPORTED else f'--first-stage {cls.name} '}--out "
                           f"{shlex.quote(f'{d}.new')}")
-    built = sorted(set(settings or {}) - set(cls.search_fields))
+    built = sorted(set(stage_settings(cls.name, settings)) - set(cls.search_fields))
     if built:
         raise ConfigError(f"--index {d} is built: {built[0]} is a build setting of {cls.name}; set only "
                           f"{', '.join(cls.search_fields) or 'nothing'} with it, or export it again")
@@ -239,7 +239,7 @@ def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore,
 
 
 def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], kind: str = EXPORTED,
-                 settings: Mapping[str, Any] | None = None) -> tuple[Path, int]:
+                 settings: Settings | None = None) -> tuple[Path, int]:
     """Write a new folder ``out`` with the store's first-stage index ``kind`` (:func:`~tvrpipe.search.first_stages.exportable_first_stages`; by default
     FAISS HNSW, an inner product over L2-normalised pooled embeddings) for other tools and for ``tvrpipe search
     --index``: its files (``faiss.index`` for the FAISS ones), ``pooled.npy`` and ``rows.npy`` (the embeddings

@@ -27,4 +27,5 @@ __all__ = ["AUTO", "FirstStageIndex", "StageConfig", "exportable_first_stages", 
 from tvrpipe.search.first_stages import (
     exact,  # noqa: F401
     faiss_hnsw,  # noqa: F401
+    faiss_ivfpq,  # noqa: F401
 )

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from tvrpipe.config import check_fields
+from tvrpipe.config import check_fields, parse_fields, split_item
 from tvrpipe.errors import ConfigError
 
 AUTO = "auto"  # not a first stage: the available one of highest auto_rank (FirstStageIndex.auto_rank)
@@ -210,16 +210,35 @@ def resolve_first_stage(name: str) -> str:
     return cls.name
 
 
-def stage_config(name: str, settings: Mapping[str, Any] | None = None) -> StageConfig:
-    """The first stage ``name``'s default Config with ``settings`` applied; an unknown key fails loudly.
+Settings = Mapping[str, Any] | Sequence[str]  # typed values, or the command line's KEY=VALUE items
+
+
+def stage_settings(name: str, settings: Settings | None) -> dict[str, Any]:
+    """``settings`` as typed values of the first stage ``name``'s Config: a mapping as it is, ``KEY=VALUE``
+    items (``--first-stage-set``) parsed by the fields' types; an unknown key fails loudly."""
+    cls = first_stage_class(name)
+    if settings is None or isinstance(settings, Mapping):
+        return dict(settings or {})
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    unknown = sorted({split_item(item, "--first-stage-set")[0] for item in settings} - fields)
+    if unknown:  # said before parse_fields would, with the settings there are
+        raise ConfigError(f"first stage {cls.name} has no setting {unknown[0]!r}; known: "
+                          f"{', '.join(sorted(fields)) or 'none'}")
+    return parse_fields(cls.Config, list(settings), cls.name)
+
+
+def stage_config(name: str, settings: Settings | None = None) -> StageConfig:
+    """The first stage ``name``'s default Config with ``settings`` applied (:func:`stage_settings`); an unknown
+    key fails loudly.
 
     Example:
-        >>> stage_config("faiss-hnsw", {"ef_search": 128}).ef_search  # doctest: +SKIP
+        >>> stage_config("faiss-hnsw", ["ef_search=128"]).ef_search  # doctest: +SKIP
         128
     """
     cls = first_stage_class(name)
+    settings = stage_settings(name, settings)
     fields = {f.name for f in dataclasses.fields(cls.Config)}
-    unknown = sorted(set(settings or {}) - fields)
+    unknown = sorted(set(settings) - fields)
     if unknown:
         raise ConfigError(f"first stage {cls.name} has no setting {unknown[0]!r}; known: "
                           f"{', '.join(sorted(fields)) or 'none'}")
