@@ -287,7 +287,7 @@ def test_export_pooled_embeddings_as_npy_and_parquet(store_dir, tmp_path, cli):
     assert json.loads(pt.schema.metadata[b"tvrpipe"])["model"] == TINY_MODEL
     r = cli("export", "--features", store_dir, "--format", "npy", "--out", tmp_path / "pooled")
     assert r.exit_code == 1 and "exists; choose a new folder name" in " ".join(r.output.split())
-    from tvrpipe.search.index import faiss_available
+    from tvrpipe.search.first_stages.faiss_hnsw import faiss_available
 
     if faiss_available():  # the same embeddings in a FAISS index, which finds each one's own video first
         import faiss

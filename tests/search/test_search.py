@@ -23,12 +23,14 @@ from tvrpipe.search.engine import (
     search,
     two_stage,
 )
+from tvrpipe.search.first_stages import exact as exact_mod
+from tvrpipe.search.first_stages import faiss_hnsw as hnsw_mod
+from tvrpipe.search.first_stages.faiss_hnsw import faiss_available
 from tvrpipe.search.index import (
     INDEX_DIR,
     exact_top,
     export_faiss,
     exported_stage,
-    faiss_available,
     first_stage,
     pooled_rows,
     store_key,
@@ -84,7 +86,7 @@ def test_exact_top_against_numpy_over_blocks(monkeypatch):
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
     emb[7] = emb[3]  # a tie: the lower row first
     q[0] = emb[3]
-    monkeypatch.setattr(index_mod, "_BLOCK", 16)  # four blocks, the last short
+    monkeypatch.setattr(exact_mod, "_BLOCK", 16)  # four blocks, the last short
     idx, s = exact_top(emb, q, 5)
     full = q @ emb.T
     for i in range(3):
@@ -113,7 +115,7 @@ def test_a_faiss_search_short_of_k_falls_back_to_the_exact_top():
             idx[0, 0], idx[0, 1] = idx[0, 1], idx[0, 0]  # an answered query is kept as FAISS gave it
             return s, idx
 
-    stage = index_mod.FirstStage(emb, np.arange(30), "faiss", Short())
+    stage = index_mod.FirstStage(emb, np.arange(30), hnsw_mod.FaissHNSW(emb, hnsw_mod.FaissHNSW.Config(), Short()))
     idx, s = stage.top(q, 5)
     want, want_s = exact_top(emb, q / np.linalg.norm(q, axis=1, keepdims=True), 5)
     assert idx[1].tolist() == want[1].tolist() and np.isfinite(s).all()
@@ -186,7 +188,7 @@ def test_zero_shot_search_ranks_the_captioned_video_above_chance(store, captions
 
 
 @pytest.mark.skipif(not faiss_available(), reason="faiss-cpu is not installed (pip install 'tvrpipe[search]')")
-def test_faiss_first_stage_equals_exact_below_hnsw_and_recalls_above(store, captions, monkeypatch):
+def test_faiss_first_stage_equals_exact_below_hnsw_and_recalls_above(store, captions):
     q = captions[0].sentence.numpy()
     exact = first_stage(store, "exact", cache=False)
     flat = first_stage(store, "faiss", cache=False)
@@ -194,9 +196,8 @@ def test_faiss_first_stage_equals_exact_below_hnsw_and_recalls_above(store, capt
     f_idx, f_s = flat.top(q, 10)
     np.testing.assert_allclose(f_s, e_s, rtol=1e-5, atol=1e-6)
     assert (f_idx == e_idx).mean() > 0.99  # equal up to ties of float rounding
-    monkeypatch.setattr(index_mod, "HNSW_FROM", 10)
-    hnsw = first_stage(store, "faiss", cache=False)
-    assert hasattr(hnsw.index, "hnsw")
+    hnsw = first_stage(store, "faiss", cache=False, settings={"hnsw_from": 10})
+    assert hasattr(hnsw.index.index, "hnsw") and "IndexHNSWFlat M=32" in hnsw.describe()
     h_idx, _ = hnsw.top(q, 10)
     assert np.mean([len(set(h_idx[i]) & set(e_idx[i])) / 10 for i in range(len(q))]) > 0.9
 
@@ -264,7 +265,7 @@ def test_bad_input_is_one_line_naming_it(store, captions, tmp_path):
         ({"k": n + 1}, rf"--top-k {n + 1} is more than the {n} videos of"),
         ({"k": 0}, "--top-k 0: ask for at least 1"),
         ({"k": 5, "candidates": 3}, "--candidates 3 is fewer than --top-k 5"),
-        ({"first_stage": "ann"}, "--first-stage 'ann': choose one of auto, exact, faiss"),
+        ({"first_stage": "ann"}, r"--first-stage 'ann': choose one of auto, exact, faiss-hnsw \(or faiss\)"),
         ({"index": tmp_path, "first_stage": "exact"}, "is the first stage; leave out --first-stage exact"),
     ]:
         with pytest.raises(ConfigError, match=match):
@@ -486,8 +487,24 @@ def test_a_generated_store_is_refused_before_anything_is_written_naming_its_make
     assert not (bench / INDEX_DIR).exists()
 
 
+@pytest.mark.skipif(not faiss_available(), reason="faiss-cpu is not installed (pip install 'tvrpipe[search]')")
+def test_the_cli_searches_with_any_registered_first_stage_and_its_settings(tiny_copy, cli):
+    """`--first-stage faiss-ivfpq --first-stage-set ...` ranks as the exact stage where the shortlist holds every
+    video; an unknown setting is refused in one line naming the ones there are, before any index is built."""
+    r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss-ivfpq", "--first-stage-set",
+            "nprobe=4", "--first-stage-set", "ivf_from=2", "--json", tiny_copy.parent / "ivf.json")
+    assert r.exit_code == 0, r.output
+    r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "exact", "--json", tiny_copy.parent / "x.json")
+    assert r.exit_code == 0, r.output
+    assert (tiny_copy.parent / "ivf.json").read_text() == (tiny_copy.parent / "x.json").read_text()
+    meta = json.loads((tiny_copy / INDEX_DIR / "index.json").read_text())
+    assert meta["first_stage"]["name"] == "faiss-ivfpq" and meta["first_stage"]["settings"]["ivf_from"] == 2
+    r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss", "--first-stage-set", "nprobe=4")
+    assert r.exit_code == 1 and "first stage faiss-hnsw has no setting 'nprobe'; known: ef_construction" in _text(r)
+
+
 def test_faiss_missing_advises_the_install_that_works(tiny_copy, cli, monkeypatch):
-    monkeypatch.setattr(index_mod, "faiss_available", lambda: False)
+    monkeypatch.setattr(hnsw_mod.FaissHNSW, "available", classmethod(lambda cls: False))
     r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss")
     assert r.exit_code == 1, r.output
     assert ("--first-stage faiss needs faiss-cpu (tvrpipe's search extra): pip install faiss-cpu, or in tvrpipe's "

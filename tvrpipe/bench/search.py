@@ -16,9 +16,9 @@ What runs:
 3. **Queries**: ``queries`` captions of the collection drawn at random (seeded); neither they nor their
    videos were trained on. They are searched as one batch, as ``tvrpipe search --queries FILE`` does, over
    every video of the collection.
-4. **The first stage** (:mod:`tvrpipe.search.index`, ``exact`` or ``faiss``) is built afresh from the
-   collection and kept in ``<collection>/search-index/``; its build time (pooling every video's frames, and
-   the FAISS index) is reported apart from the arms.
+4. **The first stage** (:mod:`tvrpipe.search.index`, any of :mod:`tvrpipe.search.first_stages`) is built
+   afresh from the collection and kept in ``<collection>/search-index/``; its build time (pooling every
+   video's frames, and its index) is reported apart from the arms.
 5. **Per head, each arm in a fresh process**: the exhaustive search (the head scores every video,
    :func:`~tvrpipe.search.engine.exhaustive`) and the two stages at each K of ``candidates``
    (:func:`~tvrpipe.search.engine.two_stage`: the first stage's K best per query, re-ranked by the head).
@@ -34,8 +34,8 @@ Reported: per head and arm qps, peak and extra memory, the videos the head encod
 two stages: the union of the queries' shortlists), **recall@10**: ``|two-stage top 10 & exhaustive top 10| /
 10`` averaged over the queries, the smallest K whose recall reaches :data:`TARGET_RECALL` (None where no K
 measured does), and the R@1 / R@10 of each query's own video (in %); for the first stage alone, its R@1 /
-R@10 and the share of queries whose video is in its top K (the ceiling of the two stages' R@K), and with
-FAISS the overlap of its top K with the exact top K.
+R@10 and the share of queries whose video is in its top K (the ceiling of the two stages' R@K), and for an
+approximate first stage the overlap of its top K with the exact top K.
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ class SearchBench:
     frames: int
     words: int
     candidates: list[int]
-    first_stage: str  # what ran: exact, or faiss and its index type
-    index_seconds: float  # building the first stage from the store (pooling, and the FAISS index)
+    first_stage: str  # what ran: the first stage's own description (exact, or its index and settings)
+    index_seconds: float  # building the first stage from the store (pooling, and its index)
     first_stage_seconds: float  # the first stage alone, top max(K) for every query (one batch)
     first_stage_r1: float  # zero-shot CLIP (mean-pooled) R@1 / R@10 of each query's video, in %
     first_stage_r10: float
     first_stage_hit: dict[int, float]  # K -> share of queries whose video is in the first stage's top K
-    first_stage_exact: dict[int, float] | None  # faiss: K -> mean |top K & exact top K| / K
+    first_stage_exact: dict[int, float] | None  # approximate first stages: K -> mean |top K & exact top K| / K
     train_videos: int
     train_epochs: int | None  # None: until validation stopped improving (train-head's default)
     # method -> {"test_R@1", "seconds", "run", "epochs_run", "selected_epoch"}
@@ -368,7 +368,8 @@ def bench_search(
         queries: held-out captions searched (one batch); the exhaustive arm's cost grows with them.
         candidates: the K measured (each between 10 and ``videos``).
         methods: heads (default: every registered head).
-        first_stage: ``exact``, ``faiss`` or ``auto`` (:func:`~tvrpipe.search.index.resolve_first_stage`).
+        first_stage: a registered first stage or ``auto``
+            (:func:`~tvrpipe.search.first_stages.resolve_first_stage`).
         train_videos: captioned train videos of the heads' benchmark.
         train_epochs: epochs each head trains (warmup then cosine); None: until validation stops improving,
             as ``tvrpipe train-head`` trains by default.
@@ -377,7 +378,7 @@ def bench_search(
         progress: progress bars.
 
     Raises:
-        ConfigError: an option out of range, an unknown head, or faiss asked for without faiss-cpu.
+        ConfigError: an option out of range, an unknown head or first stage, or one whose library is missing.
 
     Example:
         >>> bench = bench_search("bench/search", videos=20_000, methods=["xpool"])  # doctest: +SKIP
@@ -389,7 +390,9 @@ def bench_search(
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import head_class, list_heads
     from tvrpipe.rundir import BEST, CHECKPOINTS
-    from tvrpipe.search.index import INDEX_DIR, exact_top, faiss_kind, resolve_first_stage
+    from tvrpipe.search.first_stages import resolve_first_stage
+    from tvrpipe.search.first_stages.exact import exact_top
+    from tvrpipe.search.index import INDEX_DIR
     from tvrpipe.search.index import first_stage as build_first_stage
 
     ks = _check(videos, queries, candidates, train_videos, train_epochs, dim)
@@ -411,7 +414,7 @@ def bench_search(
     t = time.perf_counter()
     stage = build_first_stage(store, kind, cache=True)
     index_seconds = time.perf_counter() - t
-    what = kind if stage.index is None else f"{kind} ({faiss_kind(stage.index)})"
+    what = stage.describe()
 
     # the queries: held-out captions, and each one's video
     qrows = np.sort(np.random.default_rng([seed, 45]).choice(len(store.texts), queries, replace=False))
@@ -422,7 +425,7 @@ def bench_search(
     first_seconds = time.perf_counter() - t
     top = stage.rows[pos]  # (Q, max K) store rows, best first
     exact = None
-    if kind == "faiss":
+    if not stage.index.exact:
         want = stage.rows[exact_top(stage.pooled, sentences / np.linalg.norm(sentences, axis=1, keepdims=True),
                                     ks[-1])[0]]
         exact = {k: float(np.mean([len(set(top[q, :k]) & set(want[q, :k])) / k for q in range(queries)]))

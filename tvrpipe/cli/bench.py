@@ -15,6 +15,7 @@ from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
 from tvrpipe.bench.search import bench_search
 from tvrpipe.bench.worlds import bench_worlds
 from tvrpipe.cli.app import BENCHMARKS, app, console, defaults_of, finite_float, new_app
+from tvrpipe.search.first_stages import first_stage_help
 
 # each option's default is the benchmark function's (or its videos'), declared there once
 BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), defaults_of(bench_finetune),
@@ -305,7 +306,7 @@ def bench_search_cmd(
              f"{', '.join(map(str, BS.candidates))}).")] = None,
     method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
     first_stage: Annotated[str, typer.Option(
-        help="exact (a matrix product), faiss (an HNSW index at this size) or auto, as tvrpipe search.")
+        help=f"The first stage, as tvrpipe search's. {first_stage_help()}.")
     ] = BS.first_stage,
     train_videos: Annotated[int, typer.Option(
         help="Captioned train videos of the benchmark the heads train on (same generated world).")] = BS.train_videos,

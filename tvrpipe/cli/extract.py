@@ -11,6 +11,8 @@ from rich.table import Table
 from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, finite_float, given_fields, new_app
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.extract import ExtractConfig
+from tvrpipe.search.first_stages import exportable_first_stages
+from tvrpipe.search.index import EXPORTED
 
 EX = ExtractConfig()  # the defaults, declared once: in ExtractConfig
 features_app = new_app(help="Inspect feature stores.")
@@ -126,24 +128,34 @@ def extract_cmd(
 @app.command("export", rich_help_panel=TOOLS)
 def export_cmd(
     features: Annotated[Path, typer.Option(help="A complete feature store directory.")],
-    out: Annotated[Path, typer.Option(help="Output: a file (hdf5: features.h5; parquet: videos.parquet) or, for npy, "
-                                           "a new folder.")],
+    out: Annotated[Path, typer.Option(help="Output: a file (hdf5: features.h5; parquet: videos.parquet) or, for npy and "
+                                           "faiss, a new folder.")],
     format: Annotated[str, typer.Option(
         help="hdf5: the whole store in one file; npy or parquet: one pooled embedding per video (the meanpool "
              "head's: L2-normalised mean of the L2-normalised frames) with ids and provenance, for a vector "
-             "index or a dataframe; faiss: a folder with a FAISS inner-product index of them (needs faiss-cpu; "
+             "index or a dataframe; faiss: a folder with a first stage's index of them (--first-stage; "
              "`tvrpipe search --index` reads it).")] = "hdf5",
+    first_stage: Annotated[Optional[str], typer.Option(
+        help=f"--format faiss: which index, one of {', '.join(exportable_first_stages())} (default: "
+             f"{EXPORTED}; tvrpipe search --help says what each is).", show_default=False)] = None,
+    first_stage_set: Annotated[Optional[list[str]], typer.Option(
+        metavar="KEY=VALUE", help="--format faiss: a build setting of the index, KEY=VALUE (repeatable; docs/search.md lists them).",
+        show_default=False)] = None,
 ) -> None:
-    """Export a feature store: all of it to HDF5, or its pooled video embeddings to npy, Parquet or a FAISS index."""
+    """Export a feature store: all of it to HDF5, or its pooled video embeddings to npy, Parquet or a search index."""
     from tvrpipe.features.export import POOLED_FORMATS, export_hdf5, export_pooled
 
     if format == "hdf5":
         console.print(f"wrote {export_hdf5(features, out)}")
         return
+    if (first_stage is not None or first_stage_set) and format != "faiss":
+        option = "--first-stage" if first_stage is not None else "--first-stage-set"
+        raise ConfigError(f"{option} is for --format faiss, not --format {format}")
     if format == "faiss":
         from tvrpipe.search.index import export_faiss
 
-        path, left_out = export_faiss(features, out)
+        path, left_out = export_faiss(features, out, *([first_stage] if first_stage is not None else []),
+                                      settings=first_stage_set)
     elif format not in POOLED_FORMATS:
         raise ConfigError(f"--format {format!r} is not supported; use hdf5, {', '.join(POOLED_FORMATS)} or faiss")
     else:

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from tvrpipe.cli.app import MAIN_PATH, app, console
 from tvrpipe.errors import ConfigError
+from tvrpipe.search.first_stages import AUTO, first_stage_help
 
 
 @app.command("search", rich_help_panel=MAIN_PATH)
@@ -33,10 +34,14 @@ def search_cmd(
         help="K: the shortlist of the first stage (pooled CLIP embeddings) that the run's head re-ranks; "
              "default: the head scores every video (exhaustive).")] = None,
     first_stage: Annotated[str, typer.Option(
-        help="auto: a FAISS index (kept in <features>/search-index/) where faiss-cpu is installed, else exact; "
-             "exact: a matrix product; faiss.")] = "auto",
+        help="What ranks every video for --candidates (its index kept in <features>/search-index/). "
+             f"{first_stage_help()}.")] = AUTO,
+    first_stage_set: Annotated[Optional[list[str]], typer.Option(
+        metavar="KEY=VALUE", help="A first-stage setting, KEY=VALUE (repeatable; e.g. nprobe=64 for faiss-ivfpq, ef_search=128 for "
+             "faiss-hnsw; docs/search.md lists them). With --index, its search-time settings only.",
+        show_default=False)] = None,
     index: Annotated[Optional[Path], typer.Option(
-        help="A FAISS index folder written by `tvrpipe export --format faiss` for the first stage; it must be "
+        help="An index folder written by `tvrpipe export --format faiss` for the first stage; it must be "
              "of this very store.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the hits as a JSON list.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write the hits as CSV.")] = None,
@@ -79,7 +84,7 @@ def search_cmd(
     searcher = open_searcher(features, run, device, pretrained, video_root)
     # the collection's folder too, where the store says it is: a page written there would become one of its files
     check_output_files(outputs, {"--video-root": searcher.video_root})
-    found = search(searcher, texts, top_k, candidates, first_stage, index)
+    found = search(searcher, texts, top_k, candidates, first_stage, index, first_stage_settings=first_stage_set or ())
     hits = found.hits
     how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
            else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos")

@@ -1,7 +1,8 @@
 """``tvrpipe search``: rank a feature store's videos for sentences, with a trained run's head or zero-shot CLIP.
 
 Two stages (:func:`search`): the first ranks every video's pooled CLIP embedding against the query's
-sentence embedding (:mod:`tvrpipe.search.index`: exact, or a FAISS index); the run's head then scores the
+sentence embedding (:mod:`tvrpipe.search.index`, with a first stage of :mod:`tvrpipe.search.first_stages`:
+exact, or an index); the run's head then scores the
 ``candidates`` best of them and the top ``k`` of its scores are the hits. With ``candidates`` None (or at
 least the collection's size) the head scores every video (:func:`exhaustive`), in blocks of videos so
 memory stays bounded: the two stages with K = n are the exhaustive search.
@@ -413,7 +414,7 @@ class Found:
 
 def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
-           texts: TextBatch | None = None) -> Found:
+           texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = ()) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -421,10 +422,12 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         queries: the sentences.
         k: hits per query; None: :data:`DEFAULT_TOP_K`, or every video of a smaller store.
         candidates: K, the shortlist the head re-ranks; None (or >= the searchable videos): every video.
-        first_stage: ``auto`` | ``exact`` | ``faiss`` (:mod:`tvrpipe.search.index`).
-        index: a FAISS index exported by ``tvrpipe export --format faiss``: the first stage (``first_stage``
+        first_stage: ``auto`` or a registered first stage (:func:`~tvrpipe.search.first_stages.list_first_stages`).
+        index: an index exported by ``tvrpipe export --format faiss``: the first stage (``first_stage``
             must then be left at ``auto``).
         texts: the queries already encoded (:meth:`Searcher.encode`); encoded here when None.
+        first_stage_settings: the first stage's settings over its Config's defaults (``KEY=VALUE`` items or a
+            mapping); with ``index``, its search-time ones only.
 
     Returns:
         The hits (one per query and rank, queries in order, best first), and how many videos were scored.
@@ -434,7 +437,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             or a first stage that cannot be had (checked before the first stage is built where the store's
             size is enough to tell).
     """
-    from tvrpipe.search.index import exported_stage, resolve_first_stage
+    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
+    from tvrpipe.search.index import exported_stage
     from tvrpipe.search.index import first_stage as make_stage
 
     check_queries(queries)
@@ -443,14 +447,16 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
     if index is not None and first_stage != "auto":
         raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
-    resolve_first_stage(first_stage)
+    if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
+        stage_config(resolve_first_stage(first_stage), first_stage_settings)
     if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
         check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
         _check_candidates(candidates, k)
     # the queries first: a store whose sentences cannot be encoded (a generated one, a moved checkpoint) is refused
     # before its index is written
     texts = texts if texts is not None else searcher.encode(queries)
-    stage = exported_stage(index, store) if index is not None else make_stage(store, first_stage)
+    stage = (exported_stage(index, store, first_stage_settings) if index is not None
+             else make_stage(store, first_stage, settings=first_stage_settings))
     k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
     check_top_k(k, len(stage), store)
     _check_candidates(candidates, k)

@@ -5,17 +5,18 @@ The pooled embedding is the meanpool head's (the L2-normalised mean of the L2-no
 is computed once per store and kept beside the features in ``<store>/search-index/``:
 
     search-index/
-      pooled.npy    float32 (n, D), L2-normalised, the videos with a decoded frame
+      pooled.npy    float32 (n, D), L2-normalised, the videos with a decoded frame (read as a memory map)
       rows.npy      int64 (n,), their rows in the store
-      faiss.index   the FAISS index of pooled.npy (only where faiss-cpu is installed and asked for)
-      index.json    the store it was built from (:func:`store_key`) and how
+      faiss.index   the first stage's own files, where it has any (FirstStageIndex.files)
+      index.json    the store it was built from (:func:`store_key`), and which first stage with which settings
 
 A cache whose key is not the store's (the store was extracted again, or grew) is rebuilt on first use;
-an index given explicitly (``--index``, ``tvrpipe export --format faiss``) that was built from another
-store is refused.
+one whose first stage or build settings are not the ones asked for keeps its pooled embeddings and builds
+the index again (the exact stage, which has no files, uses any cache of the store). An index given
+explicitly (``--index``, ``tvrpipe export --format faiss``) that was built from another store is refused.
 
-Two first stages: ``exact`` (a matrix product and a partial sort, in blocks of videos) and ``faiss``
-(an inner-product index: exact ``IndexFlatIP`` below :data:`HNSW_FROM` videos, HNSW above it).
+The first stages themselves (exact, FAISS HNSW, FAISS IVF-PQ, ...) are a registry:
+:mod:`tvrpipe.search.first_stages`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import os
 import shlex
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,15 +37,21 @@ import numpy as np
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import FeatureStore, store_identity, written_state
 from tvrpipe.files import remove_staged, staged_name
+from tvrpipe.search.first_stages import (
+    FirstStageIndex,
+    exportable_first_stages,
+    first_stage_class,
+    resolve_first_stage,
+    stage_config,
+)
+from tvrpipe.search.first_stages.base import Settings, normalised, stage_settings
+from tvrpipe.search.first_stages.exact import exact_top
 
 log = logging.getLogger(__name__)
 
 INDEX_DIR = "search-index"
-FIRST_STAGES = ("auto", "exact", "faiss")
-HNSW_FROM = 20_000  # below it a flat index is exact and fast enough (a matrix product over 20k x D)
-HNSW_M = 32  # FAISS' usual graph degree for 512-d embeddings
-HNSW_EF_CONSTRUCTION = 80
-_BLOCK = 65_536  # videos per block of the exact stage: 128 MiB of float32 scores per 512 queries
+EXPORTED = "faiss-hnsw"  # what `tvrpipe export --format faiss` writes unless --first-stage names another
+LEGACY = "faiss-hnsw"  # an index.json written before the registry, {"faiss": "<FAISS index type>"}, holds one
 
 
 def store_key(store: FeatureStore) -> str:
@@ -55,112 +63,35 @@ def store_key(store: FeatureStore) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def faiss_available() -> bool:
-    """Whether faiss-cpu is installed (the ``search`` extra)."""
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_first_stage(kind: str) -> str:
-    """``auto`` -> ``faiss`` where faiss-cpu is installed, else ``exact``; ``faiss`` without it is an error."""
-    if kind not in FIRST_STAGES:
-        raise ConfigError(f"--first-stage {kind!r}: choose one of {', '.join(FIRST_STAGES)}")
-    if kind == "auto":
-        return "faiss" if faiss_available() else "exact"
-    if kind == "faiss" and not faiss_available():
-        raise ConfigError(f"--first-stage faiss {_NEEDS_FAISS}, or use --first-stage exact")
-    return kind
-
-
-# faiss-cpu is all the `search` extra holds; tvrpipe is installed from a checkout, so the extra is not a name
-# pip could fetch
-_NEEDS_FAISS = ("needs faiss-cpu (tvrpipe's search extra): pip install faiss-cpu, or in tvrpipe's checkout "
-                "pip install -e '.[search]'")
-
-
-def require_faiss(what: str) -> None:
-    """Raise :class:`ConfigError` saying that ``what`` (the option asked for) needs faiss-cpu, unless installed."""
-    if not faiss_available():
-        raise ConfigError(f"{what} {_NEEDS_FAISS}")
-
-
-def build_faiss(emb: np.ndarray):
-    """An inner-product FAISS index of ``emb`` (L2-normalised rows: inner product = cosine)."""
-    import faiss
-
-    n, d = emb.shape
-    if n < HNSW_FROM:
-        index = faiss.IndexFlatIP(d)
-    else:
-        index = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
-    index.add(np.ascontiguousarray(emb, dtype=np.float32))
-    return index
-
-
-def faiss_kind(index) -> str:
-    """A FAISS index in words, for index.json and the bench."""
-    return type(index).__name__
-
-
 @dataclass
 class FirstStage:
-    """The pooled embeddings of a store's searchable videos, and how to take their top k.
+    """The pooled embeddings of a store's searchable videos, and the index that takes their top k.
 
     Attributes:
-        pooled: float32 ``(n, D)``, L2-normalised.
+        pooled: float32 ``(n, D)``, L2-normalised (a memory map where read from a folder).
         rows: the store row of each (videos without a decoded frame are not searchable).
-        kind: ``exact`` or ``faiss``.
-        index: the FAISS index (``kind == "faiss"``).
+        index: the first stage (:mod:`tvrpipe.search.first_stages`) over ``pooled``.
     """
 
     pooled: np.ndarray
     rows: np.ndarray
-    kind: str = "exact"
-    index: Any = None
+    index: FirstStageIndex
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def describe(self) -> str:
+        """What ranks, in words (the first stage's own :meth:`~FirstStageIndex.describe`)."""
+        return self.index.describe()
+
     def top(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` best videos of each query by cosine: ``(positions into rows (Q, k), cosines (Q, k))``,
         best first. ``queries``: ``(Q, D)`` sentence embeddings (normalised here)."""
-        q = np.asarray(queries, np.float32)
-        q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
+        q = normalised(queries)
         k = min(k, len(self))
-        if self.kind == "faiss" and k < len(self):
-            if hasattr(self.index, "hnsw"):
-                self.index.hnsw.efSearch = max(64, k)  # the beam must hold k: efSearch < k truncates
-            scores, idx = self.index.search(np.ascontiguousarray(q), k)
-            idx = idx.astype(np.int64)
-            short = np.flatnonzero((idx < 0).any(1))
-            if len(short):  # HNSW found fewer than k (-1 labels; e.g. many identical videos): the exact top k
-                idx[short], scores[short] = exact_top(self.pooled, q[short], k)
-            return idx, scores
-        return exact_top(self.pooled, q, k)
-
-
-def exact_top(emb: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The exact top ``k`` rows of ``emb`` by inner product with each row of ``q``, best first, equal scores
-    by row (also at the cut: of identical videos, the first rows are kept), over blocks of :data:`_BLOCK`
-    rows so the score matrix never holds more than one block per query."""
-    best_s = np.full((len(q), 0), -np.inf, np.float32)
-    best_i = np.zeros((len(q), 0), np.int64)
-    for a in range(0, len(emb), _BLOCK):
-        s = q @ emb[a : a + _BLOCK].T  # (Q, block)
-        i = np.broadcast_to(np.arange(a, a + s.shape[1]), s.shape)
-        # the kept rows all precede this block, so each row of best_* stays in ascending row order
-        best_s, best_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i], 1)
-        if best_s.shape[1] > k:
-            cut = -np.partition(-best_s, k - 1, axis=1)[:, k - 1 : k]  # each query's k-th best score
-            above, at = best_s > cut, best_s == cut
-            keep = above | (at & (np.cumsum(at, axis=1) <= k - above.sum(1, keepdims=True)))  # k per query
-            best_s, best_i = best_s[keep].reshape(len(q), k), best_i[keep].reshape(len(q), k)
-    order = np.lexsort((best_i, -best_s), axis=1)  # score descending, then row ascending
-    return np.take_along_axis(best_i, order, 1), np.take_along_axis(best_s, order, 1)
+        if k < len(self):
+            return self.index.top(q, k)
+        return exact_top(self.pooled, q, k)  # every video: their exact order, whichever index
 
 
 def pooled_rows(store: FeatureStore) -> tuple[np.ndarray, np.ndarray]:
@@ -172,14 +103,20 @@ def pooled_rows(store: FeatureStore) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(emb[rows]), rows
 
 
-def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True) -> FirstStage:
-    """The store's first stage, from ``<store>/search-index/`` when it was built from this very store,
-    else computed (and kept there when the folder is writable and ``cache``).
+def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
+                settings: Settings | None = None) -> FirstStage:
+    """The store's first stage ``kind`` (a registered name, an alias, or ``auto``) with ``settings`` over its
+    Config's defaults, from ``<store>/search-index/`` when it was built from this very store (the index too,
+    when built by this first stage with these build settings), else computed (and kept there when the folder
+    is writable and ``cache``).
 
     Raises:
-        ConfigError: no video of the store has a decoded frame; ``kind`` is unknown or needs faiss.
+        ConfigError: no video of the store has a decoded frame; ``kind`` is unknown or its library missing;
+            a setting it does not have.
     """
-    kind = resolve_first_stage(kind)
+    cls = first_stage_class(resolve_first_stage(kind))
+    config = stage_config(cls.name, settings)
+    want = {"name": cls.name, "settings": cls.build_settings(config)}
     folder = Path(store.dir) / INDEX_DIR
     key = store_key(store)
     meta = _read_meta(folder)
@@ -187,11 +124,9 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True) -> 
     pooled = rows = index = None
     if fresh:
         try:
-            pooled, rows = np.load(folder / "pooled.npy"), np.load(folder / "rows.npy")
-            if kind == "faiss" and (folder / "faiss.index").is_file():
-                import faiss
-
-                index = faiss.read_index(str(folder / "faiss.index"))
+            pooled, rows = np.load(folder / "pooled.npy", mmap_mode="r"), np.load(folder / "rows.npy")
+            if cls.files and recorded_stage(meta) == want and all((folder / f).is_file() for f in cls.files):
+                index = cls.load(folder, pooled, config)
         except (OSError, ValueError, RuntimeError) as e:  # truncated or damaged: built again
             log.warning("%s: the search index cannot be read (%s); building it again", folder, e)
             pooled = rows = index = None
@@ -204,8 +139,9 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True) -> 
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to search "
                           f"(see {Path(store.dir) / 'failures.parquet'})")
     built = False
-    if kind == "faiss" and index is None:
-        index, built = build_faiss(pooled), True
+    if index is None:
+        index = cls.build(pooled, config)
+        built = bool(cls.files)  # a first stage without files costs nothing to build, and is not worth a rewrite
     if cache:  # what a search killed while it kept its index left beside the store
         remove_staged(store.dir, (INDEX_DIR,))
     if cache and (not fresh or built):
@@ -214,7 +150,7 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True) -> 
         else:  # an extract rewrote shards while they were read: kept, this index would outlive what it read
             log.warning("%s changed while its search index was built (an extract running?); the index is not kept",
                         store.dir)
-    return FirstStage(pooled, rows, kind, index)
+    return FirstStage(pooled, rows, index)
 
 
 def _read_meta(folder: Path) -> dict | None:
@@ -225,20 +161,31 @@ def _read_meta(folder: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def write_index_files(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index) -> None:
-    """pooled.npy, rows.npy, faiss.index (when ``index``) and index.json into ``folder`` (which exists)."""
+def recorded_stage(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The first stage an index.json records, ``{"name", "settings"}``: a file written before the registry
+    records ``"faiss": "<index type>"`` (:data:`LEGACY`, with that first stage's default settings, which it
+    was built with) or nothing (exact: None)."""
+    stage = meta.get("first_stage")
+    if isinstance(stage, dict):
+        return stage
+    if "faiss" in meta:
+        cls = first_stage_class(LEGACY)
+        return {"name": cls.name, "settings": cls.build_settings(cls.Config())}
+    return None
+
+
+def write_index_files(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index: FirstStageIndex) -> None:
+    """pooled.npy, rows.npy, the first stage's own files and index.json into ``folder`` (which exists)."""
     np.save(folder / "pooled.npy", pooled)
     np.save(folder / "rows.npy", rows)
-    meta = {"store_key": key, "videos": int(len(rows)), "dim": int(pooled.shape[1])}
-    if index is not None:
-        import faiss
-
-        faiss.write_index(index, str(folder / "faiss.index"))
-        meta["faiss"] = faiss_kind(index)
+    index.save(folder)
+    meta = {"store_key": key, "videos": int(len(rows)), "dim": int(pooled.shape[1]),
+            "first_stage": {"name": index.name, "settings": index.build_settings(index.config)},
+            "describe": index.describe()}
     (folder / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def _save(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index) -> None:
+def _save(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index: FirstStageIndex) -> None:
     """Write the cache under a temporary name and rename it into place; a folder that cannot be written
     (a shared, read-only store) only costs recomputing it next time."""
     tmp = folder.with_name(staged_name(INDEX_DIR))
@@ -256,50 +203,69 @@ def _save(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index) -
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore) -> FirstStage:
-    """A FAISS index written by ``tvrpipe export --format faiss``, checked against ``store``.
+def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore,
+                   settings: Settings | None = None) -> FirstStage:
+    """An index written by ``tvrpipe export --format faiss``, checked against ``store``; ``settings`` are its
+    first stage's search-time ones (a beam, probes).
 
     Raises:
-        ConfigError: not such an export, faiss-cpu missing, or built from another store (or another state
-            of this one).
+        ConfigError: not such an export, its library missing, a build setting given (it is built), or built
+            from another store (or another state of this one).
     """
     d = Path(index_dir)
     meta = _read_meta(d)
-    if meta is None or not all((d / f).is_file() for f in ("faiss.index", "rows.npy", "pooled.npy")):
+    stage = recorded_stage(meta) if meta is not None else None
+    cls = first_stage_class(stage["name"]) if stage is not None and stage.get("name") else None
+    files = ("rows.npy", "pooled.npy", *(cls.files if cls is not None else ()))
+    if cls is None or not cls.files or not all((d / f).is_file() for f in files):
         raise ConfigError(f"--index {d}: not an index written by `tvrpipe export --format faiss` "
-                          "(expected index.json, faiss.index, rows.npy and pooled.npy)")
+                          f"(expected index.json, {', '.join(sorted(files[2:]) or ['faiss.index'])}, rows.npy and "
+                          "pooled.npy)")
     if meta.get("store_key") != store_key(store):
         raise ConfigError(f"--index {d} was built from another store, or from {store.dir} before it changed; "
-                          f"export it again: tvrpipe export --features {shlex.quote(str(store.dir))} --format faiss --out "
+                          f"export it again: tvrpipe export --features {shlex.quote(str(store.dir))} --format faiss "
+                          f"{'' if cls.name == EXPORTED else f'--first-stage {cls.name} '}--out "
                           f"{shlex.quote(f'{d}.new')}")
-    require_faiss(f"--index {d}")
-    import faiss
-
+    built = sorted(set(stage_settings(cls.name, settings)) - set(cls.search_fields))
+    if built:
+        raise ConfigError(f"--index {d} is built: {built[0]} is a build setting of {cls.name}; set only "
+                          f"{', '.join(cls.search_fields) or 'nothing'} with it, or export it again")
+    resolve_first_stage(cls.name)  # its library installed
     try:
-        return FirstStage(np.load(d / "pooled.npy"), np.load(d / "rows.npy"), "faiss",
-                          faiss.read_index(str(d / "faiss.index")))
+        pooled = np.load(d / "pooled.npy", mmap_mode="r")
+        return FirstStage(pooled, np.load(d / "rows.npy"), cls.load(d, pooled, stage_config(cls.name, settings)))
     except (OSError, ValueError, RuntimeError) as e:
         raise ConfigError(f"--index {d}: cannot be read ({' '.join(str(e).split())[:200]}); export it again") from None
 
 
-def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, int]:
-    """Write a new folder ``out`` with the store's FAISS index for other tools and for ``tvrpipe search --index``:
-    ``faiss.index`` (inner product over L2-normalised pooled embeddings: :func:`build_faiss`), ``pooled.npy`` and
-    ``rows.npy`` (the embeddings and their store rows), ``videos.csv`` (index position, video_id, split, path),
-    ``provenance.json`` (the store's) and ``index.json`` (which state of the store it was built from).
+def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], kind: str = EXPORTED,
+                 settings: Settings | None = None) -> tuple[Path, int]:
+    """Write a new folder ``out`` with the store's first-stage index ``kind`` (:func:`~tvrpipe.search.first_stages.exportable_first_stages`; by default
+    FAISS HNSW, an inner product over L2-normalised pooled embeddings) for other tools and for ``tvrpipe search
+    --index``: its files (``faiss.index`` for the FAISS ones), ``pooled.npy`` and ``rows.npy`` (the embeddings
+    and their store rows), ``videos.csv`` (index position, video_id, split, path), ``provenance.json`` (the
+    store's) and ``index.json`` (which state of the store it was built from, and which first stage).
     Written under a temporary name, then renamed.
 
     Returns:
         ``(out, videos left out for having no decoded frame)``.
 
     Raises:
-        ConfigError: faiss-cpu missing, ``out`` exists or lies inside the store, or no video has a frame.
+        ConfigError: ``kind`` has no files to export or its library is missing, ``out`` exists or lies inside
+            the store, or no video has a frame.
     """
     from tvrpipe.errors import writing
     from tvrpipe.features.export import check_new_export
     from tvrpipe.features.store import open_store
 
-    require_faiss("--format faiss")
+    cls = first_stage_class(kind)
+    if not cls.files:
+        raise ConfigError(f"--first-stage {kind} has no index to export: choose one of {', '.join(exportable_first_stages())}, "
+                          "or --format npy for the pooled embeddings alone")
+    if not cls.available():
+        raise ConfigError(f"--format faiss{'' if cls.name == EXPORTED else f' --first-stage {kind}'} needs "
+                          f"{cls.install}")
+    config = stage_config(cls.name, settings)
     store = open_store(features_dir)
     out = check_new_export(store, out, "folder")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -310,7 +276,7 @@ def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[st
     try:
         with writing(out):
             tmp.mkdir()
-            write_index_files(tmp, store_key(store), pooled, rows, build_faiss(pooled))
+            write_index_files(tmp, store_key(store), pooled, rows, cls.build(pooled, config))
             table = store.videos[["video_id", "split", "path"]].astype(str).iloc[rows].reset_index(drop=True)
             table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
                 tmp / "videos.csv", index=False)
