@@ -116,6 +116,25 @@ def atomic_write(path: Path, write: Callable[[Path], object], parents: bool = Fa
         _discard(tmp)
 
 
+def atomic_replace_folder(folder: Path, write: Callable[[Path], object]) -> None:
+    """Replace the folder ``folder`` (or make it) by the one ``write(tmp)`` makes under its staged name: the old
+    folder is set aside (:func:`staged_name` ``old``), the new one renamed into place, then the old one
+    removed, so a reader finds either folder whole, never a mix (a search cache rebuilt while another search
+    reads it). A failure becomes a :class:`~tvrpipe.errors.WriteError` naming ``folder``."""
+    tmp = folder.with_name(staged_name(folder.name))
+    old = folder.with_name(staged_name(folder.name, kind="old"))
+    try:
+        with writing(folder):
+            _discard(tmp)
+            write(tmp)
+            if folder.exists():
+                os.replace(folder, old)
+            os.replace(tmp, folder)
+    finally:
+        _discard(tmp)
+        _discard(old)
+
+
 def atomic_write_all(folder: Path, writes: Iterable[tuple[str, Callable[[Path], object]]]) -> None:
     """Write several files of ``folder`` that belong together (a manifest's tables and its ``meta.json``):
     every one under its staged name first, then all renamed into place, so a failure before the renames

@@ -384,11 +384,10 @@ def bench_search(
         >>> bench = bench_search("bench/search", videos=20_000, methods=["xpool"])  # doctest: +SKIP
         >>> bench.k_reaching("xpool")  # doctest: +SKIP
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from tvrpipe.bench.extract import in_fresh_process
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import head_class, list_heads
+    from tvrpipe.progress import progress_bar
     from tvrpipe.rundir import BEST, CHECKPOINTS
     from tvrpipe.search.first_stages import resolve_first_stage
     from tvrpipe.search.first_stages.exact import exact_top
@@ -440,8 +439,7 @@ def bench_search(
     del stage, top, pos
     gc.collect()
 
-    columns = (TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not progress) as bar:
+    with progress_bar(elapsed=True, enabled=progress) as bar:
         task = bar.add_task("search bench", total=len(methods) * (2 + len(ks)))
         for method in methods:
             bar.update(task, description=f"{method}: training on the benchmark")

@@ -145,7 +145,7 @@ def _decode_all(
     hits: Sequence[Hit], store: FeatureStore, video_root: Path | None, thumbs: int, progress: bool
 ) -> dict[tuple[int, str], _Thumbs]:
     """The thumbnails of every distinct (row, path) among the hits, each video decoded once."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from tvrpipe.progress import progress_bar
 
     keys = list(dict.fromkeys((h.row, h.path) for h in hits))
     rows = sorted({row for row, _ in keys})
@@ -157,8 +157,7 @@ def _decode_all(
         for i, row in enumerate(rows):
             times[row], mask[row] = stamps[i], valid[i]
     shown = {}
-    columns = (TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not progress) as bar:
+    with progress_bar(elapsed=True, enabled=progress) as bar:
         task = bar.add_task("thumbnails", total=len(keys))
         for row, path in keys:
             t = times[row][mask[row] & np.isfinite(times[row])].astype(np.float64)

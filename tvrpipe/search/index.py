@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shlex
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.store import FeatureStore, store_identity, written_state
-from tvrpipe.files import remove_staged, staged_name
+from tvrpipe.files import atomic_replace_folder, atomic_write, remove_staged
 from tvrpipe.search.first_stages import (
     FirstStageIndex,
     exportable_first_stages,
@@ -188,19 +187,14 @@ def write_index_files(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarr
 def _save(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index: FirstStageIndex) -> None:
     """Write the cache under a temporary name and rename it into place; a folder that cannot be written
     (a shared, read-only store) only costs recomputing it next time."""
-    tmp = folder.with_name(staged_name(INDEX_DIR))
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
+    def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
         write_index_files(tmp, key, pooled, rows, index)
-        old = folder.with_name(staged_name(INDEX_DIR, kind="old"))
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+
+    try:
+        atomic_replace_folder(folder, write)
+    except (OSError, WriteError) as e:
         log.info("%s: the search index is not kept (%s); it is computed again next time", folder, e)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore,
@@ -254,7 +248,6 @@ def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[st
         ConfigError: ``kind`` has no files to export or its library is missing, ``out`` exists or lies inside
             the store, or no video has a frame.
     """
-    from tvrpipe.errors import writing
     from tvrpipe.features.export import check_new_export
     from tvrpipe.features.store import open_store
 
@@ -272,17 +265,13 @@ def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[st
     pooled, rows = pooled_rows(store)
     if not len(rows):
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")
-    tmp = out.with_name(staged_name(out.name))
-    try:
-        with writing(out):
-            tmp.mkdir()
-            write_index_files(tmp, store_key(store), pooled, rows, cls.build(pooled, config))
-            table = store.videos[["video_id", "split", "path"]].astype(str).iloc[rows].reset_index(drop=True)
-            table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
-                tmp / "videos.csv", index=False)
-            (tmp / "provenance.json").write_text(json.dumps(store.provenance, default=str))
-            os.replace(tmp, out)
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        write_index_files(tmp, store_key(store), pooled, rows, cls.build(pooled, config))
+        table = store.videos[["video_id", "split", "path"]].astype(str).iloc[rows].reset_index(drop=True)
+        table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
+            tmp / "videos.csv", index=False)
+        (tmp / "provenance.json").write_text(json.dumps(store.provenance, default=str))
+
+    atomic_write(out, write)
     return out, int(store.provenance.get("n_videos", len(store.videos))) - len(rows)
