@@ -191,6 +191,20 @@ def read_test_ranks(run: Path) -> dict[str, Any] | None:
         return None
 
 
+def check_checkpoint_sha(run: Path, metrics: dict) -> None:
+    """The run's selected checkpoint is the one its training recorded in ``metrics.json`` (where it did).
+
+    Raises:
+        RunError: the file's sha256 differs (damaged or replaced).
+    """
+    best_path = run / CHECKPOINTS / BEST
+    checkpoint = metrics.get("checkpoint")
+    want = checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
+    if want and best_path.is_file() and file_sha256(best_path) != want:
+        raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
+                       "checkpoint is damaged or was replaced; delete the run directory and train it again")
+
+
 def read_metrics(run: Path) -> dict | None:
     """A run's ``metrics.json`` (None before training finished).
 

@@ -75,6 +75,65 @@ def test_written_values_read_back(tmp_path):
         assert [p.index for p in w.pending("videos")] == [0]
 
 
+def _read_store(tmp_path):
+    v, t = _tables(nv=7, nt=10)
+    with StoreWriter(tmp_path, v, t, _prov(), video_shard=3, text_shard=4) as w:
+        _fill(w, np.random.default_rng(5))
+        w.finalize()
+    store = open_store(tmp_path)
+    return store, {name: np.asarray(store.array(name)[:]) for name in ("videos/frames", "texts/tokens",
+                                                                        "texts/token_mask")}
+
+
+def test_the_store_reads_rows_in_any_order_one_chunk_at_a_time(tmp_path):
+    store, whole = _read_store(tmp_path)
+    rows = np.array([6, 0, 4, 4, 2])  # unsorted, a repeat, rows of three chunks
+    np.testing.assert_array_equal(store.read("videos/frames", rows), whole["videos/frames"][rows])
+    np.testing.assert_array_equal(store.read("texts/tokens", [9, 1], width=2), whole["texts/tokens"][[9, 1], :2])
+    assert store.read("texts/token_mask", np.array([], int)).shape == (0, L)
+    reads = []
+    real = store.group["videos/frames"].__class__.__getitem__
+
+    def counted(self, key):
+        reads.append(key)
+        return real(self, key)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(store.group["videos/frames"].__class__, "__getitem__", counted):
+        store.read("videos/frames", np.array([5, 0, 1, 3, 4]))
+    assert [k[0] for k in reads] == [slice(0, 3), slice(3, 6)]  # each chunk once, in row order
+
+
+def test_the_store_streams_chunk_aligned_blocks(tmp_path):
+    store, whole = _read_store(tmp_path)
+    blocks = list(store.blocks("videos/frames"))
+    assert [list(r) for r, _ in blocks] == [[0, 1, 2], [3, 4, 5], [6]]  # the shards of 3 videos
+    np.testing.assert_array_equal(np.concatenate([b for _, b in blocks]), whole["videos/frames"])
+    two = list(store.blocks("texts/tokens", rows=np.array([1, 2, 5, 9]), chunks=2))  # blocks of 2 shards (8 rows)
+    assert [list(r) for r, _ in two] == [[1, 2, 5], [9]]
+    np.testing.assert_array_equal(two[0][1], whole["texts/tokens"][[1, 2, 5]])
+    with pytest.raises(ValueError, match="sorted, unique rows"):
+        list(store.blocks("videos/frames", rows=np.array([3, 1])))
+
+
+def test_a_nonfinite_row_is_named_by_its_id_and_shard(tmp_path):
+    from tvrpipe.errors import NonFiniteError
+
+    store, _ = _read_store(tmp_path)
+    frames = zarr.open_array(tmp_path / STORE_NAME / "videos" / "frames", mode="r+")
+    bad = np.array(frames[4])
+    bad[1, 2] = np.inf
+    frames[4] = bad
+    with pytest.raises(NonFiniteError, match=r"videos/frames holds NaN or infinite values in 1 rows \(v4; first: "
+                                             r"row 4 in .*videos.*3.*6"):
+        store.read("videos/frames", np.array([6, 4, 0]))
+    with pytest.raises(NonFiniteError, match=r"\(v4;"):
+        list(store.blocks("videos/frames"))
+    assert store.read("videos/frames", np.array([4]), check=False)[0, 1, 2] == np.inf
+    np.testing.assert_array_equal(store.read("videos/frames", [0, 5]), np.asarray(frames[[0, 5]]))  # others read
+
+
 def test_resume_reuses_completed_shards(tmp_path):
     v, t = _tables()
     rng = np.random.default_rng(1)

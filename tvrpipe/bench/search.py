@@ -197,12 +197,10 @@ def query_batch(store, rows: np.ndarray):
     """Captions ``rows`` (sorted) of a store as a float32 TextBatch, every token column (as a search encodes)."""
     import torch
 
-    from tvrpipe.features.arrays import read_rows
     from tvrpipe.heads.base import TextBatch
 
-    f32 = lambda name: torch.from_numpy(read_rows(store.array(name), rows).astype(np.float32))  # noqa: E731
-    return TextBatch(f32("texts/tokens"), torch.from_numpy(read_rows(store.array("texts/token_mask"), rows)),
-                     f32("texts/sentence"))
+    f32 = lambda name: torch.from_numpy(store.read(name, rows).astype(np.float32))  # noqa: E731
+    return TextBatch(f32("texts/tokens"), torch.from_numpy(store.read("texts/token_mask", rows)), f32("texts/sentence"))
 
 
 def _first_rows(texts, n: int):

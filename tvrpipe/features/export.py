@@ -96,14 +96,14 @@ def pooled_embeddings(store, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
 
     from tvrpipe.heads.meanpool import mean_video
 
-    frames, mask = store.array("videos/frames"), store.array("videos/frame_mask")
-    n, _, d = frames.shape
+    n, _, d = store.array("videos/frames").shape
     out, has = np.zeros((n, d), np.float32), np.zeros(n, bool)
     for a in range(0, n, rows):
-        m = np.asarray(mask[a : a + rows])
-        out[a : a + len(m)] = mean_video(torch.from_numpy(np.asarray(frames[a : a + rows]).astype(np.float32)),
-                                         torch.from_numpy(m)).numpy()
-        has[a : a + len(m)] = m.any(axis=1)
+        part = np.arange(a, min(a + rows, n))
+        m = store.read("videos/frame_mask", part)
+        frames = store.read("videos/frames", part)
+        out[part] = mean_video(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(m)).numpy()
+        has[part] = m.any(axis=1)
     return out, has
 
 

@@ -53,7 +53,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,8 +64,8 @@ import zarr
 
 from tvrpipe.data.manifest import COLLECTION
 from tvrpipe.environment import resumed_versions, versions
-from tvrpipe.errors import ConfigError, LockError, TvrpipeError, writing
-from tvrpipe.features.arrays import nonfinite_rows
+from tvrpipe.errors import ConfigError, LockError, NonFiniteError, TvrpipeError, writing
+from tvrpipe.features.arrays import nonfinite_rows, read_rows
 from tvrpipe.files import atomic_write_parquet, atomic_write_text, remove_staged
 from tvrpipe.lock import DirLock, lock_holder
 
@@ -741,6 +741,65 @@ class FeatureStore:
         step, n = a.chunks[0], a.shape[0]
         i = row // step
         return Shard(kind, i, i * step, min((i + 1) * step, n))
+
+    def read(self, name: str, rows: np.ndarray, width: int | None = None, check: bool = True) -> np.ndarray:
+        """Rows ``rows`` of the array ``name`` (any order, repeats allowed), in that order: read one chunk at a
+        time in row order (bounded extra memory, sequential reads); ``width``: only the first ``width`` entries
+        of the second dimension (a split's real token columns).
+
+        Raises:
+            NonFiniteError: with ``check``, a float row holds a NaN or an infinity (:meth:`check_finite`).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        order = np.argsort(rows, kind="stable")
+        ordered = rows[order]
+        data = read_rows(self.array(name), ordered, width)
+        if check and data.dtype.kind == "f":
+            self.check_finite(name, data, ordered)
+        if (order == np.arange(len(order))).all():
+            return data
+        out = np.empty_like(data)
+        out[order] = data
+        return out
+
+    def blocks(self, name: str, rows: np.ndarray | None = None, chunks: int = 1,
+               check: bool = True) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(store rows, values)`` of the array ``name`` in row order, one block per ``chunks`` of the array's
+        chunks (its shards): a pass over a split, or the whole array, holding one block in memory at a time.
+        ``rows``: the (sorted, unique) rows to read; default every row.
+
+        Raises:
+            NonFiniteError: with ``check``, a float row holds a NaN or an infinity.
+        """
+        array = self.array(name)
+        step = array.chunks[0] * chunks
+        rows = np.arange(array.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+        if len(rows) and (np.diff(rows) <= 0).any():
+            raise ValueError(f"{name}: blocks() reads sorted, unique rows")
+        block_of = rows // step
+        starts = np.flatnonzero(np.r_[True, block_of[1:] != block_of[:-1]]) if len(rows) else np.array([], int)
+        for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
+            part = rows[a:b]
+            data = read_rows(array, part)
+            if check and data.dtype.kind == "f":
+                self.check_finite(name, data, part)
+            yield part, data
+
+    def check_finite(self, name: str, data: np.ndarray, rows: np.ndarray, block: int = 4096) -> None:
+        """Raise :class:`NonFiniteError` naming the store, the first ids and the shard if a row of ``data``
+        (store rows ``rows`` of ``name``) holds a NaN or an infinity: the store is damaged."""
+        bad = np.concatenate([a + np.flatnonzero(nonfinite_rows(data[a : a + block]))
+                              for a in range(0, len(data), block)] or [np.array([], int)])
+        if len(bad) == 0:
+            return
+        where = np.asarray(rows)[bad]
+        table = self.videos if name.startswith("videos") else self.texts
+        ids = ", ".join(map(str, table.iloc[where[:5], 0])) + (f" (+{len(where) - 5} more)" if len(where) > 5 else "")
+        raise NonFiniteError(
+            f"{self.dir}: {name} holds NaN or infinite values in {len(where)} rows ({ids}; first: row {where[0]} "
+            f"in {self.shard_of(name, int(where[0]))}): the store is damaged. Run `tvrpipe features verify "
+            f"{self.dir}`, then repair it by running `{self.made_by}` again with the same options and --out"
+        )
 
 
 def _read_sidecar(path: Path, rows: int, made_by: str, columns: Iterable[str]) -> pd.DataFrame:

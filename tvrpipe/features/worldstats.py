@@ -126,15 +126,11 @@ def measure(store, split: str = "test", gallery: int = GALLERY, seed: int = 0) -
         raise ConfigError(f"{store.dir}: split {split!r} has fewer than 2 captioned videos")
     trows = np.array([by_video[v] for v in vrows])  # caption i describes video i
 
-    from tvrpipe.features.arrays import read_rows
-
-    frames = read_rows(store.array("videos/frames"), vrows).astype(np.float32)  # (n, F, D)
-    fmask = read_rows(store.array("videos/frame_mask"), vrows).astype(bool)  # (n, F)
-    order = np.argsort(trows)
-    back = np.argsort(order)
-    sent = read_rows(store.array("texts/sentence"), trows[order])[back].astype(np.float32)  # (n, D)
-    words = read_rows(store.array("texts/tokens"), trows[order])[back].astype(np.float32)  # (n, L, D)
-    wmask = read_rows(store.array("texts/token_mask"), trows[order])[back].astype(bool)
+    frames = store.read("videos/frames", vrows).astype(np.float32)  # (n, F, D)
+    fmask = store.read("videos/frame_mask", vrows).astype(bool)  # (n, F)
+    sent = store.read("texts/sentence", trows).astype(np.float32)  # (n, D)
+    words = store.read("texts/tokens", trows).astype(np.float32)  # (n, L, D)
+    wmask = store.read("texts/token_mask", trows).astype(bool)
     n = len(vrows)
     nf = fmask.sum(1)
     if (nf == 0).any():

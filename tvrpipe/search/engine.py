@@ -161,8 +161,7 @@ def check_collection_unchanged(store: FeatureStore, video_root: Path | None, pre
 
 
 def _selected_head(run: Path, device: str) -> tuple[Head, dict, dict]:
-    from tvrpipe.rundir import BEST, CHECKPOINTS, load_head, read_config, read_metrics
-    from tvrpipe.training.evaluate import check_checkpoint_sha
+    from tvrpipe.rundir import BEST, CHECKPOINTS, check_checkpoint_sha, load_head, read_config, read_metrics
 
     config = read_config(run)
     metrics = read_metrics(run)
@@ -293,15 +292,8 @@ def same_architecture(run_model: str, store: Mapping[str, Any]) -> bool:
 
 
 def _video_batch(store: FeatureStore, rows: np.ndarray, device: str) -> VideoBatch:
-    from tvrpipe.features.arrays import read_rows
-
-    order = np.argsort(rows, kind="stable")
-    frames = read_rows(store.array("videos/frames"), rows[order])
-    mask = read_rows(store.array("videos/frame_mask"), rows[order])
-    back = np.empty_like(order)
-    back[order] = np.arange(len(order))
-    return VideoBatch(torch.from_numpy(frames[back].astype(np.float32)).to(device),
-                      torch.from_numpy(mask[back]).to(device))
+    frames, mask = store.read("videos/frames", rows), store.read("videos/frame_mask", rows)
+    return VideoBatch(torch.from_numpy(frames.astype(np.float32)).to(device), torch.from_numpy(mask).to(device))
 
 
 def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

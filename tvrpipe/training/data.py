@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tvrpipe.errors import ConfigError, NonFiniteError
-from tvrpipe.features.arrays import nonfinite_rows, read_rows
+from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import FeatureStore
 from tvrpipe.heads.base import TextBatch, VideoBatch
 
@@ -108,22 +107,6 @@ class SplitData:
             yield self.video_batch(np.arange(a, min(a + batch_size, self.n_videos)))
 
 
-def check_finite_rows(store: FeatureStore, name: str, data: np.ndarray, rows: np.ndarray, block: int = 4096) -> None:
-    """Raise :class:`NonFiniteError` if any row of ``data`` (store rows ``rows`` of ``name``) is NaN/inf."""
-    bad = np.concatenate([a + np.flatnonzero(nonfinite_rows(data[a : a + block]))
-                          for a in range(0, len(data), block)] or [np.array([], int)])
-    if len(bad) == 0:
-        return
-    where = rows[bad]
-    table = store.videos if name.startswith("videos") else store.texts
-    ids = ", ".join(map(str, table.iloc[where[:5], 0])) + (f" (+{len(where) - 5} more)" if len(where) > 5 else "")
-    raise NonFiniteError(
-        f"{store.dir}: {name} holds NaN or infinite values in {len(where)} rows ({ids}; first: row {where[0]} "
-        f"in {store.shard_of(name, int(where[0]))}): the store is damaged. Run `tvrpipe features verify "
-        f"{store.dir}`, then repair it by running `{store.made_by}` again with the same options and --out"
-    )
-
-
 def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray,
               tokens: bool = True) -> SplitData:
     """The features of store rows ``video_rows`` and ``text_rows`` (every caption's video among them).
@@ -148,7 +131,7 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
     reads = [("videos/frames", video_rows, None), ("videos/frame_mask", video_rows, None),
              ("texts/sentence", text_rows, None)]
     if tokens:
-        mask = read_rows(g["texts/token_mask"], text_rows)
+        mask = store.read("texts/token_mask", text_rows)
         width = real_width(mask)
         arrays = {"texts/token_mask": np.ascontiguousarray(mask[:, :width])}
         reads.append(("texts/tokens", text_rows, width))
@@ -156,9 +139,7 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
         arrays = {"texts/token_mask": np.zeros((len(text_rows), 0), dtype=bool),
                   "texts/tokens": np.zeros((len(text_rows), 0, g["texts/tokens"].shape[-1]), np.float16)}
     for array, rows, cols in reads:
-        arrays[array] = read_rows(g[array], rows, cols)
-        if arrays[array].dtype.kind == "f":
-            check_finite_rows(store, array, arrays[array], rows)
+        arrays[array] = store.read(array, rows, cols)  # float arrays checked finite as they load
     return SplitData(
         name=name,
         frames=arrays["videos/frames"],

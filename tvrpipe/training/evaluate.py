@@ -14,10 +14,17 @@ import torch
 
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.features.store import open_store
-from tvrpipe.files import file_sha256
 from tvrpipe.heads.base import Head
 from tvrpipe.lock import locked
-from tvrpipe.rundir import BEST, CHECKPOINTS, load_head, read_config, read_metrics, write_metrics
+from tvrpipe.rundir import (
+    BEST,
+    CHECKPOINTS,
+    check_checkpoint_sha,
+    load_head,
+    read_config,
+    read_metrics,
+    write_metrics,
+)
 from tvrpipe.training.data import SplitData, load_split, store_split_rows
 from tvrpipe.training.settings import TrainConfig
 
@@ -61,20 +68,6 @@ def checkpoint_similarity(checkpoint: str | os.PathLike[str], split: SplitData,
     video_emb = encode_all(head.encode_videos, split.video_batches(256), device)
     text_emb = encode_all(head.encode_texts, split.text_batches(256, head.uses_tokens), device)
     return similarity_matrix(head, text_emb, video_emb, device=device).numpy()
-
-
-def check_checkpoint_sha(run: Path, metrics: dict) -> None:
-    """The run's selected checkpoint is the one its training recorded in ``metrics.json`` (where it did).
-
-    Raises:
-        RunError: the file's sha256 differs (damaged or replaced).
-    """
-    best_path = run / CHECKPOINTS / BEST
-    checkpoint = metrics.get("checkpoint")
-    want = checkpoint.get("sha256") if isinstance(checkpoint, dict) else None
-    if want and best_path.is_file() and file_sha256(best_path) != want:
-        raise RunError(f"{best_path} does not match the sha256 recorded in {run / 'metrics.json'}: the "
-                       "checkpoint is damaged or was replaced; delete the run directory and train it again")
 
 
 def evaluate_run(
