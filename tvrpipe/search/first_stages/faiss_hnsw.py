@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -40,8 +41,37 @@ def faiss_kind(index) -> str:
     return type(index).__name__
 
 
+class FaissIndex(FirstStageIndex):
+    """What every FAISS first stage shares (not registered itself): a FAISS index over the pooled embeddings,
+    saved as :data:`FAISS_INDEX`; ``mmap``: loaded memory-mapped, its lists left on disk."""
+
+    files = (FAISS_INDEX,)
+    install = NEEDS_FAISS
+    mmap: ClassVar[bool] = False
+
+    def __init__(self, pooled: np.ndarray, config: StageConfig, index) -> None:
+        super().__init__(pooled, config)
+        self.index = index
+
+    @classmethod
+    def available(cls) -> bool:
+        return faiss_available()
+
+    def save(self, folder: Path) -> None:
+        import faiss
+
+        faiss.write_index(self.index, str(Path(folder) / FAISS_INDEX))
+
+    @classmethod
+    def load(cls, folder: Path, pooled: np.ndarray, config: StageConfig | None = None) -> FaissIndex:
+        import faiss
+
+        flags = faiss.IO_FLAG_MMAP if cls.mmap else 0
+        return cls(pooled, config or cls.Config(), faiss.read_index(str(Path(folder) / FAISS_INDEX), flags))
+
+
 @register_first_stage("faiss-hnsw", aliases=("faiss",))
-class FaissHNSW(FirstStageIndex):
+class FaissHNSW(FaissIndex):
     """A FAISS inner-product index in RAM: flat (exact) for a small store, an HNSW graph for a large one."""
 
     @dataclass(frozen=True)
@@ -53,18 +83,8 @@ class FaissHNSW(FirstStageIndex):
 
     summary = (f"a FAISS index in RAM: exact (IndexFlatIP) below {Config.hnsw_from:,} videos, HNSW above "
                "(needs faiss-cpu)")
-    files = (FAISS_INDEX,)
     search_fields = ("ef_search",)
     auto_rank = 1  # auto's choice where faiss-cpu is installed
-    install = NEEDS_FAISS
-
-    def __init__(self, pooled: np.ndarray, config: StageConfig, index) -> None:
-        super().__init__(pooled, config)
-        self.index = index
-
-    @classmethod
-    def available(cls) -> bool:
-        return faiss_available()
 
     @classmethod
     def build(cls, pooled: np.ndarray, config: StageConfig | None = None) -> FaissHNSW:
@@ -85,17 +105,6 @@ class FaissHNSW(FirstStageIndex):
             self.index.hnsw.efSearch = max(self.config.ef_search, k)  # the beam must hold k: efSearch < k truncates
         scores, idx = self.index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
         return exact_where_short(idx, scores, self.pooled, queries, k)
-
-    def save(self, folder: Path) -> None:
-        import faiss
-
-        faiss.write_index(self.index, str(Path(folder) / FAISS_INDEX))
-
-    @classmethod
-    def load(cls, folder: Path, pooled: np.ndarray, config: StageConfig | None = None) -> FaissHNSW:
-        import faiss
-
-        return cls(pooled, config or cls.Config(), faiss.read_index(str(Path(folder) / FAISS_INDEX)))
 
     def describe(self) -> str:
         if hasattr(self.index, "hnsw"):  # the graph's own settings: a loaded index may predate the config's

@@ -26,21 +26,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from tvrpipe.config import at_least, within
 from tvrpipe.errors import ConfigError
-from tvrpipe.search.first_stages.base import FirstStageIndex, StageConfig, register_first_stage
+from tvrpipe.search.first_stages.base import StageConfig, register_first_stage
 from tvrpipe.search.first_stages.exact import exact_where_short
-from tvrpipe.search.first_stages.faiss_hnsw import FAISS_INDEX, NEEDS_FAISS, faiss_available, faiss_kind
+from tvrpipe.search.first_stages.faiss_hnsw import FaissIndex, faiss_kind
 
 MIN_PER_LIST = 39  # FAISS' k-means wants at least 39 training vectors a centroid (it warns below)
 
 
 @register_first_stage("faiss-ivfpq")
-class FaissIVFPQ(FirstStageIndex):
+class FaissIVFPQ(FaissIndex):
     """Inverted lists of product-quantised codes, memory-mapped from disk; candidates re-scored exactly."""
 
     @dataclass(frozen=True)
@@ -57,17 +56,8 @@ class FaissIVFPQ(FirstStageIndex):
 
     summary = ("a FAISS IVF-PQ index memory-mapped from disk (codes of m bytes a video), its refine x K best "
                "re-scored exactly; approximate (needs faiss-cpu)")
-    files = (FAISS_INDEX,)
     search_fields = ("nprobe", "refine")
-    install = NEEDS_FAISS
-
-    def __init__(self, pooled: np.ndarray, config: StageConfig, index) -> None:
-        super().__init__(pooled, config)
-        self.index = index
-
-    @classmethod
-    def available(cls) -> bool:
-        return faiss_available()
+    mmap = True  # the inverted lists stay on disk: only the lists a query probes are paged in
 
     @classmethod
     def build(cls, pooled: np.ndarray, config: StageConfig | None = None) -> FaissIVFPQ:
@@ -110,19 +100,6 @@ class FaissIVFPQ(FirstStageIndex):
             best = np.argsort(-s, kind="stable")[:k]
             idx[i, : len(best)], scores[i, : len(best)] = cand[best], s[best]
         return exact_where_short(idx, scores, self.pooled, queries, k)
-
-    def save(self, folder: Path) -> None:
-        import faiss
-
-        faiss.write_index(self.index, str(Path(folder) / FAISS_INDEX))
-
-    @classmethod
-    def load(cls, folder: Path, pooled: np.ndarray, config: StageConfig | None = None) -> FaissIVFPQ:
-        import faiss
-
-        # the inverted lists stay on disk: only the lists a query probes are paged in
-        return cls(pooled, config or cls.Config(), faiss.read_index(str(Path(folder) / FAISS_INDEX),
-                                                                    faiss.IO_FLAG_MMAP))
 
     def describe(self) -> str:
         if not hasattr(self.index, "nlist"):
