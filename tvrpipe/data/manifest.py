@@ -38,8 +38,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tvrpipe.errors import ManifestError
+from tvrpipe.errors import ConfigError, ManifestError
 from tvrpipe.files import atomic_write_all, remove_staged
+from tvrpipe.lock import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -535,3 +536,27 @@ def resolve_paths(
         log.warning("dropping %d videos not found under %s: %s", len(missing), root, _name_some(missing))
         out = out.loc[~isin_mask(out["video_id"], pd.Series(missing, dtype=object))].reset_index(drop=True)
     return out, missing
+
+
+def open_manifest(manifest_dir, video_root, out_dir, frames: int | None, max_words: int | None):
+    """What ``extract`` and ``finetune`` start from, checked before anything is written, Ray starts or
+    weights load: the manifest, the video root, a writable ``out_dir``, and F and L (the manifest's
+    defaults unless given).
+
+    Returns:
+        ``(manifest, video_root, F, L)``.
+    """
+    manifest = read_manifest(manifest_dir)
+    root = Path(video_root)
+    if not root.is_dir():
+        raise ConfigError(f"--video-root {root}: not a directory")
+    check_writable(out_dir, "--out")
+    F = frames if frames is not None else int(manifest.meta.get("frames", 12))
+    L = max_words if max_words is not None else int(manifest.meta.get("max_words", 32))
+    return manifest, root, F, L
+
+
+def check_max_words(L: int, context_length: int) -> None:
+    """Refuse ``--max-words`` (L) beyond the text tower's context length."""
+    if L > context_length:
+        raise ConfigError(f"--max-words {L} exceeds the model's context length {context_length}")

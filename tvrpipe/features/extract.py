@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections import Counter, deque
@@ -56,9 +55,10 @@ import pandas as pd
 
 from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init, ray_running, require_gpus
 from tvrpipe.config import above, at_least, check_fields, one_of, within
-from tvrpipe.data.manifest import COLLECTION, read_manifest
+from tvrpipe.data.manifest import COLLECTION, check_max_words, open_manifest
 from tvrpipe.errors import ConfigError, NonFiniteError, TvrpipeError
 from tvrpipe.features.arrays import nonfinite_rows
+from tvrpipe.features.failures import over_failure_limit
 from tvrpipe.features.outputs import check_store_out
 from tvrpipe.features.store import (
     FeatureStore,
@@ -80,7 +80,6 @@ from tvrpipe.features.weights import (
     weights_key,
 )
 from tvrpipe.features.workers import ClipEncoder, Decoder
-from tvrpipe.lock import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -203,36 +202,6 @@ _HINTS = {
     "timeout": "raise --timeout (now {timeout:g} s) if the videos are long",
     "nonfinite": "the encoder returned NaN or infinity: try --device cpu (fp16 overflow)",
 }
-
-
-@dataclass(frozen=True)
-class FailureCount:
-    """More than ``--max-failed-fraction`` of some videos failed (:func:`over_failure_limit`).
-
-    Attributes:
-        kinds: ``[(kind, count)]``, the errors' kinds (the text before their first ``:``), most
-            frequent first, then by name.
-        text: how many of how many, the percentage and the limit, then the kinds
-            (``3 of 16 videos failed (18.8 % > --max-failed-fraction 0.1): missing: 2, empty: 1``).
-        accept: the fraction that would accept these failures, rounded up to a percent.
-    """
-
-    kinds: list[tuple[str, int]]
-    text: str
-    accept: float
-
-
-def over_failure_limit(errors: list[str], total: int, limit: float, what: str = "videos failed") -> FailureCount | None:
-    """``errors`` (one per failed video, ``"kind: detail"``) of ``total`` videos against ``--max-failed-fraction``
-    ``limit``: None when at most that fraction failed, else what to say. Shared by extract and finetune."""
-    n = len(errors)
-    if total == 0 or n / total <= limit:  # "more than this fraction"; n <= frac * total rounds (29 of 100)
-        return None
-    kinds = sorted(Counter(str(e).split(":", 1)[0] for e in errors).items(), key=lambda kv: (-kv[1], kv[0]))
-    accept = math.ceil(round(100 * n / total, 9)) / 100  # rounded up: the advised value lets the run pass
-    text = (f"{n} of {total} {what} ({100 * n / total:.1f} % > --max-failed-fraction {limit:g}): "
-            f"{', '.join(f'{k}: {c}' for k, c in kinds)}")
-    return FailureCount(kinds, text, accept)
 
 
 def _too_many_failures(failures: pd.DataFrame, videos: pd.DataFrame, root: Path, out: Path,
@@ -377,24 +346,6 @@ class _ShardBuffer:
 # ---------------------------------------------------------------------------------- run
 
 
-def open_manifest(manifest_dir, video_root, out_dir, frames: int | None, max_words: int | None):
-    """What ``extract`` and ``finetune`` start from, checked before anything is written, Ray starts or
-    weights load: the manifest, the video root, a writable ``out_dir``, and F and L (the manifest's
-    defaults unless given).
-
-    Returns:
-        ``(manifest, video_root, F, L)``.
-    """
-    manifest = read_manifest(manifest_dir)
-    root = Path(video_root)
-    if not root.is_dir():
-        raise ConfigError(f"--video-root {root}: not a directory")
-    check_writable(out_dir, "--out")
-    F = frames if frames is not None else int(manifest.meta.get("frames", 12))
-    L = max_words if max_words is not None else int(manifest.meta.get("max_words", 32))
-    return manifest, root, F, L
-
-
 MANIFEST_PLACEHOLDER = "MANIFEST_DIR"  # where a command must name a manifest folder that no record names
 VIDEOS_PLACEHOLDER = "VIDEO_DIR"
 
@@ -451,12 +402,6 @@ def rebuild_command(store: FeatureStore, video_root: str | os.PathLike[str] | No
         prov["pretrained"] = pretrained
     shards = (store.array("videos/frames").chunks[0], store.array("texts/tokens").chunks[0])
     return extract_command(prov, store.dir, shards)
-
-
-def check_max_words(L: int, context_length: int) -> None:
-    """Refuse ``--max-words`` (L) beyond the text tower's context length."""
-    if L > context_length:
-        raise ConfigError(f"--max-words {L} exceeds the model's context length {context_length}")
 
 
 @dataclass

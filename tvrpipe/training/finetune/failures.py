@@ -32,7 +32,7 @@ def too_many_failed(failures: dict[str, str], rows: np.ndarray, video_ids: np.nd
     the manifest, whose ids are ``video_ids``) are in ``failures`` ({video id: error}); None otherwise. ``what``
     says what happened to them ("training videos failed to decode"), ``after`` what became of the run;
     ``listed``: the ``failures.csv`` the run writes them to (None: the message names the first few)."""
-    from tvrpipe.features.extract import over_failure_limit
+    from tvrpipe.features.failures import over_failure_limit
 
     failed = {vid: failures[vid] for vid in (str(video_ids[v]) for v in rows) if vid in failures}
     over = over_failure_limit(list(failed.values()), len(rows), limit, what)

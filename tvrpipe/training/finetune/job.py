@@ -66,10 +66,10 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
     Raises:
         ConfigError: an option, the manifest, the weights or the data do not allow the run, naming which.
     """
+    from tvrpipe.data.manifest import check_max_words, open_manifest
     from tvrpipe.evaluation.engine import check_post
     from tvrpipe.features.clip import load_clip, preprocess_description
     from tvrpipe.features.decode import FRAME_SAMPLING
-    from tvrpipe.features.extract import check_max_words, open_manifest
     from tvrpipe.features.store import manifest_sha256
     from tvrpipe.features.weights import resolve_pretrained
     from tvrpipe.training.data import split_rows
