@@ -57,6 +57,16 @@ class FaissIndex(FirstStageIndex):
     def available(cls) -> bool:
         return faiss_available()
 
+    @classmethod
+    def flat(cls, pooled: np.ndarray, config: StageConfig) -> FaissIndex:
+        """The exact inner-product index (``IndexFlatIP``) of ``pooled``: what a FAISS first stage builds below
+        its size threshold, where an approximate index would save nothing."""
+        import faiss
+
+        index = faiss.IndexFlatIP(pooled.shape[1])
+        index.add(np.ascontiguousarray(pooled, dtype=np.float32))
+        return cls(pooled, config, index)
+
     def save(self, folder: Path) -> None:
         import faiss
 
@@ -93,10 +103,9 @@ class FaissHNSW(FaissIndex):
         config = config or cls.Config()
         n, d = pooled.shape
         if n < config.hnsw_from:
-            index = faiss.IndexFlatIP(d)
-        else:
-            index = faiss.IndexHNSWFlat(d, config.m, faiss.METRIC_INNER_PRODUCT)
-            index.hnsw.efConstruction = config.ef_construction
+            return cls.flat(pooled, config)
+        index = faiss.IndexHNSWFlat(d, config.m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = config.ef_construction
         index.add(np.ascontiguousarray(pooled, dtype=np.float32))
         return cls(pooled, config, index)
 

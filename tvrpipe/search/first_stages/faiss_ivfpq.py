@@ -66,9 +66,7 @@ class FaissIVFPQ(FaissIndex):
         config = config or cls.Config()
         n, d = pooled.shape
         if n < config.ivf_from:
-            index = faiss.IndexFlatIP(d)
-            index.add(np.ascontiguousarray(pooled, dtype=np.float32))
-            return cls(pooled, config, index)
+            return cls.flat(pooled, config)
         m = config.m or max(1, d // 4)
         if d % m:
             raise ConfigError(f"first stage faiss-ivfpq: m={m} does not divide D={d}; give m a divisor of {d}")
