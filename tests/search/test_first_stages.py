@@ -23,6 +23,7 @@ from tvrpipe.search.first_stages import (
     resolve_first_stage,
     stage_config,
 )
+from tvrpipe.search.first_stages.base import stage_settings
 from tvrpipe.search.first_stages.faiss_hnsw import faiss_available
 from tvrpipe.search.index import INDEX_DIR, export_faiss, exported_stage, first_stage
 
@@ -100,6 +101,10 @@ def test_names_aliases_and_auto_come_from_the_registry(monkeypatch):
         resolve_first_stage("annoy")
     with pytest.raises(ConfigError, match="has no setting 'nprobes'"):
         stage_config("exact", {"nprobes": 3})
+    with pytest.raises(ConfigError, match="faiss-hnsw has no setting 'nprobe'; known: ef_construction"):
+        stage_settings("faiss-hnsw", {"nprobe": 3})  # a mapping is checked as KEY=VALUE items are
+    with pytest.raises(ConfigError, match="faiss-hnsw has no setting 'nprobe'"):
+        stage_settings("faiss-hnsw", ["nprobe=3"])
 
 
 def test_a_name_is_registered_once_and_a_config_is_frozen():

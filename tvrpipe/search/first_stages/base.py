@@ -215,16 +215,17 @@ Settings = Mapping[str, Any] | Sequence[str]  # typed values, or the command lin
 
 def stage_settings(name: str, settings: Settings | None) -> dict[str, Any]:
     """``settings`` as typed values of the first stage ``name``'s Config: a mapping as it is, ``KEY=VALUE``
-    items (``--first-stage-set``) parsed by the fields' types; an unknown key fails loudly."""
+    items (``--first-stage-set``) parsed by the fields' types; an unknown key, in either form, fails loudly."""
     cls = first_stage_class(name)
-    if settings is None or isinstance(settings, Mapping):
-        return dict(settings or {})
+    settings = settings or {}
+    mapping = isinstance(settings, Mapping)
     fields = {f.name for f in dataclasses.fields(cls.Config)}
-    unknown = sorted({split_item(item, "--first-stage-set")[0] for item in settings} - fields)
+    keys = set(settings) if mapping else {split_item(item, "--first-stage-set")[0] for item in settings}
+    unknown = sorted(keys - fields)
     if unknown:  # said before parse_fields would, with the settings there are
         raise ConfigError(f"first stage {cls.name} has no setting {unknown[0]!r}; known: "
                           f"{', '.join(sorted(fields)) or 'none'}")
-    return parse_fields(cls.Config, list(settings), cls.name)
+    return dict(settings) if mapping else parse_fields(cls.Config, list(settings), cls.name)
 
 
 def stage_config(name: str, settings: Settings | None = None) -> StageConfig:
@@ -236,13 +237,7 @@ def stage_config(name: str, settings: Settings | None = None) -> StageConfig:
         128
     """
     cls = first_stage_class(name)
-    settings = stage_settings(name, settings)
-    fields = {f.name for f in dataclasses.fields(cls.Config)}
-    unknown = sorted(set(settings) - fields)
-    if unknown:
-        raise ConfigError(f"first stage {cls.name} has no setting {unknown[0]!r}; known: "
-                          f"{', '.join(sorted(fields)) or 'none'}")
-    return dataclasses.replace(cls.Config(), **dict(settings or {}))
+    return dataclasses.replace(cls.Config(), **stage_settings(name, settings))
 
 
 def normalised(queries: np.ndarray) -> np.ndarray:
