@@ -99,6 +99,8 @@ def test_names_aliases_and_auto_come_from_the_registry(monkeypatch):
         resolve_first_stage("faiss-hnsw")
     with pytest.raises(ConfigError, match="choose one of auto, exact, "):
         resolve_first_stage("annoy")
+    with pytest.raises(ConfigError, match=r"--first-stage 'auto': choose one of exact, faiss-hnsw \(or faiss\), "):
+        first_stage_class("auto")  # where auto is not taken (export), it is not offered
     with pytest.raises(ConfigError, match="has no setting 'nprobes'"):
         stage_config("exact", {"nprobes": 3})
     with pytest.raises(ConfigError, match="faiss-hnsw has no setting 'nprobe'; known: ef_construction"):

@@ -160,11 +160,12 @@ def exportable_first_stages() -> list[str]:
     return sorted(n for n, c in _STAGES.items() if c.files)
 
 
-def first_stage_choices() -> str:
-    """What ``--first-stage`` accepts, for messages: ``auto, exact, faiss-hnsw (or faiss), ...``."""
+def first_stage_choices(auto: bool = True) -> str:
+    """What ``--first-stage`` accepts, for messages: ``auto, exact, faiss-hnsw (or faiss), ...`` (``auto``
+    left out where the option does not take it, as ``export``'s)."""
     _import_all()
     alias = {n: [a for a, m in _ALIASES.items() if m == n] for n in _STAGES}
-    return ", ".join([AUTO] + [n + (f" (or {', '.join(alias[n])})" if alias[n] else "") for n in sorted(_STAGES)])
+    return ", ".join([AUTO] * auto + [n + (f" (or {', '.join(alias[n])})" if alias[n] else "") for n in sorted(_STAGES)])
 
 
 def first_stage_help() -> str:
@@ -178,16 +179,16 @@ def first_stage_help() -> str:
                                              f": {_STAGES[n].summary}" for n in sorted(_STAGES)])
 
 
-def first_stage_class(name: str) -> type[FirstStageIndex]:
+def first_stage_class(name: str, auto: bool = False) -> type[FirstStageIndex]:
     """The class registered under ``name`` or one of its aliases (not ``auto``: :func:`resolve_first_stage`).
 
     Raises:
-        ConfigError: naming what ``--first-stage`` accepts.
+        ConfigError: naming what ``--first-stage`` accepts (``auto`` among them where the caller takes it).
     """
     _import_all()
     name = _ALIASES.get(name, name)
     if name not in _STAGES:
-        raise ConfigError(f"--first-stage {name!r}: choose one of {first_stage_choices()}")
+        raise ConfigError(f"--first-stage {name!r}: choose one of {first_stage_choices(auto)}")
     return _STAGES[name]
 
 
@@ -202,7 +203,7 @@ def resolve_first_stage(name: str) -> str:
     if name == AUTO:
         ranked = [c for c in _STAGES.values() if c.auto_rank is not None and c.available()]
         return max(ranked, key=lambda c: c.auto_rank).name
-    cls = first_stage_class(name)
+    cls = first_stage_class(name, auto=True)
     if not cls.available():
         exact = [n for n, c in _STAGES.items() if c.exact and c.available()]
         raise ConfigError(f"--first-stage {name} needs {cls.install}" + (f", or use --first-stage {exact[0]}"
