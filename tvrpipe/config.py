@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -233,3 +234,21 @@ def load_yaml(text: str | bytes, path: str | Path) -> Any:
         return loader.get_single_data()
     finally:
         loader.dispose()
+
+
+_UNITS = {"": 2**30, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_memory(text: str, option: str = "--gpu-memory") -> int:
+    """``24GiB``, ``24GB``, ``40 GiB``, ``81559MiB`` (a bare number is GiB) -> bytes.
+
+    Raises:
+        ConfigError: not a size, or not above 0, naming ``option``.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{option} {text!r}: give a size above 0 such as 24GiB, 40GB or 81559MiB (a bare number "
+                          "is GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])

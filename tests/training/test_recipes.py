@@ -361,7 +361,7 @@ def test_the_advice_names_the_fewest_changes_that_fit():
 
 
 def test_memory_sizes_parse_with_their_units():
-    from tvrpipe.training.plan import parse_memory
+    from tvrpipe.config import parse_memory
 
     assert parse_memory("24GiB") == 24 * 2**30 == parse_memory("24") == parse_memory(" 24 gib ")
     assert parse_memory("40GB") == 40 * 10**9 and parse_memory("81559MiB") == 81559 * 2**20

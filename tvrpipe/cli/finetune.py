@@ -172,7 +172,7 @@ def finetune_cmd(
         if not dry_run:
             raise ConfigError("--gpu-memory is the dry run's question (does a step fit this GPU?); give --dry-run, "
                               "or leave it out")
-        from tvrpipe.training.plan import parse_memory
+        from tvrpipe.config import parse_memory
 
         budget = parse_memory(gpu_memory)
     metrics = finetune(manifest, video_root, method, out, cfg, overrides, parse_post(post or []), recipe=record,

@@ -88,8 +88,9 @@ def memory(
 ) -> None:
     """Each recipe's estimated peak memory per worker with its batch at once, and the largest --chunk-size that
     fits each GPU memory (as `finetune --dry-run --gpu-memory` estimates it, without a dataset: random weights)."""
+    from tvrpipe.config import parse_memory
     from tvrpipe.progress import track
-    from tvrpipe.training.plan import parse_memory, recipe_memory
+    from tvrpipe.training.plan import recipe_memory
     from tvrpipe.training.recipes import list_recipes, load_recipe
 
     budgets = [(g, parse_memory(g)) for g in (gpu_memory or ["24GiB", "40GiB", "80GiB"])]

@@ -27,7 +27,6 @@ whose activations have the same size.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -229,24 +228,6 @@ def estimate_step_memory(model, texts: list[str], frames: int, max_words: int, p
     its CLIP checkpoints): :func:`measure_step` read at ``chunk``."""
     [m] = measure_step(model, texts, frames, max_words, pairs, checkpointing, gathered, optimizer_states).values()
     return m.at(chunk)
-
-
-_UNITS = {"": 2**30, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
-          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
-
-
-def parse_memory(text: str, option: str = "--gpu-memory") -> int:
-    """``24GiB``, ``24GB``, ``40 GiB``, ``81559MiB`` (a bare number is GiB) -> bytes.
-
-    Raises:
-        ConfigError: not a size, or not above 0, naming ``option``.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"{option} {text!r}: give a size above 0 such as 24GiB, 40GB or 81559MiB (a bare number "
-                          "is GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def advise(steps: dict[tuple[str, bool], StepMemory], precision: str, checkpointing: bool, chunk: int | None,
