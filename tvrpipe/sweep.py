@@ -318,7 +318,9 @@ def _sweep(runs: Sequence[SweepRun], out: Path, base: Any, store: Any, identity:
         ray_init(address)
         if gpus_per_run > 0:
             require_gpus(gpus_per_run, f"--gpus-per-run {gpus_per_run:g}", "use --gpus-per-run 0")
-        task = ray.remote(_run_one).options(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0)
+        # a run's splits hold at most its memory budget: Ray places no more runs on a node than its memory takes
+        memory = {"memory": base.memory_budget} if base.memory_budget else {}
+        task = ray.remote(_run_one).options(num_cpus=cpus_per_run, num_gpus=gpus_per_run, max_retries=0, **memory)
         pending = {task.remote(str(features), run.method, str(out / run.name), train_dict, run.head, tuple(post)): run
                    for run, train_dict in todo}
         from tvrpipe.progress import progress_bar

@@ -91,18 +91,26 @@ def test_the_store_reads_rows_in_any_order_one_chunk_at_a_time(tmp_path):
     np.testing.assert_array_equal(store.read("videos/frames", rows), whole["videos/frames"][rows])
     np.testing.assert_array_equal(store.read("texts/tokens", [9, 1], width=2), whole["texts/tokens"][[9, 1], :2])
     assert store.read("texts/token_mask", np.array([], int)).shape == (0, L)
-    reads = []
-    real = store.group["videos/frames"].__class__.__getitem__
-
-    def counted(self, key):
-        reads.append(key)
-        return real(self, key)
-
+    # the store's chunks are raw bytes: each run of consecutive rows is one read in place, chunk by chunk in row
+    # order, and nothing goes through Zarr
     import unittest.mock
 
-    with unittest.mock.patch.object(store.group["videos/frames"].__class__, "__getitem__", counted):
-        store.read("videos/frames", np.array([5, 0, 1, 3, 4]))
-    assert [k[0] for k in reads] == [slice(0, 3), slice(3, 6)]  # each chunk once, in row order
+    import tvrpipe.features.arrays as arrays
+
+    reads = []
+    real = arrays.os.pread
+    row_bytes = whole["videos/frames"][0].nbytes
+
+    def counted(fd, n, offset):
+        reads.append((n // row_bytes, offset // row_bytes))
+        return real(fd, n, offset)
+
+    zarr_reads = unittest.mock.Mock(side_effect=AssertionError("read through Zarr"))
+    with unittest.mock.patch.object(arrays.os, "pread", counted), \
+            unittest.mock.patch.object(store.array("videos/frames").__class__, "__getitem__", zarr_reads):
+        got = store.read("videos/frames", np.array([5, 0, 1, 3, 4]))
+    np.testing.assert_array_equal(got, whole["videos/frames"][[5, 0, 1, 3, 4]])
+    assert reads == [(2, 0), (3, 0)]  # rows 0-1 of chunk 0, then rows 3-5 (0-2 of chunk 1): one read each
 
 
 def test_the_store_streams_chunk_aligned_blocks(tmp_path):

@@ -423,18 +423,20 @@ def test_a_split_loaded_without_tokens_holds_none_and_refuses_token_batches(stor
 
 
 def test_fit_loads_word_tokens_only_for_heads_that_read_them(store, tmp_path, monkeypatch):
+    from tvrpipe.training import stream
+
     seen = {}
 
-    def spy(st, **kwargs):
-        seen[method] = kwargs.get("tokens", True)
-        return load_splits(st, **kwargs)
+    def spy(st, name, rows, **kwargs):
+        seen.setdefault(method, set()).add(kwargs.get("tokens", True))
+        return load_split(st, name, rows, **kwargs)
 
-    load_splits = fit_module.load_splits
-    monkeypatch.setattr(fit_module, "load_splits", spy)
+    load_split = stream.load_split
+    monkeypatch.setattr(stream, "load_split", spy)  # how the in-memory splits are loaded
     for method in ("xpool", "tokenwise"):
         m = fit(store, method, tmp_path / method, TrainConfig(epochs=1, batch_size=32), progress=False)
         assert m["test"]["t2v"]["n"] == N_TEST
-    assert seen == {"xpool": False, "tokenwise": True}
+    assert seen == {"xpool": {False}, "tokenwise": {True}}
 
 
 def test_text_batch_trim_drops_only_columns_padded_in_every_caption(store):

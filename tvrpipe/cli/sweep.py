@@ -21,6 +21,7 @@ from tvrpipe.cli.options import (
     WeightDecayOption,
     parse_post,
 )
+from tvrpipe.config import parse_memory
 from tvrpipe.errors import ConfigError
 from tvrpipe.training.settings import TrainConfig
 
@@ -66,6 +67,11 @@ def sweep(
     batch_size: BatchSizeOption = TR.batch_size,
     lr: LrOption = TR.lr,
     weight_decay: WeightDecayOption = TR.weight_decay,
+    memory_budget: Annotated[Optional[str], typer.Option(
+        metavar="SIZE",
+        help="Memory each run's splits may hold (as train-head's --memory-budget; larger splits are streamed from "
+             "the store). Ray then places at most a node's memory / SIZE runs on a node. Default: each run takes half "
+             "of its node's memory, so give it when several runs share a node.")] = None,
     post: PostOption = None,
 ) -> None:
     """Train a grid of heads x config values x seeds as Ray tasks; tables with mean and std over seeds.
@@ -84,7 +90,8 @@ def sweep(
         refuse_unused(ctx, ("max_epochs", "patience"), "they shape a run until validation stops improving, and "
                       "these train a fixed number of epochs; leave them out")
     # what the user gave; TrainConfig holds every other default (what --help shows)
-    cfg = TrainConfig(**given_fields(ctx, TrainConfig))
+    cfg = TrainConfig(**given_fields(ctx, TrainConfig, convert={
+        "memory_budget": lambda v: None if v is None else parse_memory(v, "--memory-budget")}))
     console.print(f"{len(runs)} runs ({len(names)} methods x {len(_ints('--seeds', seeds))} seeds"
                   f"{' x swept values' if set_ else ''}) into {out}", highlight=False)
     result = run_sweep(features, runs, out, cfg, parse_post(post or []), address, cpus_per_run, gpus_per_run)

@@ -24,6 +24,7 @@ from tvrpipe.cli.options import (
     parse_post,
     print_metrics,
 )
+from tvrpipe.config import parse_memory
 from tvrpipe.errors import ConfigError
 from tvrpipe.training.settings import TrainConfig
 
@@ -73,6 +74,12 @@ def train_head(
     prefetch: Annotated[
         bool, typer.Option(help="Build the next batch in a background thread (off may be faster on 2-core CPUs).")
     ] = TR.prefetch,
+    memory_budget: Annotated[Optional[str], typer.Option(
+        metavar="SIZE",
+        help="Memory the splits may hold, e.g. 2GB or 512MiB (a bare number is GiB). Splits that fit are read into "
+             "memory; larger ones are streamed from the store in chunk-aligned blocks through a shuffle buffer of half "
+             "the budget. Default: half of the memory this process may use (RAM, or a lower cgroup or ulimit "
+             "limit). config.yaml records the mode and order (data).")] = None,
     post: PostOption = None,
 ) -> None:
     """Train a retrieval head on cached features; select on validation; evaluate on test."""
@@ -80,7 +87,9 @@ def train_head(
     from tvrpipe.training.fit import fit
 
     # what the user gave; TrainConfig holds every other default (what --help shows)
-    options = given_fields(ctx, TrainConfig, convert={"group_lr": lambda v: parse_group_lr(v or [])})
+    options = given_fields(ctx, TrainConfig, convert={
+        "group_lr": lambda v: parse_group_lr(v or []),
+        "memory_budget": lambda v: None if v is None else parse_memory(v, "--memory-budget")})
     record = None
     if recipe is None:
         if method is None or out is None:

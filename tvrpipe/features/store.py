@@ -724,10 +724,15 @@ class FeatureStore:
     texts: pd.DataFrame
     failures: pd.DataFrame
     group: zarr.Group
+    # arrays looked up once: a Zarr group lookup is a round trip through its event loop (~0.4 ms), and a
+    # streamed epoch reads five arrays a block
+    _arrays: dict[str, zarr.Array] = field(default_factory=dict, repr=False, compare=False)
 
     def array(self, name: str) -> zarr.Array:
         """One of the arrays, e.g. ``videos/frames``."""
-        return self.group[name]
+        if name not in self._arrays:
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
 
     @property
     def made_by(self) -> str:

@@ -66,16 +66,19 @@ from tvrpipe.training.core import (
     setting_source,
     start_run,
 )
-from tvrpipe.training.data import CaptionPairs, SplitData, Splits, check_captioned, load_splits
+from tvrpipe.training.data import SplitData, Splits, check_captioned, store_split_rows
 from tvrpipe.training.evaluate import evaluate_split
 from tvrpipe.training.settings import TrainConfig
+from tvrpipe.training.stream import DataPlan, InMemoryPairs, StreamedPairs, open_splits, plan_data
 
 log = logging.getLogger(__name__)
 
 
 # trainer settings that decide how a run executes, not what it learns: a resumed run may change them
 # (config.yaml keeps the first invocation's and lists the changes under resumed_execution)
-EXECUTION = ("train.device", "train.prefetch", "train.eval_batch", "train.block_texts")
+# (the memory budget only picks how the data is read, which the run records under data: mode, order, buffer)
+EXECUTION = ("train.device", "train.prefetch", "train.eval_batch", "train.block_texts", "train.memory_budget",
+             "data.budget", "data.needs")
 
 
 def check_device(device: str) -> None:
@@ -190,7 +193,11 @@ def fit(
                     "at CLIP's initial scale 1/0.07, not the learned one the papers reuse; run the same extract again "
                     "(it records the scale and re-extracts nothing), or pass --set logit_scale_init=LOG_SCALE "
                     "(4.6052 for OpenAI's CLIP)", features, method)
-    splits: Splits = load_splits(store, tokens=head_class(method).uses_tokens)  # no word tokens for a sentence head
+    # in memory when the splits fit the budget, else streamed from the store (no word tokens for a sentence head)
+    rows, uses_tokens = store_split_rows(store), head_class(method).uses_tokens
+    batch = 0 if train.epochs == 0 else min(train.batch_size, len(rows.train_videos))  # --epochs 0 draws none
+    data = plan_data(store, rows, uses_tokens, batch, train.memory_budget)
+    splits: Splits = open_splits(store, rows, data, uses_tokens)
     train_split = splits.train
     if train_split.n_videos < 2:
         raise ConfigError("the training split needs at least 2 videos")
@@ -207,8 +214,8 @@ def fit(
     out = Path(out_dir)
     tune_allocator()  # a step's large temporaries reused from the heap, not re-faulted (allocator.py)
     with locked(out, "--out"):
-        return _train(store, splits, method, head_cfg, out, train, post, progress, max_steps, features, on_epoch,
-                      recipe, clip)
+        return _train(store, splits, data, method, head_cfg, out, train, post, progress, max_steps, features,
+                      on_epoch, recipe, clip)
 
 
 def store_clip(store) -> torch.nn.Module:
@@ -254,11 +261,11 @@ def _recipe_deviations(recipe: dict[str, Any], provenance: Mapping[str, Any], tr
     return deviations(recipe, ran)
 
 
-def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: TrainConfig, post: tuple[str, ...],
+def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Path, train: TrainConfig, post: tuple[str, ...],
            progress: bool, max_steps: int | None, features, on_epoch: Callable[[dict], None] | None,
            recipe: dict[str, Any] | None, clip: torch.nn.Module | None = None) -> dict:
-    """The training run proper, with the run directory locked; ``clip``: the store's CLIP, for a head that
-    starts from it (``train.init_from_clip``)."""
+    """The training run proper, with the run directory locked; ``data``: how the splits are read; ``clip``: the
+    store's CLIP, for a head that starts from it (``train.init_from_clip``)."""
     train_split = splits.train
     lr, lr_source = resolved_lr(method, train, head_cfg.embed_dim)
     lr_source = setting_source("head_lr", recipe, lr_source)
@@ -304,10 +311,12 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
         "features": str(Path(features).resolve()),
         "provenance": store_identity(store.provenance),
         "validation": splits.val_source,
+        "data": data.record(),
         "max_steps": max_steps,
         **({"recipe": recipe} if recipe else {}),
         **({"not_in_papers": {"zero_shot_start": ZERO_SHOT_START}} if head_cfg.zero_shot_start else {}),
-    }, ignore=EXECUTION, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source))
+    }, ignore=EXECUTION, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source)
+       or _data_changed(out, old, new))
 
     # ---- optimiser: every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does;
     # docs/training.md)
@@ -325,12 +334,12 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
     loop.begin(lambda: evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts))
 
     # ---- data: an epoch visits every video once, with one of its captions drawn at random
-    pairs = CaptionPairs(train_split.text_video, train_split.n_videos)
+    pairs = (StreamedPairs(train_split, data, head.uses_tokens) if data.streamed
+             else InMemoryPairs(train_split, head.uses_tokens))
 
     def batches(epoch: int):
-        for vids, caps in pairs.epoch(train.seed, epoch, steps_per_epoch, batch):
-            yield (vids, caps, train_split.text_batch(caps, head.uses_tokens, trim=True).to(device),
-                   train_split.video_batch(vids).to(device))
+        for vids, caps, texts, videos in pairs.epoch(train.seed, epoch, steps_per_epoch, batch):
+            yield vids, caps, texts.to(device), videos.to(device)
 
     # ---- loop
     with loop.progress(method, enabled=progress):
@@ -386,6 +395,17 @@ def _train(store, splits: Splits, method: str, head_cfg, out: Path, train: Train
                "threads": torch.get_num_threads(), "allocator": tune_allocator()},
         extras={"zero_shot": {"head": ZERO_SHOT, "test": zero_test},
                 **({"zero_shot_gate": float(selected.zero_shot_gate.detach())} if head_cfg.zero_shot_start else {})})
+
+
+def _data_changed(out: Path, old: dict, new: dict) -> str | None:
+    """The reason a run directory's config differs, when only how the data is read changed (another memory
+    budget, or another machine's memory, moved the split between memory and streaming)."""
+    if [k for k in new if old.get(k) != new[k]] == ["data"]:
+        was, now = old.get("data") or {}, new["data"]
+        return (f"{out} was trained with its data {was.get('mode', 'in memory')} ({was.get('order', 'a permutation')}), "
+                f"and this run would read it {now['mode']} ({now['order']}), which draws other batches; choose "
+                "another --out, or give the --memory-budget that reads it as before")
+    return None
 
 
 def _lr_changed(out: Path, old: dict, new: dict, lr: float, lr_source: str) -> str | None:

@@ -68,6 +68,9 @@ class TrainConfig:
     block_texts: int = at_least(1, 256)  # texts per similarity block at evaluation (memory bound)
     device: str = "cpu"
     prefetch: bool = True  # choice: build the next batch in a thread (see docs/performance.md for 2-core CPUs)
+    # bytes the splits may hold in memory: above it they are streamed from the store (training/stream.py);
+    # None: half of the memory this process may use (RAM, or a lower cgroup or ulimit limit)
+    memory_budget: int | None = above(0, None, option="--memory-budget")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,0 +1,212 @@
+"""train-head on a store larger than its memory budget: the plan, the streamed epochs, the splits read on use,
+rows read in place, and a streamed run against the same run in memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from tvrpipe.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def opened(store):
+    from tvrpipe.features.store import open_store
+    from tvrpipe.training.data import store_split_rows
+
+    s = open_store(store)
+    return s, store_split_rows(s)
+
+
+def test_rows_read_in_place_equal_zarr_reads(tmp_path):
+    """Raw chunk reads (the store's uncompressed chunks) give what Zarr gives, for any rows, repeats and widths,
+    including the last, partial chunk; a compressed array is read through Zarr."""
+    import zarr
+
+    from tvrpipe.features.arrays import raw_chunks, read_rows
+
+    g = zarr.open_group(tmp_path, mode="w", zarr_format=3)
+    values = np.random.default_rng(0).standard_normal((203, 5, 3)).astype(np.float16)
+    raw = g.create_array("raw", shape=values.shape, chunks=(16, 5, 3), dtype="float16", compressors=None,
+                         fill_value=0)
+    packed = g.create_array("packed", shape=values.shape, chunks=(16, 5, 3), dtype="float16", fill_value=0)
+    raw[:], packed[:] = values, values
+    assert raw_chunks(raw) is not None and raw_chunks(packed) is None
+    for rows in (np.arange(203), np.array([0, 0, 15, 16, 17, 202, 202]), np.sort(np.random.default_rng(1).choice(203, 40))):
+        for array in (raw, packed):
+            np.testing.assert_array_equal(read_rows(array, rows), values[rows])
+            np.testing.assert_array_equal(read_rows(array, rows, width=2), values[rows, :2])
+
+
+def test_plan_in_memory_when_it_fits_and_its_bytes(opened):
+    """The bytes a plan counts are the in-memory splits' (frames, masks, sentences, real token columns)."""
+    from tvrpipe.training.data import load_split
+    from tvrpipe.training.stream import plan_data
+
+    s, rows = opened
+    plan = plan_data(s, rows, True, 16, budget=10**9)
+    loaded = [load_split(s, name, rows) for name in ("train", "val", "test")]
+    held = sum(a.nbytes for sp in loaded for a in (sp.frames, sp.frame_mask, sp.sentence, sp.tokens, sp.token_mask))
+    # each split trims tokens to its own real width; the plan counts the widest: at least what is held
+    width = max(sp.tokens.shape[1] for sp in loaded)
+    n_t = sum(sp.n_texts for sp in loaded)
+    assert held <= plan.needs == held + sum((width - sp.tokens.shape[1]) * sp.n_texts * (32 * 2 + 1) for sp in loaded)
+    assert n_t == len(rows.train_texts) + len(rows.val_texts) + len(rows.test_texts)
+    assert not plan.streamed and plan.record()["mode"] == "in memory"
+    assert plan_data(s, rows, True, 16, budget=plan.needs).streamed is False  # fitting exactly is fitting
+
+
+def test_plan_streams_above_the_budget_and_sizes_the_buffer(opened):
+    from tvrpipe.training.stream import BUFFER_SHARE, pair_bytes, plan_data, split_width
+
+    s, rows = opened
+    needs = plan_data(s, rows, False, 16, budget=10**9).needs
+    plan = plan_data(s, rows, False, 16, budget=needs - 1)
+    each = pair_bytes(s, 0)
+    assert each == 4 * 32 * 2 + 4 + 32 * 2  # F x D float16 frames, F mask bytes, a D float16 sentence
+    assert plan.streamed and plan.buffer_videos == int((needs - 1) * BUFFER_SHARE) // each
+    assert plan.block_videos == min(32, plan.buffer_videos // 4)  # never more than a store chunk (32 videos)
+    rec = plan.record()
+    assert rec["mode"] == "streamed" and rec["buffer_videos"] == plan.buffer_videos and "--memory-budget" in rec["budget"]
+    assert pair_bytes(s, split_width(s, rows.train_texts)) > each
+
+
+def test_plan_refuses_a_budget_below_a_batch_and_a_block(opened):
+    from tvrpipe.training.stream import plan_data
+
+    s, rows = opened
+    with pytest.raises(ConfigError, match=r"--memory-budget .*streaming them needs a shuffle buffer of at least a batch"):
+        plan_data(s, rows, True, 16, budget=4000)
+
+
+def test_default_budget_is_half_the_memory_limit(opened, monkeypatch):
+    from tvrpipe.training import stream
+
+    s, rows = opened
+    monkeypatch.setattr(stream, "memory_limit", lambda: (2 * 10**9, "cgroup limit"))
+    plan = stream.plan_data(s, rows, True, 16)
+    assert plan.budget == 10**9 and "cgroup limit" in plan.budget_source
+
+
+def test_memory_limit_takes_the_lowest(monkeypatch, tmp_path):
+    from tvrpipe.training import stream
+
+    limit = tmp_path / "memory.max"
+    limit.write_text("123456789\n")
+    monkeypatch.setattr(stream, "_CGROUP_LIMITS", (limit,))
+    assert stream.memory_limit() == (123456789, f"the cgroup limit ({limit})")
+    limit.write_text("max\n")  # cgroup v2 without a limit
+    assert stream.memory_limit()[1] != f"the cgroup limit ({limit})"
+
+
+def test_store_split_batches_equal_the_loaded_split(opened):
+    """Evaluation reads the same batches either way, so validation and test scores do not depend on the mode."""
+    from tvrpipe.training.data import load_split
+    from tvrpipe.training.stream import StoreSplit
+
+    s, rows = opened
+    for name in ("train", "val", "test"):
+        mem = load_split(s, name, rows)
+        lazy = StoreSplit(s, name, getattr(rows, f"{name}_videos"), getattr(rows, f"{name}_texts"))
+        np.testing.assert_array_equal(lazy.text_video, mem.text_video)
+        np.testing.assert_array_equal(lazy.caption_ids, mem.caption_ids)
+        for a, b in zip(lazy.text_batches(7), mem.text_batches(7), strict=True):
+            for x, y in ((a.tokens, b.tokens), (a.token_mask, b.token_mask), (a.sentence, b.sentence)):
+                assert x.shape == y.shape and x.dtype == y.dtype and bool((x == y).all())
+        for a, b in zip(lazy.video_batches(5), mem.video_batches(5), strict=True):
+            assert bool((a.frames == b.frames).all()) and bool((a.frame_mask == b.frame_mask).all())
+        idx = np.array([3, 0, 2])
+        t1, t2 = lazy.text_batch(idx, trim=True), mem.text_batch(idx, trim=True)
+        assert t1.tokens.shape == t2.tokens.shape and bool((t1.tokens == t2.tokens).all())
+        assert lazy.text_batch(idx, tokens=False).tokens.shape == (3, 0, 32)
+
+
+def test_streamed_epoch_visits_every_video_once_with_its_own_caption(opened):
+    from tvrpipe.training.data import load_split
+    from tvrpipe.training.stream import StreamedPairs, open_splits, plan_data
+
+    s, rows = opened
+    plan = plan_data(s, rows, True, 8, budget=30_000)
+    assert plan.streamed and plan.buffer_videos < len(rows.train_videos)
+    train = open_splits(s, rows, plan, True).train
+    mem = load_split(s, "train", rows)
+    pairs = StreamedPairs(train, plan, True)
+    steps = train.n_videos // 8
+    seen = []
+    for vids, caps, texts, videos in pairs.epoch(0, 3, steps, 8):
+        assert len(set(vids.tolist())) == 8  # no video twice in a batch
+        np.testing.assert_array_equal(mem.text_video[caps], vids)  # each caption is its video's
+        np.testing.assert_array_equal(videos.frames.numpy(), mem.frames[vids].astype(np.float32))
+        np.testing.assert_array_equal(videos.frame_mask.numpy(), mem.frame_mask[vids])
+        np.testing.assert_array_equal(texts.sentence.numpy(), mem.sentence[caps].astype(np.float32))
+        ref = mem.text_batch(caps, trim=True)  # trimmed to the batch's real tokens, as in memory
+        assert texts.tokens.shape == ref.tokens.shape and bool((texts.tokens == ref.tokens).all())
+        seen += vids.tolist()
+    assert len(seen) == steps * 8 and len(set(seen)) == len(seen)  # each video at most once an epoch
+    again = [v.tolist() for v, *_ in pairs.epoch(0, 3, steps, 8)]
+    assert sum(again, []) == seen  # (seed, epoch) decide the draws: a resumed run draws the same
+    other = sum([v.tolist() for v, *_ in pairs.epoch(0, 4, steps, 8)], [])
+    assert other != seen
+    # shuffled: the order is far from the store's (a rank correlation well below 1)
+    ranks = np.argsort(np.argsort(seen))
+    assert abs(np.corrcoef(ranks, np.sort(seen))[0, 1]) < 0.9
+
+
+def test_streamed_epoch_holds_a_buffer_not_the_split(opened):
+    """The buffer is what the plan sized, whatever the split's size: the epoch never gathers the split."""
+    from tvrpipe.training.stream import StreamedPairs, open_splits, plan_data
+
+    s, rows = opened
+    plan = plan_data(s, rows, False, 4, budget=12_000)
+    pairs = StreamedPairs(open_splits(s, rows, plan, False).train, plan, False)
+    reads = []
+    real = pairs._read
+    pairs._read = lambda vids, rng: reads.append(len(vids)) or real(vids, rng)
+    batches = pairs.epoch(0, 0, 3, 4)
+    next(batches)  # the first batch: the buffer filled, no more
+    assert plan.buffer_videos <= sum(reads) < plan.buffer_videos + plan.block_videos
+    assert max(reads) <= plan.block_videos
+
+
+def test_fit_streamed_against_in_memory(store, tmp_path):
+    """A run whose budget is below its splits streams them and says so; it learns like the in-memory run (both
+    far above chance on validation), and the in-memory run records its permutation."""
+    from tvrpipe.training.fit import fit
+    from tvrpipe.training.settings import TrainConfig
+
+    runs = {}
+    for name, budget in (("memory", None), ("streamed", 20_000)):
+        m = fit(store, "xpool", tmp_path / name, TrainConfig(epochs=3, batch_size=8, memory_budget=budget),
+                progress=False)
+        runs[name] = (m, yaml.safe_load((tmp_path / name / "config.yaml").read_text()))
+    (m_mem, c_mem), (m_str, c_str) = runs["memory"], runs["streamed"]
+    assert c_mem["data"]["mode"] == "in memory" and c_str["data"]["mode"] == "streamed"
+    assert "shuffle buffer" in c_str["data"]["order"] and c_str["train"]["memory_budget"] == 20_000
+    n = m_mem["val"]["t2v"]["n"]
+    for m in (m_mem, m_str):
+        assert m["val"]["t2v"]["R@1"] > 5 * 100 / n  # chance is 1/n
+    # untrained (--epochs 0), both modes score the same: evaluation reads the same batches
+    zero = [fit(store, "xpool", tmp_path / f"zero-{b}", TrainConfig(epochs=0, memory_budget=b), progress=False)
+            for b in (None, 20_000)]
+    assert zero[0]["test"] == zero[1]["test"] and zero[0]["val"] == zero[1]["val"]
+
+
+@pytest.mark.parametrize("size", ["lots", "0", "-1GB", "2XB"])
+def test_cli_refuses_a_budget_that_is_not_a_size(cli, store, tmp_path, size):
+    r = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", 1, "--out", tmp_path / "run",
+            "--memory-budget", size)
+    assert r.exit_code != 0 and f"--memory-budget {size!r}: give a size above 0" in r.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_streams_under_a_small_budget_and_says_so(cli, store, tmp_path):
+    r = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", 1, "--batch-size", 8,
+            "--out", tmp_path / "run", "--memory-budget", "20kB")
+    assert r.exit_code == 0, r.output
+    data = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]
+    assert data["mode"] == "streamed" and data["budget"] == "20.0 kB (--memory-budget)"
+    tiny = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", 1, "--out", tmp_path / "r2",
+               "--memory-budget", "2kB")
+    assert tiny.exit_code == 1 and "streaming them needs a shuffle buffer of at least a batch" in tiny.output
+    assert not (tmp_path / "r2").exists()

@@ -1,0 +1,313 @@
+"""How ``train-head`` reads a store: the whole split in memory, or streamed from the store when it does not fit.
+
+In memory (what a split that fits gets): :func:`~tvrpipe.training.data.load_splits` reads every row once into
+float16 arrays, and an epoch visits the training videos in a permutation (:class:`~tvrpipe.training.data.CaptionPairs`).
+
+Streamed (a split larger than the memory budget): nothing is read whole. An epoch reads the training videos in
+blocks that never cross one of the store's chunks, the blocks in a random order, each video with one of its
+captions drawn at random; the pairs pour into a shuffle buffer, and each batch is drawn from the buffer at
+random (the shard order plus shuffle buffer of WebDataset and embedding-reader). Reads stay sequential within a
+block; only the chosen captions are read (:func:`~tvrpipe.features.arrays.read_rows` reads rows in place). The
+validation and test splits are read in batches whenever they are evaluated (:class:`StoreSplit`).
+
+Which mode a run takes: :func:`plan_data`, from the bytes the in-memory split would hold and the memory budget
+(``--memory-budget``, default half of the memory this process may use). The run records the mode, the order and
+the buffer in its ``config.yaml`` (``data``). Both modes draw from the run's seed and the epoch only, so a resumed
+run draws the same; they draw differently from each other (the buffer's order is not a permutation's).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.features.store import FeatureStore
+from tvrpipe.heads.base import TextBatch, VideoBatch
+from tvrpipe.training.data import (
+    CaptionPairs,
+    SplitData,
+    SplitRows,
+    Splits,
+    as_float32,
+    load_split,
+    real_width,
+)
+
+MEMORY_SHARE = 0.5  # the default budget: this share of the memory the process may use
+BUFFER_SHARE = 0.5  # of a streamed run's budget, the shuffle buffer's; the rest is reads in flight and batches
+IN_MEMORY_ORDER = "every training video once an epoch, in a random permutation"
+
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def memory_limit() -> tuple[int, str]:
+    """The bytes this process may use and what sets them: the machine's RAM, or a lower limit of its cgroup
+    (a container's) or of ``ulimit -v`` / ``-m``."""
+    limits = [(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "RAM")]
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append((int(text), f"the cgroup limit ({path})"))
+    for which, name in ((resource.RLIMIT_AS, "ulimit -v"), (resource.RLIMIT_RSS, "ulimit -m")):
+        soft = resource.getrlimit(which)[0]
+        if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
+            limits.append((soft, name))
+    return min(limits)
+
+
+def gb(n: float) -> str:
+    """Bytes for messages and records, in decimal units: 1.23 GB, 45.6 MB, 7.8 kB, 512 bytes."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def pair_bytes(store: FeatureStore, width: int) -> int:
+    """The float16 bytes one (video, caption) pair holds in memory: frames, frame mask, sentence, and ``width``
+    token columns with their mask (0 for a head that reads no word tokens)."""
+    F, D = store.group["videos/frames"].shape[1:]
+    return F * D * 2 + F + D * 2 + width * (D * 2 + 1)
+
+
+def split_width(store: FeatureStore, text_rows: np.ndarray) -> int:
+    """:func:`~tvrpipe.training.data.real_width` of captions ``text_rows`` (sorted), read block by block."""
+    used = np.zeros(store.group["texts/token_mask"].shape[1], bool)
+    for _, mask in store.blocks("texts/token_mask", np.sort(text_rows), chunks=16):
+        used |= mask.any(0)
+    return real_width(used[None])
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """How a run reads its store (:func:`plan_data`).
+
+    Attributes:
+        streamed: False: every split in memory; True: streamed.
+        needs: bytes the splits would hold in memory.
+        budget, budget_source: the memory budget and where it comes from.
+        buffer_videos, block_videos: a streamed run's shuffle buffer and read block, in videos (0 in memory).
+    """
+
+    streamed: bool
+    needs: int
+    budget: int
+    budget_source: str
+    buffer_videos: int = 0
+    block_videos: int = 0
+
+    @property
+    def order(self) -> str:
+        if not self.streamed:
+            return IN_MEMORY_ORDER
+        return (f"blocks of up to {self.block_videos:,} videos (never across a store chunk) in a random order per "
+                f"epoch, each video with a random caption, through a shuffle buffer of {self.buffer_videos:,} videos")
+
+    def record(self) -> dict:
+        """What the run's ``config.yaml`` says of its data (``data``)."""
+        return {"mode": "streamed" if self.streamed else "in memory", "order": self.order,
+                "needs": gb(self.needs), "budget": f"{gb(self.budget)} ({self.budget_source})",
+                **({"buffer_videos": self.buffer_videos, "block_videos": self.block_videos} if self.streamed else {})}
+
+
+def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: int,
+              budget: int | None = None) -> DataPlan:
+    """In memory when the three splits fit ``budget`` bytes (default :data:`MEMORY_SHARE` of
+    :func:`memory_limit`), else streamed, with a shuffle buffer of :data:`BUFFER_SHARE` of the budget.
+
+    Raises:
+        ConfigError: the split does not fit and the budget cannot hold a streamed run's buffer (a batch and a
+            read block).
+    """
+    if budget is None:
+        limit, source = memory_limit()
+        budget, budget_source = int(limit * MEMORY_SHARE), f"{MEMORY_SHARE:.0%} of {gb(limit)}, the {source}"
+    else:
+        budget_source = "--memory-budget"
+    texts = np.concatenate([rows.train_texts, rows.val_texts, rows.test_texts])
+    videos = len(rows.train_videos) + len(rows.val_videos) + len(rows.test_videos)
+    width = split_width(store, texts) if uses_tokens and len(texts) else 0
+    F, D = store.group["videos/frames"].shape[1:]
+    needs = videos * (F * D * 2 + F) + len(texts) * (D * 2 + width * (D * 2 + 1))
+    if needs <= budget:
+        return DataPlan(False, needs, budget, budget_source)
+    each = pair_bytes(store, split_width(store, rows.train_texts) if uses_tokens else 0)
+    chunk = store.group["videos/frames"].chunks[0]
+    buffer = int(budget * BUFFER_SHARE) // each
+    block = max(1, min(chunk, buffer // 4))
+    if buffer < batch + block:
+        raise ConfigError(
+            f"--memory-budget {gb(budget)}: the splits of {store.dir} need {gb(needs)} in memory, and streaming them "
+            f"needs a shuffle buffer of at least a batch and a read block ({batch + block} pairs of {each:,} bytes: "
+            f"{gb((batch + block) * each / BUFFER_SHARE)} of budget); give a larger --memory-budget or a smaller "
+            "--batch-size")
+    return DataPlan(True, needs, budget, budget_source, buffer, block)
+
+
+class StoreSplit:
+    """A split read from the store when it is used: :class:`~tvrpipe.training.data.SplitData`'s batches without
+    holding its arrays (a streamed run's validation and test splits, and its training split's queries for QB-Norm).
+    Batches are read as the in-memory split would make them (same rows, same token width), so evaluation gives
+    the same numbers either way."""
+
+    def __init__(self, store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> None:
+        self.store, self.name = store, name
+        self.video_rows, self.text_rows = np.sort(video_rows), np.sort(text_rows)
+        col = np.full(len(store.videos), -1, dtype=np.int64)
+        col[self.video_rows] = np.arange(len(self.video_rows))
+        self.text_video = col[store.texts["video_row"].to_numpy()[self.text_rows]]
+        if (self.text_video < 0).any():
+            raise ValueError(f"{store.dir}: caption row {self.text_rows[self.text_video < 0][0]} has its video "
+                             f"outside the {name} rows")
+        self.video_ids = store.videos["video_id"].to_numpy()[self.video_rows]
+        self.caption_ids = store.texts["caption_id"].to_numpy()[self.text_rows]
+        self._width: int | None = None
+
+    @property
+    def n_videos(self) -> int:
+        return len(self.video_rows)
+
+    @property
+    def n_texts(self) -> int:
+        return len(self.text_rows)
+
+    @property
+    def width(self) -> int:
+        """The split's real token columns (read once, on first use)."""
+        if self._width is None:
+            self._width = split_width(self.store, self.text_rows)
+        return self._width
+
+    def text_batch(self, idx: np.ndarray, tokens: bool = True, trim: bool = False) -> TextBatch:
+        """As :meth:`SplitData.text_batch`."""
+        rows = self.text_rows[np.asarray(idx)]
+        sentence = as_float32(self.store.read("texts/sentence", rows))
+        if not tokens:
+            D = sentence.shape[-1]
+            return TextBatch(torch.zeros((len(rows), 0, D)), torch.zeros((len(rows), 0), dtype=torch.bool), sentence)
+        mask = self.store.read("texts/token_mask", rows, self.width)
+        length = real_width(mask) if trim else mask.shape[1]
+        tok = self.store.read("texts/tokens", rows, length)
+        return TextBatch(as_float32(tok), torch.from_numpy(np.ascontiguousarray(mask[:, :length])),
+                         sentence)
+
+    def video_batch(self, idx: np.ndarray) -> VideoBatch:
+        """As :meth:`SplitData.video_batch`."""
+        rows = self.video_rows[np.asarray(idx)]
+        return VideoBatch(as_float32(self.store.read("videos/frames", rows)),
+                          torch.from_numpy(self.store.read("videos/frame_mask", rows)))
+
+    def text_batches(self, batch_size: int, tokens: bool = True) -> Iterator[TextBatch]:
+        """Every caption once, in order."""
+        for a in range(0, self.n_texts, batch_size):
+            yield self.text_batch(np.arange(a, min(a + batch_size, self.n_texts)), tokens)
+
+    def video_batches(self, batch_size: int) -> Iterator[VideoBatch]:
+        """Every video once, in order."""
+        for a in range(0, self.n_videos, batch_size):
+            yield self.video_batch(np.arange(a, min(a + batch_size, self.n_videos)))
+
+
+def open_splits(store: FeatureStore, rows: SplitRows, plan: DataPlan, uses_tokens: bool) -> Splits:
+    """The train, validation and test splits as ``plan`` reads them: loaded (:func:`load_split`) or
+    :class:`StoreSplit`."""
+    if not plan.streamed:
+        return Splits(*(load_split(store, name, rows, tokens=uses_tokens) for name in ("train", "val", "test")),
+                      val_source=rows.val_source)
+    return Splits(*(StoreSplit(store, name, getattr(rows, f"{name}_videos"), getattr(rows, f"{name}_texts"))
+                    for name in ("train", "val", "test")), val_source=rows.val_source)
+
+
+class InMemoryPairs:
+    """An in-memory split's epochs of (video columns, caption rows, texts, videos): :class:`CaptionPairs`'
+    permutation, batches cut from the loaded arrays."""
+
+    def __init__(self, split: SplitData, uses_tokens: bool) -> None:
+        self.split, self.uses_tokens = split, uses_tokens
+        self.pairs = CaptionPairs(split.text_video, split.n_videos)
+
+    def epoch(self, seed: int, epoch: int, steps: int, batch: int) -> Iterator[tuple]:
+        for vids, caps in self.pairs.epoch(seed, epoch, steps, batch):
+            yield (vids, caps, self.split.text_batch(caps, self.uses_tokens, trim=True),
+                   self.split.video_batch(vids))
+
+
+class StreamedPairs:
+    """A streamed split's epochs: blocks of videos in a random order into a shuffle buffer, batches drawn from it.
+
+    Args:
+        split: the training split (its rows).
+        plan: the buffer and block sizes (:func:`plan_data`).
+        uses_tokens: read the captions' word tokens.
+    """
+
+    def __init__(self, split: StoreSplit, plan: DataPlan, uses_tokens: bool) -> None:
+        self.split, self.uses_tokens = split, uses_tokens
+        self.buffer, self.block = plan.buffer_videos, plan.block_videos
+        self.pairs = CaptionPairs(split.text_video, split.n_videos)
+        chunk = split.store.group["videos/frames"].chunks[0]
+        rows = split.video_rows
+        # a block: consecutive split videos of one store chunk, at most ``block`` of them
+        cut = np.flatnonzero(np.diff(rows // chunk) != 0) + 1
+        self.blocks = [piece for part in np.split(np.arange(len(rows)), cut)
+                       for piece in np.array_split(part, -(-len(part) // self.block))]
+
+    def _read(self, vids: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """The pairs of split videos ``vids`` (one block), each with a random caption."""
+        p, s = self.pairs, self.split
+        caps = p.by_video[p.first[vids] + (rng.random(len(vids)) * p.counts[vids]).astype(np.int64)]
+        video_rows, text_rows = s.video_rows[vids], s.text_rows[caps]
+        got = {"vid": vids, "cap": caps, "frames": s.store.read("videos/frames", video_rows),
+               "frame_mask": s.store.read("videos/frame_mask", video_rows),
+               "sentence": s.store.read("texts/sentence", text_rows)}
+        if self.uses_tokens:
+            got["token_mask"] = s.store.read("texts/token_mask", text_rows, s.width)
+            got["tokens"] = s.store.read("texts/tokens", text_rows, s.width)
+        return got
+
+    def epoch(self, seed: int, epoch: int, steps: int, batch: int) -> Iterator[tuple]:
+        """``steps`` batches of ``batch`` pairs: (video columns, caption rows, TextBatch, VideoBatch)."""
+        rng = np.random.default_rng([seed, epoch])
+        order = iter(rng.permutation(len(self.blocks)))
+        buf: dict[str, np.ndarray] = {}
+        fill = 0
+        for _ in range(steps):
+            while fill < self.buffer and (b := next(order, None)) is not None:
+                got = self._read(self.blocks[b], rng)
+                if not buf:  # the buffer's arrays, once: a full buffer and one block more
+                    buf = {k: np.empty((self.buffer + self.block, *v.shape[1:]), v.dtype) for k, v in got.items()}
+                n = len(got["vid"])
+                for k, v in got.items():
+                    buf[k][fill : fill + n] = v
+                fill += n
+            if fill < batch:
+                return  # the split's last videos: fewer than a batch (an in-memory epoch drops them too)
+            pick = np.sort(rng.choice(fill, batch, replace=False))
+            out = {k: v[pick] for k, v in buf.items()}
+            # the buffer's last ``batch`` slots move into the picked ones that lie below them
+            tail = np.setdiff1d(np.arange(fill - batch, fill), pick)
+            holes = pick[pick < fill - batch]
+            for v in buf.values():
+                v[holes] = v[tail]
+            fill -= batch
+            yield out["vid"], out["cap"], self._batch(out), VideoBatch(as_float32(out["frames"]),
+                                                                       torch.from_numpy(out["frame_mask"]))
+
+    def _batch(self, out: dict[str, np.ndarray]) -> TextBatch:
+        sentence = as_float32(out["sentence"])
+        if not self.uses_tokens:
+            return TextBatch(torch.zeros((len(sentence), 0, sentence.shape[-1])),
+                             torch.zeros((len(sentence), 0), dtype=torch.bool), sentence)
+        length = real_width(out["token_mask"])  # the batch's real columns, as an in-memory batch is trimmed
+        return TextBatch(as_float32(out["tokens"][:, :length]),
+                         torch.from_numpy(np.ascontiguousarray(out["token_mask"][:, :length])), sentence)
