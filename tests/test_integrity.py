@@ -271,7 +271,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
 
 
 def test_nonfinite_score_names_caption_and_video():
-    from tvrpipe.evaluation.engine import evaluate_head
+    from tvrpipe.evaluation.engine import EvalInputs, evaluate_head
     from tvrpipe.heads.base import TextBatch, VideoBatch, create_head
 
     head = create_head("meanpool", embed_dim=4)
@@ -282,8 +282,8 @@ def test_nonfinite_score_names_caption_and_video():
     texts = [TextBatch(torch.zeros(5, 0, 4), torch.zeros(5, 0, dtype=torch.bool), sent)]
     videos = [VideoBatch(frames, torch.ones(5, 3, dtype=torch.bool))]
     with pytest.raises(NonFiniteError) as e:
-        evaluate_head(head, texts, videos, np.arange(5), text_ids=[f"c{i}" for i in range(5)],
-                      video_ids=[f"v{i}" for i in range(5)])
+        evaluate_head(head, EvalInputs(texts, videos, np.arange(5), text_ids=[f"c{i}" for i in range(5)],
+                                       video_ids=[f"v{i}" for i in range(5)]))
     msg = str(e.value)
     assert "5 of 5 x 5 similarity scores are NaN or infinite" in msg and "1 videos (v2)" in msg, msg
     assert "5 captions (c0, c1, c2, c3, c4)" in msg

@@ -18,6 +18,8 @@ from torch.nn import functional as F
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation import (
+    EvalInputs,
+    EvalOptions,
     QueryBankAccumulator,
     apply_qb_norm,
     dual_softmax,
@@ -308,13 +310,13 @@ def test_permuting_videos_permutes_columns_and_keeps_metrics(head):
     texts, videos = _texts(30, seed=4), _videos(n_v, seed=5)
     bank = _split(_texts(9, seed=6), 4)
     vbank = _split(_videos(7, seed=7), 3)
-    kw = {"block_texts": 4, "block_videos": 5, "post": ("dsl", "qbnorm"), "return_sim": True}
-    base = evaluate_head(head, _split(texts, 8), _split(videos, 5), tv, querybank=bank,
-                         video_querybank=vbank, **kw)
+    opts = EvalOptions(block_texts=4, block_videos=5, post=("dsl", "qbnorm"), return_sim=True)
+    base = evaluate_head(head, EvalInputs(_split(texts, 8), _split(videos, 5), tv, querybank=bank,
+                                          video_querybank=vbank), opts)
     perm = rng.permutation(n_v)  # new column c holds old video perm[c]
     new_index = np.argsort(perm)
-    permuted = evaluate_head(head, _split(texts, 8), _split(_take(videos, perm), 5), new_index[tv],
-                             querybank=bank, video_querybank=vbank, **kw)
+    permuted = evaluate_head(head, EvalInputs(_split(texts, 8), _split(_take(videos, perm), 5), new_index[tv],
+                                              querybank=bank, video_querybank=vbank), opts)
     torch.testing.assert_close(permuted["sim"], base["sim"][:, perm])
     for key in ("t2v", "v2t", "t2v_dsl", "v2t_dsl", "t2v_qbnorm", "v2t_qbnorm"):
         assert permuted[key] == pytest.approx(base[key]), key
@@ -330,8 +332,8 @@ def test_evaluate_head_eval_mode_determinism_and_post_keys():
     bank_texts = _texts(10, seed=10)
 
     def run() -> dict:
-        return evaluate_head(head, _split(texts, 5), _split(videos, 4), tv, block_texts=5, block_videos=4,
-                             post=["dsl", "qbnorm"], querybank=_split(bank_texts, 3), return_sim=True)
+        return evaluate_head(head, EvalInputs(_split(texts, 5), _split(videos, 4), tv, querybank=_split(bank_texts, 3)),
+                             EvalOptions(block_texts=5, block_videos=4, post=["dsl", "qbnorm"], return_sim=True))
 
     first, second = run(), run()
     assert head.training  # mode restored
@@ -352,14 +354,62 @@ def test_evaluate_head_eval_mode_determinism_and_post_keys():
     assert first["t2v_qbnorm"] == pytest.approx(retrieval_metrics(t2v_ranks(qb_norm(sim, bank), tv)))
 
 
+def test_every_metric_key_is_written_by_a_row_of_the_variant_table(head, monkeypatch):
+    """An evaluation's metric keys are ``score_key(row.name, direction)`` for the rows of the variant table that
+    apply, one per direction a row scores: a row added to the table adds its keys, a row taken out takes its
+    keys along, whatever ``post`` asks for."""
+    from tvrpipe.errors import NonFiniteError
+    from tvrpipe.evaluation import VARIANTS, ScoreVariant, engine
+    from tvrpipe.rundir import SCORE_VARIANTS, score_key
+
+    assert [v.name for v in VARIANTS] == ["raw", "rerank", "dsl", "qbnorm"]
+    assert {v.name for v in VARIANTS} == set(SCORE_VARIANTS)
+    tv = np.arange(10) % 7
+    texts, videos, bank, vbank = _texts(10, seed=1), _videos(7, seed=2), _texts(5, seed=3), _videos(4, seed=4)
+    opts = EvalOptions(block_texts=4, block_videos=3, post=("dsl", "qbnorm"), return_sim=True)
+
+    def run() -> dict:
+        return evaluate_head(head, EvalInputs(_split(texts, 4), _split(videos, 3), tv, querybank=_split(bank, 2),
+                                              video_querybank=_split(vbank, 2)), opts)
+
+    def metric_keys(res: dict) -> set[str]:
+        return {k for k, v in res.items() if isinstance(v, dict) and "R@1" in v}
+
+    full = run()  # this head declares no re-ranking: its row does not apply
+    assert metric_keys(full) == {score_key(v, d) for v in ("raw", "dsl", "qbnorm") for d in ("t2v", "v2t")}
+
+    without_dsl = tuple(v for v in VARIANTS if v.name != "dsl")
+    monkeypatch.setattr(engine, "VARIANTS", without_dsl)
+    assert metric_keys(run()) == metric_keys(full) - {"t2v_dsl", "v2t_dsl"}
+
+    def negated(s):  # one direction only: the row writes that direction's key alone
+        yield "t2v", -s.sim
+
+    extra = (ScoreVariant("negated", "negated", lambda s: True, negated),
+             ScoreVariant("never", "never", lambda s: False, negated))
+    monkeypatch.setattr(engine, "VARIANTS", without_dsl + extra)
+    res = run()
+    assert metric_keys(res) == metric_keys(full) - {"t2v_dsl", "v2t_dsl"} | {"t2v_negated"}
+    assert res["t2v_negated"] == pytest.approx(ref_metrics(ref_t2v_ranks(-res["sim"].numpy(), tv)))
+    for key in metric_keys(res) - {"t2v_negated"}:
+        assert res[key] == full[key], key
+
+    def broken(s):
+        yield "v2t", s.sim * float("nan")
+
+    monkeypatch.setattr(engine, "VARIANTS", (ScoreVariant("broken", "broken", lambda s: True, broken),))
+    with pytest.raises(NonFiniteError, match=r"broken \(v2t\) scores"):
+        run()
+
+
 def test_evaluate_head_rejects_bad_options(head):
     texts, videos = _split(_texts(4, seed=1), 2), _split(_videos(4, seed=2), 2)
     with pytest.raises(ValueError, match="querybank"):
-        evaluate_head(head, texts, videos, np.arange(4), post=("qbnorm",))
+        evaluate_head(head, EvalInputs(texts, videos, np.arange(4)), EvalOptions(post=("qbnorm",)))
     with pytest.raises(ConfigError, match="unknown post-processing"):
-        evaluate_head(head, texts, videos, np.arange(4), post=("dsl", "rerank"))
+        evaluate_head(head, EvalInputs(texts, videos, np.arange(4)), EvalOptions(post=("dsl", "rerank")))
     with pytest.raises(ValueError, match="text_video"):
-        evaluate_head(head, texts, videos, np.arange(3))
+        evaluate_head(head, EvalInputs(texts, videos, np.arange(3)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,13 +522,13 @@ def test_dsl_is_not_applied_to_distance_scores():
     texts, videos = _split(_texts(6, seed=1), 3), _split(_videos(6, seed=2), 3)
     torch.manual_seed(0)  # the heads' weights, whatever ran before
     head = ProTA(ProTAConfig(embed_dim=D, num_heads=1, num_layers=1))
-    res = evaluate_head(head, texts, videos, np.arange(6), post=("dsl",))
+    res = evaluate_head(head, EvalInputs(texts, videos, np.arange(6)), EvalOptions(post=("dsl",)))
     assert "t2v_dsl" not in res and "v2t_dsl" not in res
     assert "negative W2 distances" in res["dsl_not_applicable"]
     cosine = ProTA(ProTAConfig(embed_dim=D, num_heads=1, num_layers=1, probabilistic=False, kl_weight=0.0,
                                margin_weight=0.0))
     assert cosine.dsl_not_applicable is None
-    res = evaluate_head(cosine, texts, videos, np.arange(6), post=("dsl",), return_sim=True)
+    res = evaluate_head(cosine, EvalInputs(texts, videos, np.arange(6)), EvalOptions(post=("dsl",), return_sim=True))
     assert "dsl_not_applicable" not in res
     assert res["t2v_dsl"] == pytest.approx(
         ref_metrics(ref_t2v_ranks(ref_dual_softmax(res["sim"].numpy(), 100.0, axis=0), np.arange(6))))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tvrpipe.evaluation.engine import evaluate_head
+from tvrpipe.evaluation.engine import EvalInputs, EvalOptions, evaluate_head
 from tvrpipe.heads.base import TextBatch, VideoBatch, create_head, head_class, list_heads
 
 pytestmark = pytest.mark.gpu
@@ -106,7 +106,8 @@ def test_evaluation_through_the_engine_equals_the_cpu(method, device, fp32_exact
     text_video = np.arange(40)
     res = {}
     for name, head, dev in (("cpu", cpu, "cpu"), ("gpu", gpu, device)):
-        res[name] = evaluate_head(head, [texts.to(dev)], [videos.to(dev)], text_video, block_texts=16, device=dev)
+        res[name] = evaluate_head(head, EvalInputs([texts.to(dev)], [videos.to(dev)], text_video),
+                                  EvalOptions(block_texts=16, device=dev))
     for key in ("t2v", "v2t"):  # a near tie may flip between devices: one rank is 100 / 40 = 2.5 points
         for m in ("R@1", "R@5", "R@10"):
             assert abs(res["cpu"][key][m] - res["gpu"][key][m]) <= 2.5 + 1e-9, (method, key, m, res)

@@ -11,7 +11,7 @@ import torch
 from test_heads import D, batches, np64, perturbed, sim, unit
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.evaluation.engine import evaluate_head
+from tvrpipe.evaluation.engine import EvalInputs, EvalOptions, evaluate_head
 from tvrpipe.evaluation.metrics import retrieval_metrics, t2v_ranks, v2t_ranks
 from tvrpipe.heads import VideoBatch, create_head
 from tvrpipe.heads.duq import evidential_mse, uncertainty_mass
@@ -123,7 +123,8 @@ def test_eq16_rerank_matches_direct_computation_and_reports_apart():
     np.testing.assert_allclose(rr.t2v.numpy(), t2v_ref, atol=1e-12)
     np.testing.assert_allclose(rr.v2t.numpy(), v2t_ref, atol=1e-12)
     tv = np.array([0, 1, 2, 3, 4, 0])
-    res = evaluate_head(head, [texts], [videos], tv, block_texts=4, block_videos=2, readouts=True)
+    res = evaluate_head(head, EvalInputs([texts], [videos], tv),
+                        EvalOptions(block_texts=4, block_videos=2, readouts=True))
     assert res["t2v_rerank"] == retrieval_metrics(t2v_ranks(torch.from_numpy(t2v_ref), tv))
     assert res["v2t_rerank"] == retrieval_metrics(v2t_ranks(torch.from_numpy(v2t_ref), tv))
     raw = sim(head, texts, videos)
@@ -136,8 +137,8 @@ def test_eq16_rerank_matches_direct_computation_and_reports_apart():
         # the engine computes u_s in float32 from float32 scores, the reference in float64: a few
         # float32 roundings (6e-8 each) apart
         np.testing.assert_allclose(res["readouts"]["u_s_t2v"][kind], want, rtol=1e-6)
-    off = evaluate_head(create_head("duq", embed_dim=D, rerank=False), [texts.to("cpu", torch.float32)],
-                        [videos.to("cpu", torch.float32)], tv)
+    off = evaluate_head(create_head("duq", embed_dim=D, rerank=False),
+                        EvalInputs([texts.to("cpu", torch.float32)], [videos.to("cpu", torch.float32)], tv))
     assert "t2v_rerank" not in off and "v2t_rerank" not in off
 
 
@@ -219,7 +220,7 @@ def test_gammas_cannot_change_a_rank_under_per_query_ranking():
     results = []
     for g in (0.0, 0.1, 5.0):
         head = perturbed("duq", gamma1=g, gamma2=g)
-        r = evaluate_head(head, [texts], [videos], tv)
+        r = evaluate_head(head, EvalInputs([texts], [videos], tv))
         results.append((r["t2v_rerank"], r["v2t_rerank"]))
     assert results[0] == results[1] == results[2]
 

@@ -552,7 +552,7 @@ def test_metrics_do_not_change_with_video_order_or_blocks(name):
     """Every head through the evaluation engine: permuting the test videos and changing the block
     and chunk sizes leaves every metric as it was. Scores move by float rounding only (a few ulps),
     which moves no rank among distinct items (docs/protocol.md)."""
-    from tvrpipe.evaluation import evaluate_head
+    from tvrpipe.evaluation import EvalInputs, EvalOptions, evaluate_head
 
     head = perturbed(name)
     n_t, n_v = 23, 13
@@ -560,12 +560,14 @@ def test_metrics_do_not_change_with_video_order_or_blocks(name):
     rng = np.random.default_rng(1)
     tv = rng.integers(0, n_v, size=n_t)  # several captions per video, some videos without any
     post = ("dsl",) if head.dsl_not_applicable is None else ()
-    base = evaluate_head(head, [texts], [videos], tv, block_texts=n_t, block_videos=n_v, post=post)
+    base = evaluate_head(head, EvalInputs([texts], [videos], tv),
+                         EvalOptions(block_texts=n_t, block_videos=n_v, post=post))
     perm = rng.permutation(n_v)  # new column c holds old video perm[c]
     chunks = [VideoBatch(videos.frames[perm[a : a + 4]], videos.frame_mask[perm[a : a + 4]]) for a in range(0, n_v, 4)]
     text_chunks = [TextBatch(texts.tokens[a : a + 5], texts.token_mask[a : a + 5], texts.sentence[a : a + 5])
                    for a in range(0, n_t, 5)]
-    other = evaluate_head(head, text_chunks, chunks, np.argsort(perm)[tv], block_texts=4, block_videos=3, post=post)
+    other = evaluate_head(head, EvalInputs(text_chunks, chunks, np.argsort(perm)[tv]),
+                          EvalOptions(block_texts=4, block_videos=3, post=post))
     keys = [k for k in base if k.startswith(("t2v", "v2t"))]
     assert {"t2v", "v2t"} <= set(keys) and keys == [k for k in other if k.startswith(("t2v", "v2t"))]
     for key in keys:

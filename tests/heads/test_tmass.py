@@ -266,7 +266,7 @@ def test_eval_similarity_keeps_gradients_when_asked():
 
 
 def test_pair_readout_is_the_radius_l1_and_the_engine_splits_match_from_nonmatch():
-    from tvrpipe.evaluation.engine import evaluate_head
+    from tvrpipe.evaluation.engine import EvalInputs, EvalOptions, evaluate_head
 
     head = perturbed("tmass")
     texts, videos = batches(6, 4)
@@ -277,11 +277,12 @@ def test_pair_readout_is_the_radius_l1_and_the_engine_splits_match_from_nonmatch
     np.testing.assert_allclose(l1, np.abs(r).sum(-1), rtol=1e-5)
     match = np.zeros_like(l1, dtype=bool)
     match[np.arange(6), text_video] = True
-    res = evaluate_head(head, [texts], [videos], text_video, block_texts=4, block_videos=3, readouts=True)
+    res = evaluate_head(head, EvalInputs([texts], [videos], text_video),
+                        EvalOptions(block_texts=4, block_videos=3, readouts=True))
     assert res["readouts"]["radius_l1"]["match"] == pytest.approx(l1[match].mean(), rel=1e-5)
     assert res["readouts"]["radius_l1"]["nonmatch"] == pytest.approx(l1[~match].mean(), rel=1e-5)
-    assert "readouts" not in evaluate_head(create_head("xpool", embed_dim=D), [texts], [videos], text_video,
-                                           readouts=True)
+    assert "readouts" not in evaluate_head(create_head("xpool", embed_dim=D), EvalInputs([texts], [videos], text_video),
+                                           EvalOptions(readouts=True))
 
 
 def test_learns_multi_scene_store_far_above_chance_and_logs_the_radius(tmp_path):

@@ -16,7 +16,7 @@ from PIL import Image
 
 from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
-from tvrpipe.evaluation.engine import evaluate_head
+from tvrpipe.evaluation.engine import EvalInputs, EvalOptions, evaluate_head
 from tvrpipe.evaluation.metrics import (
     bootstrap_recall,
     paired_recall_difference,
@@ -379,8 +379,8 @@ def test_gallery_top5_is_the_ranking_of_the_similarity_matrix(video_run):
     # independently: the whole test split through the evaluation engine, ranked here
     test = load_splits(open_store(root / "features")).test
     head = load_head(run / "checkpoints" / "best.safetensors")
-    sim = evaluate_head(head, test.text_batches(64), test.video_batches(64), test.text_video,
-                        return_sim=True)["sim"].numpy()
+    sim = evaluate_head(head, EvalInputs(test.text_batches(64), test.video_batches(64), test.text_video),
+                        EvalOptions(return_sim=True))["sim"].numpy()
     ranks = t2v_ranks(sim, test.text_video)
     texts = dict(zip(manifest.captions["caption_id"], manifest.captions["text"]))
     assert len(g.queries) == 4 and len({q.caption_id for q in g.queries}) == 4

@@ -184,7 +184,7 @@ def _video_batch(x: dict, rows: slice):
 def _eval_one(args: tuple[str, int, int, int, int, int, int, str]) -> dict:
     import torch
 
-    from tvrpipe.evaluation.engine import evaluate_head
+    from tvrpipe.evaluation.engine import EvalInputs, EvalOptions, evaluate_head
     from tvrpipe.heads.base import create_head
 
     method, n_t, n_v, frames, words, dim, block_texts, device = args
@@ -201,7 +201,8 @@ def _eval_one(args: tuple[str, int, int, int, int, int, int, str]) -> dict:
         start_gpu = torch.cuda.memory_allocated(device)
     with _PeakRss() as mem:
         t = time.perf_counter()
-        res = evaluate_head(head, texts, videos, x["text_video"], block_texts=block_texts, device=device)
+        res = evaluate_head(head, EvalInputs(texts, videos, x["text_video"]),
+                            EvalOptions(block_texts=block_texts, device=device))
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t

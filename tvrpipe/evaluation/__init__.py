@@ -3,7 +3,7 @@
 - :mod:`~tvrpipe.evaluation.metrics`: ranks (ties count against the model) and R@K / MdR / MnR
   from a similarity matrix, text-to-video and multi-caption video-to-text;
 - :mod:`~tvrpipe.evaluation.engine`: encode each item once, compute ``head.similarity`` block by
-  block, evaluate a head (:func:`evaluate_head`);
+  block, evaluate a head (:func:`evaluate_head`) over a table of score variants (:data:`VARIANTS`);
 - :mod:`~tvrpipe.evaluation.post`: dual softmax and QB-Norm, reported under their own keys.
 
 The run directory the trainers write and the readers read is :mod:`tvrpipe.rundir`.
@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 _LAZY = {
-    **dict.fromkeys(("POST_PROCESSINGS", "EvaluationConfigError", "emb_len", "encode_all", "evaluate_head",
-                     "similarity_matrix", "slice_emb"), "tvrpipe.evaluation.engine"),
+    **dict.fromkeys(("POST_PROCESSINGS", "VARIANTS", "EvalInputs", "EvalOptions", "EvaluationConfigError",
+                     "ScoreVariant", "emb_len", "encode_all", "evaluate_head", "similarity_matrix", "slice_emb"),
+                    "tvrpipe.evaluation.engine"),
     **dict.fromkeys(("evaluate_similarity", "retrieval_metrics", "t2v_ranks", "v2t_ranks"),
                     "tvrpipe.evaluation.metrics"),
     **dict.fromkeys(("QueryBankAccumulator", "QueryBankSummary", "apply_qb_norm", "dual_softmax", "qb_norm",

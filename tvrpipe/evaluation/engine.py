@@ -10,17 +10,22 @@ The engine is stateless and draws no random numbers: a stochastic head (UATVR, D
 sampling) must be deterministic in ``eval()`` mode, which is the head's job (seeded sampling);
 :func:`evaluate_head` only switches the head to eval mode and restores its mode afterwards.
 
-Post-processing (``post=("dsl", "qbnorm")``) is computed from the same raw matrix and reported
-under its own keys (see :mod:`tvrpipe.evaluation.post`). QB-Norm's querybank is streamed: each
-batch of training captions is encoded, scored against the test videos with the same block engine,
-and folded into a running summary, so a 180k-caption bank costs one batch of memory.
+What an evaluation reports is a table, :data:`VARIANTS`: the raw scores, the head's own re-ranking,
+and the post-processing (``post=("dsl", "qbnorm")``), each computed from the same raw matrix and
+reported under its own keys (see :mod:`tvrpipe.evaluation.post`). A row (:class:`ScoreVariant`) says
+when it applies and yields the matrices it ranks; :func:`evaluate_head` checks each one finite, ranks
+it and writes its metrics under ``score_key(name, direction)``, the same for every row. QB-Norm's
+querybank is streamed: each batch of training captions is encoded, scored against the test videos
+with the same block engine, and folded into a running summary, so a 180k-caption bank costs one
+batch of memory.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,10 +44,9 @@ from tvrpipe.evaluation.post import (
     dual_softmax,
 )
 from tvrpipe.heads.base import Emb, Head, Reranked, TextBatch, VideoBatch
-from tvrpipe.rundir import POST_PROCESSINGS
+from tvrpipe.rundir import DIRECTIONS, POST_PROCESSINGS, score_key
 
 log = logging.getLogger(__name__)
-
 
 
 class EvaluationConfigError(ConfigError, ValueError):
@@ -197,27 +201,25 @@ def query_readout_means(reranked: Reranked, sim: Tensor, text_video: np.ndarray)
 
 
 @torch.no_grad()
-def _text_querybank(head: Head, querybank: Iterable[TextBatch], video_emb: Emb, *, k: int, beta: float,
-                    block_texts: int, block_videos: int, device: torch.device | str) -> QueryBankSummary:
+def _text_querybank(head: Head, querybank: Iterable[TextBatch], video_emb: Emb, o: EvalOptions) -> QueryBankSummary:
     """Stream training captions against the test videos into a QB-Norm summary (gallery = videos)."""
-    acc = QueryBankAccumulator(emb_len(video_emb), k=k, beta=beta)
+    acc = QueryBankAccumulator(emb_len(video_emb), k=o.qb_k, beta=o.qb_beta)
     for batch in querybank:
-        bank_emb = head.encode_texts(batch.to(device))  # one batch, kept on device
-        for _, _, rows in _similarity_blocks(head, bank_emb, video_emb, block_texts, block_videos, device):
+        bank_emb = head.encode_texts(batch.to(o.device))  # one batch, kept on device
+        for _, _, rows in _similarity_blocks(head, bank_emb, video_emb, o.block_texts, o.block_videos, o.device):
             acc.update(rows)
     return acc.summary()
 
 
 @torch.no_grad()
-def _video_querybank(head: Head, querybank: Iterable[VideoBatch], text_emb: Emb, *, k: int, beta: float,
-                     block_texts: int, block_videos: int, device: torch.device | str) -> QueryBankSummary:
+def _video_querybank(head: Head, querybank: Iterable[VideoBatch], text_emb: Emb, o: EvalOptions) -> QueryBankSummary:
     """Stream training videos against the test captions into a QB-Norm summary (gallery = texts)."""
-    acc = QueryBankAccumulator(emb_len(text_emb), k=k, beta=beta)
+    acc = QueryBankAccumulator(emb_len(text_emb), k=o.qb_k, beta=o.qb_beta)
     for batch in querybank:
-        bank_emb = head.encode_videos(batch.to(device))
+        bank_emb = head.encode_videos(batch.to(o.device))
         # (n_text, n_bank_batch), computed with texts as rows as the head expects, then bank-major
-        sims = similarity_matrix(head, text_emb, bank_emb, block_texts=block_texts,
-                                 block_videos=block_videos, device=device)
+        sims = similarity_matrix(head, text_emb, bank_emb, block_texts=o.block_texts,
+                                 block_videos=o.block_videos, device=o.device)
         acc.update(sims.T)
     return acc.summary()
 
@@ -245,6 +247,11 @@ def check_finite(sim: Tensor, what: str, text_ids: Sequence[str] | None = None,
 
 
 def check_post(post: Sequence[str]) -> tuple[str, ...]:
+    """``post`` as a tuple without repeats (a lone name is a one-name tuple), every name known.
+
+    Raises:
+        EvaluationConfigError: a name that is not in :data:`~tvrpipe.rundir.POST_PROCESSINGS`.
+    """
     if isinstance(post, str):
         post = (post,)
     unknown = sorted(set(post) - set(POST_PROCESSINGS))
@@ -254,29 +261,158 @@ def check_post(post: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(post))
 
 
+@dataclass(frozen=True)
+class EvalInputs:
+    """What :func:`evaluate_head` scores: the test split, and the training items QB-Norm normalises with.
+
+    Attributes:
+        texts: the test captions (``TextBatch`` objects), in the order of ``text_video``.
+        videos: the test videos (``VideoBatch`` objects), in column order.
+        text_video: ``(n_text,)`` column index of each caption's video.
+        text_ids, video_ids: ids of the captions and videos, to name them in errors (default: indices).
+        querybank: training captions for ``"qbnorm"`` (text-to-video; required with it).
+        video_querybank: training videos for video-to-text QB-Norm (optional): without it
+            ``v2t_qbnorm`` is not reported, since a text bank cannot normalise caption scores.
+    """
+
+    texts: Iterable[TextBatch]
+    videos: Iterable[VideoBatch]
+    text_video: np.ndarray
+    text_ids: Sequence[str] | None = None
+    video_ids: Sequence[str] | None = None
+    querybank: Iterable[TextBatch] | None = None
+    video_querybank: Iterable[VideoBatch] | None = None
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How :func:`evaluate_head` scores: the engine's blocks and device, post-processing, what it returns.
+
+    Attributes:
+        block_texts, block_videos: block sizes of the similarity engine.
+        device: where the head runs; the score matrix is kept float32 on the CPU.
+        post: any of ``"dsl"`` (dual softmax), ``"qbnorm"`` (QB-Norm, dynamic inverted softmax); checked
+            and made a tuple without repeats as the options are built (:func:`check_post`).
+        dsl_temperature: softmax multiplier of DSL (100 = CLIP's logit scale).
+        qb_k, qb_beta: QB-Norm activation-set size and inverse temperature.
+        readouts: also report the head's ``pair_readouts`` averaged over matching and non-matching
+            pairs (``{name: {"match", "nonmatch"}}``) and its ``item_readouts`` (``{name: value}``),
+            and the means of a re-ranking's per-query readouts over correct and incorrect raw top-1
+            retrievals (``{name_direction: {"correct", "incorrect"}}``), under ``"readouts"``.
+        ranks: also return each query's raw rank (int32, in query order: the captions for t2v, the videos
+            with a caption for v2t) under ``"ranks"``, ``{"t2v", "v2t"}``, for error bars over queries.
+        return_sim: also return the raw float32 matrix under ``"sim"``.
+    """
+
+    block_texts: int = 256
+    block_videos: int = 4096
+    device: torch.device | str = "cpu"
+    post: Sequence[str] = ()
+    dsl_temperature: float = DSL_TEMPERATURE
+    qb_k: int = QB_K
+    qb_beta: float = QB_BETA
+    readouts: bool = False
+    ranks: bool = False
+    return_sim: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "post", check_post(self.post))
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a score variant reads: the raw scores of an evaluation and what they were computed from."""
+
+    head: Head
+    sim: Tensor  # (n_text, n_video) float32 on the CPU, raw, finite
+    text_emb: Emb
+    video_emb: Emb
+    text_video: np.ndarray  # (n_text,) column of each caption's video
+    reranked: Reranked | None  # the head's own re-ranking (Head.rerank), None for most heads
+    inputs: EvalInputs
+    options: EvalOptions
+
+
+@dataclass(frozen=True)
+class ScoreVariant:
+    """One row of :data:`VARIANTS`: a way to score the test split, reported apart from the others.
+
+    :func:`evaluate_head` ranks every matrix that ``scores`` yields and writes its metrics under
+    ``score_key(name, direction)`` (``t2v``, ``v2t_dsl``, ...); nothing else writes a metric key.
+
+    Attributes:
+        name: the variant's name, one of :data:`~tvrpipe.rundir.SCORE_VARIANTS`.
+        label: how a :class:`~tvrpipe.errors.NonFiniteError` names its scores; None for the raw scores,
+            which are checked as they are computed.
+        wanted: whether this evaluation asks for it (the options, or the head for its re-ranking).
+        scores: ``(direction, (n_text, n_video) scores)`` pairs, one at a time, so that only one
+            post-processed matrix is held at once; a direction it cannot score is left out.
+        not_applicable: why the head opts out of a variant it is asked for (recorded under
+            ``"<name>_not_applicable"``), or None.
+    """
+
+    name: str
+    label: str | None
+    wanted: Callable[[Scoring], bool]
+    scores: Callable[[Scoring], Iterator[tuple[str, Tensor]]]
+    not_applicable: Callable[[Scoring], str | None] = lambda s: None
+
+
+def _raw_scores(s: Scoring) -> Iterator[tuple[str, Tensor]]:
+    yield "t2v", s.sim
+    yield "v2t", s.sim
+
+
+def _reranked_scores(s: Scoring) -> Iterator[tuple[str, Tensor]]:
+    yield "t2v", s.reranked.t2v
+    yield "v2t", s.reranked.v2t
+
+
+def _dsl_scores(s: Scoring) -> Iterator[tuple[str, Tensor]]:
+    # the prior runs over the texts for t2v and over the videos for v2t (evaluation/post.py)
+    yield "t2v", dual_softmax(s.sim, s.options.dsl_temperature, dim=0)
+    yield "v2t", dual_softmax(s.sim, s.options.dsl_temperature, dim=1)
+
+
+def _qbnorm_scores(s: Scoring) -> Iterator[tuple[str, Tensor]]:
+    yield "t2v", apply_qb_norm(s.sim, _text_querybank(s.head, s.inputs.querybank, s.video_emb, s.options))
+    if s.inputs.video_querybank is None:
+        log.info("v2t QB-Norm skipped: it needs a bank of training videos (video_querybank=)")
+        return
+    bank = _video_querybank(s.head, s.inputs.video_querybank, s.text_emb, s.options)
+    # videos are the queries: normalise the rows of sim.T, rank back in (text, video) layout
+    yield "v2t", apply_qb_norm(s.sim.T, bank).T
+
+
+# Every score variant an evaluation can report, in the order it computes them (tables order them by
+# rundir.SCORE_VARIANTS). A new variant is one row here.
+VARIANTS: tuple[ScoreVariant, ...] = (
+    ScoreVariant("raw", None, lambda s: True, _raw_scores),
+    ScoreVariant("rerank", "re-ranked", lambda s: s.reranked is not None, _reranked_scores),
+    ScoreVariant("dsl", "DSL", lambda s: "dsl" in s.options.post, _dsl_scores,
+                 not_applicable=lambda s: s.head.dsl_not_applicable),
+    ScoreVariant("qbnorm", "QB-Norm", lambda s: "qbnorm" in s.options.post, _qbnorm_scores),
+)
+
+RANKS = {"t2v": t2v_ranks, "v2t": v2t_ranks}  # direction -> the ranks of its queries in a (text, video) matrix
+
+
+def readout_means(s: Scoring) -> dict[str, Any]:
+    """The head's readouts on the test split (:attr:`EvalOptions.readouts`), empty for a head without any."""
+    o = s.options
+    means: dict[str, Any] = pair_readout_means(s.head, s.text_emb, s.video_emb, s.text_video,
+                                               block_texts=o.block_texts, block_videos=o.block_videos,
+                                               device=o.device)
+    means.update(s.head.item_readouts(s.text_emb, s.video_emb))
+    if s.reranked is not None:
+        means.update(query_readout_means(s.reranked, s.sim, s.text_video))
+    return means
+
+
 @torch.no_grad()
-def evaluate_head(
-    head: Head,
-    text_batches: Iterable[TextBatch],
-    video_batches: Iterable[VideoBatch],
-    text_video: np.ndarray,
-    *,
-    block_texts: int = 256,
-    block_videos: int = 4096,
-    device: torch.device | str = "cpu",
-    post: Sequence[str] = (),
-    querybank: Iterable[TextBatch] | None = None,
-    video_querybank: Iterable[VideoBatch] | None = None,
-    dsl_temperature: float = DSL_TEMPERATURE,
-    qb_k: int = QB_K,
-    qb_beta: float = QB_BETA,
-    return_sim: bool = False,
-    text_ids: Sequence[str] | None = None,
-    video_ids: Sequence[str] | None = None,
-    readouts: bool = False,
-    ranks: bool = False,
-) -> dict[str, Any]:
-    """Evaluate a head on a test split: raw t2v / v2t metrics, plus requested post-processing.
+def evaluate_head(head: Head, inputs: EvalInputs, options: EvalOptions = EvalOptions()) -> dict[str, Any]:
+    """Evaluate a head on a test split: raw t2v / v2t metrics, and every other variant of :data:`VARIANTS`
+    that applies (the head's re-ranking, the requested post-processing).
 
     A NaN or infinite score stops the evaluation with :class:`~tvrpipe.errors.NonFiniteError`
     naming the captions and videos involved: no metric is computed from non-finite scores.
@@ -284,39 +420,25 @@ def evaluate_head(
     Args:
         head: any head (``encode_texts``, ``encode_videos``, ``similarity``); put in eval mode
             for the call and restored to its previous mode afterwards.
-        text_batches: the test captions, in the order of ``text_video``.
-        video_batches: the test videos, in column order.
-        text_video: ``(n_text,)`` column index of each caption's video.
-        block_texts, block_videos: block sizes of the similarity engine.
-        device: where the head runs; the score matrix is kept float32 on the CPU.
-        post: any of ``"dsl"`` (dual softmax), ``"qbnorm"`` (QB-Norm, dynamic inverted softmax).
-        querybank: training captions for ``"qbnorm"`` (text-to-video; required with it).
-        video_querybank: training videos for video-to-text QB-Norm (optional): without it
-            ``v2t_qbnorm`` is not reported, since a text bank cannot normalise caption scores.
-        dsl_temperature: softmax multiplier of DSL (100 = CLIP's logit scale).
-        qb_k, qb_beta: QB-Norm activation-set size and inverse temperature.
-        return_sim: also return the raw float32 matrix under ``"sim"``.
-        text_ids, video_ids: ids of the captions and videos, to name them in errors (default: indices).
-        readouts: also report the head's ``pair_readouts`` averaged over matching and non-matching
-            pairs (``{name: {"match", "nonmatch"}}``) and its ``item_readouts`` (``{name: value}``),
-            and the means of a re-ranking's per-query readouts over correct and incorrect raw top-1
-            retrievals (``{name_direction: {"correct", "incorrect"}}``), under ``"readouts"``.
-        ranks: also return each query's raw rank (int32, in query order: the captions for t2v, the videos
-            with a caption for v2t) under ``"ranks"``, ``{"t2v", "v2t"}``, for error bars over queries.
+        inputs: the test split's captions and videos, and the querybanks (:class:`EvalInputs`).
+        options: block sizes, device, post-processing and what to return besides the metrics
+            (:class:`EvalOptions`).
 
     Returns:
-        ``{"t2v": {...}, "v2t": {...}, "n_texts": int, "n_videos": int}`` plus ``"t2v_dsl"``,
-        ``"v2t_dsl"`` for DSL and ``"t2v_qbnorm"`` (and ``"v2t_qbnorm"`` with a video
-        querybank) for QB-Norm; each metrics dict has R@1, R@5, R@10 (percent), MdR, MnR, n;
-        ``"readouts"`` when asked for and the head has some; ``"t2v_rerank"`` and ``"v2t_rerank"``
-        when the head declares a re-ranking (:meth:`Head.rerank`).
+        ``{"n_texts": int, "n_videos": int, "t2v": {...}, "v2t": {...}}`` plus, for each other variant
+        that applies, its directions' metrics under :func:`~tvrpipe.rundir.score_key`: ``"t2v_rerank"``
+        and ``"v2t_rerank"`` when the head declares a re-ranking (:meth:`Head.rerank`), ``"t2v_dsl"`` and
+        ``"v2t_dsl"`` for DSL (or ``"dsl_not_applicable"``, the head's reason, where it opts out), and
+        ``"t2v_qbnorm"`` (and ``"v2t_qbnorm"`` with a video querybank) for QB-Norm; each metrics dict has
+        R@1, R@5, R@10 (percent), MdR, MnR, n. ``"ranks"``, ``"readouts"`` (when the head has some) and
+        ``"sim"`` when the options ask for them.
 
     Example:
-        >>> res = evaluate_head(head, texts, videos, text_video, post=("dsl",))  # doctest: +SKIP
+        >>> res = evaluate_head(head, EvalInputs(texts, videos, text_video),
+        ...                     EvalOptions(post=("dsl",)))  # doctest: +SKIP
         >>> res["t2v"]["R@1"], res["t2v_dsl"]["R@1"]  # doctest: +SKIP
     """
-    post = check_post(post)
-    if "qbnorm" in post and querybank is None:
+    if "qbnorm" in options.post and inputs.querybank is None:
         raise EvaluationConfigError(
             "QB-Norm needs a querybank: pass querybank= (TextBatches of training captions), "
             "or drop 'qbnorm' from post"
@@ -324,66 +446,49 @@ def evaluate_head(
     was_training = head.training
     head.train(False)
     try:
-        t0 = time.perf_counter()
-        text_emb = encode_all(head.encode_texts, text_batches, device)
-        video_emb = encode_all(head.encode_videos, video_batches, device)
-        n_t, n_v = emb_len(text_emb), emb_len(video_emb)
-        tv = np.asarray(text_video)
-        if tv.shape != (n_t,):
-            raise ValueError(f"text_video has shape {tv.shape}, but the text batches hold {n_t} captions")
-        t1 = time.perf_counter()
-        sim = similarity_matrix(head, text_emb, video_emb, block_texts=block_texts,
-                                block_videos=block_videos, device=device)
-        t2 = time.perf_counter()
-        names = (text_ids, video_ids)
-        check_finite(sim, "similarity", *names)
-        raw = {"t2v": t2v_ranks(sim, tv), "v2t": v2t_ranks(sim, tv)}
-        result: dict[str, Any] = {
-            "t2v": retrieval_metrics(raw["t2v"]),
-            "v2t": retrieval_metrics(raw["v2t"]),
-            "n_texts": n_t,
-            "n_videos": n_v,
-        }
-        if ranks:
-            result["ranks"] = {d: np.asarray(r, dtype=np.int32) for d, r in raw.items()}
-        reranked = head.rerank(sim, text_emb, video_emb)
-        if reranked is not None:  # a head-declared step over the full matrix, reported apart from raw
-            for direction, ranks in (("t2v", t2v_ranks), ("v2t", v2t_ranks)):
-                m = check_finite(getattr(reranked, direction), f"re-ranked ({direction})", *names)
-                result[f"{direction}_rerank"] = retrieval_metrics(ranks(m, tv))
-        if readouts:
-            means = pair_readout_means(head, text_emb, video_emb, tv, block_texts=block_texts,
-                                       block_videos=block_videos, device=device)
-            means.update(head.item_readouts(text_emb, video_emb))
-            if reranked is not None:
-                means.update(query_readout_means(reranked, sim, tv))
-            if means:
-                result["readouts"] = means
-        if "dsl" in post and head.dsl_not_applicable:
-            result["dsl_not_applicable"] = head.dsl_not_applicable
-            log.info("%s: no DSL: %s", head.name, head.dsl_not_applicable)  # recorded in the result
-        elif "dsl" in post:
-            t2v_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=0), "DSL (t2v)", *names)
-            v2t_dsl = check_finite(dual_softmax(sim, dsl_temperature, dim=1), "DSL (v2t)", *names)
-            result["t2v_dsl"] = retrieval_metrics(t2v_ranks(t2v_dsl, tv))
-            result["v2t_dsl"] = retrieval_metrics(v2t_ranks(v2t_dsl, tv))
-        if "qbnorm" in post:
-            bank = _text_querybank(head, querybank, video_emb, k=qb_k, beta=qb_beta,
-                                   block_texts=block_texts, block_videos=block_videos, device=device)
-            result["t2v_qbnorm"] = retrieval_metrics(t2v_ranks(check_finite(apply_qb_norm(sim, bank),
-                                                                            "QB-Norm (t2v)", *names), tv))
-            if video_querybank is not None:
-                vbank = _video_querybank(head, video_querybank, text_emb, k=qb_k, beta=qb_beta,
-                                         block_texts=block_texts, block_videos=block_videos, device=device)
-                # videos are the queries: normalise the rows of sim.T, rank back in (text, video) layout
-                v2t_qb = check_finite(apply_qb_norm(sim.T, vbank).T, "QB-Norm (v2t)", *names)
-                result["v2t_qbnorm"] = retrieval_metrics(v2t_ranks(v2t_qb, tv))
-            else:
-                log.info("v2t QB-Norm skipped: it needs a bank of training videos (video_querybank=)")
-        log.info("evaluated %d texts x %d videos: encode %.2fs, similarity %.2fs, metrics+post %.2fs",
-                 n_t, n_v, t1 - t0, t2 - t1, time.perf_counter() - t2)
-        if return_sim:
-            result["sim"] = sim
-        return result
+        return _evaluate(head, inputs, options)
     finally:
         head.train(was_training)
+
+
+def _evaluate(head: Head, inputs: EvalInputs, o: EvalOptions) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    text_emb = encode_all(head.encode_texts, inputs.texts, o.device)
+    video_emb = encode_all(head.encode_videos, inputs.videos, o.device)
+    n_t, n_v = emb_len(text_emb), emb_len(video_emb)
+    tv = np.asarray(inputs.text_video)
+    if tv.shape != (n_t,):
+        raise ValueError(f"text_video has shape {tv.shape}, but the text batches hold {n_t} captions")
+    t1 = time.perf_counter()
+    sim = similarity_matrix(head, text_emb, video_emb, block_texts=o.block_texts, block_videos=o.block_videos,
+                            device=o.device)
+    t2 = time.perf_counter()
+    names = (inputs.text_ids, inputs.video_ids)
+    check_finite(sim, "similarity", *names)
+    s = Scoring(head, sim, text_emb, video_emb, tv, head.rerank(sim, text_emb, video_emb), inputs, o)
+    result: dict[str, Any] = {"n_texts": n_t, "n_videos": n_v}
+    ranks: dict[str, np.ndarray] = {}  # score key -> the ranks of its queries
+    for variant in VARIANTS:
+        if not variant.wanted(s):
+            continue
+        why = variant.not_applicable(s)
+        if why:
+            result[f"{variant.name}_not_applicable"] = why
+            log.info("%s: no %s: %s", head.name, variant.label, why)  # recorded in the result
+            continue
+        for direction, scores in variant.scores(s):
+            if variant.label is not None:
+                check_finite(scores, f"{variant.label} ({direction})", *names)
+            key = score_key(variant.name, direction)
+            ranks[key] = RANKS[direction](scores, tv)
+            result[key] = retrieval_metrics(ranks[key])
+            del scores  # released before the next direction's scores are computed
+    if o.ranks:
+        result["ranks"] = {d: np.asarray(ranks[score_key("raw", d)], dtype=np.int32) for d in DIRECTIONS}
+    if o.readouts and (means := readout_means(s)):
+        result["readouts"] = means
+    log.info("evaluated %d texts x %d videos: encode %.2fs, similarity %.2fs, metrics+post %.2fs",
+             n_t, n_v, t1 - t0, t2 - t1, time.perf_counter() - t2)
+    if o.return_sim:
+        result["sim"] = sim
+    return result

@@ -38,24 +38,15 @@ def evaluate_split(head: Head, split: SplitData, device: str | torch.device, eva
     with, and ``evaluate`` scores a finished run with. ``eval_batch`` items per encoder call and
     ``block_texts`` texts per similarity block on ``device``; ``querybank``: the training split's captions,
     for QB-Norm."""
-    from tvrpipe.evaluation.engine import evaluate_head
+    from tvrpipe.evaluation.engine import EvalInputs, EvalOptions, evaluate_head
 
     dev = torch.device(device)
-    return evaluate_head(
-        head,
-        (b.to(dev) for b in split.text_batches(eval_batch, head.uses_tokens)),
-        (b.to(dev) for b in split.video_batches(eval_batch)),
-        split.text_video,
-        block_texts=block_texts,
-        device=dev,
-        post=post,
-        querybank=None if querybank is None else (b.to(dev) for b in querybank.text_batches(eval_batch,
-                                                                                           head.uses_tokens)),
-        text_ids=split.caption_ids,
-        video_ids=split.video_ids,
-        readouts=readouts,
-        ranks=ranks,
-    )
+    bank = None if querybank is None else (b.to(dev) for b in querybank.text_batches(eval_batch, head.uses_tokens))
+    inputs = EvalInputs((b.to(dev) for b in split.text_batches(eval_batch, head.uses_tokens)),
+                        (b.to(dev) for b in split.video_batches(eval_batch)), split.text_video,
+                        text_ids=split.caption_ids, video_ids=split.video_ids, querybank=bank)
+    return evaluate_head(head, inputs, EvalOptions(block_texts=block_texts, device=dev, post=post, readouts=readouts,
+                                                   ranks=ranks))
 
 
 def checkpoint_similarity(checkpoint: str | os.PathLike[str], split: SplitData,

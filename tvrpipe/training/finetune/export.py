@@ -31,10 +31,10 @@ def export_clip(model, out: Path, method: str, end_to_end: bool) -> tuple[dict, 
 
     if end_to_end:
         adopt_head_scale(model.clip, model.head)
-    provenance = {"weights_sha256": state_dict_sha256(model.clip), "model": extract_model_name(model.bundle)}
+    name = extract_model_name(model.bundle)
+    provenance = {"weights_sha256": state_dict_sha256(model.clip), "model": name}
     if not end_to_end:
         return provenance, None
-    name = provenance["model"]
     save_clip(model.clip, out / CLIP_FILE, {"model": name, "source": f"tvrpipe finetune --method {method}"})
     weights = shlex.quote(str((out / CLIP_FILE).absolute()))  # the command works from any folder, as printed
     return provenance, {"file": CLIP_FILE, "model": name, "weights_sha256": provenance["weights_sha256"],

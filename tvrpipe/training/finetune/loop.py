@@ -72,7 +72,7 @@ def encode_split(model: LiveModel, loader_for, videos: np.ndarray, captions: np.
 
 
 def evaluate(model: LiveModel, loader_for, split: tuple[np.ndarray, np.ndarray], job: FinetuneJob,
-             failures: dict[str, str], post: tuple[str, ...] = (), readouts: bool = True) -> dict:
+             failures: dict[str, str], post: tuple[str, ...] = ()) -> dict:
     """The live model's scores on ``split`` ((video rows, caption rows)): its features encoded by the live
     CLIP (a frozen CLIP's once a run), scored by :func:`~tvrpipe.training.evaluate.evaluate_split`, as
     train-head scores a store's."""
@@ -87,14 +87,7 @@ def evaluate(model: LiveModel, loader_for, split: tuple[np.ndarray, np.ndarray],
     if "qbnorm" in post:  # training captions, encoded by the same CLIP
         querybank = encode_split(model, loader_for, videos[:0], job.train_texts, job, failures, "train")
     return evaluate_split(model.head, data, model.bundle.device, job.cfg.eval_batch, job.cfg.block_texts, post=post,
-                          querybank=querybank, readouts=readouts)
-
-
-def _loader(dataset: DecodedClips, sampler: PlannedBatches, collate: Collate, workers: int):
-    from torch.utils.data import DataLoader
-
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                      persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+                          querybank=querybank)
 
 
 def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch.device = "cpu",
@@ -237,14 +230,19 @@ def distributed(model: LiveModel, world: int) -> nn.Module:
 def loaders(job: FinetuneJob, image_size: int, cpus: int | None):
     """The training batches (a sampler whose plan is set each epoch, and its DataLoader) and
     ``loader_for(plan)``, which decodes evaluation batches; both decode in ``loader_workers`` processes."""
+    from torch.utils.data import DataLoader
+
     cfg, F = job.cfg, job.frames
     dataset = DecodedClips(job.table, F, image_size, cfg.seed, cfg.timeout_s)
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = cfg.loader_workers if cfg.loader_workers is not None else min(8, cpus)
     train_sampler, eval_sampler = PlannedBatches(), PlannedBatches()
-    train_loader = _loader(dataset, train_sampler, Collate(F, image_size, keep_failed=False), workers)
-    eval_loader = _loader(dataset, eval_sampler, Collate(F, image_size, keep_failed=True), workers)
+    # training drops a video that fails to decode; evaluation keeps its row, with no frame
+    train_loader, eval_loader = (
+        DataLoader(dataset, batch_sampler=sampler, collate_fn=Collate(F, image_size, keep_failed=keep),
+                   num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+        for sampler, keep in ((train_sampler, False), (eval_sampler, True)))
 
     def loader_for(plan):
         eval_sampler.plan = plan
@@ -279,16 +277,14 @@ def _finish(model: LiveModel, loop: RunLoop, loader_for, job: FinetuneJob, failu
     model.clip.load_state_dict(load_file(str(folder / f"clip_{BEST}")))
     model.head.load_state_dict(load_head(folder / BEST).state_dict())
     test = evaluate(model, loader_for, job.test, job, failures, post=job.post)
+    if failures:
+        write_failures(failures, out)
     message = too_many_failed(failures, job.test[0], job.video_ids, cfg.max_failed_fraction,
                               "test videos failed to decode", "no test metrics were written (the training is kept).",
                               out / "failures.csv")
     if message:
-        if failures:
-            write_failures(failures, out)
         raise RunError(message)
     provenance, export = export_clip(model, out, job.method, cfg.end_to_end)
-    if failures:
-        write_failures(failures, out)
     rows = loop.rows
     return loop.write_results(
         job.method, job.val_source, test,
