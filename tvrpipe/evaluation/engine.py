@@ -425,7 +425,7 @@ def evaluate_head(head: Head, inputs: EvalInputs, options: EvalOptions = EvalOpt
             (:class:`EvalOptions`).
 
     Returns:
-        ``{"n_texts": int, "n_videos": int, "t2v": {...}, "v2t": {...}}`` plus, for each other variant
+        ``{"t2v": {...}, "v2t": {...}, "n_texts": int, "n_videos": int}`` plus, for each other variant
         that applies, its directions' metrics under :func:`~tvrpipe.rundir.score_key`: ``"t2v_rerank"``
         and ``"v2t_rerank"`` when the head declares a re-ranking (:meth:`Head.rerank`), ``"t2v_dsl"`` and
         ``"v2t_dsl"`` for DSL (or ``"dsl_not_applicable"``, the head's reason, where it opts out), and
@@ -449,6 +449,15 @@ def evaluate_head(head: Head, inputs: EvalInputs, options: EvalOptions = EvalOpt
         return _evaluate(head, inputs, options)
     finally:
         head.train(was_training)
+
+
+# the keys a result leads with, in the order metrics.json has always written them: the raw scores, the sizes,
+# the ranks, the head's re-ranking, its readouts; then the post-processing in the table's order
+_LEADING = ("t2v", "v2t", "n_texts", "n_videos", "ranks", "t2v_rerank", "v2t_rerank", "readouts")
+
+
+def _in_record_order(result: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: result[k] for k in _LEADING if k in result}, **result}
 
 
 def _evaluate(head: Head, inputs: EvalInputs, o: EvalOptions) -> dict[str, Any]:
@@ -487,6 +496,7 @@ def _evaluate(head: Head, inputs: EvalInputs, o: EvalOptions) -> dict[str, Any]:
         result["ranks"] = {d: np.asarray(ranks[score_key("raw", d)], dtype=np.int32) for d in DIRECTIONS}
     if o.readouts and (means := readout_means(s)):
         result["readouts"] = means
+    result = _in_record_order(result)
     log.info("evaluated %d texts x %d videos: encode %.2fs, similarity %.2fs, metrics+post %.2fs",
              n_t, n_v, t1 - t0, t2 - t1, time.perf_counter() - t2)
     if o.return_sim:
