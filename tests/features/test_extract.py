@@ -147,14 +147,14 @@ def test_a_rerun_with_nothing_to_do_starts_neither_ray_nor_a_model(store_dir, da
     returns without Ray or torch's model; with the cache gone it loads the weights here, once, still without
     Ray. Other weights (another seed) are still refused."""
     import tvrpipe.features.clip as clip
-    from tvrpipe.features import extract as extract_module
+    from tvrpipe.features.extract import actors
 
     def forbidden(*a, **kw):
         raise AssertionError("started for a store with nothing to do")
 
     done = tmp_path / "done"
     shutil.copytree(store_dir, done, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
-    monkeypatch.setattr(extract_module, "ray_init", forbidden)
+    monkeypatch.setattr(actors, "ray_init", forbidden)
     real_load = clip.load_clip
     monkeypatch.setattr(clip, "load_clip", forbidden)
     s = extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False))
@@ -223,9 +223,9 @@ def test_decodes_sent_before_the_weights_load_are_dropped_when_the_size_was_wron
     """A new store's first videos are decoded while the encoders load the weights, at the size the
     architecture's file gives; were that not the model's (a wrong guess), they are decoded again at the
     model's size: the store equals one extracted without the head start."""
-    from tvrpipe.features import extract as extract_module
+    from tvrpipe.features.extract import actors
 
-    monkeypatch.setattr(extract_module, "guess_image_size", lambda model: 32)  # the tiny model's is 64
+    monkeypatch.setattr(actors, "guess_image_size", lambda model: 32)  # the tiny model's is 64
     out = tmp_path / "f"
     s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=5))
     assert (s.videos_done, s.failed) == (N_VIDEOS, 2) and 1 <= s.first_videos <= 5
@@ -429,12 +429,12 @@ def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch
     """Invalid values never become defaults, and nothing (no Ray, no model, no directory) starts."""
     from tvrpipe.errors import ConfigError, ManifestError
     from tvrpipe.features import clip
-    from tvrpipe.features import extract as extract_module
+    from tvrpipe.features.extract import actors
 
     def forbidden(*a, **kw):
         raise AssertionError("started before the options were checked")
 
-    monkeypatch.setattr(extract_module, "ray_init", forbidden)
+    monkeypatch.setattr(actors, "ray_init", forbidden)
     monkeypatch.setattr(clip, "load_clip", forbidden)
     out = tmp_path / "f"
     for kw, message in [({"frames": -1}, "--frames must be >= 1, got -1"), ({"frames": 0}, "--frames must be >= 1"),
@@ -460,7 +460,7 @@ def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch
 def test_failure_message_example_advice_and_limit(tmp_path):
     """The hint's example is a video of the most common kind; the advised --max-failed-fraction lets
     the run pass; "more than the fraction" is exact (29 of 100 at 0.29 passes; n <= 0.29 * 100 did not)."""
-    from tvrpipe.features.extract import _too_many_failures
+    from tvrpipe.features.extract.config import too_many_failures
 
     videos = pd.DataFrame({"video_id": [f"v{i}" for i in range(100)], "path": [f"v{i}.mp4" for i in range(100)]})
 
@@ -469,15 +469,15 @@ def test_failure_message_example_advice_and_limit(tmp_path):
                              "error": [f"{k}: detail" for k in kinds]})
 
     cfg = ExtractConfig(max_failed_fraction=0.29)
-    assert _too_many_failures(failures(["missing"] * 29), videos, tmp_path, tmp_path, cfg) is None
-    msg = _too_many_failures(failures(["timeout"] + ["missing"] * 29), videos, tmp_path, tmp_path, cfg)
+    assert too_many_failures(failures(["missing"] * 29), videos, tmp_path, tmp_path, cfg) is None
+    msg = too_many_failures(failures(["timeout"] + ["missing"] * 29), videos, tmp_path, tmp_path, cfg)
     assert msg.startswith("30 of 100 videos failed (30.0 % > --max-failed-fraction 0.29): missing: 29, timeout: 1")
     assert f"check --video-root {tmp_path}: {tmp_path / 'v1.mp4'} does not exist" in msg  # v0 timed out
     for n, total in [(2, 16), (1, 3), (1, 7), (13, 90), (57, 100), (3, 25)]:
-        msg = _too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path, tmp_path,
+        msg = too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path, tmp_path,
                                  ExtractConfig(max_failed_fraction=0.0))
         advice = float(msg.split("--max-failed-fraction ")[-1].split(";")[0])
-        assert advice >= n / total and _too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path,
+        assert advice >= n / total and too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path,
                                                           tmp_path, ExtractConfig(max_failed_fraction=advice)) is None
 
 
@@ -485,7 +485,7 @@ def test_features_of_other_weights_are_refused():
     """Each encoder result carries the sha256 of the weights that encoded it; other weights than the
     store records (a cluster node with another cache) stop the run before anything is written."""
     from tvrpipe.errors import ConfigError
-    from tvrpipe.features.extract import _check_weights
+    from tvrpipe.features.extract.config import check_weights
     from tvrpipe.features.workers import ClipEncoder
 
     encoder = ClipEncoder(TINY_MODEL, "none", "cpu", seed=0, threads=1)
@@ -493,7 +493,7 @@ def test_features_of_other_weights_are_refused():
     sha = encoder.facts()["weights_sha256"]
     assert list(out["weights"]) == [sha, sha]
     prov = {"weights_sha256": sha, "model": TINY_MODEL, "pretrained": "none"}
-    _check_weights(out, prov, "text")
+    check_weights(out, prov, "text")
     other = ClipEncoder(TINY_MODEL, "none", "cpu", seed=1, threads=1)  # another random init
     size = other.facts()["image_size"]
     video = {"row": 0, "frames": np.zeros((2, size, size, 3), np.uint8), "mask": np.ones(2, bool),
@@ -501,7 +501,7 @@ def test_features_of_other_weights_are_refused():
     with pytest.raises(ConfigError, match=rf"an image encoder loaded weights with sha256 "
                                           rf"{other.facts()['weights_sha256'][:16]}\.\.\., but the store records "
                                           rf"{sha[:16]}\.\.\. for {TINY_MODEL} / none: every process"):
-        _check_weights(other.encode_videos(video), prov, "image")
+        check_weights(other.encode_videos(video), prov, "image")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a Ray cluster without GPUs")
