@@ -25,17 +25,10 @@ from tvrpipe.features.extract.config import (
     too_many_failures,
 )
 from tvrpipe.features.extract.pipeline import TextFeed, run_videos
-from tvrpipe.features.extract.plan import (
-    copied_videos,
-    copy_sources,
-    progress_display,
-    stored_videos,
-    write_copied,
-)
+from tvrpipe.features.extract.plan import plan_run, progress_display, write_copied
 from tvrpipe.features.outputs import check_store_out
 from tvrpipe.features.store import (
     FeatureStore,
-    Shard,
     StoreWriter,
     make_provenance,
     manifest_sha256,
@@ -251,45 +244,33 @@ def extract(
         )
         with StoreWriter(out, sidecar, texts.drop(columns="text"), provenance, cfg.video_shard, cfg.text_shard,
                          cfg.overwrite, update=manifest.is_collection) as writer:
-            damaged = len(writer.damaged("videos")) + len(writer.damaged("texts"))
-            v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
-            retry = {s: rows for s, rows in writer.failed_rows().items() if s not in set(v_pending)} \
-                if cfg.retry_failed else {}
-            # an update: rows whose file is unchanged are copied from the store it replaces
-            copies = copy_sources(writer.previous, sidecar, v_pending)
-            summary.reused = sum(int((src >= 0).sum()) for src in copies.values())
-            whole = [s for s in v_pending if s.index in copies and (copies[s.index] >= 0).all()]
-            if whole:
-                write_copied(writer, whole, copies, cfg.progress)
-            jobs = [(s, None if s.index not in copies else s.start + np.flatnonzero(copies[s.index] < 0))
-                    for s in v_pending if s not in whole] + list(retry.items())
-            summary.repaired = damaged
-            summary.retried = sum(len(rows) for rows in retry.values())
-            summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in t_pending)
+            plan = plan_run(writer, sidecar, cfg.retry_failed)
+            summary.reused = plan.reused
+            if plan.copied:
+                write_copied(writer, plan.copied, plan.copies, cfg.progress)
+            summary.repaired = plan.damaged
+            summary.retried = plan.retried
+            summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in plan.texts)
             failed_before = set(writer.failures()["video_id"])
             processed = 0
-            if jobs or t_pending:
+            if plan.jobs or plan.texts:
                 check_precision(writer, cfg)
                 if workers is None:  # a complete store whose failed videos are retried
                     workers = start_workers(cfg)
                     reached("ray")
                 with progress_display(cfg.progress) as bar:
-                    feed = TextFeed(writer, texts, t_pending, workers.encoders, L, bar, summary)
-                    if jobs:
-                        def load(shard: Shard) -> dict[str, np.ndarray]:  # a shard of which some rows are kept
-                            if shard.index in copies:
-                                return copied_videos(writer.previous, shard, copies[shard.index], F,
-                                                      int(provenance["embed_dim"]))
-                            return stored_videos(writer, shard)
-
-                        processed = run_videos(writer, videos, jobs, root, cfg, F, facts["image_size"], workers,
-                                                bar, summary, feed, lambda: reached("first_batch"), early, load)
+                    feed = TextFeed(writer, texts, plan.texts, workers.encoders, L, bar, summary)
+                    if plan.jobs:
+                        processed = run_videos(writer, videos, plan.jobs, root, cfg, F, facts["image_size"], workers,
+                                               bar, summary, feed, lambda: reached("first_batch"), early,
+                                               lambda shard: plan.kept(writer, shard))
                     feed.finish()
             failures = writer.failures()
             failed_now = set(failures["video_id"])
             ids = videos["video_id"].to_numpy()
-            redone = {str(i) for s, rows in jobs for i in ids[np.arange(s.start, s.stop) if rows is None else rows]}
-            retried = {str(i) for rows in retry.values() for i in ids[rows]}
+            redone = {str(i) for s, rows in plan.jobs
+                      for i in ids[np.arange(s.start, s.stop) if rows is None else rows]}
+            retried = {str(i) for rows in plan.retry.values() for i in ids[rows]}
             summary.failed = len(failures)
             summary.videos_done = processed - len(failed_now & redone)
             summary.videos_skipped = summary.videos_total - summary.videos_done - summary.reused - summary.failed

@@ -3,6 +3,7 @@ retried shard keeps, and the rows an update of a collection copies from the stor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,54 @@ import numpy as np
 import pandas as pd
 
 from tvrpipe.features.store import PreviousStore, Shard
+
+
+@dataclass
+class Plan:
+    """What a run has to do in the store its writer opened, besides what is already there: the pending caption
+    shards, and the video shards to decode and encode (all their rows, or only the rows retried or not copied;
+    the shard's other rows are kept), or to copy whole from the store an update replaces."""
+
+    jobs: list[tuple[Shard, np.ndarray | None]]  # video shards to decode and encode: every row (None) or these
+    texts: list[Shard]  # caption shards to encode
+    copied: list[Shard]  # video shards whose every row an update copies from the store it replaces
+    copies: dict[int, np.ndarray]  # by shard index: each row's row in that store (-1: to encode)
+    retry: dict[Shard, np.ndarray]  # by shard: the rows recorded as failed and tried again
+    damaged: int  # damaged shards (videos and texts), re-extracted
+
+    @property
+    def reused(self) -> int:
+        """Videos copied from the store an update replaces."""
+        return sum(int((src >= 0).sum()) for src in self.copies.values())
+
+    @property
+    def retried(self) -> int:
+        """Videos recorded as failed and tried again."""
+        return sum(len(rows) for rows in self.retry.values())
+
+    def kept(self, writer, shard: Shard) -> dict[str, np.ndarray]:
+        """The arrays a shard of which only some rows are in :attr:`jobs` starts from: the rows it copies from
+        the store an update replaces, or its stored rows (a retried shard)."""
+        if shard.index in self.copies:
+            return copied_videos(writer.previous, shard, self.copies[shard.index], int(writer.provenance["frames"]),
+                                 int(writer.provenance["embed_dim"]))
+        return stored_videos(writer, shard)
+
+
+def plan_run(writer, sidecar: pd.DataFrame, retry_failed: bool) -> Plan:
+    """The :class:`Plan` of a run in the store ``writer`` opened (``sidecar``: its videos.parquet, by which an
+    update matches the rows of the store it replaces); ``retry_failed``: the videos recorded as failed are
+    tried again."""
+    damaged = len(writer.damaged("videos")) + len(writer.damaged("texts"))
+    v_pending, t_pending = writer.pending("videos"), writer.pending("texts")
+    retry = {s: rows for s, rows in writer.failed_rows().items() if s not in set(v_pending)} \
+        if retry_failed else {}
+    # an update: rows whose file is unchanged are copied from the store it replaces
+    copies = copy_sources(writer.previous, sidecar, v_pending)
+    whole = [s for s in v_pending if s.index in copies and (copies[s.index] >= 0).all()]
+    jobs = [(s, None if s.index not in copies else s.start + np.flatnonzero(copies[s.index] < 0))
+            for s in v_pending if s not in whole] + list(retry.items())
+    return Plan(jobs, t_pending, whole, copies, retry, damaged)
 
 
 def progress_display(enabled: bool):
