@@ -24,8 +24,8 @@ from tvrpipe.features.extract.config import (
     check_precision,
     too_many_failures,
 )
-from tvrpipe.features.extract.pipeline import TextFeed, run_videos
-from tvrpipe.features.extract.plan import plan_run, progress_display, write_copied
+from tvrpipe.features.extract.pipeline import Pipeline
+from tvrpipe.features.extract.plan import plan_run, write_copied
 from tvrpipe.features.outputs import check_store_out
 from tvrpipe.features.store import (
     FeatureStore,
@@ -258,13 +258,10 @@ def extract(
                 if workers is None:  # a complete store whose failed videos are retried
                     workers = start_workers(cfg)
                     reached("ray")
-                with progress_display(cfg.progress) as bar:
-                    feed = TextFeed(writer, texts, plan.texts, workers.encoders, L, bar, summary)
-                    if plan.jobs:
-                        processed = run_videos(writer, videos, plan.jobs, root, cfg, F, facts["image_size"], workers,
-                                               bar, summary, feed, lambda: reached("first_batch"), early,
-                                               lambda shard: plan.kept(writer, shard))
-                    feed.finish()
+                pipeline = Pipeline(writer, workers, summary, videos, texts, root, frames=F, max_words=L,
+                                    image_size=facts["image_size"], videos_per_call=cfg.batch_size,
+                                    first=lambda: reached("first_batch"))
+                processed = pipeline.run(plan, early, cfg.progress)
             failures = writer.failures()
             failed_now = set(failures["video_id"])
             ids = videos["video_id"].to_numpy()
