@@ -69,6 +69,7 @@ def store_dir(ray_session, data, tmp_path_factory) -> Path:
     summary = extract(data / "manifest", data / "videos", out, _cfg())
     assert (summary.videos_done, summary.videos_skipped, summary.failed) == (N_VIDEOS, 0, 2)
     assert summary.failure_kinds == {"empty": 1, "unreadable": 1}
+    assert (summary.videos_per_call, summary.fitted_frames) == (3, 0)  # --batch-size 3; nothing measured on a CPU
     return out
 
 
@@ -227,8 +228,9 @@ def test_decodes_sent_before_the_weights_load_are_dropped_when_the_size_was_wron
 
     monkeypatch.setattr(actors, "guess_image_size", lambda model: 32)  # the tiny model's is 64
     out = tmp_path / "f"
-    s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=5))
-    assert (s.videos_done, s.failed) == (N_VIDEOS, 2) and 1 <= s.first_videos <= 5
+    # calls sized in frames: --encode-frames 71 at F = 12 is 5 videos a call
+    s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=None, encode_frames=71))
+    assert (s.videos_done, s.failed, s.videos_per_call) == (N_VIDEOS, 2, 5) and 1 <= s.first_videos <= 5
     for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
         same_rows(open_store(out), open_store(store_dir), name)
 
@@ -502,6 +504,83 @@ def test_features_of_other_weights_are_refused():
                                           rf"{other.facts()['weights_sha256'][:16]}\.\.\., but the store records "
                                           rf"{sha[:16]}\.\.\. for {TINY_MODEL} / none: every process"):
         check_weights(other.encode_videos(video), prov, "image")
+
+
+def test_videos_per_encoder_call_from_batch_size_encode_frames_or_the_gpu():
+    """--batch-size is videos a call; --encode-frames N is N // F videos (at least one); auto is 16 videos on a
+    CPU (--batch-size's old default: CPU stores are computed in the same calls), and on cuda the frames that fit
+    the GPU // F, 16 until they are measured. Both sizes at once, or an invalid one, are refused."""
+    from tvrpipe.features.extract.config import encode_frames_value
+
+    assert ExtractConfig().videos_per_call(12) == 16 and not ExtractConfig().fits_device
+    assert ExtractConfig(batch_size=3).videos_per_call(12, fitted=3072) == 3
+    assert not ExtractConfig(batch_size=3, device="cuda").fits_device
+    assert [ExtractConfig(encode_frames=n).videos_per_call(12) for n in (1, 12, 71, 3072)] == [1, 1, 5, 256]
+    gpu = ExtractConfig(device="cuda")
+    assert gpu.fits_device and gpu.videos_per_call(12) == 16  # not measured yet: the early decodes' guess
+    assert [gpu.videos_per_call(f, fitted=3072) for f in (12, 64)] == [256, 48]
+    assert gpu.videos_per_call(12, fitted=12) == 1
+    assert ExtractConfig(encode_frames=96, device="cuda").videos_per_call(12, fitted=3072) == 8  # N wins
+    assert [encode_frames_value(s) for s in ("auto", " 512 ")] == ["auto", 512]
+    with pytest.raises(ConfigError, match=r"--encode-frames must be auto or a number of frames >= 1, got 'many'"):
+        encode_frames_value("many")
+    for bad in (0, -4, "512", 2.5, True):
+        with pytest.raises(ConfigError, match="--encode-frames must be auto or a number of frames >= 1"):
+            ExtractConfig(encode_frames=bad)
+    with pytest.raises(ConfigError, match=r"--batch-size 4 \(videos per encoder call\) and --encode-frames 96 "
+                                          r"\(frames per call\) both size the encoder's calls: give one"):
+        ExtractConfig(batch_size=4, encode_frames=96)
+    from tvrpipe.features.extract import ExtractSummary
+
+    fitted = ExtractSummary(Path("f"), 10, videos_per_call=256, fitted_frames=3072).lines()
+    assert "encoder calls: up to 256 videos (3072 frames fit the GPU's free memory, --encode-frames auto)" in fitted
+    assert not any("encoder calls" in line for line in ExtractSummary(Path("f"), 10, videos_per_call=16).lines())
+
+
+def test_encode_frames_auto_fits_the_free_gpu_memory_measured_with_a_probe(monkeypatch):
+    """--encode-frames auto on cuda, with the device's memory queries replaced (no GPU here): a frame's cost is
+    the probe call's peak allocation above what was allocated before, over its frames; the frames per call are
+    half the free memory over that, at most 3,072 and at least one video's F."""
+    from tvrpipe.features import workers
+    from tvrpipe.features.workers import ClipEncoder, fit_frames
+
+    assert fit_frames(8e9, 1e7, 12) == 400  # half of 8 GB at 10 MB a frame
+    assert fit_frames(80e9, 1.5e6, 12) == 3072  # capped
+    assert fit_frames(1e8, 1e7, 12) == 12  # 5 fit: one video's frames still go in one call
+    assert fit_frames(8e9, 1e7, 12, cap=100, share=1.0) == 100 and fit_frames(8e9, 0.0, 64) == 3072
+
+    calls: list = []
+    allocated = 3_000_000  # the weights, before the probe
+    cost = 2_000_000  # what a frame of the fake probe allocates
+    gpu = {"free": 4_000_000_000, "peak": allocated}
+
+    def reset(device=None) -> None:
+        calls.append("reset")
+        gpu["peak"] = allocated
+
+    def probe(frames: np.ndarray) -> np.ndarray:
+        calls.append(("probe", len(frames)))
+        assert frames.dtype == np.uint8 and frames.shape[1:] == (64, 64, 3) and not frames.any()
+        gpu["peak"] = allocated + len(frames) * cost
+        return np.zeros((len(frames), 64), np.float16)
+
+    fake = {"synchronize": lambda device=None: calls.append("sync"), "reset_peak_memory_stats": reset,
+            "memory_allocated": lambda device=None: allocated,
+            "max_memory_allocated": lambda device=None: gpu["peak"],
+            "empty_cache": lambda: calls.append("empty"),
+            "mem_get_info": lambda device=None: (gpu["free"], 80_000_000_000)}
+    for name, f in fake.items():
+        monkeypatch.setattr(torch.cuda, name, f)
+    assert workers.device_memory("cuda:0", probe, 64) == (4_000_000_000, 2_000_000.0)
+    assert calls == ["sync", "reset", ("probe", workers.PROBE_FRAMES), "sync", "empty"]
+    encoder = ClipEncoder(TINY_MODEL, "none", "cpu", seed=0, threads=1)
+    monkeypatch.setattr(encoder, "_encode", probe)
+    assert encoder.fitted_frames(12) == 1000  # 2 GB of the 4 GB free, at 2 MB a frame
+    gpu["free"] = 80_000_000_000
+    assert encoder.fitted_frames(12) == 3072
+    assert ExtractConfig(device="cuda").videos_per_call(12, fitted=encoder.fitted_frames(12)) == 256
+    gpu["free"] = 30_000_000  # a nearly full GPU: 7 frames fit, but a video's 12 go in one call
+    assert encoder.fitted_frames(12) == 12
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a Ray cluster without GPUs")

@@ -50,7 +50,12 @@ The package, by role:
 
 from __future__ import annotations
 
-from tvrpipe.features.extract.config import ExtractConfig, ExtractionError, ExtractSummary
+from tvrpipe.features.extract.config import (
+    ExtractConfig,
+    ExtractionError,
+    ExtractSummary,
+    encode_frames_value,
+)
 from tvrpipe.features.extract.driver import (
     MANIFEST_PLACEHOLDER,
     VIDEOS_PLACEHOLDER,
@@ -60,4 +65,4 @@ from tvrpipe.features.extract.driver import (
 )
 
 __all__ = ["MANIFEST_PLACEHOLDER", "VIDEOS_PLACEHOLDER", "ExtractConfig", "ExtractSummary", "ExtractionError",
-           "extract", "extract_command", "rebuild_command"]
+           "encode_frames_value", "extract", "extract_command", "rebuild_command"]

@@ -81,6 +81,14 @@ def start_workers(cfg: ExtractConfig) -> Workers:
     )
 
 
+def fitted_frames(workers: Workers, frames: int) -> int:
+    """The frames per encoder call that fit the GPU of every encoder (``--encode-frames auto`` on cuda): the
+    smallest, as any encoder may take any call. Each measures its own once it holds the weights."""
+    import ray
+
+    return min(ray.get([encoder.fitted_frames.remote(frames) for encoder in workers.encoders]))
+
+
 @dataclass
 class Early:
     """Decodes sent before the weights' facts are known: ``refs`` maps each to (decoder, row)."""
@@ -102,7 +110,7 @@ def decode_early(workers: Workers, cfg: ExtractConfig, out: Path, videos: pd.Dat
     if size is None or not fresh or len(videos) == 0:
         return None
     # as many as the first batches hold: the cores a loading encoder leaves idle decode them
-    n = min(len(videos), max(2 * len(workers.decoders), 2 * cfg.batch_size * len(workers.encoders)))
+    n = min(len(videos), max(2 * len(workers.decoders), 2 * cfg.videos_per_call(F) * len(workers.encoders)))
     items = video_items(videos.iloc[:n].assign(row=np.arange(n)), root)
     return Early(size, {workers.decoders[i % len(workers.decoders)].decode.remote(item, F, size):
                          (i % len(workers.decoders), item["row"]) for i, item in enumerate(items)})

@@ -15,6 +15,10 @@ from tvrpipe.config import above, at_least, check_fields, one_of, within
 from tvrpipe.errors import ConfigError, TvrpipeError
 from tvrpipe.features.failures import over_failure_limit
 
+# videos per encoder call where neither --batch-size nor --encode-frames N says (on a CPU, and on a GPU until its
+# memory is measured): --batch-size's default before --encode-frames (fp32 CPU throughput is flat from 12 to 192
+# images, docs/performance.md), so CPU stores are computed in the same calls as before
+DEFAULT_VIDEOS_PER_CALL = 16
 
 @dataclass(frozen=True)
 class ExtractConfig:
@@ -28,7 +32,11 @@ class ExtractConfig:
     pretrained: str = "openai"
     frames: int | None = at_least(1, None, option="--frames")
     max_words: int | None = at_least(2, None, option="--max-words")
-    batch_size: int = at_least(1, 16, option="--batch-size")  # videos per encoder call (x frames = images per forward)
+    # videos per encoder call (x frames = images per forward); None: sized by encode_frames
+    batch_size: int | None = at_least(1, None, option="--batch-size")
+    # frames per encoder call (videos per call: N // F, at least one), or auto: on cuda what fits the GPU's free
+    # memory (measured by each encoder, at most 3,072; workers.fit_frames), on cpu DEFAULT_VIDEOS_PER_CALL videos
+    encode_frames: int | str = "auto"
     device: str = one_of(("cpu", "cuda"), "cpu", option="--device")
     # auto: fp16 autocast on cuda, fp32 on cpu; bf16: weights in bf16 on cpu (3.4-3.9x faster with
     # AVX-512 BF16, cosine >= 0.9999 to fp32, docs/performance.md), autocast on cuda
@@ -59,9 +67,39 @@ class ExtractConfig:
 
         check_fields(self, "extract")
         check_timeout(self.timeout_s)
+        auto = self.encode_frames == "auto"
+        if not auto and (isinstance(self.encode_frames, bool) or not isinstance(self.encode_frames, int)
+                         or self.encode_frames < 1):
+            raise ConfigError(f"--encode-frames must be auto or a number of frames >= 1, got {self.encode_frames!r}")
+        if not auto and self.batch_size is not None:
+            raise ConfigError(f"--batch-size {self.batch_size} (videos per encoder call) and --encode-frames "
+                              f"{self.encode_frames} (frames per call) both size the encoder's calls: give one")
         if self.precision == "fp16" and self.device == "cpu":
             raise ConfigError("--precision fp16 needs --device cuda; on a CPU use bf16 (fast where the CPU has "
                               "AVX-512 BF16 or AMX) or fp32")
+
+    @property
+    def fits_device(self) -> bool:
+        """Whether the encoder calls are sized by the GPU's free memory (``--encode-frames auto`` on cuda, no
+        ``--batch-size``): the encoders measure it once they hold the weights."""
+        return self.batch_size is None and self.encode_frames == "auto" and self.device == "cuda"
+
+    def videos_per_call(self, frames: int, fitted: int | None = None) -> int:
+        """Decoded videos of ``frames`` frames each per encoder call: ``batch_size``, else ``encode_frames`` //
+        ``frames`` (at least one), else, with :attr:`fits_device`, ``fitted`` (the frames that fit the GPU) //
+        ``frames``, else :data:`DEFAULT_VIDEOS_PER_CALL` (a CPU, or a GPU whose memory is not measured yet).
+
+        Example:
+            >>> ExtractConfig(encode_frames=512).videos_per_call(12)
+            42
+        """
+        if self.batch_size is not None:
+            return self.batch_size
+        if self.encode_frames != "auto":
+            return max(1, self.encode_frames // frames)
+        if self.fits_device and fitted is not None:
+            return max(1, fitted // frames)
+        return DEFAULT_VIDEOS_PER_CALL
 
     @property
     def encode_precision(self) -> str:
@@ -94,6 +132,8 @@ class ExtractSummary:
     # up, encoders started), "weights" (an encoder has loaded them), "first_batch" (the first videos encoded)
     phases: dict[str, float] = field(default_factory=dict)
     first_videos: int = 0  # how many videos the first encoded batch held
+    videos_per_call: int = 0  # decoded videos per encoder call (0: no video encoded)
+    fitted_frames: int = 0  # --encode-frames auto on cuda: the frames per call that fit the GPU (0: not measured)
 
     def lines(self) -> list[str]:
         """A short human-readable summary."""
@@ -112,10 +152,25 @@ class ExtractSummary:
                      "first_batch": "first videos encoded"}
             out.append("start-up, seconds from the start: " + ", ".join(
                 f"{names[k]} {v:.1f}" for k, v in self.phases.items()))
+        if self.fitted_frames:
+            out.append(f"encoder calls: up to {self.videos_per_call} videos ({self.fitted_frames} frames fit the "
+                       "GPU's free memory, --encode-frames auto)")
         if self.failure_kinds:
             kinds = ", ".join(f"{k}: {n}" for k, n in Counter(self.failure_kinds).most_common(5))
             out.append(f"failures by kind: {kinds} (see {self.out / 'failures.parquet'})")
         return out
+
+
+def encode_frames_value(text: str) -> int | str:
+    """``--encode-frames``' text as :class:`ExtractConfig` takes it: ``auto``, or a number of frames (checked
+    there)."""
+    text = text.strip()
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--encode-frames must be auto or a number of frames >= 1, got {text!r}") from None
 
 
 class ExtractionError(TvrpipeError):

@@ -16,7 +16,7 @@ import pandas as pd
 
 from tvrpipe.data.manifest import COLLECTION, check_max_words, open_manifest
 from tvrpipe.errors import TvrpipeError
-from tvrpipe.features.extract.actors import Early, Workers, decode_early, start_workers
+from tvrpipe.features.extract.actors import Early, Workers, decode_early, fitted_frames, start_workers
 from tvrpipe.features.extract.config import (
     ExtractConfig,
     ExtractionError,
@@ -258,8 +258,12 @@ def extract(
                 if workers is None:  # a complete store whose failed videos are retried
                     workers = start_workers(cfg)
                     reached("ray")
+                if plan.jobs and cfg.fits_device:  # the encoders measure what fits their GPUs
+                    summary.fitted_frames = fitted_frames(workers, F)
+                per_call = cfg.videos_per_call(F, summary.fitted_frames or None)
+                summary.videos_per_call = per_call if plan.jobs else 0
                 pipeline = Pipeline(writer, workers, summary, videos, texts, root, frames=F, max_words=L,
-                                    image_size=facts["image_size"], videos_per_call=cfg.batch_size,
+                                    image_size=facts["image_size"], videos_per_call=per_call,
                                     first=lambda: reached("first_batch"))
                 processed = pipeline.run(plan, early, cfg.progress)
             failures = writer.failures()
