@@ -18,10 +18,9 @@ import pytest
 from tvrpipe.data.manifest import read_manifest
 from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError, ManifestError
-from tvrpipe.features import extract as extract_module
 from tvrpipe.features.clip import TINY_MODEL
 from tvrpipe.features.collection import build_collection
-from tvrpipe.features.extract import ExtractConfig, extract
+from tvrpipe.features.extract import ExtractConfig, actors, driver, extract
 from tvrpipe.features.store import PREVIOUS, StoreError, open_store
 
 VIDEO_ARRAYS = ("videos/frames", "videos/frame_mask", "videos/timestamps")
@@ -256,7 +255,7 @@ def test_adding_changing_and_removing_files_encodes_only_what_changed(collection
     build_collection(folder, manifest, progress=False)
 
     # interrupted right after the old store was moved aside: the rerun takes its rows from there
-    monkeypatch.setattr(extract_module, "_write_copied", _interrupt)
+    monkeypatch.setattr(driver, "write_copied", _interrupt)
     with pytest.raises(KeyboardInterrupt):
         extract(manifest, folder, store_dir, _cfg())
     assert (store_dir / PREVIOUS / "features.zarr").is_dir()
@@ -302,7 +301,7 @@ def test_an_interrupted_move_is_finished_and_copies_start_no_ray(collection, tmp
     (out / ".previous.tmp").mkdir()
     for name in ("features.zarr", "videos.parquet"):  # the rest is still in out
         (out / name).rename(out / ".previous.tmp" / name)
-    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
     s = extract(manifest, collection[0], out, _cfg())
     assert (s.reused, s.videos_done, s.videos_skipped) == (5, 0, 0)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src_store.iterdir())
@@ -332,7 +331,7 @@ def test_a_folder_changed_since_its_manifest_is_refused_before_ray(collection, t
     folder, out = tmp_path / "videos", tmp_path / "store"
     shutil.copytree(src_folder, folder)
     shutil.copytree(store_dir, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
-    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
     shutil.copyfile(folder / "a" / "k1.mp4", folder / "extra.mp4")
     with caplog.at_level(logging.WARNING, logger="tvrpipe.features.collection"):
         s = extract(manifest, folder, out, _cfg())  # complete: nothing to do
@@ -437,7 +436,7 @@ def test_an_update_that_only_copies_takes_no_fact_from_an_edited_cache(collectio
     folder, manifest, out = _removed_one(collection, tmp_path)
     true_scale = open_store(out).provenance["logit_scale"]
     entry = _cache_entry(tmp_path, monkeypatch, logit_scale=true_scale + 1.5)
-    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
     s = extract(manifest, folder, out, _cfg())
     assert (s.reused, s.videos_done) == (4, 0)
     assert open_store(out).provenance["logit_scale"] == true_scale
@@ -476,7 +475,7 @@ def test_an_unusable_cache_entry_is_one_warning_and_a_load(collection, tmp_path,
         entry.write_text(json.dumps({k: v for k, v in good.items() if k != "preprocessing"}))
     else:  # an entry copied under another name
         entry.write_text(json.dumps({**good, "key": "ab" * 32}))
-    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
     with caplog.at_level(logging.WARNING, logger="tvrpipe.features.weights"):
         s = extract(manifest, collection[0], out, _cfg())  # complete: nothing to do but learn the facts
     assert (s.videos_done, s.videos_skipped) == (0, 5)
@@ -529,8 +528,8 @@ def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_ray(collection
     monkeypatch.setattr(hf, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
     for name in ("https_proxy", "HTTPS_PROXY", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(extract_module, "ray_init", lambda *a, **kw: None)
-    monkeypatch.setattr(extract_module, "cluster_cpus", lambda: pytest.fail("workers started"))
+    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: None)
+    monkeypatch.setattr(actors, "cluster_cpus", lambda: pytest.fail("workers started"))
     t0 = time.perf_counter()
     with pytest.raises(DownloadError, match=r"^--pretrained openai: the weights of ViT-B-32 openai are not in this "
                                             r"machine's open_clip or Hugging Face cache and cannot be downloaded "

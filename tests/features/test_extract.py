@@ -69,6 +69,7 @@ def store_dir(ray_session, data, tmp_path_factory) -> Path:
     summary = extract(data / "manifest", data / "videos", out, _cfg())
     assert (summary.videos_done, summary.videos_skipped, summary.failed) == (N_VIDEOS, 0, 2)
     assert summary.failure_kinds == {"empty": 1, "unreadable": 1}
+    assert (summary.videos_per_call, summary.fitted_frames) == (3, 0)  # --batch-size 3; nothing measured on a CPU
     return out
 
 
@@ -147,14 +148,14 @@ def test_a_rerun_with_nothing_to_do_starts_neither_ray_nor_a_model(store_dir, da
     returns without Ray or torch's model; with the cache gone it loads the weights here, once, still without
     Ray. Other weights (another seed) are still refused."""
     import tvrpipe.features.clip as clip
-    from tvrpipe.features import extract as extract_module
+    from tvrpipe.features.extract import actors
 
     def forbidden(*a, **kw):
         raise AssertionError("started for a store with nothing to do")
 
     done = tmp_path / "done"
     shutil.copytree(store_dir, done, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
-    monkeypatch.setattr(extract_module, "ray_init", forbidden)
+    monkeypatch.setattr(actors, "ray_init", forbidden)
     real_load = clip.load_clip
     monkeypatch.setattr(clip, "load_clip", forbidden)
     s = extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False))
@@ -223,12 +224,13 @@ def test_decodes_sent_before_the_weights_load_are_dropped_when_the_size_was_wron
     """A new store's first videos are decoded while the encoders load the weights, at the size the
     architecture's file gives; were that not the model's (a wrong guess), they are decoded again at the
     model's size: the store equals one extracted without the head start."""
-    from tvrpipe.features import extract as extract_module
+    from tvrpipe.features.extract import actors
 
-    monkeypatch.setattr(extract_module, "guess_image_size", lambda model: 32)  # the tiny model's is 64
+    monkeypatch.setattr(actors, "guess_image_size", lambda model: 32)  # the tiny model's is 64
     out = tmp_path / "f"
-    s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=5))
-    assert (s.videos_done, s.failed) == (N_VIDEOS, 2) and 1 <= s.first_videos <= 5
+    # calls sized in frames: --encode-frames 71 at F = 12 is 5 videos a call
+    s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=None, encode_frames=71))
+    assert (s.videos_done, s.failed, s.videos_per_call) == (N_VIDEOS, 2, 5) and 1 <= s.first_videos <= 5
     for name in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/sentence"):
         same_rows(open_store(out), open_store(store_dir), name)
 
@@ -429,12 +431,12 @@ def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch
     """Invalid values never become defaults, and nothing (no Ray, no model, no directory) starts."""
     from tvrpipe.errors import ConfigError, ManifestError
     from tvrpipe.features import clip
-    from tvrpipe.features import extract as extract_module
+    from tvrpipe.features.extract import actors
 
     def forbidden(*a, **kw):
         raise AssertionError("started before the options were checked")
 
-    monkeypatch.setattr(extract_module, "ray_init", forbidden)
+    monkeypatch.setattr(actors, "ray_init", forbidden)
     monkeypatch.setattr(clip, "load_clip", forbidden)
     out = tmp_path / "f"
     for kw, message in [({"frames": -1}, "--frames must be >= 1, got -1"), ({"frames": 0}, "--frames must be >= 1"),
@@ -460,7 +462,7 @@ def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch
 def test_failure_message_example_advice_and_limit(tmp_path):
     """The hint's example is a video of the most common kind; the advised --max-failed-fraction lets
     the run pass; "more than the fraction" is exact (29 of 100 at 0.29 passes; n <= 0.29 * 100 did not)."""
-    from tvrpipe.features.extract import _too_many_failures
+    from tvrpipe.features.extract.config import too_many_failures
 
     videos = pd.DataFrame({"video_id": [f"v{i}" for i in range(100)], "path": [f"v{i}.mp4" for i in range(100)]})
 
@@ -469,15 +471,15 @@ def test_failure_message_example_advice_and_limit(tmp_path):
                              "error": [f"{k}: detail" for k in kinds]})
 
     cfg = ExtractConfig(max_failed_fraction=0.29)
-    assert _too_many_failures(failures(["missing"] * 29), videos, tmp_path, tmp_path, cfg) is None
-    msg = _too_many_failures(failures(["timeout"] + ["missing"] * 29), videos, tmp_path, tmp_path, cfg)
+    assert too_many_failures(failures(["missing"] * 29), videos, tmp_path, tmp_path, cfg) is None
+    msg = too_many_failures(failures(["timeout"] + ["missing"] * 29), videos, tmp_path, tmp_path, cfg)
     assert msg.startswith("30 of 100 videos failed (30.0 % > --max-failed-fraction 0.29): missing: 29, timeout: 1")
     assert f"check --video-root {tmp_path}: {tmp_path / 'v1.mp4'} does not exist" in msg  # v0 timed out
     for n, total in [(2, 16), (1, 3), (1, 7), (13, 90), (57, 100), (3, 25)]:
-        msg = _too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path, tmp_path,
+        msg = too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path, tmp_path,
                                  ExtractConfig(max_failed_fraction=0.0))
         advice = float(msg.split("--max-failed-fraction ")[-1].split(";")[0])
-        assert advice >= n / total and _too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path,
+        assert advice >= n / total and too_many_failures(failures(["empty"] * n), videos.iloc[:total], tmp_path,
                                                           tmp_path, ExtractConfig(max_failed_fraction=advice)) is None
 
 
@@ -485,7 +487,7 @@ def test_features_of_other_weights_are_refused():
     """Each encoder result carries the sha256 of the weights that encoded it; other weights than the
     store records (a cluster node with another cache) stop the run before anything is written."""
     from tvrpipe.errors import ConfigError
-    from tvrpipe.features.extract import _check_weights
+    from tvrpipe.features.extract.config import check_weights
     from tvrpipe.features.workers import ClipEncoder
 
     encoder = ClipEncoder(TINY_MODEL, "none", "cpu", seed=0, threads=1)
@@ -493,7 +495,7 @@ def test_features_of_other_weights_are_refused():
     sha = encoder.facts()["weights_sha256"]
     assert list(out["weights"]) == [sha, sha]
     prov = {"weights_sha256": sha, "model": TINY_MODEL, "pretrained": "none"}
-    _check_weights(out, prov, "text")
+    check_weights(out, prov, "text")
     other = ClipEncoder(TINY_MODEL, "none", "cpu", seed=1, threads=1)  # another random init
     size = other.facts()["image_size"]
     video = {"row": 0, "frames": np.zeros((2, size, size, 3), np.uint8), "mask": np.ones(2, bool),
@@ -501,7 +503,84 @@ def test_features_of_other_weights_are_refused():
     with pytest.raises(ConfigError, match=rf"an image encoder loaded weights with sha256 "
                                           rf"{other.facts()['weights_sha256'][:16]}\.\.\., but the store records "
                                           rf"{sha[:16]}\.\.\. for {TINY_MODEL} / none: every process"):
-        _check_weights(other.encode_videos(video), prov, "image")
+        check_weights(other.encode_videos(video), prov, "image")
+
+
+def test_videos_per_encoder_call_from_batch_size_encode_frames_or_the_gpu():
+    """--batch-size is videos a call; --encode-frames N is N // F videos (at least one); auto is 16 videos on a
+    CPU (--batch-size's old default: CPU stores are computed in the same calls), and on cuda the frames that fit
+    the GPU // F, 16 until they are measured. Both sizes at once, or an invalid one, are refused."""
+    from tvrpipe.features.extract.config import encode_frames_value
+
+    assert ExtractConfig().videos_per_call(12) == 16 and not ExtractConfig().fits_device
+    assert ExtractConfig(batch_size=3).videos_per_call(12, fitted=3072) == 3
+    assert not ExtractConfig(batch_size=3, device="cuda").fits_device
+    assert [ExtractConfig(encode_frames=n).videos_per_call(12) for n in (1, 12, 71, 3072)] == [1, 1, 5, 256]
+    gpu = ExtractConfig(device="cuda")
+    assert gpu.fits_device and gpu.videos_per_call(12) == 16  # not measured yet: the early decodes' guess
+    assert [gpu.videos_per_call(f, fitted=3072) for f in (12, 64)] == [256, 48]
+    assert gpu.videos_per_call(12, fitted=12) == 1
+    assert ExtractConfig(encode_frames=96, device="cuda").videos_per_call(12, fitted=3072) == 8  # N wins
+    assert [encode_frames_value(s) for s in ("auto", " 512 ")] == ["auto", 512]
+    with pytest.raises(ConfigError, match=r"--encode-frames must be auto or a number of frames >= 1, got 'many'"):
+        encode_frames_value("many")
+    for bad in (0, -4, "512", 2.5, True):
+        with pytest.raises(ConfigError, match="--encode-frames must be auto or a number of frames >= 1"):
+            ExtractConfig(encode_frames=bad)
+    with pytest.raises(ConfigError, match=r"--batch-size 4 \(videos per encoder call\) and --encode-frames 96 "
+                                          r"\(frames per call\) both size the encoder's calls: give one"):
+        ExtractConfig(batch_size=4, encode_frames=96)
+    from tvrpipe.features.extract import ExtractSummary
+
+    fitted = ExtractSummary(Path("f"), 10, videos_per_call=256, fitted_frames=3072).lines()
+    assert "encoder calls: up to 256 videos (3072 frames fit the GPU's free memory, --encode-frames auto)" in fitted
+    assert not any("encoder calls" in line for line in ExtractSummary(Path("f"), 10, videos_per_call=16).lines())
+
+
+def test_encode_frames_auto_fits_the_free_gpu_memory_measured_with_a_probe(monkeypatch):
+    """--encode-frames auto on cuda, with the device's memory queries replaced (no GPU here): a frame's cost is
+    the probe call's peak allocation above what was allocated before, over its frames; the frames per call are
+    half the free memory over that, at most 3,072 and at least one video's F."""
+    from tvrpipe.features import workers
+    from tvrpipe.features.workers import ClipEncoder, fit_frames
+
+    assert fit_frames(8e9, 1e7, 12) == 400  # half of 8 GB at 10 MB a frame
+    assert fit_frames(80e9, 1.5e6, 12) == 3072  # capped
+    assert fit_frames(1e8, 1e7, 12) == 12  # 5 fit: one video's frames still go in one call
+    assert fit_frames(8e9, 1e7, 12, cap=100, share=1.0) == 100 and fit_frames(8e9, 0.0, 64) == 3072
+
+    calls: list = []
+    allocated = 3_000_000  # the weights, before the probe
+    cost = 2_000_000  # what a frame of the fake probe allocates
+    gpu = {"free": 4_000_000_000, "peak": allocated}
+
+    def reset(device=None) -> None:
+        calls.append("reset")
+        gpu["peak"] = allocated
+
+    def probe(frames: np.ndarray) -> np.ndarray:
+        calls.append(("probe", len(frames)))
+        assert frames.dtype == np.uint8 and frames.shape[1:] == (64, 64, 3) and not frames.any()
+        gpu["peak"] = allocated + len(frames) * cost
+        return np.zeros((len(frames), 64), np.float16)
+
+    fake = {"synchronize": lambda device=None: calls.append("sync"), "reset_peak_memory_stats": reset,
+            "memory_allocated": lambda device=None: allocated,
+            "max_memory_allocated": lambda device=None: gpu["peak"],
+            "empty_cache": lambda: calls.append("empty"),
+            "mem_get_info": lambda device=None: (gpu["free"], 80_000_000_000)}
+    for name, f in fake.items():
+        monkeypatch.setattr(torch.cuda, name, f)
+    assert workers.device_memory("cuda:0", probe, 64) == (4_000_000_000, 2_000_000.0)
+    assert calls == ["sync", "reset", ("probe", workers.PROBE_FRAMES), "sync", "empty"]
+    encoder = ClipEncoder(TINY_MODEL, "none", "cpu", seed=0, threads=1)
+    monkeypatch.setattr(encoder, "_encode", probe)
+    assert encoder.fitted_frames(12) == 1000  # 2 GB of the 4 GB free, at 2 MB a frame
+    gpu["free"] = 80_000_000_000
+    assert encoder.fitted_frames(12) == 3072
+    assert ExtractConfig(device="cuda").videos_per_call(12, fitted=encoder.fitted_frames(12)) == 256
+    gpu["free"] = 30_000_000  # a nearly full GPU: 7 frames fit, but a video's 12 go in one call
+    assert encoder.fitted_frames(12) == 12
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a Ray cluster without GPUs")

@@ -10,7 +10,9 @@ from rich.table import Table
 
 from tvrpipe.cli.app import MAIN_PATH, TOOLS, app, console, finite_float, given_fields, new_app
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.extract import ExtractConfig
+from tvrpipe.features.extract import ExtractConfig, encode_frames_value
+from tvrpipe.features.extract.config import DEFAULT_VIDEOS_PER_CALL
+from tvrpipe.features.workers import ENCODE_FRAMES_CAP, ENCODE_MEMORY_SHARE
 from tvrpipe.search.first_stages import exportable_first_stages
 from tvrpipe.search.index import EXPORTED
 
@@ -46,7 +48,15 @@ def extract_cmd(
     ] = EX.pretrained,
     frames: Annotated[Optional[int], typer.Option(help="Frames per video (default: the dataset's, e.g. 12).")] = EX.frames,
     max_words: Annotated[Optional[int], typer.Option(help="Text tokens L (default: the dataset's, e.g. 32).")] = EX.max_words,
-    batch_size: Annotated[int, typer.Option(help="Videos per encoder call (x frames = images per forward).")] = EX.batch_size,
+    batch_size: Annotated[Optional[int], typer.Option(
+        help="Videos per encoder call (x frames = images per forward); default: sized by --encode-frames.")
+    ] = EX.batch_size,
+    encode_frames: Annotated[str, typer.Option(
+        metavar="N|auto",
+        help=f"Frames per encoder call (videos per call: N // frames, at least one), or auto: on cuda what fits "
+             f"the GPU's free memory (each encoder measures a frame's cost with a probe call; "
+             f"{ENCODE_MEMORY_SHARE:.0%} of the free memory, at most {ENCODE_FRAMES_CAP:,} frames), on cpu "
+             f"{DEFAULT_VIDEOS_PER_CALL} videos. Not with --batch-size.")] = str(EX.encode_frames),
     address: Annotated[
         Optional[str], typer.Option(help="Ray cluster address ('auto' or host:port); default: RAY_ADDRESS or a local instance.")
     ] = EX.address,
@@ -110,7 +120,8 @@ def extract_cmd(
         out = default_features_dir(name, model, pretrained)
         console.print(f"features: {out}", highlight=False)
     # what the user gave; ExtractConfig holds every other default (what --help shows)
-    cfg = ExtractConfig(**given_fields(ctx, ExtractConfig, {"timeout": "timeout_s"}))
+    cfg = ExtractConfig(**given_fields(ctx, ExtractConfig, {"timeout": "timeout_s"},
+                                       convert={"encode_frames": encode_frames_value}))
     ours = not ray_running()  # a Ray this command starts is stopped when it is done (one it joined is left)
     try:
         summary = extract(manifest, video_root, out, cfg)

@@ -13,6 +13,46 @@ import numpy as np
 from tvrpipe.errors import TvrpipeError
 from tvrpipe.features.arrays import nonfinite_rows
 
+# --encode-frames auto on a GPU (fit_frames): at most this many frames per encoder call (choice: beyond a few
+# thousand images one forward keeps a GPU busy, and a larger call only holds more decoded frames in Ray's object
+# store, two calls in flight and two waiting per encoder), in at most this share of the GPU's free memory (the
+# rest: the caption calls in between, the allocator's fragmentation, and a per-frame cost that grows faster than
+# the probe's at another batch shape)
+ENCODE_FRAMES_CAP = 3072
+ENCODE_MEMORY_SHARE = 0.5
+PROBE_FRAMES = 32  # frames of the probe call that measures a frame's cost (device_memory)
+
+
+def fit_frames(free_bytes: float, frame_bytes: float, frames: int, cap: int = ENCODE_FRAMES_CAP,
+               share: float = ENCODE_MEMORY_SHARE) -> int:
+    """Frames per encoder call for ``--encode-frames auto`` on a GPU: as many as ``share`` of ``free_bytes`` holds
+    at ``frame_bytes`` each, at most ``cap``, and at least one video's ``frames`` (a video is never split).
+
+    Example:
+        >>> fit_frames(8e9, 1e7, 12)  # 8 GB free, 10 MB a frame: half of it holds 400 frames
+        400
+    """
+    fitted = int(share * free_bytes // max(frame_bytes, 1.0))
+    return max(frames, min(cap, fitted))
+
+
+def device_memory(device: Any, encode: Any, image_size: int, probe: int = PROBE_FRAMES) -> tuple[int, float]:
+    """(free bytes on the CUDA ``device``, bytes one frame takes in an ``encode`` call there): ``encode`` runs once
+    on ``probe`` black frames, and a frame costs the probe's peak allocation above what was allocated before,
+    divided by ``probe`` (the call's fixed cost included: an overestimate, on the safe side). The free memory is
+    read afterwards, with torch's cached blocks released."""
+    import torch
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    encode(np.zeros((probe, image_size, image_size, 3), np.uint8))
+    torch.cuda.synchronize(device)
+    frame_bytes = (torch.cuda.max_memory_allocated(device) - before) / probe
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free), float(frame_bytes)
+
 
 class Decoder:
     """Decodes videos, one per call, in a killable child process (:class:`~tvrpipe.features.decode.DecodeWorker`:
@@ -113,20 +153,29 @@ class ClipEncoder:
                 "sentence": sentence.numpy().astype(np.float16),
                 "weights": np.full(len(texts), self.bundle.weights_sha256, dtype=object)}
 
+    def fitted_frames(self, frames: int, cap: int = ENCODE_FRAMES_CAP) -> int:
+        """Frames per :meth:`encode_videos` call that fit this encoder's GPU (``--encode-frames auto``):
+        :func:`fit_frames` of its free memory and a frame's cost, measured by :func:`device_memory`."""
+        free, frame_bytes = device_memory(self.bundle.device, self._encode, self.bundle.image_size)
+        return fit_frames(free, frame_bytes, frames, cap)
+
+    def _encode(self, frames: np.ndarray) -> np.ndarray:
+        """Projected [CLS] embeddings ``(n, D)`` float16 of uint8 frames ``(n, S, S, 3)``, in :attr:`precision`."""
+        from tvrpipe.features.clip import encode_frames
+
+        with self._precision():
+            return encode_frames(self.bundle, frames, autocast=False).numpy().astype(np.float16)
+
     def encode_videos(self, *videos: dict[str, Any]) -> dict[str, np.ndarray]:
         """The valid frames of decoded videos (:meth:`Decoder.decode`'s results) encoded in one batch:
         ``emb`` ``(B, F, D)`` float16 with the rows, masks, timestamps and errors stacked; a video
         whose features are not finite becomes a failure."""
-        from tvrpipe.features.clip import encode_frames
-
         mask = np.stack([v["mask"] for v in videos])  # (B, F)
         B, F = mask.shape
         out = np.zeros((B, F, self.bundle.embed_dim), np.float16)
         error = np.array([v["error"] for v in videos], dtype=object)
         if mask.any():
-            frames = np.concatenate([v["frames"][v["mask"]] for v in videos])  # (n_valid, S, S, 3)
-            with self._precision():
-                out[mask] = encode_frames(self.bundle, frames, autocast=False).numpy().astype(np.float16)
+            out[mask] = self._encode(np.concatenate([v["frames"][v["mask"]] for v in videos]))  # (n_valid, S, S, 3)
             bad = nonfinite_rows(out)  # e.g. fp16 overflow: never stored as if it were a feature
             if bad.any():
                 out[bad] = 0
