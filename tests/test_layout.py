@@ -103,3 +103,38 @@ def test_pyproject_lists_every_package_and_ships_the_specs_and_recipes():
     assert set(setup["packages"]) == folders | {"tvrpipe._specs", "tvrpipe._recipes"}
     assert setup["package-dir"] == {"tvrpipe._specs": "manifests", "tvrpipe._recipes": "recipes"}
     assert setup["package-data"]["tvrpipe._specs"] == ["*.yaml"] == setup["package-data"]["tvrpipe._recipes"]
+
+
+# the one home of renames into place: a write staged under a temporary name and renamed (files.py)
+RENAME_HOME = PACKAGE / "files.py"
+
+
+def renames(path: Path) -> list[int]:
+    """Lines of ``path`` that rename a file or folder: ``os.replace`` / ``os.rename`` / ``shutil.move``, or a
+    path's ``.rename(x)`` / ``.replace(x)`` (one argument: ``str.replace`` takes two)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        f = node.func
+        owner = f.value.id if isinstance(f.value, ast.Name) else None
+        if (owner, f.attr) in {("os", "replace"), ("os", "rename"), ("shutil", "move")} or (
+                owner not in ("os", "shutil") and f.attr in ("rename", "replace") and len(node.args) == 1
+                and not node.keywords):
+            found.append(node.lineno)
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if p != RENAME_HOME], ids=lambda p: module_name(p))
+def test_no_rename_into_place_outside_files(path: Path):
+    """Every temp-then-rename write goes through files.py (atomic_write, atomic_write_all, atomic_replace_folder,
+    move_into_place), so staged names and their cleanup are the same everywhere."""
+    assert renames(path) == [], f"{module_name(path)} renames at lines {renames(path)}: use tvrpipe.files"
+
+
+def test_the_rename_check_finds_renames_and_leaves_str_replace(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os, shutil\nos.replace(a, b)\nx.rename(y)\np.replace(q)\nshutil.move(a, b)\n"
+                   "s = 'a'.replace('a', 'b')\nt = s.replace(old, new)\n")
+    assert renames(src) == [2, 3, 4, 5]
+    assert renames(RENAME_HOME)  # files.py does rename: the check can see it

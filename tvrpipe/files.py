@@ -156,6 +156,15 @@ def atomic_write_all(folder: Path, writes: Iterable[tuple[str, Callable[[Path], 
             os.replace(tmp, final)
 
 
+def move_into_place(staged: Path, final: Path) -> None:
+    """The last step of a write staged and committed elsewhere (a run's checkpoint files once its state records
+    their sha256, a store set aside whole before an update): rename ``staged`` to ``final``, replacing it. A
+    failure becomes a :class:`~tvrpipe.errors.WriteError` naming ``final``. Every rename into place in tvrpipe
+    is here or in the writers above (the layout test holds it)."""
+    with writing(final):
+        os.replace(staged, final)
+
+
 def atomic_write_text(path: Path, text: str, parents: bool = False) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (:func:`atomic_write`)."""
     atomic_write(path, lambda tmp: tmp.write_text(text), parents)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from tvrpipe.errors import NonFiniteError, RunError, TvrpipeError
-from tvrpipe.files import atomic_write, atomic_write_text, file_sha256, remove_staged
+from tvrpipe.files import atomic_write, atomic_write_text, file_sha256, move_into_place, remove_staged
 
 if TYPE_CHECKING:
     import torch
@@ -422,7 +422,7 @@ class Checkpoints:
         files = {**self.files, **self._staged}
         atomic_write(self.folder / self.STATE, lambda tmp: torch.save({**state, "files": files}, tmp))
         for name in self._staged:
-            os.replace(self._next(name), self.folder / name)
+            move_into_place(self._next(name), self.folder / name)
         self.files, self._staged = files, {}
 
     def load(self, map_location: str | None = None, check: bool = True) -> dict | None:
@@ -445,7 +445,7 @@ class Checkpoints:
         for staged in self.folder.glob(".*.next"):
             name = staged.name[1:-len(".next")]
             if name in files and file_sha256(staged) == files[name]:
-                os.replace(staged, self.folder / name)  # committed, not yet moved into place
+                move_into_place(staged, self.folder / name)  # committed, not yet moved into place
             else:
                 staged.unlink()  # an epoch that was not committed
         remove_staged(self.folder)  # a file cut off as it was written (its writer is gone)

@@ -66,7 +66,13 @@ from tvrpipe.data.manifest import COLLECTION
 from tvrpipe.environment import resumed_versions, versions
 from tvrpipe.errors import ConfigError, LockError, NonFiniteError, TvrpipeError, writing
 from tvrpipe.features.arrays import nonfinite_rows, read_rows
-from tvrpipe.files import atomic_write_parquet, atomic_write_text, remove_staged
+from tvrpipe.files import (
+    atomic_write,
+    atomic_write_parquet,
+    atomic_write_text,
+    move_into_place,
+    remove_staged,
+)
 from tvrpipe.lock import DirLock, lock_holder
 
 log = logging.getLogger(__name__)
@@ -521,7 +527,7 @@ class StoreWriter:
                 shutil.rmtree(staging)
             else:  # a move was interrupted: the store's files are split between here and staging
                 self._move_store(staging)
-                os.rename(staging, prev)
+                move_into_place(staging, prev)
         have = dict(_open_group(path).attrs) if (path / "zarr.json").is_file() else None
         if (prev / STORE_NAME / "zarr.json").is_file():
             try:
@@ -547,7 +553,7 @@ class StoreWriter:
             shutil.rmtree(prev, ignore_errors=True)
             staging.mkdir()
             self._move_store(staging)
-            os.rename(staging, prev)
+            move_into_place(staging, prev)
         else:
             return
         try:
@@ -558,28 +564,29 @@ class StoreWriter:
     def _move_store(self, into: Path) -> None:
         for name in (STORE_NAME, PROGRESS, *SIDECARS):
             if (self.dir / name).exists():
-                os.replace(self.dir / name, into / name)
+                move_into_place(self.dir / name, into / name)
 
     def _create(self, path: Path, video_shard: int, text_shard: int) -> None:
         """Build the empty group beside ``path`` and rename it into place: never a half-made store."""
         self._remove()  # stale markers of a store whose group was deleted
         F, L, D = self.provenance["frames"], self.provenance["max_words"], self.provenance["embed_dim"]
-        tmp = self.dir / f".{STORE_NAME}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        root = zarr.open_group(tmp, mode="w", zarr_format=3)
-        v, t = root.require_group("videos"), root.require_group("texts")
-        vs, ts = max(1, min(video_shard, self.n_videos)), max(1, min(text_shard, self.n_texts))
-        spec = {"compressors": None, "fill_value": 0}
-        v.create_array("frames", shape=(self.n_videos, F, D), chunks=(vs, F, D), dtype="float16", **spec)
-        v.create_array("frame_mask", shape=(self.n_videos, F), chunks=(vs, F), dtype="bool", **spec)
-        v.create_array("timestamps", shape=(self.n_videos, F), chunks=(vs, F), dtype="float32",
-                       compressors=None, fill_value=float("nan"))
-        t.create_array("tokens", shape=(self.n_texts, L, D), chunks=(ts, L, D), dtype="float16", **spec)
-        t.create_array("token_mask", shape=(self.n_texts, L), chunks=(ts, L), dtype="bool", **spec)
-        t.create_array("sentence", shape=(self.n_texts, D), chunks=(ts, D), dtype="float16", **spec)
-        root.attrs.update({**self.provenance, "complete": False, "n_videos": self.n_videos,
-                           "n_texts": self.n_texts})
-        os.rename(tmp, path)
+
+        def build(tmp: Path) -> None:
+            root = zarr.open_group(tmp, mode="w", zarr_format=3)
+            v, t = root.require_group("videos"), root.require_group("texts")
+            vs, ts = max(1, min(video_shard, self.n_videos)), max(1, min(text_shard, self.n_texts))
+            spec = {"compressors": None, "fill_value": 0}
+            v.create_array("frames", shape=(self.n_videos, F, D), chunks=(vs, F, D), dtype="float16", **spec)
+            v.create_array("frame_mask", shape=(self.n_videos, F), chunks=(vs, F), dtype="bool", **spec)
+            v.create_array("timestamps", shape=(self.n_videos, F), chunks=(vs, F), dtype="float32",
+                           compressors=None, fill_value=float("nan"))
+            t.create_array("tokens", shape=(self.n_texts, L, D), chunks=(ts, L, D), dtype="float16", **spec)
+            t.create_array("token_mask", shape=(self.n_texts, L), chunks=(ts, L), dtype="bool", **spec)
+            t.create_array("sentence", shape=(self.n_texts, D), chunks=(ts, D), dtype="float16", **spec)
+            root.attrs.update({**self.provenance, "complete": False, "n_videos": self.n_videos,
+                               "n_texts": self.n_texts})
+
+        atomic_write(path, build)
 
     def close(self) -> None:
         """Release the store's lock."""

@@ -25,14 +25,15 @@ from tvrpipe.rundir import (
     read_metrics,
     write_metrics,
 )
-from tvrpipe.training.data import SplitData, load_split, store_split_rows
+from tvrpipe.training.data import SplitData, store_split_rows
 from tvrpipe.training.settings import TrainConfig
+from tvrpipe.training.stream import StoreSplit
 
 log = logging.getLogger(__name__)
 
 
-def evaluate_split(head: Head, split: SplitData, device: str | torch.device, eval_batch: int, block_texts: int,
-                   post: tuple[str, ...] = (), querybank: SplitData | None = None, readouts: bool = True,
+def evaluate_split(head: Head, split: SplitData | StoreSplit, device: str | torch.device, eval_batch: int, block_texts: int,
+                   post: tuple[str, ...] = (), querybank: SplitData | StoreSplit | None = None, readouts: bool = True,
                    ranks: bool = False) -> dict:
     """``head``'s scores on ``split`` through the evaluation engine: what both trainers validate and test
     with, and ``evaluate`` scores a finished run with. ``eval_batch`` items per encoder call and
@@ -99,11 +100,12 @@ def evaluate_run(
         expect = {**config["provenance"], **(trained.get("provenance") or {})}
         store = open_store(features or config["features"], expect=expect)
         rows = store_split_rows(store, need_test=split == "test")
-        # only the split evaluated (and train for QB-Norm's bank), with word tokens only for a head that reads them
-        data = load_split(store, split, rows, tokens=head.uses_tokens)
+        # only the split evaluated (and train's captions for QB-Norm's bank), read batch by batch from the store as
+        # evaluation uses them (the same batches a loaded split gives): a split larger than memory is evaluated too
+        data = StoreSplit(store, split, getattr(rows, f"{split}_videos"), getattr(rows, f"{split}_texts"))
         if data.n_videos == 0:
             raise ConfigError(f"{store.dir}: the {split} split is empty")
-        querybank = load_split(store, "train", rows, tokens=head.uses_tokens) if "qbnorm" in post else None
+        querybank = StoreSplit(store, "train", rows.train_videos, rows.train_texts) if "qbnorm" in post else None
         metrics = {"split": split, "validation": rows.val_source, "features": str(Path(store.dir).resolve()),
                    "device": tc.device, **evaluate_split(head, data, tc.device, tc.eval_batch, tc.block_texts, post=post,
                                      querybank=querybank)}
