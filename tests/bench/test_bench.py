@@ -558,7 +558,8 @@ def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):
                        (("--videos", "600", "--candidates", "700"), "--candidates 700: each K must be between 10"),
                        (("--queries", "0"), "--queries 0: between 1 and --videos"),
                        (("--train-epochs", "0"), "--train-epochs 0: at least 1 (leave it out to train until"),
-                       (("--method", "nope"), "unknown method 'nope'")):
+                       (("--method", "nope"), "unknown method 'nope'"),
+                       (("--first-stage-set", "nprobe=4"), "first stage exact has no setting 'nprobe'")):
         r = cli("bench", "search", "--out", out, *args)
         assert r.exit_code == 1 and said in r.output, r.output
     r = cli("bench", "search", "--out", out, "--json", tmp_path)

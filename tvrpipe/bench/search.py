@@ -251,6 +251,7 @@ class _Arm:
     rows: np.ndarray  # the searchable videos' store rows (the first stage's)
     candidates: int | None
     first_stage: str
+    settings: tuple[str, ...] = ()  # the first stage's --first-stage-set items
 
 
 def _arm(job: _Arm) -> dict:
@@ -266,7 +267,7 @@ def _arm(job: _Arm) -> dict:
     store = open_store(job.store)
     head = load_head(job.checkpoint).eval()
     texts = query_batch(store, job.query_rows)
-    stage = first_stage(store, job.first_stage) if job.candidates is not None else None
+    stage = first_stage(store, job.first_stage, settings=job.settings) if job.candidates is not None else None
 
     def search(t, rows=job.rows):
         if stage is None:
@@ -350,6 +351,7 @@ def bench_search(
     candidates: Sequence[int] = CANDIDATES,
     methods: list[str] | None = None,
     first_stage: str = "exact",
+    first_stage_settings: Sequence[str] = (),
     train_videos: int = 2000,
     train_epochs: int | None = None,
     dim: int = 512,
@@ -368,6 +370,8 @@ def bench_search(
         methods: heads (default: every registered head).
         first_stage: a registered first stage or ``auto``
             (:func:`~tvrpipe.search.first_stages.resolve_first_stage`).
+        first_stage_settings: ``KEY=VALUE`` settings of the first stage (``--first-stage-set``, as search's);
+            an unknown one fails before anything is generated.
         train_videos: captioned train videos of the heads' benchmark.
         train_epochs: epochs each head trains (warmup then cosine); None: until validation stops improving,
             as ``tvrpipe train-head`` trains by default.
@@ -387,7 +391,7 @@ def bench_search(
     from tvrpipe.heads.base import head_class, list_heads
     from tvrpipe.progress import progress_bar
     from tvrpipe.rundir import BEST, CHECKPOINTS
-    from tvrpipe.search.first_stages import resolve_first_stage
+    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.first_stages.exact import exact_top
     from tvrpipe.search.index import INDEX_DIR
     from tvrpipe.search.index import first_stage as build_first_stage
@@ -397,6 +401,8 @@ def bench_search(
     for m in methods:  # an unknown head fails here, before the stores are generated
         head_class(m)
     kind = resolve_first_stage(first_stage)
+    first_stage_settings = tuple(first_stage_settings)
+    stage_config(kind, first_stage_settings)  # an unknown or bad setting fails here, before the stores are made
     out = Path(out_dir)
     coll_spec = collection_spec(videos, dim, seed=seed)
     bench_spec = benchmark_spec(coll_spec, train_videos)
@@ -409,7 +415,7 @@ def bench_search(
     store = open_store(coll_dir)
     shutil.rmtree(coll_dir / INDEX_DIR, ignore_errors=True)
     t = time.perf_counter()
-    stage = build_first_stage(store, kind, cache=True)
+    stage = build_first_stage(store, kind, cache=True, settings=first_stage_settings)
     index_seconds = time.perf_counter() - t
     what = stage.describe()
 
@@ -448,7 +454,8 @@ def bench_search(
             full = None
             for k in (None, *ks):
                 bar.update(task, description=f"{method}: {'exhaustive' if k is None else f'two stages, K = {k}'}")
-                job = _Arm(str(coll_dir), str(run_dir / CHECKPOINTS / BEST), qrows, rows, k, kind)
+                job = _Arm(str(coll_dir), str(run_dir / CHECKPOINTS / BEST), qrows, rows, k, kind,
+                           first_stage_settings)
                 r = in_fresh_process(_arm, job, f"{method} search, {'exhaustive' if k is None else f'K = {k}'}")
                 full = r["rows"] if k is None else full
                 bench.rows.append(SearchRow(

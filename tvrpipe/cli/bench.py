@@ -352,6 +352,9 @@ def bench_search_cmd(
     first_stage: Annotated[str, typer.Option(
         help=f"The first stage, as tvrpipe search's. {first_stage_help()}.")
     ] = BS.first_stage,
+    first_stage_set: Annotated[Optional[list[str]], typer.Option(
+        metavar="KEY=VALUE", help="A setting of the first stage, as tvrpipe search's --first-stage-set (repeatable; "
+                                  "e.g. nprobe=64 for faiss-ivfpq).", show_default=False)] = None,
     train_videos: Annotated[int, typer.Option(
         help="Captioned train videos of the benchmark the heads train on (same generated world).")] = BS.train_videos,
     train_epochs: Annotated[Optional[int], typer.Option(
@@ -364,8 +367,8 @@ def bench_search_cmd(
     stages at each K, the recall of the two-stage top 10 against the exhaustive top 10, and the K reaching 0.95."""
     from rich.table import Table
 
-    r = bench_search(out, videos, queries, tuple(candidates or BS.candidates), method, first_stage, train_videos,
-                     train_epochs, dim)
+    r = bench_search(out, videos, queries, tuple(candidates or BS.candidates), method, first_stage,
+                     tuple(first_stage_set or ()), train_videos, train_epochs, dim)
     table = Table(title=f"search of {r.videos:,} videos, {r.queries} queries as one batch (first stage: "
                         f"{r.first_stage}); recall@10 against the exhaustive top 10")
     for col in ("method", "search", "qps", "speed-up", "peak GB", "extra GB", "videos encoded", "recall@10",
