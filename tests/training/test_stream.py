@@ -3,6 +3,8 @@ rows read in place, and a streamed run against the same run in memory."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
@@ -89,15 +91,34 @@ def test_default_budget_is_half_the_memory_limit(opened, monkeypatch):
     assert plan.budget == 10**9 and "cgroup limit" in plan.budget_source
 
 
+def test_cgroup_limits_are_read_at_the_process_cgroup_and_above(tmp_path):
+    """v2: memory.max of the process's own cgroup and its parents ("max" is none); v1: the memory controller's
+    memory.limit_in_bytes, its no-limit value ignored."""
+    from tvrpipe.training.stream import cgroup_limits
+
+    v2 = tmp_path / "v2"
+    (v2 / "user.slice" / "run.scope").mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "user.slice" / "memory.max").write_text("3000000000\n")
+    (v2 / "user.slice" / "run.scope" / "memory.max").write_text("max\n")
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/user.slice/run.scope\n")
+    assert cgroup_limits(v2, membership) == [(3_000_000_000, v2 / "user.slice" / "memory.max")]
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "job").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory" / "job" / "memory.limit_in_bytes").write_text("2000000000\n")
+    membership.write_text("4:memory:/job\n3:cpuset:/\n0::/\n")
+    assert cgroup_limits(v1, membership) == [(2_000_000_000, v1 / "memory" / "job" / "memory.limit_in_bytes")]
+
+
 def test_memory_limit_takes_the_lowest(monkeypatch, tmp_path):
     from tvrpipe.training import stream
 
-    limit = tmp_path / "memory.max"
-    limit.write_text("123456789\n")
-    monkeypatch.setattr(stream, "_CGROUP_LIMITS", (limit,))
-    assert stream.memory_limit() == (123456789, f"the cgroup limit ({limit})")
-    limit.write_text("max\n")  # cgroup v2 without a limit
-    assert stream.memory_limit()[1] != f"the cgroup limit ({limit})"
+    monkeypatch.setattr(stream, "cgroup_limits", lambda: [(123456789, Path("/x/memory.max"))])
+    assert stream.memory_limit() == (123456789, "cgroup limit (/x/memory.max)")
+    monkeypatch.setattr(stream, "cgroup_limits", lambda: [])
+    assert stream.memory_limit()[1] in ("RAM", "ulimit -v")
 
 
 def test_store_split_batches_equal_the_loaded_split(opened):

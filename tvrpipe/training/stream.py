@@ -44,24 +44,50 @@ MEMORY_SHARE = 0.5  # the default budget: this share of the memory the process m
 BUFFER_SHARE = 0.5  # of a streamed run's budget, the shuffle buffer's; the rest is reads in flight and batches
 IN_MEMORY_ORDER = "every training video once an epoch, in a random permutation"
 
-_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_limits(root: Path = CGROUP_ROOT, membership: Path = Path("/proc/self/cgroup")) -> list[tuple[int, Path]]:
+    """The memory limits set on this process's cgroup and on every cgroup above it (a container's, a
+    ``systemd-run -p MemoryMax=`` scope's): cgroup v2's ``memory.max`` and v1's ``memory.limit_in_bytes``,
+    read at the process's own path under ``root`` and at each parent up to ``root``. "max" and v1's
+    no-limit value (about 2^63) are no limit."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    places = []  # (controller folder, the process's path in it, the limit file)
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            places.append((root, path, "memory.max"))
+        elif "memory" in controllers.split(","):
+            places.append((root / "memory", path, "memory.limit_in_bytes"))
+    if not places:  # no membership to read: the root folders alone
+        places = [(root, "/", "memory.max"), (root / "memory", "/", "memory.limit_in_bytes")]
+    found = []
+    for base, path, name in places:
+        here = base / path.strip("/")
+        for folder in (here, *here.parents):
+            try:
+                text = (folder / name).read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit() and int(text) < 2**60:
+                found.append((int(text), folder / name))
+            if folder == base:
+                break
+    return found
 
 
 def memory_limit() -> tuple[int, str]:
     """The bytes this process may use and what sets them: the machine's RAM, or a lower limit of its cgroup
-    (a container's) or of ``ulimit -v`` / ``-m``."""
+    (a container's, or any cgroup above it) or of ``ulimit -v``."""
     limits = [(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "RAM")]
-    for path in _CGROUP_LIMITS:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append((int(text), f"the cgroup limit ({path})"))
-    for which, name in ((resource.RLIMIT_AS, "ulimit -v"), (resource.RLIMIT_RSS, "ulimit -m")):
-        soft = resource.getrlimit(which)[0]
-        if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
-            limits.append((soft, name))
+    limits += [(n, f"cgroup limit ({path})") for n, path in cgroup_limits()]
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
+        limits.append((soft, "ulimit -v"))
     return min(limits)
 
 
