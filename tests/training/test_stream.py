@@ -227,6 +227,7 @@ def test_cli_streams_under_a_small_budget_and_says_so(cli, store, tmp_path):
     assert r.exit_code == 0, r.output
     data = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]
     assert data["mode"] == "streamed" and data["budget"] == "20.0 kB (--memory-budget)"
+    assert "streamed from the store: its splits need" in " ".join(r.output.split())
     tiny = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", 1, "--out", tmp_path / "r2",
                "--memory-budget", "2kB")
     assert tiny.exit_code == 1 and "streaming them needs a shuffle buffer of at least a batch" in tiny.output

@@ -83,6 +83,7 @@ def train_head(
     post: PostOption = None,
 ) -> None:
     """Train a retrieval head on cached features; select on validation; evaluate on test."""
+    from tvrpipe.rundir import read_config
     from tvrpipe.training.core import describe_lrs
     from tvrpipe.training.fit import fit
 
@@ -116,6 +117,10 @@ def train_head(
         features = default_store()
         console.print(f"features: {features}", highlight=False)
     metrics = fit(features, method, out, cfg, overrides, parse_post(post or []), recipe=record)
+    data = read_config(out).get("data") or {}
+    if data.get("mode") == "streamed":
+        console.print(f"streamed from the store: its splits need {data['needs']}, above the memory budget of "
+                      f"{data['budget']}; {data['order']}", highlight=False)
     sch = metrics["schedule"]
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
                   f" ({describe_lrs(sch['lr_groups'])}{', stopped early' if sch['stopped_early'] else ''}); "
