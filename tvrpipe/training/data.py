@@ -18,6 +18,7 @@ ids and the shard, before any training step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -44,8 +45,38 @@ def real_width(token_mask: np.ndarray) -> int:
     return max(int(real[-1]) + 1 if real.size else 0, 1)
 
 
+class SplitBatches(ABC):
+    """A split's evaluation batches, in order, from its ``text_batch`` / ``video_batch`` and its sizes: shared by
+    the split in memory (:class:`SplitData`) and the split read from the store on use
+    (:class:`~tvrpipe.training.stream.StoreSplit`), so both cut the same batches."""
+
+    @property
+    @abstractmethod
+    def n_texts(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def n_videos(self) -> int: ...
+
+    @abstractmethod
+    def text_batch(self, idx: np.ndarray, tokens: bool = True, trim: bool = False) -> TextBatch: ...
+
+    @abstractmethod
+    def video_batch(self, idx: np.ndarray) -> VideoBatch: ...
+
+    def text_batches(self, batch_size: int, tokens: bool = True) -> Iterator[TextBatch]:
+        """Every caption once, in order."""
+        for a in range(0, self.n_texts, batch_size):
+            yield self.text_batch(np.arange(a, min(a + batch_size, self.n_texts)), tokens)
+
+    def video_batches(self, batch_size: int) -> Iterator[VideoBatch]:
+        """Every video once, in order."""
+        for a in range(0, self.n_videos, batch_size):
+            yield self.video_batch(np.arange(a, min(a + batch_size, self.n_videos)))
+
+
 @dataclass
-class SplitData:
+class SplitData(SplitBatches):
     """One split of a store in memory (float16), with each caption's video column.
 
     Attributes:
@@ -102,15 +133,6 @@ class SplitData:
         return VideoBatch(frames=as_float32(self.frames[idx]),
                           frame_mask=torch.from_numpy(self.frame_mask[idx]))
 
-    def text_batches(self, batch_size: int, tokens: bool = True) -> Iterator[TextBatch]:
-        """Every caption once, in order."""
-        for a in range(0, self.n_texts, batch_size):
-            yield self.text_batch(np.arange(a, min(a + batch_size, self.n_texts)), tokens)
-
-    def video_batches(self, batch_size: int) -> Iterator[VideoBatch]:
-        """Every video once, in order."""
-        for a in range(0, self.n_videos, batch_size):
-            yield self.video_batch(np.arange(a, min(a + batch_size, self.n_videos)))
 
 
 def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray,

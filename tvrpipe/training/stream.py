@@ -32,6 +32,7 @@ from tvrpipe.features.store import FeatureStore
 from tvrpipe.heads.base import TextBatch, VideoBatch
 from tvrpipe.training.data import (
     CaptionPairs,
+    SplitBatches,
     SplitData,
     SplitRows,
     Splits,
@@ -180,7 +181,7 @@ def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: in
     return DataPlan(True, needs, budget, budget_source, buffer, block)
 
 
-class StoreSplit:
+class StoreSplit(SplitBatches):
     """A split read from the store when it is used: :class:`~tvrpipe.training.data.SplitData`'s batches without
     holding its arrays (a streamed run's validation and test splits, and its training split's queries for QB-Norm).
     Batches are read as the in-memory split would make them (same rows, same token width), so evaluation gives
@@ -232,16 +233,6 @@ class StoreSplit:
         rows = self.video_rows[np.asarray(idx)]
         return VideoBatch(as_float32(self.store.read("videos/frames", rows)),
                           torch.from_numpy(self.store.read("videos/frame_mask", rows)))
-
-    def text_batches(self, batch_size: int, tokens: bool = True) -> Iterator[TextBatch]:
-        """Every caption once, in order."""
-        for a in range(0, self.n_texts, batch_size):
-            yield self.text_batch(np.arange(a, min(a + batch_size, self.n_texts)), tokens)
-
-    def video_batches(self, batch_size: int) -> Iterator[VideoBatch]:
-        """Every video once, in order."""
-        for a in range(0, self.n_videos, batch_size):
-            yield self.video_batch(np.arange(a, min(a + batch_size, self.n_videos)))
 
 
 def open_splits(store: FeatureStore, rows: SplitRows, plan: DataPlan, uses_tokens: bool) -> Splits:
