@@ -60,7 +60,7 @@ def test_plan_in_memory_when_it_fits_and_its_bytes(opened):
 
 
 def test_plan_streams_above_the_budget_and_sizes_the_buffer(opened):
-    from tvrpipe.training.stream import BUFFER_SHARE, pair_bytes, plan_data, split_width
+    from tvrpipe.training.stream import BUFFER_SHARE, block_size, pair_bytes, plan_data, split_width
 
     s, rows = opened
     needs = plan_data(s, rows, False, 16, budget=10**9).needs
@@ -68,7 +68,9 @@ def test_plan_streams_above_the_budget_and_sizes_the_buffer(opened):
     each = pair_bytes(s, 0)
     assert each == 4 * 32 * 2 + 4 + 32 * 2  # F x D float16 frames, F mask bytes, a D float16 sentence
     assert plan.streamed and plan.buffer_videos == int((needs - 1) * BUFFER_SHARE) // each
-    assert plan.block_videos == min(32, plan.buffer_videos // 4)  # never more than a store chunk (32 videos)
+    assert plan.block_videos == block_size(32, plan.buffer_videos)
+    # whole store chunks (32 videos) that fit 1/16 of the buffer, or part of one chunk
+    assert (block_size(64, 46459), block_size(64, 1024), block_size(64, 100), block_size(32, 10)) == (2880, 64, 6, 1)
     rec = plan.record()
     assert rec["mode"] == "streamed" and rec["buffer_videos"] == plan.buffer_videos and "--memory-budget" in rec["budget"]
     assert pair_bytes(s, split_width(s, rows.train_texts)) > each

@@ -47,17 +47,23 @@ def _pread_rows(path: Path, dtype: np.dtype, row_shape: tuple[int, ...], local: 
         return None
     try:
         row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
-        uniq, back = np.unique(local, return_inverse=True)
-        starts = np.flatnonzero(np.r_[True, np.diff(uniq) != 1])
+        step = np.diff(local)
+        if (step > 0).all():  # unique already (the usual case): no np.unique
+            uniq, back, step = local, None, step
+        else:
+            uniq, back = np.unique(local, return_inverse=True)
+            step = np.diff(uniq)
+        starts = np.concatenate(([0], np.flatnonzero(step != 1) + 1))
+        ends = np.append(starts[1:], len(uniq))
         out = np.empty((len(uniq), *row_shape), dtype=dtype)
         flat = out.reshape(len(uniq), -1).view(np.uint8).reshape(len(uniq), row_bytes)
-        for a, b in zip(starts, np.r_[starts[1:], len(uniq)]):
+        for a, b in zip(starts.tolist(), ends.tolist()):
             want = (b - a) * row_bytes
             data = os.pread(fd, want, int(uniq[a]) * row_bytes)
             if len(data) != want:  # a short chunk file: left to Zarr (and the store's checks) to judge
                 return None
             flat[a:b] = np.frombuffer(data, np.uint8).reshape(b - a, row_bytes)
-        return out if len(uniq) == len(local) else out[back.reshape(-1)]
+        return out if back is None else out[back.reshape(-1)]
     finally:
         os.close(fd)
 
@@ -80,8 +86,8 @@ def read_rows(array, rows: np.ndarray, width: int | None = None) -> np.ndarray:
     stored = np.dtype(array.dtype).newbyteorder("<")
     step = array.chunks[0]
     chunk_of = rows // step
-    starts = np.flatnonzero(np.r_[True, chunk_of[1:] != chunk_of[:-1]])
-    for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
+    starts = np.concatenate(([0], np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1))
+    for a, b in zip(starts.tolist(), np.append(starts[1:], len(rows)).tolist()):
         c = int(chunk_of[a])
         whole = None  # whole rows, read in place
         if root is not None:

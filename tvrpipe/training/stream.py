@@ -171,7 +171,7 @@ def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: in
     each = pair_bytes(store, split_width(store, rows.train_texts) if uses_tokens else 0)
     chunk = store.group["videos/frames"].chunks[0]
     buffer = int(budget * BUFFER_SHARE) // each
-    block = max(1, min(chunk, buffer // 4))
+    block = block_size(chunk, buffer)
     if buffer < batch + block:
         raise ConfigError(
             f"--memory-budget {gb(budget)}: the splits of {store.dir} need {gb(needs)} in memory, and streaming them "
@@ -179,6 +179,17 @@ def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: in
             f"{gb((batch + block) * each / BUFFER_SHARE)} of budget); give a larger --memory-budget or a smaller "
             "--batch-size")
     return DataPlan(True, needs, budget, budget_source, buffer, block)
+
+
+BLOCKS_IN_BUFFER = 16  # a full buffer mixes at least this many read blocks
+
+
+def block_size(chunk: int, buffer: int) -> int:
+    """Videos per read block: as many whole store chunks (``chunk`` videos each) as fit in 1/16 of the shuffle
+    buffer, so each block is read in few calls and a full buffer mixes at least 16 blocks; part of one chunk
+    when a chunk is larger than that."""
+    share = max(1, buffer // BLOCKS_IN_BUFFER)
+    return chunk * (share // chunk) if share >= chunk else share
 
 
 class StoreSplit(SplitBatches):
@@ -274,8 +285,9 @@ class StreamedPairs:
         self.pairs = CaptionPairs(split.text_video, split.n_videos)
         chunk = split.store.group["videos/frames"].chunks[0]
         rows = split.video_rows
-        # a block: consecutive split videos of one store chunk, at most ``block`` of them
-        cut = np.flatnonzero(np.diff(rows // chunk) != 0) + 1
+        # a block: the split's videos of whole consecutive store chunks (or of part of one), at most ``block``
+        span = self.block if self.block % chunk == 0 else chunk
+        cut = np.flatnonzero(np.diff(rows // span) != 0) + 1
         self.blocks = [piece for part in np.split(np.arange(len(rows)), cut)
                        for piece in np.array_split(part, -(-len(part) // self.block))]
 
