@@ -20,15 +20,17 @@ import numpy as np
 import pytest
 
 from tvrpipe.errors import VideoError
-from tvrpipe.features import decode as dec
 from tvrpipe.features.decode import (
     FRAME_SAMPLING,
     DecodedVideo,
     DecodeFailure,
     DecodeWorker,
     decode_video,
+    probe,
+    readers,
     resize_dims,
     sample_indices,
+    sampling,
 )
 
 FPS = 25
@@ -146,16 +148,16 @@ def test_centre_crop_matches_torchvision_center_crop():
     for height, width in [(64, 102), (64, 101), (64, 64), (99, 64), (224, 398), (224, 298)]:
         frames = rng.integers(0, 256, (2, height, width, 3), dtype=np.uint8)
         want = tvf.center_crop(torch.from_numpy(frames).permute(0, 3, 1, 2), [64, 64]).permute(0, 2, 3, 1)
-        np.testing.assert_array_equal(dec._centre_crop(frames, 64), want.numpy())
+        np.testing.assert_array_equal(sampling.centre_crop(frames, 64), want.numpy())
 
 
 def test_decord_row_padding_widths():
     # measured on a 32-byte-aligned machine: decord 0.6 fails for exactly these widths in 8..129
-    bad = [w for w in range(8, 130) if not dec._decord_can_output(w)]
+    bad = [w for w in range(8, 130) if not readers._decord_can_output(w)]
     assert set(bad) >= {8, 12, 16, 24, 48, 72}
-    assert max(w for w in range(1, 5000) if not dec._decord_can_output(w)) == 144
+    assert max(w for w in range(1, 5000) if not readers._decord_can_output(w)) == 144
     for width, height in [(80, 64), (96, 72), (128, 80)]:  # the test videos' resized widths
-        assert dec._decord_can_output(resize_dims(width, height, S)[0])
+        assert readers._decord_can_output(resize_dims(width, height, S)[0])
 
 
 # ----------------------------------------------------------------------------- decode_video
@@ -193,7 +195,7 @@ def test_centre_crop_keeps_the_middle(tmp_path):
 
     path = write_video(tmp_path / "bordered.mp4", 3, 128, 80, image=image)
     assert resize_dims(128, 80, S) == (102, 64)
-    for video in (decode_video(path, 3, S), dec._read_pyav(path, 3, S, None, None)):
+    for video in (decode_video(path, 3, S), readers._read_pyav(path, 3, S, None, None)):
         frames = video.frames.astype(int)
         assert (frames[..., 0] - frames[..., 1]).max() < 40, video.reader  # no red left
         green = np.clip(frames[..., 1] - frames[..., 0], 0, None).mean(axis=(0, 1))  # (S,) per column
@@ -223,8 +225,8 @@ def test_display_rotation_is_applied(tmp_path):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    assert dec._probe_size(path) == (64, 96)
-    a, b = decode_video(path, 3, S), dec._read_pyav(path, 3, S, None, None)
+    assert probe.probe_size(path) == (64, 96)
+    a, b = decode_video(path, 3, S), readers._read_pyav(path, 3, S, None, None)
     assert a.reader == "decord"
     for video in (a, b):
         red_minus_blue = video.frames[..., 0].astype(int) - video.frames[..., 2]  # (3, S, S)
@@ -236,26 +238,26 @@ def test_display_rotation_is_applied(tmp_path):
 def test_pyav_fallback_agrees_with_decord(videos):
     for name in ("counter100", "textured"):
         path = videos[name]
-        a = dec._read_decord(path, 12, S, None, None)
-        b = dec._read_pyav(path, 12, S, None, None)
+        a = readers._read_decord(path, 12, S, None, None)
+        b = readers._read_pyav(path, 12, S, None, None)
         assert (a.reader, b.reader) == ("decord", "pyav")
         assert np.abs(a.frames.astype(int) - b.frames.astype(int)).mean() < 3.0, name
         np.testing.assert_array_equal(a.mask, b.mask)
         np.testing.assert_allclose(a.timestamps, b.timestamps, atol=1e-3)
-    b = dec._read_pyav(videos["counter100"], 12, S, None, None)
+    b = readers._read_pyav(videos["counter100"], 12, S, None, None)
     assert read_counter(b.frames) == sample_indices(100, 12).tolist()
 
 
 @pytest.mark.parametrize("reader", ["decord", "pyav"])
 def test_clip_range_samples_inside_it(videos, reader):
-    video = dec._decode(videos["counter100"], 12, S, 1.0, 2.0, (reader,))
+    video = readers.decode_with_readers(videos["counter100"], 12, S, 1.0, 2.0, (reader,))
     assert video.reader == reader
     # frames 25..49 have times in [1.0, 2.0); their segment centres, by hand:
     assert read_counter(video.frames) == [26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48]
     assert ((video.timestamps >= 1.0) & (video.timestamps < 2.0)).all()
     np.testing.assert_allclose(video.timestamps, np.arange(26, 50, 2) / FPS, atol=1e-3)  # file time
     # an open start (NaN, as pandas gives for a missing value): frames 0..12
-    video = dec._decode(videos["counter100"], 12, S, float("nan"), 0.5, (reader,))
+    video = readers.decode_with_readers(videos["counter100"], 12, S, float("nan"), 0.5, (reader,))
     assert read_counter(video.frames) == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]
 
 
@@ -279,7 +281,7 @@ def test_lying_frame_count_goes_to_pyav(videos):
         np.testing.assert_allclose(video.timestamps, np.asarray(want) / FPS, atol=1e-3)
     decord = pytest.importorskip("decord")
     with pytest.raises(decord.DECORDError, match="packet"):  # decord's own error; PyAV then takes over
-        dec._read_decord(videos["lying"], 12, S, None, None)
+        readers._read_decord(videos["lying"], 12, S, None, None)
 
 
 def test_truncated_download_falls_back_to_pyav(tmp_path):

@@ -1,0 +1,267 @@
+"""The two readers, decord (resize during decode, one sorted ``get_batch``) and PyAV (sequential decode,
+the fallback), and :func:`decode_video`, which tries them in that order in this process."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tvrpipe.features.decode.failure import DecodeFailure, check_file, describe
+from tvrpipe.features.decode.probe import (
+    display_rotation,
+    ffmpeg_name,
+    frame_rate,
+    probe_size,
+    pyav_frames,
+    video_stream,
+)
+from tvrpipe.features.decode.sampling import (
+    TIME_EPS,
+    DecodedVideo,
+    assemble,
+    centre_crop,
+    check_sizes,
+    clip_bound,
+    pick_frames,
+    resize_dims,
+    sample_indices,
+)
+
+log = logging.getLogger(__name__)
+
+RESIZE_INTERPOLATION = "bilinear"  # swscale's, at decode (see the package docstring)
+READERS = ("decord", "pyav")  # tried in this order
+# decord raises once more than this fraction of the video's frames were substituted by a cached
+# neighbour; any positive value below 1 / n_frames means "raise on the first substitution".
+_NO_DUPLICATES = "1e-9"
+
+
+def decode_video(
+    path: str | os.PathLike[str],
+    num_frames: int,
+    image_size: int,
+    start_s: float | None = None,
+    end_s: float | None = None,
+    offsets: np.ndarray | None = None,
+) -> DecodedVideo:
+    """Decode ``num_frames`` uniformly sampled frames of a video, in this process.
+
+    decord first (resize during decode, one sorted ``get_batch``); PyAV if decord fails. Use
+    :class:`DecodeWorker` to get a wall-clock timeout.
+
+    Args:
+        path: The video file.
+        num_frames: F, the number of frames wanted.
+        image_size: S; frames are resized (short side) and centre-cropped to S x S.
+        start_s: If given, only frames presented at or after this time (seconds) are sampled.
+        end_s: If given, only frames presented before this time are sampled. None or NaN means
+            the bound is open.
+        offsets: None for the segment centres (extraction, evaluation), or F numbers in [0, 1)
+            placing each frame inside its segment (training; see :func:`sample_indices`).
+
+    Returns:
+        The frames, their mask and timestamps, and the reader that produced them.
+
+    Raises:
+        DecodeFailure: The video is missing, empty, unreadable or has no frame in range.
+
+    Example:
+        >>> video = decode_video("video0.mp4", num_frames=12, image_size=224)  # doctest: +SKIP
+        >>> video.frames.shape, int(video.mask.sum())  # doctest: +SKIP
+        ((12, 224, 224, 3), 12)
+    """
+    return decode_with_readers(path, num_frames, image_size, start_s, end_s, READERS, offsets)
+
+
+def decode_with_readers(
+    path: str | os.PathLike[str],
+    num_frames: int,
+    image_size: int,
+    start_s: float | None,
+    end_s: float | None,
+    readers: Sequence[str],
+    offsets: np.ndarray | None = None,
+) -> DecodedVideo:
+    """decode_video with a choice of readers, tried in order (the worker retries with PyAV)."""
+    check_sizes(num_frames, image_size)
+    if offsets is not None:
+        sample_indices(num_frames + 1, num_frames, offsets)  # checks the offsets before any reader runs
+    start_s, end_s = clip_bound(start_s), clip_bound(end_s)
+    path = Path(path)
+    check_file(path)
+    if start_s is not None and end_s is not None and end_s <= start_s:
+        raise DecodeFailure("no_frames", path, f"empty clip range [{start_s:g}, {end_s:g}) s")
+    errors, kind = [], "unreadable"
+    for reader in readers:
+        try:
+            video = _READ[reader](path, num_frames, image_size, start_s, end_s, offsets)
+        except DecodeFailure as failure:
+            # A reader that opened the file and found no frame (in range) makes it "no_frames".
+            kind = "no_frames" if failure.kind == "no_frames" else kind
+            errors.append(f"{reader}: {failure.detail}")
+        except Exception as exc:  # any reader error means: try the next reader
+            errors.append(f"{reader}: {describe(exc)}")
+        else:
+            if errors:
+                log.debug("%s: decoded by %s after %s", path, reader, "; ".join(errors))
+            return video
+    raise DecodeFailure(kind, path, "; ".join(errors))
+
+
+def _read_decord(
+    path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None,
+    offsets: np.ndarray | None = None,
+) -> DecodedVideo:
+    import decord
+
+    width, height = probe_size(path)
+    new_w, new_h = resize_dims(width, height, image_size)
+    if not _decord_can_output(new_w):
+        raise RuntimeError(f"decord 0.6 cannot return frames {new_w} px wide (its row-padding bug)")
+    vr = _open_decord(decord, path, new_w, new_h)
+    times = _decord_times(vr)  # float64 (n,)
+    idx = pick_frames(times, num_frames, start_s, end_s, path, offsets)
+    # No retry inside decord when this fails: on a file whose frame count lies (more packets than
+    # decodable frames) a second get_batch, even one clamped to the frames that do decode, returned
+    # frames one or more positions early in about 2 % of tries (measured, 300 tries), silently. The
+    # caller moves on to PyAV, whose sequential decode gets these files right.
+    batch = vr.get_batch(idx).asnumpy()  # uint8 (k, new_h, new_w, 3)
+    return assemble(centre_crop(batch, image_size), times[idx], num_frames, "decord")
+
+
+def _open_decord(decord: Any, path: Path, width: int, height: int) -> Any:
+    return decord.VideoReader(
+        ffmpeg_name(path), num_threads=1, width=width, height=height, fault_tol=_NO_DUPLICATES
+    )
+
+
+def _decord_can_output(width: int) -> bool:
+    """False for the few narrow widths (all <= 144 px) that decord 0.6 mangles.
+
+    decord takes an RGB frame as unpadded whenever FFmpeg's padded row length (``3 * width``
+    rounded up as ``av_frame_get_buffer`` does, for a 32- or 64-byte alignment depending on the
+    CPU) is a multiple of the width, and then fails with "The size must exactly match" (measured:
+    8, 12, 16, 24, 48 and 72 px fail on a 32-byte machine).
+    """
+    for align in (32, 64):
+        step = 1
+        while True:  # FFmpeg widens the row to a multiple of `step` until its bytes align
+            padded = -(-width // step) * step
+            if (3 * padded) % align == 0 or step >= align:
+                break
+            step *= 2
+        if padded != width and (3 * padded) % width == 0:
+            return False
+    return True
+
+
+def _decord_times(vr: Any) -> np.ndarray:
+    """Start time (s) of every frame, in presentation order: float64 [n]."""
+    n = len(vr)
+    times = vr.get_frame_timestamp(np.arange(n))[:, 0].astype(np.float64)
+    # decord subtracts the stream's start_time even when it is unset (INT64_MIN): fall back to
+    # frame index / average frame rate when its times are unusable.
+    if n and not (np.isfinite(times).all() and np.abs(times).max() < 1e7):
+        times = np.arange(n) / (vr.get_avg_fps() or 25.0)
+    return times
+
+
+def _read_pyav(
+    path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None,
+    offsets: np.ndarray | None = None,
+) -> DecodedVideo:
+    """Sequential PyAV decode: index the packets (no decoding), then decode once, keeping only
+    the sampled frames. If fewer frames decode than there are packets (a corrupt or truncated
+    file), the sample is redrawn from the frames that did decode and the file decoded again."""
+    times = _pyav_packet_times(path)  # float64 (n,), presentation order
+    idx = pick_frames(times, num_frames, start_s, end_s, path, offsets)
+    crops, decoded_times = _pyav_decode(path, idx, times, image_size)
+    if crops is None:
+        if not decoded_times:
+            raise DecodeFailure("no_frames", path, f"none of its {len(times)} frames decodes")
+        log.warning("%s: %d of its %d frames decode; sampling among those",
+                    path, len(decoded_times), len(times))
+        times = np.asarray(decoded_times)
+        idx = pick_frames(times, num_frames, start_s, end_s, path, offsets)
+        crops, _ = _pyav_decode(path, idx, times, image_size)
+        if crops is None:
+            raise RuntimeError("PyAV decoded different frames in two passes over the file")
+    return assemble(crops, times[idx], num_frames, "pyav")
+
+
+def _pyav_packet_times(path: Path) -> np.ndarray:
+    """Presentation times (s) of the video stream's packets, sorted: float64 [n]."""
+    import av
+
+    with av.open(ffmpeg_name(path)) as container:
+        stream = video_stream(container, path)
+        pts = []
+        try:
+            for packet in container.demux(stream):
+                # The last, empty packet only flushes the decoder; packets an edit list marks
+                # as discarded (a stream cut at a non-keyframe) decode to no frame.
+                if packet.size and not packet.is_discard:
+                    pts.append(packet.pts)
+        except av.FFmpegError:  # a truncated file: index what could be read
+            pass
+        if pts and None not in pts:
+            return (np.sort(np.asarray(pts, dtype=np.float64)) - (stream.start_time or 0)) * float(
+                stream.time_base
+            )
+        return np.arange(len(pts)) / frame_rate(stream)
+
+
+def _pyav_decode(
+    path: Path, idx: np.ndarray, expected_times: np.ndarray, image_size: int
+) -> tuple[np.ndarray | None, list[float]]:
+    """Decode the file in order, keeping the frames at ordinals ``idx``.
+
+    Returns:
+        ``(crops, times)``: crops uint8 ``[len(idx), S, S, 3]`` if every wanted frame decoded
+        where ``expected_times`` said it would, else None; times of the frames decoded (all of
+        them when crops is None).
+    """
+    import av
+
+    want = {int(k): row for row, k in enumerate(idx)}
+    crops = np.empty((len(idx), image_size, image_size, 3), np.uint8)
+    found, aligned, times = 0, True, []
+    with av.open(ffmpeg_name(path)) as container:
+        stream = video_stream(container, path)
+        stream.codec_context.thread_count = 1  # one core per decode, like decord's path
+        t0, time_base, rate = stream.start_time or 0, stream.time_base, frame_rate(stream)
+        for frame in pyav_frames(av, container, stream):
+            k = len(times)
+            t = (frame.pts - t0) * float(time_base) if frame.pts is not None else k / rate
+            times.append(t)
+            # Ordinal k is frame k of the packet index only while their times agree; a packet
+            # that decoded to nothing shifts every later ordinal.
+            aligned = aligned and k < len(expected_times) and abs(t - expected_times[k]) < TIME_EPS
+            if aligned and k in want:
+                crops[want[k]] = _pyav_resize_crop(frame, image_size)
+                found += 1
+                if found == len(idx):
+                    return crops, times
+    return None, times
+
+
+def _pyav_resize_crop(frame: Any, image_size: int) -> np.ndarray:
+    """One PyAV frame -> uint8 [S, S, 3]: swscale bilinear resize, display rotation, centre crop."""
+    rotation = display_rotation(frame)
+    width, height = (frame.height, frame.width) if rotation in (90, 270) else (frame.width, frame.height)
+    new_w, new_h = resize_dims(width, height, image_size)
+    coded_w, coded_h = (new_h, new_w) if rotation in (90, 270) else (new_w, new_h)
+    image = frame.reformat(
+        width=coded_w, height=coded_h, format="rgb24", interpolation="BILINEAR"
+    ).to_ndarray()  # (coded_h, coded_w, 3)
+    if rotation:
+        image = np.rot90(image, rotation // 90)  # counter-clockwise, as decord's transpose filters
+    return centre_crop(image[None], image_size)[0]
+
+
+_READ = {"decord": _read_decord, "pyav": _read_pyav}
