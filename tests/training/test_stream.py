@@ -234,3 +234,33 @@ def test_cli_streams_under_a_small_budget_and_says_so(cli, store, tmp_path):
                "--memory-budget", "2kB")
     assert tiny.exit_code == 1 and "streaming them needs a shuffle buffer of at least a batch" in tiny.output
     assert not (tmp_path / "r2").exists()
+
+
+def test_streamed_rows_are_checked_finite_once_each(opened, monkeypatch):
+    """Every row a streamed epoch reads is checked for NaN and infinity the first time it is read, and only then:
+    frames per video, sentences and tokens per caption."""
+    from tvrpipe.training.stream import StreamedPairs, open_splits, plan_data
+
+    s, rows = opened
+    plan = plan_data(s, rows, True, 8, budget=30_000)
+    pairs = StreamedPairs(open_splits(s, rows, plan, True).train, plan, True)
+    checked: dict[str, list[int]] = {}
+    real = type(s).check_finite
+
+    def spy(self, name, data, rows, block=4096):
+        checked.setdefault(name, []).extend(np.asarray(rows).tolist())
+        return real(self, name, data, rows, block)
+
+    monkeypatch.setattr(type(s), "check_finite", spy)
+    steps = pairs.split.n_videos // 8
+    read_videos, read_captions = [], []
+    for epoch in (0, 1, 2):
+        for vids, caps, *_ in pairs.epoch(0, epoch, steps, 8):
+            read_videos += pairs.split.video_rows[vids].tolist()
+            read_captions += pairs.split.text_rows[caps].tolist()
+    assert sorted(checked["videos/frames"]) == sorted(set(checked["videos/frames"]))  # once each
+    assert set(read_videos) <= set(checked["videos/frames"])
+    for name in ("texts/sentence", "texts/tokens"):
+        assert sorted(checked[name]) == sorted(set(checked[name])) and set(read_captions) <= set(checked[name])
+    # 3 epochs of 2 captions a video: the captions drawn differ between epochs, and each was checked
+    assert len(set(read_captions)) > len(set(read_videos))

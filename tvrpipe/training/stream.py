@@ -283,6 +283,7 @@ class StreamedPairs:
         self.split, self.uses_tokens = split, uses_tokens
         self.buffer, self.block = plan.buffer_videos, plan.block_videos
         self.pairs = CaptionPairs(split.text_video, split.n_videos)
+        self.seen_videos, self.seen_texts = np.zeros(split.n_videos, bool), np.zeros(split.n_texts, bool)
         chunk = split.store.group["videos/frames"].chunks[0]
         rows = split.video_rows
         # a block: the split's videos of whole consecutive store chunks (or of part of one), at most ``block``
@@ -296,13 +297,25 @@ class StreamedPairs:
         p, s = self.pairs, self.split
         caps = p.by_video[p.first[vids] + (rng.random(len(vids)) * p.counts[vids]).astype(np.int64)]
         video_rows, text_rows = s.video_rows[vids], s.text_rows[caps]
-        got = {"vid": vids, "cap": caps, "frames": s.store.read("videos/frames", video_rows),
+        got = {"vid": vids, "cap": caps, "frames": self._checked("videos/frames", video_rows, vids, self.seen_videos),
                "frame_mask": s.store.read("videos/frame_mask", video_rows),
-               "sentence": s.store.read("texts/sentence", text_rows)}
+               "sentence": self._checked("texts/sentence", text_rows, caps, self.seen_texts)}
         if self.uses_tokens:
             got["token_mask"] = s.store.read("texts/token_mask", text_rows, s.width)
-            got["tokens"] = s.store.read("texts/tokens", text_rows, s.width)
+            got["tokens"] = self._checked("texts/tokens", text_rows, caps, self.seen_texts, s.width)
+        self.seen_videos[vids] = True
+        self.seen_texts[caps] = True
         return got
+
+    def _checked(self, name: str, rows: np.ndarray, cols: np.ndarray, seen: np.ndarray,
+                 width: int | None = None) -> np.ndarray:
+        """Rows ``rows`` of ``name``, those not read before in this run checked finite (a row's bytes do not
+        change between epochs; checking them again every epoch cost a tenth of a streamed batch)."""
+        data = self.split.store.read(name, rows, width, check=False)
+        new = ~seen[cols]
+        if new.any():
+            self.split.store.check_finite(name, data[new], rows[new])
+        return data
 
     def epoch(self, seed: int, epoch: int, steps: int, batch: int) -> Iterator[tuple]:
         """``steps`` batches of ``batch`` pairs: (video columns, caption rows, TextBatch, VideoBatch)."""
