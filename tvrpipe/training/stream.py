@@ -4,7 +4,7 @@ In memory (what a split that fits gets): :func:`~tvrpipe.training.data.load_spli
 float16 arrays, and an epoch visits the training videos in a permutation (:class:`~tvrpipe.training.data.CaptionPairs`).
 
 Streamed (a split larger than the memory budget): nothing is read whole. An epoch reads the training videos in
-blocks that never cross one of the store's chunks, the blocks in a random order, each video with one of its
+blocks of whole store chunks (or parts of one), the blocks in a random order, each video with one of its
 captions drawn at random; the pairs pour into a shuffle buffer, and each batch is drawn from the buffer at
 random (the shard order plus shuffle buffer of WebDataset and embedding-reader). Reads stay sequential within a
 block; only the chosen captions are read (:func:`~tvrpipe.features.arrays.read_rows` reads rows in place). The
@@ -137,8 +137,9 @@ class DataPlan:
     def order(self) -> str:
         if not self.streamed:
             return IN_MEMORY_ORDER
-        return (f"blocks of up to {self.block_videos:,} videos (never across a store chunk) in a random order per "
-                f"epoch, each video with a random caption, through a shuffle buffer of {self.buffer_videos:,} videos")
+        return (f"blocks of up to {self.block_videos:,} videos (whole store chunks, or part of one) in a random "
+                f"order per epoch, each video with a random caption, through a shuffle buffer of "
+                f"{self.buffer_videos:,} videos")
 
     def record(self) -> dict:
         """What the run's ``config.yaml`` says of its data (``data``)."""
