@@ -636,3 +636,67 @@ def test_window_without_videos_is_refused(tmp_path, cli):
             "--window", "10s")
     assert r.exit_code == 1
     assert "--window cuts the files of a collection into moments: give it with --videos" in " ".join(r.output.split())
+
+
+def test_moments_decode_together_as_each_alone(tmp_path):
+    """One open of a file for all its moments gives each moment exactly the frames of decoding it alone."""
+    from tvrpipe.features.decode import DecodeFailure, DecodeWorker
+    from tvrpipe.features.collection import Cutting
+
+    path = _long_video(tmp_path / "long.mp4", 23.0)
+    bounds = [*Cutting(10.0, 5.0).bounds(23.0), (3.3, 3.4), (30.0, 40.0)]  # one without a frame, one past the end
+    with DecodeWorker(30) as w:
+        together = w.decode_moments(path, 12, 160, bounds)
+        for (start, end), got in zip(bounds, together):
+            try:
+                alone = w.decode(path, 12, 160, start, end)
+            except DecodeFailure as e:
+                assert isinstance(got, DecodeFailure) and (got.kind, got.detail) == (e.kind, e.detail)
+                continue
+            assert got.reader == alone.reader == "decord"
+            np.testing.assert_array_equal(got.frames, alone.frames)
+            np.testing.assert_array_equal(got.mask, alone.mask)
+            np.testing.assert_array_equal(got.timestamps, alone.timestamps)
+    assert [int(v.mask.sum()) for v in together[:4]] == [12, 12, 12, 12]
+    assert [round(float(v.timestamps[0]), 3) for v in together[:4]] == [0.375, 5.375, 10.375, 15.25]
+    assert isinstance(together[5], DecodeFailure) and together[5].kind == "no_frames"
+
+
+def test_a_collection_of_moments_is_extracted_and_updated_file_by_file(ray_session, tmp_path, same_rows, monkeypatch):
+    """A file's moments are decoded in one call (the store equals one whose moments are decoded one by one),
+    and an update re-encodes only the moments of a changed file, copying the others'."""
+    from tvrpipe.features.extract import pipeline
+
+    folder = tmp_path / "v"
+    _long_video(folder / "a.mp4", 12.0, seed=1)
+    _long_video(folder / "b.mp4", 7.0, seed=2)
+    build_collection(folder, tmp_path / "m", progress=False, cutting=__import__(
+        "tvrpipe.features.collection", fromlist=["Cutting"]).Cutting(4.0, 2.0))
+    calls = []
+    real = pipeline.send_decode
+    for module in (pipeline, actors):  # the pipeline's calls, and those sent while the weights load
+        monkeypatch.setattr(module, "send_decode", lambda d, g, *a: calls.append(len(g)) or real(d, g, *a))
+    s = extract(tmp_path / "m", folder, tmp_path / "s", _cfg(frames=4))
+    assert (s.videos_done, s.failed) == (8, 0), s.lines()
+    assert sorted(calls) == [3, 5]  # b: 0-4 2-6 4-7; a: 0-4 ... 8-12, one decoder call each
+    got = open_store(tmp_path / "s")
+    assert list(got.videos.video_id) == ["a.mp4#t=0,4", "a.mp4#t=2,6", "a.mp4#t=4,8", "a.mp4#t=6,10", "a.mp4#t=8,12",
+                                         "b.mp4#t=0,4", "b.mp4#t=2,6", "b.mp4#t=4,7"]
+
+    for module in (pipeline, actors):
+        monkeypatch.setattr(module, "decode_groups", lambda items, by_file: [[i] for i in items])
+    s = extract(tmp_path / "m", folder, tmp_path / "alone", _cfg(frames=4))
+    alone = open_store(tmp_path / "alone")
+    for name in VIDEO_ARRAYS:
+        same_rows(got, alone, name)
+    monkeypatch.undo()
+
+    # b.mp4 changes: its moments are cut again and encoded; a.mp4's are copied
+    old_frames = got.array("videos/frames")[:]
+    _long_video(folder / "b.mp4", 5.0, seed=3)
+    build_collection(folder, tmp_path / "m", progress=False)  # keeps the recorded 4s/2s cutting
+    s = extract(tmp_path / "m", folder, tmp_path / "s", _cfg(frames=4))
+    assert (s.reused, s.videos_done, s.failed) == (5, 2, 0), s.lines()
+    new = open_store(tmp_path / "s")
+    assert list(new.videos.video_id)[5:] == ["b.mp4#t=0,4", "b.mp4#t=2,5"]
+    np.testing.assert_array_equal(new.array("videos/frames")[:5], old_frames[:5])
