@@ -539,3 +539,164 @@ def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_ray(collection
         extract(manifest, folder, tmp_path / "store", _cfg(model="ViT-B-32", pretrained="openai"))
     assert time.perf_counter() - t0 < 30
     assert not (tmp_path / "store" / "features.zarr").exists()
+
+
+# --- moments: a collection's files cut into fixed windows -------------------------------------------------------
+
+def _long_video(path: Path, seconds: float, fps: int = 8, seed: int = 0) -> Path:
+    """An H.264 file of ``seconds`` (a whole number of frames at ``fps``) whose frames all differ."""
+    from tvrpipe.data.synth import write_mp4
+
+    n = int(round(seconds * fps))
+    rng = np.random.default_rng(seed)
+    frames = np.repeat(rng.integers(0, 255, (n, 1, 1, 3), dtype=np.uint8), 32, axis=1).repeat(32, axis=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_mp4(path, frames, fps)
+    return path
+
+
+@pytest.mark.parametrize("duration, window, stride, want", [
+    (23.0, 10, 5, [(0, 10), (5, 15), (10, 20), (15, 23)]),
+    (23.0, 10, None, [(0, 10), (10, 20), (20, 23)]),  # stride = window
+    (20.2, 10, 10, [(0, 10), (10, 20.2)]),  # a tail under TAIL_S goes to the window before it
+    (20.6, 10, 10, [(0, 10), (10, 20), (20, 20.6)]),
+    (4.2, 10, 5, [(0, 4.2)]),  # shorter than a window: one moment
+    (10.0, 10, 5, [(0, 10)]),
+    (7.0, 2.5, 2.5, [(0, 2.5), (2.5, 5), (5, 7)]),
+])
+def test_fixed_windows_and_their_last_moment(duration, window, stride, want):
+    from tvrpipe.features.collection import Cutting
+
+    assert Cutting(window, stride).bounds(duration) == [(float(a), float(b)) for a, b in want]
+
+
+@pytest.mark.parametrize("window, stride, message", [
+    ("10s", "11s", "--stride 11s is longer than --window 10s: the gaps between windows would be parts of the videos"),
+    ("0", None, "--window 0: a window must last a positive number of seconds"),
+    ("10s", "-5", "--stride -5: a stride must be a positive number of seconds"),
+    ("ten", None, "--window 'ten': give a duration such as 10s, 2.5m or 1h"),
+    ("10s", "5x", "--stride '5x': give a duration such as 10s"),
+    (None, "5s", "--stride needs --window"),
+    ("whole", "5s", "--stride with --window whole"),
+])
+def test_a_bad_window_or_stride_names_the_option(window, stride, message):
+    from tvrpipe.features.collection import cutting_of
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cutting_of(window, stride)
+
+
+def test_cutting_of_parses_units():
+    from tvrpipe.features.collection import Cutting, cutting_of
+
+    assert cutting_of("1.5m", "30") == Cutting(90.0, 30.0)
+    assert cutting_of("10s", None) == Cutting(10.0, 10.0)
+    assert cutting_of(None, None) is None and cutting_of("whole", None) == Cutting()
+
+
+def test_manifest_of_moments_rows_ids_and_a_rebuild_without_probing(synth_videos, tmp_path, monkeypatch, cli):
+    folder = tmp_path / "v"
+    _long_video(folder / "trips" / "long.mp4", 23.0)  # 184 frames at 8 fps: ends at 23 s
+    _long_video(folder / "short.mp4", 4.0, seed=1)  # shorter than a window
+    r = cli("manifest", "build", "--videos", folder, "--out", tmp_path / "m", "--window", "10s", "--stride", "5s")
+    assert r.exit_code == 0, r.output
+    assert "collection of 5 moments of 2 videos (10s windows every 5s), no captions" in " ".join(r.output.split())
+    m = read_manifest(tmp_path / "m")
+    assert list(m.videos.video_id) == ["short.mp4#t=0,4", "trips/long.mp4#t=0,10", "trips/long.mp4#t=10,20",
+                                       "trips/long.mp4#t=15,23", "trips/long.mp4#t=5,15"]  # sorted by id
+    v = m.videos.set_index("video_id")
+    assert v.loc["trips/long.mp4#t=15,23", ["path", "start_s", "end_s"]].tolist() == ["trips/long.mp4", 15.0, 23.0]
+    assert v.loc["short.mp4#t=0,4", ["path", "start_s", "end_s"]].tolist() == ["short.mp4", 0.0, 4.0]
+    files = m.files.set_index("video_id")
+    size = (folder / "trips/long.mp4").stat().st_size
+    assert (files.loc[[i for i in v.index if i.startswith("trips/")], "bytes"] == size).all()
+    assert m.meta["moments"] == {"window_s": 10.0, "stride_s": 5.0}
+    before = {n: (tmp_path / "m" / n).read_bytes() for n in ("videos.parquet", "files.parquet", "meta.json")}
+
+    # a rebuild without --window keeps the recorded cutting and probes nothing unchanged (not even a duration)
+    monkeypatch.setattr("tvrpipe.features.decode.probe_video", lambda p: pytest.fail(f"probed {p} again"))
+    monkeypatch.setattr("tvrpipe.features.decode.probe_duration", lambda p: pytest.fail(f"timed {p} again"))
+    b = build_collection(folder, tmp_path / "m", progress=False)
+    assert (b.probed, b.known) == (0, 2)
+    assert {n: (tmp_path / "m" / n).read_bytes() for n in before} == before
+
+    # another cutting of unchanged files takes their durations from the last build; whole files drop the bounds
+    r = cli("manifest", "build", "--videos", folder, "--out", tmp_path / "m", "--window", "20s")
+    assert r.exit_code == 0, r.output
+    assert list(read_manifest(tmp_path / "m").videos.video_id) == [
+        "short.mp4#t=0,4", "trips/long.mp4#t=0,20", "trips/long.mp4#t=20,23"]
+    r = cli("manifest", "build", "--videos", folder, "--out", tmp_path / "m", "--window", "whole")
+    m = read_manifest(tmp_path / "m")
+    assert list(m.videos.video_id) == ["short.mp4", "trips/long.mp4"] and "moments" not in m.meta
+    assert m.videos[["start_s", "end_s"]].isna().all().all()
+
+
+def test_window_without_videos_is_refused(tmp_path, cli):
+    r = cli("manifest", "build", "--dataset", "custom", "--annotations", tmp_path / "a.csv", "--out", tmp_path / "m",
+            "--window", "10s")
+    assert r.exit_code == 1
+    assert "--window cuts the files of a collection into moments: give it with --videos" in " ".join(r.output.split())
+
+
+def test_moments_decode_together_as_each_alone(tmp_path):
+    """One open of a file for all its moments gives each moment exactly the frames of decoding it alone."""
+    from tvrpipe.features.decode import DecodeFailure, DecodeWorker
+    from tvrpipe.features.collection import Cutting
+
+    path = _long_video(tmp_path / "long.mp4", 23.0)
+    bounds = [*Cutting(10.0, 5.0).bounds(23.0), (3.3, 3.4), (30.0, 40.0)]  # one without a frame, one past the end
+    with DecodeWorker(30) as w:
+        together = w.decode_moments(path, 12, 160, bounds)
+        for (start, end), got in zip(bounds, together):
+            try:
+                alone = w.decode(path, 12, 160, start, end)
+            except DecodeFailure as e:
+                assert isinstance(got, DecodeFailure) and (got.kind, got.detail) == (e.kind, e.detail)
+                continue
+            assert got.reader == alone.reader == "decord"
+            np.testing.assert_array_equal(got.frames, alone.frames)
+            np.testing.assert_array_equal(got.mask, alone.mask)
+            np.testing.assert_array_equal(got.timestamps, alone.timestamps)
+    assert [int(v.mask.sum()) for v in together[:4]] == [12, 12, 12, 12]
+    assert [round(float(v.timestamps[0]), 3) for v in together[:4]] == [0.375, 5.375, 10.375, 15.25]
+    assert isinstance(together[5], DecodeFailure) and together[5].kind == "no_frames"
+
+
+def test_a_collection_of_moments_is_extracted_and_updated_file_by_file(ray_session, tmp_path, same_rows, monkeypatch):
+    """A file's moments are decoded in one call (the store equals one whose moments are decoded one by one),
+    and an update re-encodes only the moments of a changed file, copying the others'."""
+    from tvrpipe.features.extract import pipeline
+
+    folder = tmp_path / "v"
+    _long_video(folder / "a.mp4", 12.0, seed=1)
+    _long_video(folder / "b.mp4", 7.0, seed=2)
+    build_collection(folder, tmp_path / "m", progress=False, cutting=__import__(
+        "tvrpipe.features.collection", fromlist=["Cutting"]).Cutting(4.0, 2.0))
+    calls = []
+    real = pipeline.send_decode
+    for module in (pipeline, actors):  # the pipeline's calls, and those sent while the weights load
+        monkeypatch.setattr(module, "send_decode", lambda d, g, *a: calls.append(len(g)) or real(d, g, *a))
+    s = extract(tmp_path / "m", folder, tmp_path / "s", _cfg(frames=4))
+    assert (s.videos_done, s.failed) == (8, 0), s.lines()
+    assert sorted(calls) == [3, 5]  # b: 0-4 2-6 4-7; a: 0-4 ... 8-12, one decoder call each
+    got = open_store(tmp_path / "s")
+    assert list(got.videos.video_id) == ["a.mp4#t=0,4", "a.mp4#t=2,6", "a.mp4#t=4,8", "a.mp4#t=6,10", "a.mp4#t=8,12",
+                                         "b.mp4#t=0,4", "b.mp4#t=2,6", "b.mp4#t=4,7"]
+
+    for module in (pipeline, actors):
+        monkeypatch.setattr(module, "decode_groups", lambda items, by_file: [[i] for i in items])
+    s = extract(tmp_path / "m", folder, tmp_path / "alone", _cfg(frames=4))
+    alone = open_store(tmp_path / "alone")
+    for name in VIDEO_ARRAYS:
+        same_rows(got, alone, name)
+    monkeypatch.undo()
+
+    # b.mp4 changes: its moments are cut again and encoded; a.mp4's are copied
+    old_frames = got.array("videos/frames")[:]
+    _long_video(folder / "b.mp4", 5.0, seed=3)
+    build_collection(folder, tmp_path / "m", progress=False)  # keeps the recorded 4s/2s cutting
+    s = extract(tmp_path / "m", folder, tmp_path / "s", _cfg(frames=4))
+    assert (s.reused, s.videos_done, s.failed) == (5, 2, 0), s.lines()
+    new = open_store(tmp_path / "s")
+    assert list(new.videos.video_id)[5:] == ["b.mp4#t=0,4", "b.mp4#t=2,5"]
+    np.testing.assert_array_equal(new.array("videos/frames")[:5], old_frames[:5])

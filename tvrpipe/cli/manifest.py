@@ -42,6 +42,14 @@ def build(
     allow_missing: Annotated[
         bool, typer.Option(help="With --video-root: drop missing videos (listed in meta.json) instead of failing.")
     ] = False,
+    window: Annotated[Optional[str], typer.Option(
+        help="With --videos: cut each file into moments this long (10s, 2.5m, 1h; seconds without a unit), one row "
+             "each, id 'path#t=START,END'; the last moment ends at the file's end, and a file shorter than a window "
+             "is one moment. 'whole' goes back to one row per file. Default: the last build's cutting into --out, "
+             "else whole files.")] = None,
+    stride: Annotated[Optional[str], typer.Option(
+        help="With --window: a moment starts every STRIDE (at most the window: overlapping or end to end). "
+             "Default: the window.")] = None,
 ) -> None:
     """Build a manifest from a dataset's annotation files, or from a folder of your own videos (--videos)."""
     if videos is not None:
@@ -51,14 +59,19 @@ def build(
         if others:
             raise ConfigError(f"--videos builds a collection from a folder, without annotations; {', '.join(others)} "
                               "belong to a dataset's annotation files: give one or the other")
-        from tvrpipe.features.collection import build_collection
+        from tvrpipe.features.collection import build_collection, cutting_of
         from tvrpipe.features.outputs import check_output_folder
 
+        cutting = cutting_of(window, stride)
         check_output_folder(out, may_be="a manifest")
-        b = build_collection(videos, out)
+        b = build_collection(videos, out, cutting=cutting)
         skipped = b.manifest.meta["skipped"]
-        console.print(f"collection of {len(b.manifest.videos):,} videos, no captions -> {out} "
-                      f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)")
+        n_files = b.manifest.videos["path"].nunique()
+        cut = b.manifest.meta.get("moments")
+        what = (f"{len(b.manifest.videos):,} moments of {n_files:,} videos ({cut['window_s']:g}s windows every "
+                f"{cut['stride_s']:g}s)" if cut else f"{len(b.manifest.videos):,} videos")
+        console.print(f"collection of {what}, no captions -> {out} "
+                      f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)", highlight=False)
         if skipped:
             kinds = [f"{b.undecodable:,} video files that do not decode", f"{b.not_videos:,} not videos",
                      f"{b.unusable:,} that cannot be opened as named",
@@ -67,6 +80,9 @@ def build(
             console.print(f"skipped {len(skipped):,} files ({', '.join(kinds)}); the reasons are in "
                           f"{out / META_FILE}, e.g. {shown['path']}: {shown['reason']}", style="yellow")
         return
+    if window is not None or stride is not None:
+        raise ConfigError(f"{'--window' if window is not None else '--stride'} cuts the files of a collection into "
+                          "moments: give it with --videos (a dataset's clips come from its annotations)")
     if dataset is None or annotations is None:
         raise ConfigError("give --dataset and --annotations (a benchmark or a table of your own), or --videos FOLDER "
                           "(a folder of videos without captions)")

@@ -17,6 +17,19 @@ per file), and extract compares the folder against it (:func:`check_unchanged`),
 changed or removed since the build is never read as if it were the one the manifest names. Size
 plus modification time is the test make and rsync use: a file rewritten with the same size within
 the file system's time resolution goes unnoticed.
+
+**Moments.** With a :class:`Cutting` (``--window 10s --stride 5s``) each file becomes several rows, one per
+moment: the same ``path``, the moment's bounds in ``start_s``/``end_s`` (the manifest's way of saying that a
+row is a clip of a file, as a benchmark's clips are), and the id ``path#t=START,END`` (seconds, the W3C
+Media Fragments notation that players read in a URL). Windows start at 0, ``stride``, ``2 stride``, ... and
+are ``window`` long; the last one is the first that reaches the file's end (within :data:`TAIL_S`) and ends
+there, so it is between ``window - stride + TAIL_S`` and ``window + TAIL_S`` long, never a sliver without a
+frame; a file shorter than a window is one moment, the whole file. A file's duration is the end of its last
+video packet (:func:`~tvrpipe.features.decode.probe_duration`). A stride longer than the window is refused:
+the gaps would be parts of a video that no search can find. The cutting is recorded in ``meta.json``
+(``moments``) and kept by a rebuild that does not name one, so that the ``manifest build`` command other
+messages print keeps the moments; an unchanged file's bounds are taken from the last build (its last moment
+ends at its end), so it is not probed again.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
@@ -50,6 +64,11 @@ from tvrpipe.errors import ConfigError, ManifestError
 log = logging.getLogger(__name__)
 
 SPLIT = "test"  # a collection is searched, never trained on
+# choice: a tail shorter than this goes to the window before it, so that no moment is a sliver that may hold no
+# frame (a window starting in the last frame's period would hold none and fail extraction as no_frames)
+TAIL_S = 0.5
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+WHOLE = "whole"  # --window whole: back to one row per file
 _SHOW = 3  # files an error message names
 _PROBE_THREADS = 8  # PyAV releases the GIL while it reads and decodes: threads overlap the probes
 
@@ -83,6 +102,124 @@ def _shown_path(path: str) -> str:
         return path
     except UnicodeEncodeError:
         return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+@dataclass(frozen=True)
+class Cutting:
+    """How a collection's files are cut into moments: fixed windows of ``window_s`` seconds every ``stride_s``
+    (None: one row per whole file).
+
+    Example:
+        >>> Cutting(10.0, 5.0).bounds(23.0)
+        [(0.0, 10.0), (5.0, 15.0), (10.0, 20.0), (15.0, 23.0)]
+        >>> Cutting(10.0).bounds(4.2)
+        [(0.0, 4.2)]
+    """
+
+    window_s: float | None = None
+    stride_s: float | None = None  # None: the window (windows end to end)
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "stride_s"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
+        if self.window_s is None:
+            if self.stride_s is not None:
+                raise ConfigError("--stride needs --window: give the window length too, e.g. --window 10s --stride 5s")
+            return
+        if not (np.isfinite(self.window_s) and self.window_s > 0):
+            raise ConfigError(f"--window {self.window_s:g}: a window must last a positive number of seconds")
+        if self.stride_s is None:
+            object.__setattr__(self, "stride_s", self.window_s)
+        if not (np.isfinite(self.stride_s) and self.stride_s > 0):
+            raise ConfigError(f"--stride {self.stride_s:g}: a stride must be a positive number of seconds")
+        if self.stride_s > self.window_s:
+            raise ConfigError(f"--stride {self.stride_s:g}s is longer than --window {self.window_s:g}s: the gaps between "
+                              "windows would be parts of the videos that no search finds; give a stride of at most "
+                              "the window")
+        if self.stride_s < 0.001:
+            raise ConfigError(f"--stride {self.stride_s:g}s: bounds are kept to the millisecond; give at least 0.001s")
+
+    @property
+    def moments(self) -> bool:
+        return self.window_s is not None
+
+    def record(self) -> dict[str, float] | None:
+        """What ``meta.json`` records as ``moments``."""
+        return {"window_s": self.window_s, "stride_s": self.stride_s} if self.moments else None
+
+    @classmethod
+    def recorded(cls, meta: Any) -> Cutting:
+        """The cutting a manifest's ``meta.json`` records (whole files when it records none, or a damaged one)."""
+        rec = meta.get("moments") if isinstance(meta, dict) else None
+        try:
+            return cls(float(rec["window_s"]), float(rec["stride_s"]))
+        except Exception:
+            return cls()
+
+    def bounds(self, duration: float) -> list[tuple[float, float]]:
+        """The moments ``(start_s, end_s)`` of a file of ``duration`` seconds, in milliseconds (the docstring)."""
+        end = round(float(duration), 3)
+        if not self.moments or end <= 0:
+            return [(0.0, end)]
+        out, k = [], 0
+        while True:
+            start = round(k * self.stride_s, 3)
+            if start + self.window_s >= end - TAIL_S:
+                out.append((start, end))
+                return out
+            out.append((start, round(start + self.window_s, 3)))
+            k += 1
+
+
+def parse_seconds(text: str, option: str) -> float:
+    """``"10s"``, ``"10"``, ``"1.5m"``, ``"1h"`` -> seconds.
+
+    Raises:
+        ConfigError: not a number of seconds, minutes or hours; the message names ``option``.
+
+    Example:
+        >>> parse_seconds("2.5m", "--window")
+        150.0
+    """
+    t = str(text).strip().lower()
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"{option} {text!r}: give a duration such as 10s, 2.5m or 1h (seconds when no unit)") from None
+    return value
+
+
+def cutting_of(window: str | None, stride: str | None) -> Cutting | None:
+    """The :class:`Cutting` that ``--window``/``--stride`` ask for: None when neither is given (keep the last
+    build's), whole files for ``--window whole``.
+
+    Raises:
+        ConfigError: a value that is not a duration, or a cutting :class:`Cutting` refuses.
+    """
+    if window is None and stride is None:
+        return None
+    if window is not None and window.strip().lower() == WHOLE:
+        if stride is not None:
+            raise ConfigError("--stride with --window whole: whole files are not cut; leave --stride out")
+        return Cutting()
+    return Cutting(None if window is None else parse_seconds(window, "--window"),
+                   None if stride is None else parse_seconds(stride, "--stride"))
+
+
+def moment_id(path: str, start: float, end: float) -> str:
+    """A moment's id: ``path#t=START,END`` (W3C Media Fragments; seconds, at most 3 decimals).
+
+    Example:
+        >>> moment_id("trips/beach.mp4", 10.0, 22.5)
+        'trips/beach.mp4#t=10,22.5'
+    """
+    def fmt(x: float) -> str:
+        return f"{x:.3f}".rstrip("0").rstrip(".")
+
+    return f"{path}#t={fmt(start)},{fmt(end)}"
 
 
 def _not_regular(mode: int) -> str:
@@ -214,28 +351,31 @@ class CollectionBuild:
     hidden: int = 0
 
 
-def _previous(out: Path, root: str) -> dict[str, tuple[int, int, str | None]]:
-    """What the last build into ``out`` found for each video file of the same folder:
-    path -> (bytes, mtime_ns, None if it decoded else the reason). Empty when there is no such build
-    (or its files cannot be read: then everything is probed again)."""
+def _previous(out: Path, root: str) -> tuple[dict[str, tuple[int, int, str | None]], dict[str, float], Cutting]:
+    """What the last build into ``out`` found for each video file of the same folder: path -> (bytes, mtime_ns,
+    None if it decoded else the reason); path -> its duration where that build cut it into moments (its last
+    moment ends at its end); and that build's cutting. Empty when there is no such build (or its files cannot
+    be read: then everything is probed again)."""
     try:
         meta = json.loads((out / META_FILE).read_text())
         if meta.get("kind") != COLLECTION or meta.get("video_root") != root:
-            return {}
-        videos = pq.read_table(out / VIDEOS_FILE, columns=["video_id", "path"]).to_pandas()
+            return {}, {}, Cutting()
+        videos = pq.read_table(out / VIDEOS_FILE, columns=["video_id", "path", "end_s"]).to_pandas()
         files = pq.read_table(out / FILES_FILE).to_pandas().merge(videos, on="video_id")
     except Exception:  # missing or damaged: probe everything again
-        return {}
+        return {}, {}, Cutting()
     known: dict[str, tuple[int, int, str | None]] = {
         str(p): (int(b), int(m), None) for p, b, m in zip(files["path"], files["bytes"], files["mtime_ns"])}
+    ends = files.dropna(subset=["end_s"]).groupby("path")["end_s"].max()
+    durations = {str(p): float(e) for p, e in ends.items()}
     for s in meta.get("skipped") or []:
         if isinstance(s, dict) and {"path", "bytes", "mtime_ns", "reason"} <= set(s):
             known[str(s["path"])] = (int(s["bytes"]), int(s["mtime_ns"]), str(s["reason"]))
-    return known
+    return known, durations, Cutting.recorded(meta)
 
 
 def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
-                     progress: bool = True) -> CollectionBuild:
+                     progress: bool = True, cutting: Cutting | None = None) -> CollectionBuild:
     """Write the manifest of every decodable video file under ``videos_dir`` into ``out_dir``.
 
     ``video_id`` and ``path`` are the file's path relative to ``videos_dir`` (posix form, with its
@@ -254,6 +394,8 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
         out_dir: the manifest's folder; a collection built there before from the same folder
             saves probing the files that did not change since.
         progress: show a progress bar while probing.
+        cutting: cut each file into moments (:class:`Cutting`; ``Cutting()`` for whole files); None keeps the
+            cutting of the last build into ``out_dir`` (whole files when there is none).
 
     Raises:
         ManifestError: ``videos_dir`` is not a folder, holds no video file, or none that decodes
@@ -282,7 +424,8 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
         held_text = (f"it holds {len(held)} files, e.g. {', '.join(held[:_SHOW])}" if held
                      else "it holds no file (hidden files and folders are skipped)")
         raise ManifestError(f"no video file ({', '.join(sorted(VIDEO_EXTENSIONS))}) under {root}: {held_text}")
-    before = _previous(out, root_abs)
+    before, durations, recorded = _previous(out, root_abs)
+    cutting = recorded if cutting is None else cutting
     prints: dict[str, tuple[int, int]] = {}
     reasons: dict[str, str | None] = {}
     to_probe = []
@@ -319,9 +462,15 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     spec = load_spec("custom")  # the same sampling defaults as a table of one's own videos
     meta = {"kind": COLLECTION, "dataset": COLLECTION, "video_root": root_abs, "frames": spec.frames,
             "max_words": spec.max_words, "skipped": skipped}
-    videos, captions = make_tables([{"video_id": p, "path": p, "split": SPLIT} for p in good], [])
-    files = pd.DataFrame({"video_id": good, "bytes": [prints[p][0] for p in good],
-                          "mtime_ns": [prints[p][1] for p in good]}).astype({"bytes": "int64", "mtime_ns": "int64"})
+    if cutting.moments:
+        meta["moments"] = cutting.record()
+        rows = _moments(root, good, {p: d for p, d in durations.items() if p not in to_probe}, cutting, progress)
+    else:
+        rows = [{"video_id": p, "path": p, "split": SPLIT} for p in good]
+    videos, captions = make_tables(rows, [])
+    files = pd.DataFrame({"video_id": [r["video_id"] for r in rows],
+                          "bytes": [prints[r["path"]][0] for r in rows],
+                          "mtime_ns": [prints[r["path"]][1] for r in rows]}).astype({"bytes": "int64", "mtime_ns": "int64"})
     m = write_manifest(out, videos, captions, meta, source=str(root), files=files)
     if skipped:
         log.info("%d files under %s were left out (the reasons are in %s)", len(skipped), root, out / META_FILE)
@@ -329,20 +478,47 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
                            unusable=len(unusable), hidden=len(scan.hidden))
 
 
-def _probe_all(paths: list[Path], probe, progress: bool) -> list[str | None]:
+def _moments(root: Path, paths: list[str], known: dict[str, float], cutting: Cutting,
+             progress: bool) -> list[dict[str, Any]]:
+    """The manifest rows of ``paths`` cut into moments: durations from ``known`` (an unchanged file's, from the
+    last build), else probed (:func:`~tvrpipe.features.decode.probe_duration`)."""
+    from tvrpipe.features.decode import DecodeFailure, probe_duration
+
+    def duration(path: Path) -> float | str:
+        try:
+            return probe_duration(path)
+        except DecodeFailure as e:  # it decoded a moment ago: changed since
+            return f"{e.kind}: {e.detail}"
+
+    todo = [p for p in paths if p not in known]
+    found = dict(zip(todo, _probe_all([root / p for p in todo], duration, progress, "probing durations")))
+    bad = [(p, d) for p, d in found.items() if isinstance(d, str)]
+    if bad:
+        raise ManifestError(f"{root / bad[0][0]}: its duration cannot be read ({bad[0][1]}); it changed while the "
+                            "folder was read? build the manifest again")
+    rows = []
+    for p in paths:
+        for start, end in cutting.bounds(known[p] if p in known else found[p]):
+            rows.append({"video_id": moment_id(p, start, end), "path": p, "split": SPLIT,
+                         "start_s": start, "end_s": end})
+    return rows
+
+
+def _probe_all(paths: list[Path], probe, progress: bool, what: str = "probing videos") -> list[Any]:
     if not paths:
         return []
     from tvrpipe.progress import track
 
     with ThreadPoolExecutor(max_workers=min(_PROBE_THREADS, os.cpu_count() or 1, len(paths))) as pool:
-        return list(track(pool.map(probe, paths), "probing videos", total=len(paths), enabled=progress,
+        return list(track(pool.map(probe, paths), what, total=len(paths), enabled=progress,
                           transient=True))
 
 
 def changed_files(rows: pd.DataFrame, root: Path) -> tuple[list[str], list[str]]:
-    """The files of ``rows`` (columns path, bytes, mtime_ns) whose fingerprint under ``root`` differs now,
-    and those gone: ``(changed, gone)``."""
+    """The files of ``rows`` (columns path, bytes, mtime_ns; a file's moments count once) whose fingerprint
+    under ``root`` differs now, and those gone: ``(changed, gone)``."""
     changed, gone = [], []
+    rows = rows.drop_duplicates("path")  # a file cut into moments is a row per moment
     for path, size, mtime in zip(rows["path"], rows["bytes"], rows["mtime_ns"]):
         try:
             now = fingerprint(root / path)
@@ -375,7 +551,7 @@ def check_unchanged(manifest: Manifest, manifest_dir: str | os.PathLike[str],
             first few, and the command that rebuilds the manifest.
     """
     root = Path(video_root)
-    rows = manifest.files.merge(manifest.videos[["video_id", "path"]], on="video_id")
+    rows = manifest.files.merge(manifest.videos[["video_id", "path"]], on="video_id").drop_duplicates("path")
     changed, gone = changed_files(rows, root)
     rebuild = f"`{shlex.join(['tvrpipe', 'manifest', 'build', '--videos', str(root), '--out', str(manifest_dir)])}`"
     if changed or gone:

@@ -85,6 +85,26 @@ class Decoder:
             out["error"] = f"{e.kind}: {e.detail}"
         return out
 
+    def decode_moments(self, items: list[dict[str, Any]], frames: int, image_size: int) -> tuple[dict[str, Any], ...]:
+        """Moments of one file (items of one path, with bounds) from one open of it
+        (:meth:`~tvrpipe.features.decode.DecodeWorker.decode_moments`): one result per item, as :meth:`decode`
+        gives; called with ``num_returns=len(items)``, so that each is its own object for the encoders."""
+        from tvrpipe.features.decode import DecodeFailure
+
+        F, S = frames, image_size
+        bounds = [(None if np.isnan(i["start_s"]) else float(i["start_s"]),
+                   None if np.isnan(i["end_s"]) else float(i["end_s"])) for i in items]
+        outs = []
+        for item, d in zip(items, self.worker.decode_moments(items[0]["path"], F, S, bounds)):
+            out = {"row": item["row"], "frames": np.zeros((F, S, S, 3), np.uint8), "mask": np.zeros(F, bool),
+                   "timestamps": np.full(F, np.nan, np.float32), "error": ""}
+            if isinstance(d, DecodeFailure):
+                out["error"] = f"{d.kind}: {d.detail}"
+            else:
+                out.update(frames=d.frames, mask=d.mask, timestamps=d.timestamps)
+            outs.append(out)
+        return tuple(outs)
+
 
 class ClipEncoder:
     """One CLIP, loaded once, that encodes both caption shards and batches of decoded frames.

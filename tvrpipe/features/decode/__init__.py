@@ -48,7 +48,7 @@ checks made before decoding). Every name other modules use is re-exported here: 
 """
 
 from tvrpipe.features.decode.failure import MAX_TIMEOUT_S, DecodeFailure, check_timeout
-from tvrpipe.features.decode.probe import probe_video
+from tvrpipe.features.decode.probe import probe_duration, probe_video
 from tvrpipe.features.decode.readers import RESIZE_INTERPOLATION, decode_video
 from tvrpipe.features.decode.sampling import FRAME_SAMPLING, DecodedVideo, resize_dims, sample_indices
 from tvrpipe.features.decode.thumbnails import frames_at
@@ -57,5 +57,5 @@ from tvrpipe.features.decode.worker import DecodeWorker
 __all__ = [
     "FRAME_SAMPLING", "MAX_TIMEOUT_S", "RESIZE_INTERPOLATION",
     "DecodeFailure", "DecodeWorker", "DecodedVideo",
-    "check_timeout", "decode_video", "frames_at", "probe_video", "resize_dims", "sample_indices",
+    "check_timeout", "decode_video", "frames_at", "probe_duration", "probe_video", "resize_dims", "sample_indices",
 ]

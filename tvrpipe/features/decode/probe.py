@@ -80,6 +80,48 @@ def probe_video(path: str | os.PathLike[str]) -> str | None:
         return f"{e.kind}: {e.detail}"
 
 
+def probe_duration(path: str | os.PathLike[str]) -> float:
+    """Seconds from the video stream's first frame to its end, as :func:`probe_video`'s reader (PyAV) sees it:
+    the end of the last packet (its presentation time plus its duration), read from the packet index without
+    decoding a frame. The container's declared duration is not used: it counts the audio too, and a stream
+    cut at a non-keyframe declares frames that are never shown.
+
+    Raises:
+        DecodeFailure: the file does not open, or its video stream has no packet.
+
+    Example:
+        >>> probe_duration("videos/beach.mp4")  # doctest: +SKIP
+        23.04
+    """
+    import av
+
+    p = Path(path)
+    check_file(p)
+    try:
+        with av.open(ffmpeg_name(p), options={"threads": "1"}) as container:
+            stream = video_stream(container, p)
+            t0, time_base, end, n = stream.start_time or 0, float(stream.time_base), None, 0
+            try:
+                for packet in container.demux(stream):
+                    if not packet.size or packet.is_discard:
+                        continue
+                    n += 1
+                    if packet.pts is not None:
+                        stop = (packet.pts - t0 + (packet.duration or 0)) * time_base
+                        end = stop if end is None else max(end, stop)
+            except av.FFmpegError:  # a truncated file: what could be read
+                pass
+            if end is None and n:
+                end = n / frame_rate(stream)
+    except DecodeFailure:
+        raise
+    except Exception as exc:
+        raise DecodeFailure("unreadable", p, describe(exc)) from None
+    if not end or end <= 0:
+        raise DecodeFailure("no_frames", p, "its video stream has no packet")
+    return float(end)
+
+
 def video_stream(container: Any, path: Path) -> Any:
     if not container.streams.video:
         raise DecodeFailure("no_frames", path, "the file has no video stream")

@@ -113,6 +113,89 @@ def decode_with_readers(
     raise DecodeFailure(kind, path, "; ".join(errors))
 
 
+def decode_moments(
+    path: str | os.PathLike[str],
+    num_frames: int,
+    image_size: int,
+    bounds: Sequence[tuple[float | None, float | None]],
+) -> list[DecodedVideo | DecodeFailure]:
+    """Several clips (moments) of one file, decoded from one open of it: each clip's frames as
+    :func:`decode_video` of that clip alone gives them, or its :class:`DecodeFailure`.
+
+    decord opens the file once, reads the frame times once, and decodes the union of the frames the clips
+    sample in one sorted ``get_batch`` (decord seeks to the keyframe before a frame only when the frames
+    before it are not on its way; moments that overlap or touch share the decode). One open with seeks rather
+    than a full sequential pass: windows far apart, or a file cut into few moments, then skip what no moment
+    samples. Where that fails (decord cannot read the file, a frame does not decode), every clip is decoded
+    alone with :func:`decode_video`'s readers, so a failure is each clip's own, as if decoded alone.
+
+    Args:
+        path: the video file.
+        num_frames, image_size: F and S, as :func:`decode_video`.
+        bounds: ``(start_s, end_s)`` of each clip (None or NaN: open).
+
+    Returns:
+        One result per clip, in the order of ``bounds``.
+
+    Example:
+        >>> [v.frames.shape for v in decode_moments("long.mp4", 12, 224, [(0, 10), (10, 20)])]  # doctest: +SKIP
+        [(12, 224, 224, 3), (12, 224, 224, 3)]
+    """
+    check_sizes(num_frames, image_size)
+    path = Path(path)
+    clips = [(clip_bound(a), clip_bound(b)) for a, b in bounds]
+    try:
+        return _moments_decord(path, num_frames, image_size, clips)
+    except Exception as exc:
+        log.debug("%s: decoding its %d moments together failed (%s); each alone", path, len(clips), describe(exc))
+    out: list[DecodedVideo | DecodeFailure] = []
+    for start, end in clips:
+        try:
+            out.append(decode_with_readers(path, num_frames, image_size, start, end, READERS))
+        except DecodeFailure as failure:
+            out.append(failure)
+    return out
+
+
+def _moments_decord(path: Path, num_frames: int, image_size: int,
+                    clips: list[tuple[float | None, float | None]]) -> list[DecodedVideo | DecodeFailure]:
+    """:func:`decode_moments`'s one open: what :func:`_read_decord` does for one clip, for all of them."""
+    import decord
+
+    check_file(path)
+    width, height = probe_size(path)
+    new_w, new_h = resize_dims(width, height, image_size)
+    if not _decord_can_output(new_w):
+        raise RuntimeError(f"decord 0.6 cannot return frames {new_w} px wide (its row-padding bug)")
+    vr = _open_decord(decord, path, new_w, new_h)
+    times = _decord_times(vr)  # float64 (n,)
+    picks: list[np.ndarray | DecodeFailure] = []
+    for start, end in clips:
+        if start is not None and end is not None and end <= start:
+            picks.append(DecodeFailure("no_frames", path, f"empty clip range [{start:g}, {end:g}) s"))
+            continue
+        try:
+            picks.append(pick_frames(times, num_frames, start, end, path))
+        except DecodeFailure as failure:  # as decode_video's: decord found no frame, so PyAV's index finds none
+            picks.append(_read_alone(path, num_frames, image_size, start, end, failure))
+    wanted = np.unique(np.concatenate([p for p in picks if isinstance(p, np.ndarray)] or [np.zeros(0, np.int64)]))
+    if not len(wanted):
+        return picks  # no clip has a frame to decode: each is its failure or decoded alone
+    crops = centre_crop(vr.get_batch(wanted).asnumpy(), image_size)  # (k, S, S, 3), one sorted pass
+    at = {int(k): i for i, k in enumerate(wanted)}
+    return [p if not isinstance(p, np.ndarray) else
+            assemble(crops[[at[int(k)] for k in p]], times[p], num_frames, "decord") for p in picks]
+
+
+def _read_alone(path: Path, num_frames: int, image_size: int, start: float | None, end: float | None,
+                failure: DecodeFailure) -> DecodedVideo | DecodeFailure:
+    """A clip in which decord found no frame, decoded alone (PyAV's packet index may still find one)."""
+    try:
+        return decode_with_readers(path, num_frames, image_size, start, end, READERS)
+    except DecodeFailure as again:
+        return again
+
+
 def _read_decord(
     path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None,
     offsets: np.ndarray | None = None,

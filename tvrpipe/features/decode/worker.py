@@ -21,7 +21,7 @@ import numpy as np
 
 from tvrpipe.errors import VideoError
 from tvrpipe.features.decode.failure import DecodeFailure, describe
-from tvrpipe.features.decode.readers import READERS, decode_with_readers
+from tvrpipe.features.decode.readers import READERS, decode_moments, decode_with_readers
 from tvrpipe.features.decode.sampling import DecodedVideo, check_sizes
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,32 @@ class DecodeWorker:
         detail = f"{lost.detail}; then with PyAV alone: {lost_again.detail}"
         raise DecodeFailure(lost_again.kind, path, detail)
 
+    def decode_moments(
+        self, path: str | os.PathLike[str], num_frames: int, image_size: int,
+        bounds: list[tuple[float | None, float | None]],
+    ) -> list[DecodedVideo | DecodeFailure]:
+        """Several clips of one file decoded in the child from one open of it (:func:`decode_moments`), within
+        ``timeout_s`` per clip; a child lost on the way (timeout, crash) gets each clip decoded alone by
+        :meth:`decode`, with its own timeout and PyAV retry, so a hopeless file fails each clip as it would alone.
+
+        Returns:
+            Each clip's frames or its :class:`DecodeFailure`, in the order of ``bounds``.
+        """
+        check_sizes(num_frames, image_size)
+        bounds = [(None if a is None else float(a), None if b is None else float(b)) for a, b in bounds]
+        results, lost = self._send((_MOMENTS, str(path), int(num_frames), int(image_size), bounds), str(path),
+                                   "decord, moments", self.timeout_s * max(1, len(bounds)))
+        if results is not None:
+            return results
+        log.debug("decoding the moments of %s alone after: %s", path, lost)
+        out: list[DecodedVideo | DecodeFailure] = []
+        for start, end in bounds:
+            try:
+                out.append(self.decode(path, num_frames, image_size, start, end))
+            except DecodeFailure as failure:
+                out.append(failure)
+        return out
+
     def close(self) -> None:
         """Stop the child process (politely, then by force). The worker stays usable."""
         if self._finalizer is not None:
@@ -113,17 +139,21 @@ class DecodeWorker:
     ) -> tuple[DecodedVideo, None] | tuple[None, DecodeFailure]:
         """One request in the child. Failures the child reports are raised; losing the child
         (timeout, crash) is returned, so that the caller can retry."""
-        path, how = request[0], "+".join(readers)
+        return self._send((*request, readers, offsets), request[0], "+".join(readers), self.timeout_s)
+
+    def _send(self, message: tuple, path: str, how: str, timeout_s: float) -> tuple[Any, None] | tuple[None, DecodeFailure]:
+        """One message to the child and its reply within ``timeout_s``: ``(result, None)``, or ``(None, failure)``
+        when the child was lost (killed at the timeout, or died); an error the child reports is raised."""
         conn = self._ensure_started()
         try:
-            conn.send((*request, readers, offsets))
+            conn.send(message)
         except OSError:  # the child died between requests: start another and resend once
             self._kill()
             conn = self._ensure_started()
-            conn.send((*request, readers, offsets))
-        if not conn.poll(self.timeout_s):
+            conn.send(message)
+        if not conn.poll(timeout_s):
             self._kill()
-            detail = f"no result within {self.timeout_s:g} s ({how}); decoder process killed"
+            detail = f"no result within {timeout_s:g} s ({how}); decoder process killed"
             return None, DecodeFailure("timeout", path, detail)
         try:
             status, payload = conn.recv()
@@ -175,6 +205,7 @@ class DecodeWorker:
         return _shutdown(proc, conn, False) if proc is not None else None
 
 
+_MOMENTS = "\x00moments"  # first field of a decode_moments request (a path never holds a NUL)
 _CHILD_MAIN = ("import sys; from tvrpipe.features.decode.worker import _worker_main; "
                "_worker_main(*sys.argv[1:])")
 
@@ -202,7 +233,8 @@ def _worker_main(fd: str, parent_pid: str) -> None:
         if request is None:
             return
         try:
-            reply: tuple[str, Any] = ("ok", decode_with_readers(*request))
+            reply: tuple[str, Any] = ("ok", decode_moments(*request[1:]) if request[0] == _MOMENTS
+                                      else decode_with_readers(*request))
         except Exception as exc:  # every error goes back to the parent
             reply = ("error", exc if _picklable(exc) else VideoError(describe(exc)))
         conn.send(reply)

@@ -14,7 +14,7 @@ import pandas as pd
 from tvrpipe.cluster import check_reachable, cluster_cpus, ray_address, ray_init, ray_running, require_gpus
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.extract.config import ExtractConfig
-from tvrpipe.features.extract.plan import video_items
+from tvrpipe.features.extract.plan import decode_groups, send_decode, video_items
 from tvrpipe.features.weights import check_download, guess_image_size
 from tvrpipe.features.workers import ClipEncoder, Decoder
 
@@ -91,14 +91,15 @@ def fitted_frames(workers: Workers, frames: int) -> int:
 
 @dataclass
 class Early:
-    """Decodes sent before the weights' facts are known: ``refs`` maps each to (decoder, row)."""
+    """Decodes sent before the weights' facts are known: ``refs`` maps each call's first ref to (decoder, its
+    rows, the refs of its videos)."""
 
     image_size: int
-    refs: dict[Any, tuple[int, int]]
+    refs: dict[Any, tuple[int, tuple[int, ...], list]]
 
 
 def decode_early(workers: Workers, cfg: ExtractConfig, out: Path, videos: pd.DataFrame, root: Path,
-                 F: int) -> Early | None:
+                 F: int, by_file: bool = False) -> Early | None:
     """Send the decoders as many videos as the first two batches per encoder hold (two per decoder at
     least) while the encoders load the weights, seconds in which the decoders would wait: only for a new
     store, where every row is to do, and only when the image size can be read from the architecture's file
@@ -111,7 +112,11 @@ def decode_early(workers: Workers, cfg: ExtractConfig, out: Path, videos: pd.Dat
         return None
     # as many as the first batches hold: the cores a loading encoder leaves idle decode them
     n = min(len(videos), max(2 * len(workers.decoders), 2 * cfg.videos_per_call(F) * len(workers.encoders)))
-    items = video_items(videos.iloc[:n].assign(row=np.arange(n)), root)
-    return Early(size, {workers.decoders[i % len(workers.decoders)].decode.remote(item, F, size):
-                         (i % len(workers.decoders), item["row"]) for i, item in enumerate(items)})
+    groups = decode_groups(video_items(videos.iloc[:n].assign(row=np.arange(n)), root), by_file)
+    refs = {}
+    for i, group in enumerate(groups):  # by_file: a file's moments as one call, as the pipeline sends them
+        k = i % len(workers.decoders)
+        sent = send_decode(workers.decoders[k], group, F, size)
+        refs[sent[0]] = (k, tuple(item["row"] for item in group), sent)
+    return Early(size, refs)
 

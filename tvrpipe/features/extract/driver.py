@@ -220,7 +220,7 @@ def extract(
         else:  # the encoders that do the work report the weights' facts; the driver loads no model
             workers = start_workers(cfg)
             reached("ray")
-            early = decode_early(workers, cfg, out, videos, root, F)
+            early = decode_early(workers, cfg, out, videos, root, F, by_file=manifest.is_collection)
             facts = _reported_facts(workers.encoders[0], key)
             reached("weights")
             if early and early.image_size != facts["image_size"]:  # the architecture file was not the model's
@@ -264,7 +264,7 @@ def extract(
                 summary.videos_per_call = per_call if plan.jobs else 0
                 pipeline = Pipeline(writer, workers, summary, videos, texts, root, frames=F, max_words=L,
                                     image_size=facts["image_size"], videos_per_call=per_call,
-                                    first=lambda: reached("first_batch"))
+                                    first=lambda: reached("first_batch"), by_file=manifest.is_collection)
                 processed = pipeline.run(plan, early, cfg.progress)
             failures = writer.failures()
             failed_now = set(failures["video_id"])

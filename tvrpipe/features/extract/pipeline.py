@@ -17,7 +17,7 @@ from tvrpipe.errors import NonFiniteError
 from tvrpipe.features.arrays import nonfinite_rows
 from tvrpipe.features.extract.actors import Early, Workers
 from tvrpipe.features.extract.config import ExtractSummary, check_weights
-from tvrpipe.features.extract.plan import Plan, progress_display, rows_for, video_items
+from tvrpipe.features.extract.plan import Plan, decode_groups, progress_display, rows_for, send_decode, video_items
 from tvrpipe.features.store import Shard, StoreWriter
 
 
@@ -138,6 +138,7 @@ class Pipeline:
     image_size: int  # what the decoders resize and crop to: the encoders' model's
     videos_per_call: int  # decoded videos per encoder call
     first: Callable[[], None]  # called once, when the first videos come back encoded
+    by_file: bool = False  # a collection: a file's moments are decoded together (plan.decode_groups)
     bar: Any = field(default=None, init=False)  # the progress bars, while :meth:`run` runs
     feed: _TextFeed | None = field(default=None, init=False)
     ids: np.ndarray = field(init=False)  # video_id by row, for the failures' records
@@ -160,17 +161,19 @@ class Pipeline:
         import ray
 
         B, F, feed = self.videos_per_call, self.frames, self.feed
-        items = deque(video_items(rows_for(plan.jobs, self.videos), self.root))
-        task = self.bar.add_task("videos", total=len(items), rate="")
+        rows = video_items(rows_for(plan.jobs, self.videos), self.root)
+        task = self.bar.add_task("videos", total=len(rows), rate="")
         decoders, encoders = self.workers.decoders, self.workers.encoders
-        decoding: dict[Any, int] = {}  # ref -> its decoder
+        decoding: dict[Any, tuple[int, list]] = {}  # a call's first ref -> its decoder, and the refs of its videos
         encoding: dict[Any, int] = {}  # ref -> its encoder
         decoded: list = []  # refs of decoded videos, in the order they finished
         if early is not None:
-            todo = {item["row"] for item in items}
-            decoding = {ref: k for ref, (k, row) in early.refs.items() if row in todo}
-            sent = {row for k, row in early.refs.values() if row in todo}
-            items = deque(item for item in items if item["row"] not in sent)
+            todo = {item["row"] for item in rows}
+            kept = {ref: call for ref, call in early.refs.items() if set(call[1]) <= todo}
+            decoding = {ref: (k, refs) for ref, (k, _, refs) in kept.items()}
+            sent = {row for _, done, _ in kept.values() for row in done}
+            rows = [item for item in rows if item["row"] not in sent]
+        items = deque(decode_groups(rows, self.by_file))  # a decoder call each
 
         buf = _ShardBuffer([s for s, _ in plan.jobs],
                            {"emb": ((F, self.writer.provenance["embed_dim"]), 0, np.float16),
@@ -182,8 +185,9 @@ class Pipeline:
         done = 0
         while items or decoding or decoded or encoding:
             while items and len(decoding) < 2 * len(decoders) and len(decoded) < 2 * B * len(encoders):
-                k = _least_busy(decoding, len(decoders))
-                decoding[decoders[k].decode.remote(items.popleft(), F, self.image_size)] = k
+                k = _least_busy({ref: k for ref, (k, _) in decoding.items()}, len(decoders))
+                refs = send_decode(decoders[k], items.popleft(), F, self.image_size)
+                decoding[refs[0]] = (k, refs)
             last = not items and not decoding  # nothing more will be decoded: a short batch goes too
             # a whole batch, the last one, or what is decoded for an encoder that has nothing to do
             while decoded and len(encoding) < 2 * len(encoders) and (
@@ -195,8 +199,7 @@ class Pipeline:
             ready, _ = ray.wait([*decoding, *encoding, *feed.flight], num_returns=1)
             for ref in ready:
                 if ref in decoding:
-                    del decoding[ref]
-                    decoded.append(ref)
+                    decoded += decoding.pop(ref)[1]  # the call's videos, all finished with its first
                 elif ref in feed.flight:
                     feed.take(ref)
                 else:

@@ -128,3 +128,33 @@ def write_copied(writer, shards: list[Shard], copies: dict[int, np.ndarray], pro
             d = copied_videos(writer.previous, s, copies[s.index], F, D)
             writer.write_videos(s, d["emb"], d["mask"], d["timestamps"], [])
             bar.update(task, advance=s.stop - s.start)
+
+
+MOMENTS_PER_DECODE = 32  # choice: a file's moments decoded from one open, at most this many (their frames are memory)
+
+
+def decode_groups(items: list[dict[str, Any]], by_file: bool) -> list[list[dict[str, Any]]]:
+    """The decoder calls of ``items`` (:func:`video_items`): with ``by_file`` (a collection), the clips of one file
+    together, in order of time, up to :data:`MOMENTS_PER_DECODE` a call; every other item (a whole file, and
+    every clip of a benchmark) alone, as before."""
+    if not by_file:
+        return [[item] for item in items]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    alone = []
+    for item in items:
+        if np.isnan(item["start_s"]) and np.isnan(item["end_s"]):
+            alone.append([item])
+        else:
+            groups.setdefault(item["path"], []).append(item)
+    out = list(alone)
+    for group in groups.values():
+        group.sort(key=lambda i: (i["start_s"], i["end_s"]))
+        out += [group[k : k + MOMENTS_PER_DECODE] for k in range(0, len(group), MOMENTS_PER_DECODE)]
+    return out
+
+
+def send_decode(decoder, group: list[dict[str, Any]], frames: int, image_size: int) -> list:
+    """Start one decoder call of a :func:`decode_groups` group: one ref per item, in its order."""
+    if len(group) == 1:
+        return [decoder.decode.remote(group[0], frames, image_size)]
+    return list(decoder.decode_moments.options(num_returns=len(group)).remote(group, frames, image_size))
