@@ -667,7 +667,7 @@ def test_starts_at_zero_shot_and_mixes_the_heads_score(name):
         head = plain.similarity(plain.encode_texts(texts), plain.encode_videos(videos)).double().numpy()
     np.testing.assert_allclose(s, _zero_shot(texts, videos) + 0.5 * head, atol=1e-5)
     assert "g = 0.5, learned from 0" in mixed.meaning() and "not in the papers" in mixed.meaning()
-    assert plain.meaning() == plain.score_meaning
+    assert plain.meaning() == plain.config_meaning()[0]
 
 
 @pytest.mark.parametrize("name", HEADS)

@@ -28,6 +28,7 @@ from tvrpipe.features.extract import ExtractConfig, extract
 from tvrpipe.features.store import FeatureStore, open_store
 from tvrpipe.search import html as search_html
 from tvrpipe.search.html import THUMB_HEIGHT, write_html
+from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
 N_VIDEOS = 6
@@ -241,6 +242,7 @@ def test_each_hit_links_its_video_at_its_moment_and_the_legend_says_what_numbers
                                                        and "," not in h], hrefs
     assert "score minus a distance (higher ranks first)." in page.plain
     assert "uncertainty a variance: larger, less certain" in page.plain
+    assert " ".join(SCALE.split()) in page.plain  # scores compare within one head
     # without the video folder there is nothing to open, and the legend says so
     page = Page(write_html(tmp_path / "q.html", whole, store, None).read_text())
     assert not [v for tag, k, v in page.urls if tag == "a"] and "there is no file to open" in page.plain

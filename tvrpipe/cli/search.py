@@ -8,16 +8,31 @@ import json
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand
 
 from tvrpipe.cli.app import MAIN_PATH, app, console
 from tvrpipe.errors import ConfigError
 from tvrpipe.search.first_stages import AUTO, first_stage_help
 
 
-@app.command("search", rich_help_panel=MAIN_PATH)
+class _SearchCommand(TyperCommand):
+    """``search --help`` ends with what each head's score and uncertainty mean, read from the heads when the help
+    is shown (importing them imports torch, which no other command's start pays for)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from tvrpipe.search.meanings import SCALE, help_rows
+
+        with formatter.section("What a score means, by head (higher always ranks first)"):
+            formatter.write_dl(help_rows())
+            formatter.write_paragraph()
+            formatter.write_text(SCALE)
+
+
+@app.command("search", rich_help_panel=MAIN_PATH, cls=_SearchCommand)
 def search_cmd(
     queries: Annotated[Optional[list[str]], typer.Argument(
         help="One or more sentences to search for (quote each).", show_default=False)] = None,
@@ -107,7 +122,7 @@ def search_cmd(
     if html is not None:
         from tvrpipe.search.html import Meaning, render_html
 
-        meaning = Meaning(searcher.head.meaning(), searcher.head.uncertainty_meaning)
+        meaning = Meaning(searcher.head.meaning(), searcher.head.uncertainty_text())
         made.append((html, render_html(hits, searcher.store, searcher.video_root,
                                        f"tvrpipe search: {searcher.label}", thumbs, meaning=meaning)))
     for path, text in made:

@@ -175,10 +175,17 @@ class Head(nn.Module):
     # one lr, or ``{D: lr}`` where the curves at several widths D disagree (a wider head can need a
     # smaller lr); :meth:`lr_for` reads it at a store's width.
     default_lr: ClassVar[float | Mapping[int, float]] = 1e-3
-    # What the raw score of a (text, video) pair and the pair's uncertainty (:meth:`pair_uncertainty`)
-    # mean, in words for people: the search page's legend says it beside the numbers.
-    score_meaning: ClassVar[str] = "the head's similarity of the query and the video (higher ranks first)"
+    # What the raw score of a (text, video) pair means and which way ranks first, and what the pair's
+    # uncertainty (:meth:`pair_uncertainty`) is and which way is less certain: one sentence each, for people.
+    # `tvrpipe search --help`, the search page's legend and docs/search.md's table read them; register_head
+    # refuses a head that does not state its own score_meaning (and an uncertainty_meaning where it reports an
+    # uncertainty). A head whose config changes them (ProTA's probabilistic switch) says so here and gives
+    # its config's words in :meth:`config_meaning`.
+    score_meaning: ClassVar[str] = ""
     uncertainty_meaning: ClassVar[str | None] = None
+    # The bounds of the raw score, (low, high), None for an unbounded side: a cosine's (-1, 1). `tvrpipe search`
+    # refuses a --min-score outside them (it would cut every hit, or none).
+    score_range: ClassVar[tuple[float | None, float | None]] = (None, None)
 
     def init_from_clip(self, clip: nn.Module) -> Copied:
         """Initialise modules from the live CLIP where the head's paper does (finetune ``--init-from-clip``;
@@ -251,13 +258,36 @@ class Head(nn.Module):
             self.encode_videos = lambda videos: {**cls.encode_videos(self, videos), **_zero_shot_video(videos)}
             self.similarity = lambda t, v: self.mix_zero_shot(t, v, cls.similarity(self, t, v))
 
+    def config_meaning(self) -> tuple[str, tuple[float | None, float | None], str | None]:
+        """This head's score sentence, score range and uncertainty sentence under its config: the class's
+        :attr:`score_meaning`, :attr:`score_range` and :attr:`uncertainty_meaning`, unless a head whose config
+        changes them overrides this."""
+        return self.score_meaning, self.score_range, self.uncertainty_meaning
+
     def meaning(self) -> str:
-        """What a pair's score means, in words (the search page's legend): :attr:`score_meaning`, and with
+        """What a pair's score means, in words (the search page's legend): :meth:`config_meaning`'s, and with
         ``zero_shot_start`` the mix it is part of."""
+        words = self.config_meaning()[0]
         if not self.config.zero_shot_start:
-            return self.score_meaning
-        return (f"cos(sentence, mean of the frames) + g x (the {self.name} score: {self.score_meaning}); "
+            return words
+        return (f"cos(sentence, mean of the frames) + g x (the {self.name} score: {words}); "
                 f"g = {float(self.zero_shot_gate.detach()):.3g}, learned from 0 (--zero-shot-start, not in the papers)")
+
+    def score_bounds(self) -> tuple[float | None, float | None]:
+        """The bounds of this head's scores (None: unbounded), with ``zero_shot_start`` those of the mix:
+        [-1, 1] + g x :meth:`config_meaning`'s range."""
+        low, high = self.config_meaning()[1]
+        if not self.config.zero_shot_start:
+            return low, high
+        g = float(self.zero_shot_gate.detach())
+        if g == 0:
+            return -1.0, 1.0
+        low, high = (low, high) if g > 0 else (high, low)
+        return (None if low is None else g * low - 1.0), (None if high is None else g * high + 1.0)
+
+    def uncertainty_text(self) -> str | None:
+        """What :meth:`pair_uncertainty` means under this head's config (None: it reports none)."""
+        return self.config_meaning()[2]
 
     def mix_zero_shot(self, text_emb: Emb, video_emb: Emb, score: Tensor) -> Tensor:
         """``score`` (n_text, n_video), or with ``zero_shot_start`` cos(sentence, mean-pooled video) + g x
@@ -331,6 +361,7 @@ def register_head(name: str) -> Callable[[H], H]:
         if not (dataclasses.is_dataclass(cls.Config) and cls.Config.__dataclass_params__.frozen):
             raise TypeError(f"{cls.__name__}.Config must be a frozen dataclass")
         _check_default_lr(cls)
+        _check_meaning(cls)
         cls.name = name
         if "Config" in cls.__dict__:  # its own Config, not one inherited from the head it extends
             cls.Config.owner = name
@@ -349,6 +380,24 @@ def _check_default_lr(cls: type[Head]) -> None:
     if not ok:
         raise TypeError(f"{cls.__name__}.default_lr must be a positive learning rate or a non-empty "
                         f"{{embed_dim: lr}} table of positive values, not {lrs!r}")
+
+
+def _check_meaning(cls: type[Head]) -> None:
+    """The head states what its score means (its own words, not a parent's), its score range as (low, high)
+    with None for an unbounded side, and what its uncertainty means where it reports one."""
+    words = cls.__dict__.get("score_meaning")
+    if not isinstance(words, str) or not words.strip():
+        raise TypeError(f"{cls.__name__}.score_meaning must say, in one sentence of its own, what the head's score "
+                        "of a (text, video) pair is and which way ranks first (docs/search.md lists them)")
+    low, high = rng = cls.score_range if isinstance(cls.score_range, tuple) and len(cls.score_range) == 2 else (0, 0)
+    ok = all(b is None or (isinstance(b, (int, float)) and math.isfinite(b)) for b in rng)
+    if not ok or (low is not None and high is not None and low >= high):
+        raise TypeError(f"{cls.__name__}.score_range must be (low, high), low < high, None for an unbounded side, "
+                        f"not {cls.score_range!r}")
+    if cls.pair_uncertainty is not Head.pair_uncertainty and not (
+            isinstance(cls.uncertainty_meaning, str) and cls.uncertainty_meaning.strip()):
+        raise TypeError(f"{cls.__name__} reports a pair_uncertainty: its uncertainty_meaning must say what it is and "
+                        "which way is less certain")
 
 
 def list_heads() -> list[str]:

@@ -200,6 +200,7 @@ class DUQ(Head):
 
     score_meaning = ("DUQ Eq. 1, the X-Pool cosine of the sentence and the video pooled by attention to it, from -1 to"
                      " 1 (higher ranks first; Eq. 16's re-ranking is not applied)")
+    score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     Config = Config
 

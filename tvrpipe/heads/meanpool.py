@@ -57,6 +57,7 @@ class MeanPool(Head):
 
     score_meaning = ("the cosine of the sentence embedding and the mean of the frame embeddings, from -1 to 1 (higher "
                      "ranks first)")
+    score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     uses_tokens = False  # reads the sentence embedding only
 

@@ -234,6 +234,7 @@ class SeqTransf(Head):
 
     score_meaning = ("the cosine of the sentence embedding and the temporal transformer's video embedding, from -1 to "
                      "1 (higher ranks first)")
+    score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     uses_tokens = False  # reads the sentence embedding only
     default_lr = DEFAULT_LR

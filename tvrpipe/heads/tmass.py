@@ -122,7 +122,9 @@ class TMass(XPool):
 
     score_meaning = ("T-MASS Eq. 10: the best cosine, over the text mass's fixed samples, of a sampled text and the "
                      "video pooled by attention to the sentence; from -1 to 1 (higher ranks first)")
-    uncertainty_meaning = ("the radius |R|_1 of the text mass around the query: larger, a less certain query")
+    uncertainty_meaning = ("the radius |R|_1 of the text mass around the query for that video (Sec. 3.2), at least 0: "
+                           "larger, a less certain query (smaller, more certain)")
+    score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     Config = Config
 

@@ -102,6 +102,7 @@ class TokenWise(Head):
 
     score_meaning = ("UATVR Eq. 7: half the sum of each word's best frame cosine averaged over the words and each "
                      "frame's best word cosine averaged over the frames; from -1 to 1 (higher ranks first)")
+    score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     Config = Config
 

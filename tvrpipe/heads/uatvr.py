@@ -148,8 +148,9 @@ class UATVR(Head):
 
     score_meaning = ("UATVR Eq. 8: the token-wise similarity (Eq. 7) over words, frames and the extra learnable "
                      "tokens, from -1 to 1 (higher ranks first)")
-    uncertainty_meaning = ("the pair's sigma level, the geometric mean of the text's and the video's sigma: larger, less "
-                           "certain")
+    uncertainty_meaning = ("the pair's sigma level, the geometric mean of the text's and the video's sigma (Sec. 3.3's "
+                           "Gaussians), above 0: larger, less certain (smaller, more certain)")
+    score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     Config = Config
     default_lr = DEFAULT_LR

@@ -84,6 +84,7 @@ class XPool(Head):
 
     score_meaning = ("the cosine of the sentence embedding and the video pooled by attention to that sentence, from -1"
                      " to 1 (higher ranks first)")
+    score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     uses_tokens = False  # reads the sentence embedding only
 

@@ -33,6 +33,7 @@ from tvrpipe.errors import ConfigError
 from tvrpipe.features.decode import DecodeFailure, frames_at, sample_indices
 from tvrpipe.features.store import FeatureStore
 from tvrpipe.files import atomic_write_text
+from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ dd { margin: 0 0 4px 7em; }"""
 
 @dataclass(frozen=True)
 class Meaning:
-    """What a page's numbers mean, in the ranking head's words (``Head.score_meaning``, ``uncertainty_meaning``)."""
+    """What a page's numbers mean, in the ranking head's words for its config (``Head.meaning()``,
+    ``Head.uncertainty_text()``)."""
 
     score: str = "the head's similarity of the query and the video (higher ranks first)"
     uncertainty: str | None = None
@@ -279,8 +281,7 @@ def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str
     # Only inline data: images, this style and this script: nothing is ever fetched.
     csp = f"default-src 'none'; img-src data:; style-src {_csp_hash(_STYLE)}; script-src {_csp_hash(_SCRIPT)}"
     body = "\n".join(sections) if sections else "<p>No hits.</p>"
-    legend = [("score", f"{meaning.score}. Scores compare videos for one query; across queries or heads their "
-                        "scales differ.")]
+    legend = [("score", f"{meaning.score}. {SCALE}")]
     if any(h.uncertainty is not None for h in hits):
         legend.append(("uncertainty", meaning.uncertainty or "the head's uncertainty about the pair"))
     legend.append(("clip", "the moment of the file the hit is (whole file, or its bounds in seconds); "

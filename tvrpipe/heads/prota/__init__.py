@@ -225,6 +225,14 @@ def _drop_shift_bias(module: nn.Module, state_dict: dict, prefix: str, *_) -> No
 class ProTA(Head):
     """ProTA: S^p of Eq. 11 (or S of Eq. 8), trained with Eq. 16."""
 
+    score_meaning = ("ProTA Eq. 11 (probabilistic, the default): the token-level aggregation (Eq. 2-8) of negative "
+                     "2-Wasserstein distances between the text's and the video's token Gaussians, at most 0; higher "
+                     "(nearer 0) ranks first. With probabilistic=false, Eq. 8: the same aggregation of word-frame "
+                     "cosines, from -1 to 1 (higher ranks first)")
+    uncertainty_meaning = ("probabilistic ProTA: the mean of the text's and the video's token variance (Eq. 9), above 0: "
+                           "larger, less certain (smaller, more certain); none with probabilistic=false")
+    score_range = (None, 1.0)  # either variant's: at most 0 (Eq. 11), or from -1 to 1 (Eq. 8)
+
     Config = Config
     default_lr = DEFAULT_LR
 
@@ -383,18 +391,15 @@ class ProTA(Head):
         m_t2v, m_v2t = self.pair_margins(text_emb, video_emb)
         return {"margin": (m_t2v + m_v2t) / 2}
 
-    @property
-    def score_meaning(self) -> str:  # type: ignore[override]  # the score depends on the config
+    def config_meaning(self) -> tuple[str, tuple[float | None, float | None], str | None]:
+        """The score, its range and the uncertainty of this config's variant (Eq. 11, or Eq. 8 and none)."""
         if self.config.probabilistic:
             return ("ProTA Eq. 11: the token-level aggregation (Eq. 2-8) of negative 2-Wasserstein distances between "
-                    "the text's and the video's token Gaussians, so mostly below 0; higher (nearer 0) ranks first")
-        return "ProTA Eq. 8: the token-level aggregation (Eq. 2-8) of word-frame similarities (higher ranks first)"
-
-    @property
-    def uncertainty_meaning(self) -> str | None:  # type: ignore[override]
-        if self.config.probabilistic:
-            return "the mean of the text's and the video's token variance: larger, less certain"
-        return None
+                    "the text's and the video's token Gaussians, at most 0; higher (nearer 0) ranks first", (None, 0.0),
+                    "the mean of the text's and the video's token variance (Eq. 9), above 0: larger, less certain "
+                    "(smaller, more certain)")
+        return ("ProTA Eq. 8: the token-level aggregation (Eq. 2-8) of word-frame cosines, from -1 to 1 (higher ranks "
+                "first)", (-1.0, 1.0), None)
 
     def pair_uncertainty(self, text_emb: Emb, video_emb: Emb) -> Tensor | None:
         """The mean of the text's and the video's token variance (probabilistic ProTA; None otherwise)."""
