@@ -597,3 +597,122 @@ def test_a_changed_collection_is_told_the_complete_commands_that_update_its_stor
     assert r.exit_code == 1 and "--out MANIFEST_DIR` and `tvrpipe extract --manifest MANIFEST_DIR --video-root" \
         in _text(r), r.output
     assert "MANIFEST_DIR: a folder for the collection's manifest (the store records none)" in _text(r)
+
+
+# -------------------------------------------------------------------------------------------- --min-score
+
+
+def _zero_shot_numpy(texts, store) -> np.ndarray:
+    """cos(sentence, the normalised mean of each video's L2-normalised real frames), float64; -inf for a video
+    with no real frame (never searchable)."""
+    frames = store.array("videos/frames")[:].astype(np.float64)
+    mask = store.array("videos/frame_mask")[:]
+    s = texts.sentence.double().numpy()
+    s /= np.linalg.norm(s, axis=1, keepdims=True)
+    out = np.full((len(s), len(frames)), -np.inf)
+    for j in range(len(frames)):
+        if mask[j].any():
+            real = frames[j][mask[j]]
+            m = (real / np.linalg.norm(real, axis=1, keepdims=True)).mean(0)
+            out[:, j] = s @ (m / np.linalg.norm(m))
+    return out
+
+
+def test_min_score_cuts_the_hits_below_it_after_ranking(store, captions):
+    """The top k by the head (checked against NumPy), then the hits scoring below X cut: each query keeps the head
+    of its list (ranks 1, 2, ...), a hit scoring exactly X stays, and a note per query says how many were cut."""
+    from tvrpipe.heads.base import TextBatch
+
+    texts, _ = captions
+    texts = TextBatch(texts.tokens[:6], texts.token_mask[:6], texts.sentence[:6])
+    queries = [f"q{i}" for i in range(6)]
+    searcher = Searcher(store, _head("meanpool"), "zero-shot", 8, None)
+    k = 6
+    everything = search(searcher, queries, k=k, texts=texts)
+    ref = _zero_shot_numpy(texts, store)
+    for q, query in enumerate(queries):
+        mine = [h for h in everything.hits if h.query == query]
+        want = np.argsort(-ref[q], kind="stable")[:k]
+        assert [h.row for h in mine] == want.tolist()
+        np.testing.assert_allclose([h.score for h in mine], ref[q, want], atol=1e-5)
+    x = next(h.score for h in everything.hits if h.query == "q0" and h.rank == 4)  # q0 keeps 4: its 4th scores x
+    found = search(searcher, queries, k=k, texts=texts, min_score=x)
+    assert found.hits == [h for h in everything.hits if h.score >= x]
+    kept = {query: [h.rank for h in found.hits if h.query == query] for query in queries}
+    assert kept["q0"] == [1, 2, 3, 4]
+    assert all(ranks == list(range(1, len(ranks) + 1)) for ranks in kept.values())
+    cut = {query: k - len(ranks) for query, ranks in kept.items() if len(ranks) < k}
+    assert found.cut == cut and found.min_score == x and found.top_k == k
+    assert found.note("q0") == f"2 of the top 6 hits scored below --min-score {x:.10g} and were cut"
+    assert all(found.note(query) is None for query in queries if query not in cut)
+    # above every score of the top 6: nothing left, and the note says so
+    none = search(searcher, queries, k=k, texts=texts, min_score=1.0)
+    assert none.hits == [] and none.cut == dict.fromkeys(queries, k)
+    assert none.note("q3") == "no hit scored at least --min-score 1: all 6 of the top 6 cut"
+    # with the two stages, the same cut of the same hits
+    shortlist = {"k": k, "texts": texts, "candidates": 20, "first_stage": "exact"}
+    two = search(searcher, queries, min_score=x, **shortlist)
+    assert two.hits == [h for h in search(searcher, queries, **shortlist).hits if h.score >= x]
+
+
+def test_a_min_score_outside_the_heads_scores_is_refused_before_anything_is_written(store, captions):
+    texts, _ = captions
+    cosine = Searcher(store, _head("meanpool"), "zero-shot", 8, None)
+    words = create_head("meanpool", embed_dim=D).meaning()
+    for x, what in ((1.5, "every hit"), (-1.25, "no hit")):
+        with pytest.raises(ConfigError) as e:
+            search(cosine, ["a dog"], k=3, texts=texts, min_score=x)
+        assert str(e.value) == (f"--min-score {x:g} is outside the scores of zero-shot, which are from -1 to 1 "
+                                f"({words}): it would cut {what}; each head scores on its own scale, so give a "
+                                "value from -1 to 1")
+    with pytest.raises(ConfigError, match="--min-score nan: a finite number is needed"):
+        search(cosine, ["a dog"], k=3, texts=texts, min_score=float("nan"))
+    assert not (store.dir / INDEX_DIR).exists()  # refused before the first stage was built
+    prota = Searcher(store, _head("prota"), "prota (runs/p)", 8, None)
+    with pytest.raises(ConfigError, match=r"--min-score 0.1 is outside the scores of prota \(runs/p\), which are at most "
+                                          r"0 \(ProTA Eq. 11: .*\): it would cut every hit; .* give a value at most 0$"):
+        search(prota, ["a dog"], k=3, texts=texts, min_score=0.1)
+    assert len(search(prota, [f"q{i}" for i in range(len(texts))], k=3, texts=texts, min_score=-50.0).hits) > 0
+
+
+def test_min_score_from_the_cli_cuts_the_table_the_files_and_the_page(tiny_copy, cli, tmp_path):
+    queries = ("a red circle moves", "a dog")
+    r = cli("search", *queries, "--features", tiny_copy, "--top-k", 5, "--json", tmp_path / "all.json")
+    assert r.exit_code == 0, r.output
+    every = json.loads((tmp_path / "all.json").read_text())
+    x = every[2]["score"]  # the first query keeps its top 3
+    out = {"--json": tmp_path / "cut.json", "--csv": tmp_path / "cut.csv", "--html": tmp_path / "cut.html"}
+    r = cli("search", *queries, "--features", tiny_copy, "--top-k", 5, "--min-score", repr(x),
+            *[a for kv in out.items() for a in kv])
+    assert r.exit_code == 0, r.output
+    kept = [h for h in every if h["score"] >= x]
+    assert json.loads(out["--json"].read_text()) == kept
+    assert len(out["--csv"].read_text().splitlines()) == 1 + len(kept)
+    page = " ".join(out["--html"].read_text().split())
+    for q in queries:
+        n = 5 - sum(h["query"] == q for h in kept)
+        note = (f"{n} of the top 5 hits scored below --min-score {x:.10g} and were cut" if n < 5 else
+                f"no hit scored at least --min-score {x:.10g}: all 5 of the top 5 cut")
+        assert (note in _text(r)) == (n > 0) and (f'<p class="note">{note}</p>' in page) == (n > 0), (q, n)
+    assert "2 of the top 5 hits scored below" in _text(r)
+    # above every score: each query is named with its note, the files hold no hit, the page a section per query
+    r = cli("search", *queries, "--features", tiny_copy, "--top-k", 5, "--min-score", "1", "--json", out["--json"],
+            "--html", out["--html"])
+    assert r.exit_code == 0, r.output
+    for q in queries:
+        assert f"{q}: no hit scored at least --min-score 1: all 5 of the top 5 cut" in _text(r)
+    assert json.loads(out["--json"].read_text()) == []
+    page = out["--html"].read_text()
+    assert page.count("<section>") == 2 and page.count("all 5 of the top 5 cut") == 2
+
+
+def test_a_bad_min_score_from_the_cli_is_one_line_and_nothing_is_written(tiny_copy, cli, tmp_path):
+    r = cli("search", "a dog", "--features", tiny_copy, "--min-score", "30", "--json", tmp_path / "h.json")
+    assert r.exit_code == 1, r.output
+    assert ("error: --min-score 30 is outside the scores of zero-shot CLIP (meanpool, untrained), which are from -1 "
+            "to 1 (the cosine of the sentence embedding and the mean of the frame embeddings, from -1 to 1 (higher "
+            "ranks first)): it would cut every hit; each head scores on its own scale, so give a value from -1 to "
+            "1") in _text(r)
+    assert not (tmp_path / "h.json").exists() and not (tiny_copy / INDEX_DIR).exists()
+    r = cli("search", "a dog", "--features", tiny_copy, "--min-score", "nan")
+    assert r.exit_code == 2 and "a finite number is needed" in r.output

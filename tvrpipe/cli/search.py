@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand
 
-from tvrpipe.cli.app import MAIN_PATH, app, console
+from tvrpipe.cli.app import MAIN_PATH, app, console, finite_float
 from tvrpipe.errors import ConfigError
 from tvrpipe.search.first_stages import AUTO, first_stage_help
 
@@ -45,6 +45,10 @@ def search_cmd(
         "--queries", help="A text file of queries, one per line (blank lines and # comments skipped).")] = None,
     top_k: Annotated[Optional[int], typer.Option(
         help="Hits per query (default 10, or every video of a smaller store).", show_default=False)] = None,
+    min_score: Annotated[Optional[float], typer.Option(
+        parser=finite_float, metavar="X", help="Cut the hits scoring below X, after ranking: a query may show fewer "
+        "than --top-k hits, or none, and a note says how many were cut. X is on the ranking head's own scale "
+        "(below): a value outside its scores (e.g. above 1 for a cosine) is refused.", show_default=False)] = None,
     candidates: Annotated[Optional[int], typer.Option(
         help="K: the shortlist of the first stage (pooled CLIP embeddings) that the run's head re-ranks; "
              "default: the head scores every video (exhaustive).")] = None,
@@ -99,7 +103,8 @@ def search_cmd(
     searcher = open_searcher(features, run, device, pretrained, video_root)
     # the collection's folder too, where the store says it is: a page written there would become one of its files
     check_output_files(outputs, {"--video-root": searcher.video_root})
-    found = search(searcher, texts, top_k, candidates, first_stage, index, first_stage_settings=first_stage_set or ())
+    found = search(searcher, texts, top_k, candidates, first_stage, index, first_stage_settings=first_stage_set or (),
+                   min_score=min_score)
     hits = found.hits
     how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
            else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos")
@@ -107,7 +112,7 @@ def search_cmd(
     if repeated:
         console.print(f"{repeated} repeated quer{'ies' if repeated > 1 else 'y'} searched once", highlight=False)
     for q in texts:
-        _print_hits(q, [h for h in hits if h.query == q])
+        _print_hits(q, [h for h in hits if h.query == q], found.note(q))
     # every output made before any is written: a failure leaves none of them behind
     records = [h.record() for h in hits]
     made = []
@@ -123,8 +128,9 @@ def search_cmd(
         from tvrpipe.search.html import Meaning, render_html
 
         meaning = Meaning(searcher.head.meaning(), searcher.head.uncertainty_text())
-        made.append((html, render_html(hits, searcher.store, searcher.video_root,
-                                       f"tvrpipe search: {searcher.label}", thumbs, meaning=meaning)))
+        notes = {q: note for q in texts if (note := found.note(q))}
+        made.append((html, render_html(hits, searcher.store, searcher.video_root, f"tvrpipe search: {searcher.label}",
+                                       thumbs, meaning=meaning, queries=texts, notes=notes)))
     for path, text in made:
         atomic_write_text(path, text, parents=True)
         console.print(f"wrote {path}", highlight=False)
@@ -143,9 +149,12 @@ def _run_features(run: Path | None) -> Path:
     raise ConfigError("give --features: the feature store to search (tvrpipe extract --out)")
 
 
-def _print_hits(query: str, hits) -> None:
-    """One query's hits as a table; names wrap instead of being cut, and the path column is left out where it
-    repeats the video id (a collection's ids are its files' paths)."""
+def _print_hits(query: str, hits, note: str | None = None) -> None:
+    """One query's hits as a table, and ``note`` (what --min-score cut) below it; names wrap instead of being cut,
+    and the path column is left out where it repeats the video id (a collection's ids are its files' paths)."""
+    if not hits:
+        console.print(Text.assemble(query, (f": {note}" if note else ": no hit", "italic")))
+        return
     table = Table(title=Text(query), title_justify="left")
     unc = any(h.uncertainty is not None for h in hits)
     clips = any(h.clip() != "whole file" for h in hits)
@@ -161,3 +170,5 @@ def _print_hits(query: str, hits) -> None:
         u = [f"{h.uncertainty:.4g}" if h.uncertainty is not None else ""] if unc else []
         table.add_row(str(h.rank), h.video_id, *path, *clip, f"{h.score:.4f}", *u)
     console.print(table)
+    if note:
+        console.print(note, style="italic")

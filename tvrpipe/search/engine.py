@@ -389,24 +389,64 @@ class Found:
     """What :func:`search` found, and how.
 
     Attributes:
-        hits: one :class:`Hit` per query and rank, queries in order, best first.
+        hits: one :class:`Hit` per query and rank, queries in order, best first (those scoring below
+            ``min_score`` cut).
         searchable: the store's videos with a decoded frame (the others cannot match).
         candidates: the videos the head scored per query: K of the two stages, or ``searchable`` when it
             scored every one (no K, or K at least the searchable videos).
+        min_score: the score below which hits were cut (None: none were).
+        cut: per query, the hits of its top k that scored below ``min_score`` (queries with none left out).
+        top_k: the hits asked for per query, before the cut.
     """
 
     hits: list[Hit]
     searchable: int
     candidates: int
+    min_score: float | None = None
+    cut: Mapping[str, int] = field(default_factory=dict)
+    top_k: int = 0
 
     @property
     def exhaustive(self) -> bool:
         return self.candidates >= self.searchable
 
+    def note(self, query: str) -> str | None:
+        """What ``--min-score`` cut from ``query``'s hits, for people; None where it cut nothing."""
+        n = self.cut.get(query, 0)
+        if not n:
+            return None
+        if n == self.top_k:
+            return f"no hit scored at least --min-score {self.min_score:.10g}: all {n} of the top {self.top_k} cut"
+        return f"{n} of the top {self.top_k} hits scored below --min-score {self.min_score:.10g} and were cut"
+
+
+def check_min_score(searcher: Searcher, min_score: float) -> None:
+    """``--min-score`` a finite number inside the bounds of the head's scores (:meth:`Head.score_bounds`): above
+    them it would cut every hit, below them none. Scores compare within one head only, so the bounds are the
+    ranking head's (with ``zero_shot_start``, those of its mix).
+
+    Raises:
+        ConfigError: naming the value, what ranks, and the head's range.
+    """
+    import math
+
+    if not math.isfinite(min_score):
+        raise ConfigError(f"--min-score {min_score}: a finite number is needed")
+    low, high = searcher.head.score_bounds()
+    if (low is None or min_score >= low) and (high is None or min_score <= high):
+        return
+    span = (f"from {low:g} to {high:g}" if low is not None and high is not None
+            else f"at most {high:g}" if high is not None else f"at least {low:g}")
+    what = "every hit" if high is not None and min_score > high else "no hit"
+    raise ConfigError(f"--min-score {min_score:.10g} is outside the scores of {searcher.label}, which are {span} "
+                      f"({searcher.head.meaning()}): it would cut {what}; each head scores on its own scale, so "
+                      f"give a value {span}")
+
 
 def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
-           texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = ()) -> Found:
+           texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
+           min_score: float | None = None) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -420,14 +460,17 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         texts: the queries already encoded (:meth:`Searcher.encode`); encoded here when None.
         first_stage_settings: the first stage's settings over its Config's defaults (``KEY=VALUE`` items or a
             mapping); with ``index``, its search-time ones only.
+        min_score: cut the hits scoring below it, after ranking (a query may keep fewer than ``k``, or none);
+            None: keep all ``k``.
 
     Returns:
-        The hits (one per query and rank, queries in order, best first), and how many videos were scored.
+        The hits (one per query and rank, queries in order, best first), how many videos were scored, and how
+        many hits ``min_score`` cut.
 
     Raises:
         ConfigError: an empty query, ``k`` or ``candidates`` out of range, both ``index`` and a ``first_stage``,
-            or a first stage that cannot be had (checked before the first stage is built where the store's
-            size is enough to tell).
+            a first stage that cannot be had (checked before the first stage is built where the store's
+            size is enough to tell), or a ``min_score`` outside the head's scores (:func:`check_min_score`).
     """
     from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.index import exported_stage
@@ -441,6 +484,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
     if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
         stage_config(resolve_first_stage(first_stage), first_stage_settings)
+    if min_score is not None:
+        check_min_score(searcher, min_score)
     if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
         check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
         _check_candidates(candidates, k)
@@ -456,7 +501,14 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         ranked = exhaustive(searcher.head, texts, store, stage.rows, k, searcher.device)
     else:
         ranked = two_stage(searcher.head, texts, store, stage, k, candidates, searcher.device)
-    return Found(hits_of(queries, ranked, store.videos), len(stage), ranked.candidates)
+    hits = hits_of(queries, ranked, store.videos)
+    if min_score is None:
+        return Found(hits, len(stage), ranked.candidates, top_k=k)
+    cut: dict[str, int] = {}
+    for h in hits:  # each query's hits are best first: the cut is a tail, and the ranks kept stay 1, 2, ...
+        if h.score < min_score:
+            cut[h.query] = cut.get(h.query, 0) + 1
+    return Found([h for h in hits if h.score >= min_score], len(stage), ranked.candidates, min_score, cut, k)
 
 
 def _check_candidates(candidates: int | None, k: int) -> None:

@@ -23,7 +23,7 @@ import io
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +62,7 @@ td.path { font-family: monospace; font-size: 90%; word-break: break-all; max-wid
 figure { display: inline-block; margin: 0 4px 0 0; text-align: center; font-size: 75%; color: #666; }
 figure img { display: block; }
 p.why { color: #a33; margin: 2px 0; font-size: 85%; }
+p.note { font-style: italic; color: #555; }
 dl { font-size: 90%; color: #444; max-width: 60em; }
 dt { font-weight: bold; float: left; width: 7em; }
 dd { margin: 0 0 4px 7em; }"""
@@ -93,6 +94,8 @@ def write_html(
     thumbs: int = 4,
     progress: bool = False,
     meaning: Meaning | None = None,
+    queries: Sequence[str] | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> Path:
     """Write the hits as one self-contained HTML page, a row of thumbnails per hit.
 
@@ -108,6 +111,9 @@ def write_html(
         thumbs: Thumbnails per hit, at most (fewer when the store recorded fewer frames).
         progress: Show a progress bar while decoding.
         meaning: What the scores and uncertainties mean, for the page's legend (the head's words).
+        queries: Every query searched, in order: one left without hits (``--min-score`` cut them all) still gets
+            its section (default: the queries of ``hits``).
+        notes: A line to show under a query's hits (what ``--min-score`` cut), by query.
 
     Returns:
         The page's path.
@@ -121,7 +127,7 @@ def write_html(
         PosixPath('hits.html')
     """
     out = Path(out)
-    page = render_html(hits, store, video_root, title, thumbs, progress, meaning)
+    page = render_html(hits, store, video_root, title, thumbs, progress, meaning, queries, notes)
     atomic_write_text(out, page, parents=True)
     log.info("wrote %s (%d hits)", out, len(hits))
     return out
@@ -129,7 +135,8 @@ def write_html(
 
 def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.PathLike[str] | None,
                 title: str = "tvrpipe search", thumbs: int = 4, progress: bool = False,
-                meaning: Meaning | None = None) -> str:
+                meaning: Meaning | None = None, queries: Sequence[str] | None = None,
+                notes: Mapping[str, str] | None = None) -> str:
     """The page :func:`write_html` writes, as text (the thumbnails decoded); nothing is written.
 
     Raises:
@@ -140,7 +147,8 @@ def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.P
     root = None if video_root is None else Path(video_root)
     shown = _decode_all(hits, store, root, thumbs, progress)
     # ASCII with character references: the page reads the same whatever encoding opens it
-    return _page(hits, shown, title, root, meaning or Meaning()).encode("ascii", "xmlcharrefreplace").decode("ascii")
+    page = _page(hits, shown, title, root, meaning or Meaning(), queries, notes or {})
+    return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
 def _decode_all(
@@ -258,22 +266,28 @@ def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool, video_root: Path | No
 
 
 def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str, video_root: Path | None,
-          meaning: Meaning) -> str:
+          meaning: Meaning, queries: Sequence[str] | None, notes: Mapping[str, str]) -> str:
     e = html.escape
-    by_query: dict[str, list[Hit]] = {}
+    by_query: dict[str, list[Hit]] = {q: [] for q in queries or ()}
     for h in hits:
         by_query.setdefault(h.query, []).append(h)
     n_images = sum(len(shown[h.row, h.path].images) for h in hits)
     n_missing = len({k for k in shown if shown[k].why})
     sections = []
     for query, qhits in by_query.items():
+        words = notes.get(query) or ("" if qhits else "no hit")
+        note = f'<p class="note">{e(words)}</p>\n' if words else ""
+        if not qhits:
+            sections.append(f"<section>\n<h2>Query: &ldquo;{e(query)}&rdquo;</h2>\n{note}</section>")
+            continue
         with_u = any(h.uncertainty is not None for h in qhits)
         head = ["rank", "video", "path", "clip", "score"] + (["uncertainty"] if with_u else []) + ["frames"]
         rows = "\n".join(_row(h, shown[h.row, h.path], with_u, video_root)
                           for h in sorted(qhits, key=lambda h: h.rank))
         sections.append(
             f'<section>\n<h2>Query: &ldquo;{e(query)}&rdquo;</h2>\n<table>\n<thead><tr>'
-            + "".join(f"<th>{c}</th>" for c in head) + f"</tr></thead>\n<tbody>\n{rows}\n</tbody>\n</table>\n</section>"
+            + "".join(f"<th>{c}</th>" for c in head) + f"</tr></thead>\n<tbody>\n{rows}\n</tbody>\n</table>\n{note}"
+            "</section>"
         )
     without = f"; {n_missing} video{'s' if n_missing != 1 else ''} without thumbnails" if n_missing else ""
     summary = (f'{len(by_query)} quer{"ies" if len(by_query) != 1 else "y"}, {len(hits)} hits, {n_images} '
