@@ -122,7 +122,10 @@ def test_the_docs_hold_every_heads_words_as_the_heads_say_them_now():
         assert f"| `{name}` | {head_class(name).score_meaning.replace('|', chr(92) + '|')} |" in table
     assert f"| {ZERO_SHOT_ROW} | zero-shot CLIP, the meanpool head untrained: " in table
     assert "\\|R\\|_1" in table  # a | inside a cell is escaped, so the row keeps its columns
-    assert all(line.count(" | ") == 2 for line in table.splitlines()[2:]), table
+    assert all(line.count(" | ") == 3 for line in table.splitlines()[2:]), table
+    for name in list_heads():  # a head takes a picture where it reads the sentence alone
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
+        assert row.endswith("| yes |" if not head_class(name).uses_tokens else "| no: reads word tokens |"), row
     assert _flat(SCALE) in _flat(text)
 
 
@@ -131,7 +134,8 @@ def test_search_help_says_what_every_heads_score_and_uncertainty_mean(cli):
     assert r.exit_code == 0, r.output
     text = _flat(r.output)
     assert "What a score means, by head (higher always ranks first):" in text
-    for name, score, unc in head_meanings():
-        assert _flat(f"{name} {score}.") in text, name
-        assert (_flat(f"Uncertainty: {unc}.") if unc else "No uncertainty.") in text
+    for name, score, unc, image in head_meanings():
+        words = (f"{name} {score}." + (f" Uncertainty: {unc}." if unc else " No uncertainty.")
+                 + (" Takes --image." if image else " Not --image (it reads word tokens)."))
+        assert _flat(words) in text, name
     assert _flat(SCALE) in text

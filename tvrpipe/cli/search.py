@@ -43,6 +43,11 @@ def search_cmd(
              "zero-shot CLIP, mean-pooled.")] = None,
     queries_file: Annotated[Optional[Path], typer.Option(
         "--queries", help="A text file of queries, one per line (blank lines and # comments skipped).")] = None,
+    image: Annotated[Optional[list[Path]], typer.Option(
+        metavar="PICTURE", help="A picture to search with instead of sentences (repeatable: each picture is a query): its CLIP image "
+             "embedding, preprocessed as extraction preprocesses a frame, takes the sentence's place. Zero-shot "
+             "(no --run), or a run of a head that reads the sentence alone (below: 'takes --image').",
+        show_default=False)] = None,
     top_k: Annotated[Optional[int], typer.Option(
         help="Hits per query (default 10, or every video of a smaller store).", show_default=False)] = None,
     min_score: Annotated[Optional[float], typer.Option(
@@ -76,27 +81,35 @@ def search_cmd(
     ] = None,
     device: Annotated[str, typer.Option(help="Where the head runs: cpu or cuda.")] = "cpu",
 ) -> None:
-    """Search a feature store's videos with sentences; print the top hits of each (rank, video, path, clip
-    bounds, score, and the head's uncertainty where it has one)."""
+    """Search a feature store's videos with sentences (or pictures, --image); print the top hits of each (rank,
+    video, path, clip bounds, score, and the head's uncertainty where it has one)."""
     from tvrpipe.features.outputs import check_output_files
     from tvrpipe.files import atomic_write_text
     from tvrpipe.search.engine import open_searcher, read_queries, search
     from tvrpipe.search.results import HIT_COLUMNS
 
     texts = list(queries or [])
+    if image and (texts or queries_file is not None):
+        given = f"{texts[0]!r}" if texts else f"--queries {queries_file}"
+        raise ConfigError(f"--image {image[0]} and a text query ({given}) were both given: search with pictures or "
+                          "with sentences, in separate searches")
     if queries_file is not None:
         texts += read_queries(queries_file)
+    if image:
+        texts = [str(p) for p in image]
     if not texts:
         raise ConfigError("no query: give one or more sentences, e.g. tvrpipe search \"a dog catches a frisbee\" "
-                          "--features STORE, or --queries FILE")
+                          "--features STORE, --queries FILE, or --image PICTURE")
     repeated = len(texts) - len(set(texts))
-    texts = list(dict.fromkeys(texts))  # a repeated query has the same hits: searched and shown once
+    texts = list(dict.fromkeys(texts))  # a repeated query (or picture) has the same hits: searched and shown once
     if html is not None and thumbs < 1:
         raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose cpu or cuda")
     outputs = {"--json": json_out, "--csv": csv_out, "--html": html}
     check_output_files(outputs, {"--run": run, "--video-root": video_root})
+    for picture in image or ():  # a page written over the picture searched with would lose it
+        check_output_files(outputs, {"--image": picture})
     if features is None:
         features = _run_features(run)
     check_output_files(outputs, {"--features": features})
@@ -104,7 +117,7 @@ def search_cmd(
     # the collection's folder too, where the store says it is: a page written there would become one of its files
     check_output_files(outputs, {"--video-root": searcher.video_root})
     found = search(searcher, texts, top_k, candidates, first_stage, index, first_stage_settings=first_stage_set or (),
-                   min_score=min_score)
+                   min_score=min_score, images=bool(image))
     hits = found.hits
     how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
            else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos")
@@ -130,7 +143,8 @@ def search_cmd(
         meaning = Meaning(searcher.head.meaning(), searcher.head.uncertainty_text())
         notes = {q: note for q in texts if (note := found.note(q))}
         made.append((html, render_html(hits, searcher.store, searcher.video_root, f"tvrpipe search: {searcher.label}",
-                                       thumbs, meaning=meaning, queries=texts, notes=notes)))
+                                       thumbs, meaning=meaning, queries=texts, notes=notes,
+                                       heading="Picture" if image else "Query")))
     for path, text in made:
         atomic_write_text(path, text, parents=True)
         console.print(f"wrote {path}", highlight=False)

@@ -96,6 +96,7 @@ def write_html(
     meaning: Meaning | None = None,
     queries: Sequence[str] | None = None,
     notes: Mapping[str, str] | None = None,
+    heading: str = "Query",
 ) -> Path:
     """Write the hits as one self-contained HTML page, a row of thumbnails per hit.
 
@@ -114,6 +115,7 @@ def write_html(
         queries: Every query searched, in order: one left without hits (``--min-score`` cut them all) still gets
             its section (default: the queries of ``hits``).
         notes: A line to show under a query's hits (what ``--min-score`` cut), by query.
+        heading: What each query's section is headed with (``Picture`` for ``--image``'s paths).
 
     Returns:
         The page's path.
@@ -127,7 +129,7 @@ def write_html(
         PosixPath('hits.html')
     """
     out = Path(out)
-    page = render_html(hits, store, video_root, title, thumbs, progress, meaning, queries, notes)
+    page = render_html(hits, store, video_root, title, thumbs, progress, meaning, queries, notes, heading)
     atomic_write_text(out, page, parents=True)
     log.info("wrote %s (%d hits)", out, len(hits))
     return out
@@ -136,7 +138,7 @@ def write_html(
 def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.PathLike[str] | None,
                 title: str = "tvrpipe search", thumbs: int = 4, progress: bool = False,
                 meaning: Meaning | None = None, queries: Sequence[str] | None = None,
-                notes: Mapping[str, str] | None = None) -> str:
+                notes: Mapping[str, str] | None = None, heading: str = "Query") -> str:
     """The page :func:`write_html` writes, as text (the thumbnails decoded); nothing is written.
 
     Raises:
@@ -147,7 +149,7 @@ def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.P
     root = None if video_root is None else Path(video_root)
     shown = _decode_all(hits, store, root, thumbs, progress)
     # ASCII with character references: the page reads the same whatever encoding opens it
-    page = _page(hits, shown, title, root, meaning or Meaning(), queries, notes or {})
+    page = _page(hits, shown, title, root, meaning or Meaning(), queries, notes or {}, heading)
     return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
@@ -266,7 +268,7 @@ def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool, video_root: Path | No
 
 
 def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str, video_root: Path | None,
-          meaning: Meaning, queries: Sequence[str] | None, notes: Mapping[str, str]) -> str:
+          meaning: Meaning, queries: Sequence[str] | None, notes: Mapping[str, str], heading: str) -> str:
     e = html.escape
     by_query: dict[str, list[Hit]] = {q: [] for q in queries or ()}
     for h in hits:
@@ -278,14 +280,14 @@ def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str
         words = notes.get(query) or ("" if qhits else "no hit")
         note = f'<p class="note">{e(words)}</p>\n' if words else ""
         if not qhits:
-            sections.append(f"<section>\n<h2>Query: &ldquo;{e(query)}&rdquo;</h2>\n{note}</section>")
+            sections.append(f"<section>\n<h2>{e(heading)}: &ldquo;{e(query)}&rdquo;</h2>\n{note}</section>")
             continue
         with_u = any(h.uncertainty is not None for h in qhits)
         head = ["rank", "video", "path", "clip", "score"] + (["uncertainty"] if with_u else []) + ["frames"]
         rows = "\n".join(_row(h, shown[h.row, h.path], with_u, video_root)
                           for h in sorted(qhits, key=lambda h: h.rank))
         sections.append(
-            f'<section>\n<h2>Query: &ldquo;{e(query)}&rdquo;</h2>\n<table>\n<thead><tr>'
+            f'<section>\n<h2>{e(heading)}: &ldquo;{e(query)}&rdquo;</h2>\n<table>\n<thead><tr>'
             + "".join(f"<th>{c}</th>" for c in head) + f"</tr></thead>\n<tbody>\n{rows}\n</tbody>\n</table>\n{note}"
             "</section>"
         )

@@ -17,27 +17,34 @@ SCALE = ("Each head scores on its own scale: compare scores within one head (and
          "query, but how high a good match scores differs from query to query.")
 
 
-def head_meanings() -> list[tuple[str, str, str | None]]:
-    """``(name, score, uncertainty)`` of every registered head, by name, then zero-shot CLIP's (``no --run``)."""
+def head_meanings() -> list[tuple[str, str, str | None, bool]]:
+    """``(name, score, uncertainty, takes a picture)`` of every registered head, by name, then zero-shot CLIP's
+    (``no --run``). A head takes a picture (``--image``) where it reads the sentence embedding alone
+    (``uses_tokens`` False): the picture's embedding stands in the sentence's place."""
     from tvrpipe.heads.base import head_class, list_heads
 
-    rows = [(name, head_class(name).score_meaning, head_class(name).uncertainty_meaning) for name in list_heads()]
+    rows = [(name, head_class(name).score_meaning, head_class(name).uncertainty_meaning,
+             not head_class(name).uses_tokens) for name in list_heads()]
     meanpool = head_class("meanpool")
-    return rows + [(ZERO_SHOT_ROW, f"zero-shot CLIP, the meanpool head untrained: {meanpool.score_meaning}", None)]
+    return rows + [(ZERO_SHOT_ROW, f"zero-shot CLIP, the meanpool head untrained: {meanpool.score_meaning}", None,
+                    True)]
 
 
 def help_rows() -> list[tuple[str, str]]:
     """``(head, what its numbers mean)`` for ``--help``'s list."""
-    return [(name, f"{score}." + (f" Uncertainty: {unc}." if unc else " No uncertainty."))
-            for name, score, unc in head_meanings()]
+    return [(name, f"{score}." + (f" Uncertainty: {unc}." if unc else " No uncertainty.")
+             + (" Takes --image." if image else " Not --image (it reads word tokens)."))
+            for name, score, unc, image in head_meanings()]
 
 
 def markdown_table() -> str:
-    """docs/search.md's table: one row per head, its score and its uncertainty."""
-    lines = ["| head | score (which way ranks first) | uncertainty (which way is less certain) |", "|---|---|---|"]
-    for name, score, unc in head_meanings():
+    """docs/search.md's table: one row per head, its score, its uncertainty, and whether it takes ``--image``."""
+    lines = ["| head | score (which way ranks first) | uncertainty (which way is less certain) | `--image` |",
+             "|---|---|---|---|"]
+    for name, score, unc, image in head_meanings():
         label = name if name == ZERO_SHOT_ROW else f"`{name}`"
-        lines.append(f"| {label} | {_cell(score)} | {_cell(unc) if unc else 'none'} |")
+        lines.append(f"| {label} | {_cell(score)} | {_cell(unc) if unc else 'none'} | "
+                     f"{'yes' if image else 'no: reads word tokens'} |")
     return "\n".join(lines) + "\n"
 
 
