@@ -15,6 +15,7 @@ from tvrpipe.features.store import open_store
 from tvrpipe.heads.base import create_head, list_heads
 from tvrpipe.search import index as index_mod
 from tvrpipe.search.engine import (
+    Found,
     Searcher,
     check_queries,
     exhaustive,
@@ -644,6 +645,8 @@ def test_min_score_cuts_the_hits_below_it_after_ranking(store, captions):
     cut = {query: k - len(ranks) for query, ranks in kept.items() if len(ranks) < k}
     assert found.cut == cut and found.min_score == x and found.top_k == k
     assert found.note("q0") == f"2 of the top 6 hits scored below --min-score {x:.10g} and were cut"
+    one = Found([], 6, 6, 0.5, {"q": 1}, 6)
+    assert one.note("q") == "1 of the top 6 hits scored below --min-score 0.5 and was cut" and one.note("r") is None
     assert all(found.note(query) is None for query in queries if query not in cut)
     # above every score of the top 6: nothing left, and the note says so
     none = search(searcher, queries, k=k, texts=texts, min_score=1.0)

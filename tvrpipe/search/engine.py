@@ -480,7 +480,8 @@ class Found:
             return None
         if n == self.top_k:
             return f"no hit scored at least --min-score {self.min_score:.10g}: all {n} of the top {self.top_k} cut"
-        return f"{n} of the top {self.top_k} hits scored below --min-score {self.min_score:.10g} and were cut"
+        return (f"{n} of the top {self.top_k} hits scored below --min-score {self.min_score:.10g} and "
+                f"{'was' if n == 1 else 'were'} cut")
 
 
 def check_min_score(searcher: Searcher, min_score: float) -> None:
