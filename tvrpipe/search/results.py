@@ -15,12 +15,13 @@ class Hit:
     """One video ranked for one query.
 
     Attributes:
-        query: the query text, as given.
+        query: the query text, or the picture's path (``--image``), as given.
         rank: 1 for the best match.
         video_id: the store's id of the video.
         path: the video's file, relative to the store's video root.
         start_s, end_s: the clip's bounds inside the file in seconds, None for the whole file.
-        score: the head's similarity (higher is better; comparable within one query only).
+        score: the head's similarity (higher ranks first; on the head's own scale, comparable within one head:
+            :mod:`tvrpipe.search.meanings`).
         uncertainty: the head's per-pair uncertainty where it has one (UATVR, T-MASS, ProTA), else None.
         row: the video's row in the store (to read its frames and timestamps).
     """
