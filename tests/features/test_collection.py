@@ -640,8 +640,8 @@ def test_window_without_videos_is_refused(tmp_path, cli):
 
 def test_moments_decode_together_as_each_alone(tmp_path):
     """One open of a file for all its moments gives each moment exactly the frames of decoding it alone."""
-    from tvrpipe.features.decode import DecodeFailure, DecodeWorker
     from tvrpipe.features.collection import Cutting
+    from tvrpipe.features.decode import DecodeFailure, DecodeWorker
 
     path = _long_video(tmp_path / "long.mp4", 23.0)
     bounds = [*Cutting(10.0, 5.0).bounds(23.0), (3.3, 3.4), (30.0, 40.0)]  # one without a frame, one past the end
@@ -700,3 +700,24 @@ def test_a_collection_of_moments_is_extracted_and_updated_file_by_file(ray_sessi
     new = open_store(tmp_path / "s")
     assert list(new.videos.video_id)[5:] == ["b.mp4#t=0,4", "b.mp4#t=2,5"]
     np.testing.assert_array_equal(new.array("videos/frames")[:5], old_frames[:5])
+
+    # search returns moments: a file, its bounds; --per-video keeps the best N moments of each file, and the k kept
+    # are the k best under that limit (the full ranking with a file's extra moments skipped)
+    from tvrpipe.search.engine import open_searcher, search
+
+    searcher = open_searcher(tmp_path / "s", video_root=folder)
+    full = search(searcher, ["a grey square"], k=7).hits
+    assert sorted((h.path, h.start_s, h.end_s) for h in full) == sorted(
+        (p, float(a), float(b)) for p, a, b in [("a.mp4", 0, 4), ("a.mp4", 2, 6), ("a.mp4", 4, 8), ("a.mp4", 6, 10),
+                                                 ("a.mp4", 8, 12), ("b.mp4", 0, 4), ("b.mp4", 2, 5)])
+    for n, k in ((1, 2), (2, 3), (3, 7)):
+        want, per = [], {}
+        for h in full:
+            if per.get(h.path, 0) < n and len(want) < k:
+                per[h.path] = per.get(h.path, 0) + 1
+                want.append(h.video_id)
+        got = search(searcher, ["a grey square"], k=k, per_video=n).hits
+        assert [h.video_id for h in got] == want and [h.rank for h in got] == list(range(1, len(want) + 1))
+    assert len(search(searcher, ["a grey square"], k=3, per_video=1).hits) == 2  # two files: two hits at most
+    with pytest.raises(ConfigError, match="--per-video 0: keep at least 1 hit of a file"):
+        search(searcher, ["a grey square"], k=3, per_video=0)

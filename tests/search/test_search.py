@@ -719,3 +719,24 @@ def test_a_bad_min_score_from_the_cli_is_one_line_and_nothing_is_written(tiny_co
     assert not (tmp_path / "h.json").exists() and not (tiny_copy / INDEX_DIR).exists()
     r = cli("search", "a dog", "--features", tiny_copy, "--min-score", "nan")
     assert r.exit_code == 2 and "a finite number is needed" in r.output
+
+
+def test_ranking_depth_covers_the_per_file_limit():
+    """k x (the most moments of one file - N + 1) rows hold the k best hits with at most N of a file: each file
+    kept skips at most its other moments."""
+    import pandas as pd
+
+    from tvrpipe.search.engine import ranking_depth
+
+    videos = pd.DataFrame({"path": ["a"] * 5 + ["b"] * 2 + ["c"]})
+    assert ranking_depth(videos, 3, None, 8) == 3
+    assert ranking_depth(videos, 2, 1, 100) == 2 * 5 and ranking_depth(videos, 2, 1, 6) == 6  # capped by the shortlist
+    assert ranking_depth(videos, 3, 5, 8) == 3
+    # the worst case reaches it: a ranks its 5 moments first, then b, then c; k = 2, N = 1 needs a's first and b's
+    order = ["a"] * 5 + ["b", "b", "c"]
+    kept, seen = [], set()
+    for depth, path in enumerate(order, 1):
+        if path not in seen:
+            seen.add(path)
+            kept.append(depth)
+    assert kept[1] <= ranking_depth(videos, 2, 1, 8)

@@ -54,6 +54,10 @@ def search_cmd(
         parser=finite_float, metavar="X", help="Cut the hits scoring below X, after ranking: a query may show fewer "
         "than --top-k hits, or none, and a note says how many were cut. X is on the ranking head's own scale "
         "(below): a value outside its scores (e.g. above 1 for a cosine) is refused.", show_default=False)] = None,
+    per_video: Annotated[Optional[int], typer.Option(
+        metavar="N", help="At most N hits of one file per query, its best: for a collection cut into moments "
+        "(manifest build --window), the best N moments of each file; the hits kept are the --top-k best under that "
+        "limit (within the shortlist, with --candidates).", show_default=False)] = None,
     candidates: Annotated[Optional[int], typer.Option(
         help="K: the shortlist of the first stage (pooled CLIP embeddings) that the run's head re-ranks; "
              "default: the head scores every video (exhaustive).")] = None,
@@ -117,7 +121,7 @@ def search_cmd(
     # the collection's folder too, where the store says it is: a page written there would become one of its files
     check_output_files(outputs, {"--video-root": searcher.video_root})
     found = search(searcher, texts, top_k, candidates, first_stage, index, first_stage_settings=first_stage_set or (),
-                   min_score=min_score, images=bool(image))
+                   min_score=min_score, images=bool(image), per_video=per_video)
     hits = found.hits
     how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
            else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos")

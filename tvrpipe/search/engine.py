@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -460,6 +460,7 @@ class Found:
         min_score: the score below which hits were cut (None: none were).
         cut: per query, the hits of its top k that scored below ``min_score`` (queries with none left out).
         top_k: the hits asked for per query, before the cut.
+        per_video: at most this many hits of one file per query (its best moments); None: no limit.
     """
 
     hits: list[Hit]
@@ -468,6 +469,7 @@ class Found:
     min_score: float | None = None
     cut: Mapping[str, int] = field(default_factory=dict)
     top_k: int = 0
+    per_video: int | None = None
 
     @property
     def exhaustive(self) -> bool:
@@ -510,7 +512,7 @@ def check_min_score(searcher: Searcher, min_score: float) -> None:
 def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
            texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
-           min_score: float | None = None, images: bool = False) -> Found:
+           min_score: float | None = None, images: bool = False, per_video: int | None = None) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -528,6 +530,9 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             None: keep all ``k``.
         images: ``queries`` are paths of pictures, encoded by :meth:`Searcher.encode_images` (their CLIP image
             embedding in the sentence's place, for the first stage and the head alike).
+        per_video: keep at most this many hits of one file per query, its best (a collection cut into moments:
+            the best N moments of each file); the ranking goes deep enough that the k hits kept are the k best
+            under that limit (within the shortlist, with ``candidates``). None: no limit.
 
     Returns:
         The hits (one per query and rank, queries in order, best first), how many videos were scored, and how
@@ -545,6 +550,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
 
     check_queries(queries)
     store = searcher.store
+    if per_video is not None and per_video < 1:
+        raise ConfigError(f"--per-video {per_video}: keep at least 1 hit of a file")
     if candidates is not None and candidates < 1:
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
     if index is not None and first_stage != "auto":
@@ -565,18 +572,45 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
     check_top_k(k, len(stage), store)
     _check_candidates(candidates, k)
+    depth = ranking_depth(store.videos, k, per_video, len(stage) if candidates is None else min(candidates, len(stage)))
     if candidates is None or candidates >= len(stage):
-        ranked = exhaustive(searcher.head, texts, store, stage.rows, k, searcher.device)
+        ranked = exhaustive(searcher.head, texts, store, stage.rows, depth, searcher.device)
     else:
-        ranked = two_stage(searcher.head, texts, store, stage, k, candidates, searcher.device)
+        ranked = two_stage(searcher.head, texts, store, stage, depth, candidates, searcher.device)
     hits = hits_of(queries, ranked, store.videos)
+    if per_video is not None:
+        hits = per_file(hits, per_video, k)
     if min_score is None:
-        return Found(hits, len(stage), ranked.candidates, top_k=k)
+        return Found(hits, len(stage), ranked.candidates, top_k=k, per_video=per_video)
     cut: dict[str, int] = {}
     for h in hits:  # each query's hits are best first: the cut is a tail, and the ranks kept stay 1, 2, ...
         if h.score < min_score:
             cut[h.query] = cut.get(h.query, 0) + 1
-    return Found([h for h in hits if h.score >= min_score], len(stage), ranked.candidates, min_score, cut, k)
+    return Found([h for h in hits if h.score >= min_score], len(stage), ranked.candidates, min_score, cut, k,
+                 per_video)
+
+
+def ranking_depth(videos: pd.DataFrame, k: int, per_video: int | None, limit: int) -> int:
+    """How deep to rank so that the ``k`` best hits with at most ``per_video`` of one file are among the ranked:
+    each file kept can push past at most (its moments - ``per_video``) of its own, so ``k`` x (the most moments of
+    one file - ``per_video`` + 1) rows suffice; at most ``limit`` (the searchable videos, or the shortlist)."""
+    if per_video is None or "path" not in videos.columns or len(videos) == 0:
+        return k
+    most = int(videos["path"].value_counts().max())
+    return min(limit, k * max(1, most - per_video + 1))
+
+
+def per_file(hits: list[Hit], per_video: int, k: int) -> list[Hit]:
+    """Each query's hits (best first), at most ``per_video`` of one file and ``k`` in all, ranked 1, 2, ... again."""
+    out, kept, seen = [], {}, {}
+    for h in hits:
+        n = seen.setdefault(h.query, {})
+        if n.get(h.path, 0) >= per_video or kept.get(h.query, 0) >= k:
+            continue
+        n[h.path] = n.get(h.path, 0) + 1
+        kept[h.query] = kept.get(h.query, 0) + 1
+        out.append(replace(h, rank=kept[h.query]))
+    return out
 
 
 def _check_candidates(candidates: int | None, k: int) -> None:

@@ -17,7 +17,14 @@ from tvrpipe.errors import NonFiniteError
 from tvrpipe.features.arrays import nonfinite_rows
 from tvrpipe.features.extract.actors import Early, Workers
 from tvrpipe.features.extract.config import ExtractSummary, check_weights
-from tvrpipe.features.extract.plan import Plan, decode_groups, progress_display, rows_for, send_decode, video_items
+from tvrpipe.features.extract.plan import (
+    Plan,
+    decode_groups,
+    progress_display,
+    rows_for,
+    send_decode,
+    video_items,
+)
 from tvrpipe.features.store import Shard, StoreWriter
 
 
