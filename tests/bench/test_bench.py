@@ -600,3 +600,22 @@ def test_bench_worlds_sets_each_head_beside_zero_shot_with_intervals(cli, tmp_pa
     assert [x.test_r1 for x in again] == [x["test_r1"] for x in rows]
     r = cli("bench", "worlds", "--out", out, "--world", "nowhere")
     assert r.exit_code == 1 and "--world 'nowhere' is not one of: onescene, multiscene" in r.output
+
+
+def test_bench_extract_long_video_times_its_moments_against_one_pass(cli, tmp_path):
+    """A generated 40 s file cut into 10 s windows every 5 s: every moment decodes, both timings are measured
+    and their ratio reported; the options of the other measurement are refused beside it."""
+    out = tmp_path / "b"
+    r = cli("bench", "extract", "--out", out, "--long-video", "40", "--window", "10", "--stride", "5",
+            "--json", tmp_path / "m.json")
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "m.json").read_text())
+    assert (res["moments"], res["window"], res["stride"], res["file_frames"]) == (7, 10.0, 5.0, 40 * 8)
+    assert res["moments_seconds"] > 0 and res["one_pass_seconds"] > 0
+    assert res["ratio"] == pytest.approx(res["moments_seconds"] / res["one_pass_seconds"])
+    assert "cut into 7 moments (10 s every 5 s)" in " ".join(r.output.split())
+    for args, said in ((("--long-video", "40", "--fps", "4"), "--fps: --long-video measures decoding alone"),
+                       (("--stride", "5"), "--stride: they cut --long-video's file"),
+                       (("--long-video", "40", "--window", "10", "--stride", "20"), "--stride 20s is longer than")):
+        r = cli("bench", "extract", "--out", tmp_path / "c", *args)
+        assert r.exit_code == 1 and said in " ".join(r.output.split()), r.output

@@ -12,6 +12,7 @@ import typer
 from tvrpipe.bench.extract import BenchVideos, bench_extract
 from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
 from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
+from tvrpipe.bench.moments import bench_moments
 from tvrpipe.bench.search import bench_search
 from tvrpipe.bench.streamed import bench_streamed
 from tvrpipe.bench.worlds import bench_worlds
@@ -22,7 +23,7 @@ from tvrpipe.search.first_stages import first_stage_help
 BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), defaults_of(bench_finetune),
                               defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator),
                               defaults_of(bench_search))
-BW, BM = defaults_of(bench_worlds), defaults_of(bench_streamed)
+BW, BM, BO = defaults_of(bench_worlds), defaults_of(bench_streamed), defaults_of(bench_moments)
 
 
 def _json_target(path: Optional[Path]) -> Optional[Path]:
@@ -65,6 +66,7 @@ app.add_typer(bench_app, name="bench", rich_help_panel=BENCHMARKS)
 
 @bench_app.command("extract")
 def bench_extract_cmd(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option(
         callback=_work_dir, help="Working directory (videos are rendered once and reused).")] = Path(
         "bench/extract"
@@ -79,10 +81,29 @@ def bench_extract_cmd(
     batch_size: Annotated[int, typer.Option(help="Videos per encoder call.")] = BX.batch_size,
     precision: Annotated[str, typer.Option(
         help="tvrpipe's encode precision, as `extract --precision` (the peer loop stays in fp32).")] = BX.precision,
+    long_video: Annotated[Optional[float], typer.Option(
+        parser=finite_float, metavar="SECONDS",
+        help="Instead: a generated file this long (e.g. 3600) cut into --window moments, decoded as extraction "
+             "decodes a collection's moments, against one decode pass of the file.", show_default=False)] = None,
+    window: Annotated[float, typer.Option(
+        parser=finite_float, help="With --long-video: the moments' length in seconds.")] = BO.window,
+    stride: Annotated[Optional[float], typer.Option(
+        parser=finite_float, help="With --long-video: a moment starts every STRIDE seconds (default: the window).",
+        show_default=False)] = None,
     json_out: JsonOut = None,
 ) -> None:
     """Measure extraction against its bound (decode-only, encode-only), a naive loop and the loop a user
-    would write instead (open_clip + PyAV), with each one's start-up."""
+    would write instead (open_clip + PyAV), with each one's start-up; with --long-video, a long file's moments
+    against one decode pass of it."""
+    if long_video is not None:
+        refuse_unused(ctx, ("videos", "width", "height", "seconds", "fps", "model", "device", "batch_size", "precision"),
+                      "--long-video measures decoding alone, on its own generated file")
+        r = bench_moments(out, long_video, window, stride)
+        for line in r.lines():
+            console.print(line, highlight=False)
+        _write_json(json_out, r.record())
+        return
+    refuse_unused(ctx, ("window", "stride"), "they cut --long-video's file")
 
     r = bench_extract(out, BenchVideos(count=videos, width=width, height=height, seconds=seconds, fps=fps),
                       model=model, device=device, batch_size=batch_size, precision=precision)
