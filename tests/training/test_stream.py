@@ -264,3 +264,22 @@ def test_streamed_rows_are_checked_finite_once_each(opened, monkeypatch):
         assert sorted(checked[name]) == sorted(set(checked[name])) and set(read_captions) <= set(checked[name])
     # 3 epochs of 2 captions a video: the captions drawn differ between epochs, and each was checked
     assert len(set(read_captions)) > len(set(read_videos))
+
+
+def test_a_run_recorded_before_the_data_record_resumes_in_memory_only(store, tmp_path):
+    """A run directory whose config.yaml has no data section (written before it existed) read its splits in memory:
+    it resumes in memory, and a budget that would stream it is refused, naming --memory-budget."""
+    from tvrpipe.training.fit import fit
+    from tvrpipe.training.settings import TrainConfig
+
+    run = tmp_path / "run"
+    fit(store, "meanpool", run, TrainConfig(epochs=1, batch_size=8), progress=False)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    del config["data"], config["train"]["memory_budget"]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / "metrics.json").unlink()  # unfinished: a rerun resumes it
+    fit(store, "meanpool", run, TrainConfig(epochs=1, batch_size=8), progress=False)
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["mode"] == "in memory"
+    with pytest.raises(ConfigError, match=r"was trained with its data in memory .* would read it streamed .*"
+                                          r"give the --memory-budget that reads it as before"):
+        fit(store, "meanpool", run, TrainConfig(epochs=1, batch_size=8, memory_budget=20_000), progress=False)

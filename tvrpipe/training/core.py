@@ -271,11 +271,15 @@ def _without(config: dict, keys: tuple[str, ...]) -> dict:
 
 
 def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
-                  explain: Callable[[dict, dict], str | None] | None = None) -> dict | None:
+                  explain: Callable[[dict, dict], str | None] | None = None,
+                  assumed: Mapping[str, Any] | None = None) -> dict | None:
     """Before anything is written (a run, and the dry run of one): ``out`` is not a feature store, and a
     run already there has the same configuration, but for the keys in ``ignore`` (how and where it runs:
     top-level sections or dotted ``section.field``), the environment, and the labels of its learning
     rates' sources. Returns that run's config (None: ``out`` holds none).
+
+    ``assumed``: what a run written before a section of the config existed did (top-level sections), read into
+    its config where it lacks them (a run recorded before ``data`` read its splits in memory).
 
     Raises:
         ConfigError: ``out`` is a feature store, or holds another run; ``explain(old, new)`` may give the
@@ -298,7 +302,7 @@ def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (
         return {**c, "resolved": resolved}
 
     old = read_config(out) if (Path(out) / CONFIG).is_file() else None
-    if old is not None and same(old) != same(new := json.loads(json.dumps(config))):
+    if old is not None and same({**(assumed or {}), **old}) != same(new := json.loads(json.dumps(config))):
         raise ConfigError((explain and explain(old, new)) or
                           f"{out} holds a run with another configuration; choose another --out")
     return old
@@ -327,7 +331,8 @@ def _epochs_done(out: Path) -> int:
 
 
 def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
-              explain: Callable[[dict, dict], str | None] | None = None) -> None:
+              explain: Callable[[dict, dict], str | None] | None = None,
+              assumed: Mapping[str, Any] | None = None) -> None:
     """Write ``config.yaml`` (with the versions of this environment) and ``checkpoints/`` in the locked
     run directory ``out``, once :func:`check_run_dir` has passed. A resumed run keeps the first
     invocation's values of ``ignore`` (what its first epochs ran with) and appends each later invocation's
@@ -338,7 +343,7 @@ def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
     Raises:
         ConfigError: ``out`` holds another run (:func:`check_run_dir`).
     """
-    old = check_run_dir(out, config, ignore, explain)
+    old = check_run_dir(out, config, ignore, explain, assumed)
     for folder in (out, out / "plots"):
         remove_staged(folder, locked=True)
     config = dict(config)

@@ -69,7 +69,14 @@ from tvrpipe.training.core import (
 from tvrpipe.training.data import SplitData, Splits, check_captioned, store_split_rows
 from tvrpipe.training.evaluate import evaluate_split
 from tvrpipe.training.settings import TrainConfig
-from tvrpipe.training.stream import DataPlan, InMemoryPairs, StreamedPairs, open_splits, plan_data
+from tvrpipe.training.stream import (
+    IN_MEMORY_ORDER,
+    DataPlan,
+    InMemoryPairs,
+    StreamedPairs,
+    open_splits,
+    plan_data,
+)
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +323,7 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
         **({"recipe": recipe} if recipe else {}),
         **({"not_in_papers": {"zero_shot_start": ZERO_SHOT_START}} if head_cfg.zero_shot_start else {}),
     }, ignore=EXECUTION, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source)
-       or _data_changed(out, old, new))
+       or _data_changed(out, old, new), assumed={"data": {"mode": "in memory", "order": IN_MEMORY_ORDER}})
 
     # ---- optimiser: every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does;
     # docs/training.md)
@@ -400,7 +407,15 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
 def _data_changed(out: Path, old: dict, new: dict) -> str | None:
     """The reason a run directory's config differs, when only how the data is read changed (another memory
     budget, or another machine's memory, moved the split between memory and streaming)."""
-    if [k for k in new if old.get(k) != new[k]] == ["data"]:
+    execution = {key.partition(".")[2] for key in EXECUTION if key.startswith("train.")}
+
+    def differs(k: str) -> bool:
+        if k == "train":  # its execution settings (the budget among them) may differ
+            return ({f: v for f, v in (old.get(k) or {}).items() if f not in execution}
+                    != {f: v for f, v in new[k].items() if f not in execution})
+        return old.get(k) != new[k]
+
+    if [k for k in new if differs(k)] == ["data"]:
         was, now = old.get("data") or {}, new["data"]
         return (f"{out} was trained with its data {was.get('mode', 'in memory')} ({was.get('order', 'a permutation')}), "
                 f"and this run would read it {now['mode']} ({now['order']}), which draws other batches; choose "
