@@ -247,3 +247,13 @@ def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
     finally:
         uv.should_exit = True
         thread.join(10)
+
+
+def test_a_picture_posted_to_the_page_shows_its_hits(client, tmp_path):
+    from PIL import Image
+
+    pic = tmp_path / "blue.png"
+    Image.new("RGB", (40, 30), (20, 30, 200)).save(pic)
+    r = client.post("/", params={"k": 2}, files={"image": ("blue.png", pic.read_bytes(), "image/png")})
+    assert r.status_code == 200 and r.text.count('<tr class="hit">') == 2 and "Picture: &ldquo;blue.png" in r.text
+    assert client.post("/").status_code == 400
