@@ -13,6 +13,7 @@ from tvrpipe.cli import (  # noqa: F401  (each adds its commands)
     recipes,
     report,
     search,
+    serve,
     sweep,
     synth,
     train,

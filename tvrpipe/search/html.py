@@ -78,7 +78,7 @@ class Meaning:
 
 
 @dataclass(frozen=True)
-class _Thumbs:
+class Thumbs:
     """What one video shows: its images (data URIs with their captions), or why there are none."""
 
     images: tuple[tuple[str, str, float | None], ...]  # (data URI, caption, the frame's time in seconds)
@@ -147,15 +147,15 @@ def render_html(hits: Sequence[Hit], store: FeatureStore, video_root: str | os.P
     if thumbs < 1:
         raise ConfigError(f"--thumbs must be at least 1, got {thumbs}")
     root = None if video_root is None else Path(video_root)
-    shown = _decode_all(hits, store, root, thumbs, progress)
+    shown = decode_thumbnails(hits, store, root, thumbs, progress)
     # ASCII with character references: the page reads the same whatever encoding opens it
     page = _page(hits, shown, title, root, meaning or Meaning(), queries, notes or {}, heading)
     return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
-def _decode_all(
+def decode_thumbnails(
     hits: Sequence[Hit], store: FeatureStore, video_root: Path | None, thumbs: int, progress: bool
-) -> dict[tuple[int, str], _Thumbs]:
+) -> dict[tuple[int, str], Thumbs]:
     """The thumbnails of every distinct (row, path) among the hits, each video decoded once."""
     from tvrpipe.progress import progress_bar
 
@@ -179,7 +179,7 @@ def _decode_all(
     return shown
 
 
-def _thumbnails(video_root: Path | None, path: str, times: np.ndarray) -> _Thumbs:
+def _thumbnails(video_root: Path | None, path: str, times: np.ndarray) -> Thumbs:
     """One video's thumbnails at ``times``, or a placeholder saying why there are none."""
     if not path:
         return _placeholder("no file recorded in the store")
@@ -195,7 +195,7 @@ def _thumbnails(video_root: Path | None, path: str, times: np.ndarray) -> _Thumb
     except Exception as exc:  # one bad video never fails the page
         log.warning("%s: cannot make thumbnails: %s: %s", video_root / path, type(exc).__name__, exc)
         return _placeholder("cannot decode the file")
-    return _Thumbs(tuple((_jpeg_uri(f), f"{s:.2f} s", float(s)) for f, s in zip(frames, times)))
+    return Thumbs(tuple((_jpeg_uri(f), f"{s:.2f} s", float(s)) for f, s in zip(frames, times)))
 
 
 def _jpeg_uri(frame: np.ndarray) -> str:
@@ -206,7 +206,7 @@ def _jpeg_uri(frame: np.ndarray) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _placeholder(why: str) -> _Thumbs:
+def _placeholder(why: str) -> Thumbs:
     """A grey box naming ``why``: an image that renders like the thumbnails it stands in for."""
     w, h = _PLACEHOLDER_WIDTH, THUMB_HEIGHT
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
@@ -214,10 +214,10 @@ def _placeholder(why: str) -> _Thumbs:
            f'<text x="{w // 2}" y="{h // 2}" font-family="sans-serif" font-size="11" fill="#555" '
            f'text-anchor="middle" dominant-baseline="middle">{html.escape(why)}</text></svg>')
     uri = "data:image/svg+xml;base64," + base64.b64encode(svg.encode("utf-8")).decode("ascii")
-    return _Thumbs(((uri, "", None),), why)
+    return Thumbs(((uri, "", None),), why)
 
 
-def _csp_hash(source: str) -> str:
+def csp_hash(source: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode("utf-8")).digest()).decode("ascii") + "'"
 
 
@@ -245,7 +245,7 @@ def video_link(video_root: Path | None, hit: Hit, at: float | None = None) -> st
     return f"{url}#t={0.0 if start is None else start:.2f}" + ("" if end is None else f",{end:.2f}")
 
 
-def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool, video_root: Path | None) -> str:
+def _row(hit: Hit, shown: Thumbs, with_uncertainty: bool, video_root: Path | None) -> str:
     e = html.escape
     figures = "".join(
         f'<figure><a href="{e(video_link(video_root, hit, at) or "")}" title="open the video at {e(caption)}">'
@@ -267,7 +267,7 @@ def _row(hit: Hit, shown: _Thumbs, with_uncertainty: bool, video_root: Path | No
     return "<tr>" + "".join(cells) + "</tr>"
 
 
-def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str, video_root: Path | None,
+def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], Thumbs], title: str, video_root: Path | None,
           meaning: Meaning, queries: Sequence[str] | None, notes: Mapping[str, str], heading: str) -> str:
     e = html.escape
     by_query: dict[str, list[Hit]] = {q: [] for q in queries or ()}
@@ -295,7 +295,7 @@ def _page(hits: Sequence[Hit], shown: dict[tuple[int, str], _Thumbs], title: str
     summary = (f'{len(by_query)} quer{"ies" if len(by_query) != 1 else "y"}, {len(hits)} hits, {n_images} '
                f'images (<span id="rendered">not counted: scripts are off</span>){without}')
     # Only inline data: images, this style and this script: nothing is ever fetched.
-    csp = f"default-src 'none'; img-src data:; style-src {_csp_hash(_STYLE)}; script-src {_csp_hash(_SCRIPT)}"
+    csp = f"default-src 'none'; img-src data:; style-src {csp_hash(_STYLE)}; script-src {csp_hash(_SCRIPT)}"
     body = "\n".join(sections) if sections else "<p>No hits.</p>"
     legend = [("score", f"{meaning.score}. {SCALE}")]
     if any(h.uncertainty is not None for h in hits):

@@ -1,0 +1,259 @@
+"""``tvrpipe serve``: the JSON API against ``tvrpipe search``'s own ranking, the media route's safety (ids only,
+nothing outside the video root is read, Range requests), the host warning, and the page in a real headless
+Chromium driven by Playwright (a hit's player loads and seeks to the hit's moment)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("starlette", reason="tvrpipe serve needs the 'serve' extra (make install installs it)")
+pytest.importorskip("httpx", reason="Starlette's TestClient needs httpx (the 'dev' extra)")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from tvrpipe.search import serve as serve_mod  # noqa: E402
+from tvrpipe.search.engine import DEFAULT_TOP_K, open_searcher, search  # noqa: E402
+from tvrpipe.search.serve import exposure_warning, make_app, open_server  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+N_FILES = 3
+SECRET = b"outside the video root: never served"
+
+
+def _webm(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
+    """A small VP8 WebM (every browser plays it), a colour ramp so frames differ."""
+    import av
+
+    with av.open(str(path), "w") as out:
+        s = out.add_stream("libvpx", rate=fps)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for i in range(int(seconds * fps)):
+            img = np.full((48, 64, 3), (i * 6) % 256, np.uint8)
+            for packet in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in s.encode():
+            out.mux(packet)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A store of the tiny CLIP's width relabelled as extracted with it (as test_search does), its videos pointed
+    at real WebM files under a video root, each a moment of a file; beside the root, a secret file, reached from
+    the store by a symlink inside the root and by a ``../`` path."""
+    import zarr
+
+    from tvrpipe.features.clip import TINY_MODEL, load_clip
+    from tvrpipe.features.genstore import GenSpec, generate_store
+
+    base = tmp_path_factory.mktemp("serve")
+    spec = GenSpec(train_videos=8, test_videos=4, captions_per_train_video=1, frames=4, max_words=8, embed_dim=64,
+                   seed=3)
+    store = generate_store(base / "store", spec, video_shard=8, text_shard=16)
+    attrs = zarr.open_group(str(store / "features.zarr"), mode="a").attrs
+    attrs.update({"model": TINY_MODEL, "pretrained": "none", "seed": 0, "frame_sampling": "uniform",
+                  "weights_sha256": load_clip(TINY_MODEL, "none", device="cpu", seed=0).weights_sha256,
+                  "made_by": "tvrpipe extract"})
+    del attrs["generator"]
+    root = base / "videos"
+    root.mkdir()
+    for i in range(N_FILES):
+        _webm(root / f"v{i}.webm")
+    (base / "secret.webm").write_bytes(SECRET)
+    (root / "link.webm").symlink_to(base / "secret.webm")
+    videos = pd.read_parquet(store / "videos.parquet")
+    n = len(videos)
+    videos["path"] = [f"v{i % N_FILES}.webm" for i in range(n)]
+    videos["start_s"] = [1.0 + 0.5 * (i % 3) for i in range(n)]
+    videos["end_s"] = videos["start_s"] + 1.0
+    videos.loc[n - 2, "path"] = "link.webm"  # a symlink inside the root to a file outside it
+    videos.loc[n - 1, "path"] = "../secret.webm"  # a path that leaves the root
+    videos.to_parquet(store / "videos.parquet")
+    return store, root, videos
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    store, root, _ = site
+    return open_server(store, video_root=root)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return TestClient(make_app(server))
+
+
+def test_the_defaults_agree_with_the_engines():
+    assert serve_mod.DEFAULT_TOP_K == DEFAULT_TOP_K
+
+
+def test_the_json_hits_are_tvrpipe_searchs(site, server, client):
+    store, root, _ = site
+    r = client.get("/search", params={"q": "a dog runs on a beach", "k": 5})
+    assert r.status_code == 200
+    body = r.json()
+    want = search(open_searcher(store, video_root=root), ["a dog runs on a beach"], 5).hits
+    assert [h["video_id"] for h in body["hits"]] == [h.video_id for h in want]
+    assert [h["score"] for h in body["hits"]] == pytest.approx([h.score for h in want], abs=1e-6)
+    assert body["ranked_by"] == server.searcher.label and body["score"] == server.searcher.head.meaning()
+    first = body["hits"][0]
+    assert first["media"].startswith("/media/") and first["media"].endswith(f"#t={first['start_s']:.2f},"
+                                                                           f"{first['end_s']:.2f}")
+
+
+def test_bad_queries_are_400_with_the_reason(client):
+    assert client.get("/search", params={"q": "  "}).status_code == 400
+    r = client.get("/search", params={"q": "a cat", "k": 100000})
+    assert r.status_code == 400 and "--top-k 100000" in r.json()["error"]
+    assert client.get("/search", params={"q": "a cat", "k": "x"}).status_code == 400
+    assert client.post("/search").status_code == 400
+
+
+def test_a_picture_is_searched_as_search_image_searches_it(site, client, tmp_path):
+    from PIL import Image
+
+    store, root, _ = site
+    pic = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(pic)
+    r = client.post("/search", params={"k": 3}, files={"image": ("red.png", pic.read_bytes(), "image/png")})
+    assert r.status_code == 200, r.text
+    want = search(open_searcher(store, video_root=root), [str(pic)], 3, images=True).hits
+    assert [h["video_id"] for h in r.json()["hits"]] == [h.video_id for h in want]
+    assert {h["query"] for h in r.json()["hits"]} == {"red.png"}
+    bad = client.post("/search", files={"image": ("x.png", b"not a picture", "image/png")})
+    assert bad.status_code == 400
+
+
+def test_the_page_shows_hits_with_thumbnails_meanings_and_players(client, server):
+    r = client.get("/", params={"q": "a dog"})
+    assert r.status_code == 200
+    page = r.text
+    assert page.count('<tr class="hit">') == DEFAULT_TOP_K
+    assert "data:image/jpeg;base64," in page and '<video controls preload="metadata"' in page
+    assert server.searcher.head.meaning() in page.replace("&#x27;", "'")
+    assert client.get("/").status_code == 200 and '<tr class="hit">' not in client.get("/").text
+
+
+def test_media_is_served_by_id_with_range_requests(site, client):
+    _, root, videos = site
+    vid = videos.video_id[0]
+    whole = client.get(f"/media/{vid}")
+    assert whole.status_code == 200 and whole.content == (root / "v0.webm").read_bytes()
+    part = client.get(f"/media/{vid}", headers={"Range": "bytes=10-19"})
+    assert part.status_code == 206 and part.content == whole.content[10:20]
+    assert part.headers["content-range"] == f"bytes 10-19/{len(whole.content)}"
+
+
+def test_media_never_reads_outside_the_root(site, client, tmp_path, monkeypatch):
+    """Unknown ids, paths in the request (plain and encoded ``..``), a symlink out of the root, a ``../`` path in
+    the store and an id of another store: all 404, and no file outside the root is opened."""
+    from starlette import responses
+
+    _, root, videos = site
+    served = []
+    real = responses.FileResponse.__init__
+
+    def spy(self, path, *a, **kw):
+        served.append(Path(path))
+        real(self, path, *a, **kw)
+
+    monkeypatch.setattr(responses.FileResponse, "__init__", spy)
+    n = len(videos)
+    secret = str(root.parent / "secret.webm")
+    for url in ["/media/no-such-video", "/media/v0.webm", "/media/..%2Fsecret.webm", "/media/%2E%2E/secret.webm",
+                "/media/..%2F..%2F..%2Fetc%2Fpasswd", f"/media/{secret}", f"/media/{secret.lstrip('/')}",
+                f"/media/{videos.video_id[n - 2]}", f"/media/{videos.video_id[n - 1]}", "/media/other_store_0001",
+                "/media/", "/media/%00"]:
+        r = client.get(url)
+        assert r.status_code in (400, 404), url
+        assert SECRET not in r.content
+    assert served == []
+    client.get(f"/media/{videos.video_id[0]}")
+    assert served == [(root / "v0.webm").resolve()]
+
+
+def test_loopback_binds_quietly_and_another_address_is_warned_about():
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert exposure_warning(host) is None
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
+        assert "anyone who can reach" in exposure_warning(host)
+
+
+def test_the_cli_warns_for_another_host_and_serves_what_it_loaded(site, cli, monkeypatch):
+    store, root, _ = site
+    called = {}
+    monkeypatch.setattr(serve_mod, "serve", lambda server, host, port: called.update(host=host, port=port))
+    r = cli("serve", "--features", store, "--video-root", root, "--host", "0.0.0.0", "--port", "8123")
+    assert r.exit_code == 0, r.output
+    assert "anyone who can reach" in r.output and called == {"host": "0.0.0.0", "port": 8123}
+    r = cli("serve", "--features", store, "--video-root", root)
+    assert r.exit_code == 0 and "warning" not in r.output and called["host"] == "127.0.0.1"
+
+
+# ------------------------------------------------------------------------------------------ a real browser
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
+    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+        pytest.skip(f"no Chromium at {CHROMIUM} or on PATH (apt-get install chromium; .ci/run installs it)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="the playwright package (the 'dev' extra)")
+    import uvicorn
+
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(make_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not uv.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        exe = CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--autoplay-policy="
+                                                                   "no-user-gesture-required"])
+            try:
+                page = browser.new_page()
+                page.goto(f"http://127.0.0.1:{port}/", timeout=15000)
+                page.fill("input[name=q]", "a dog runs on a beach")
+                page.click("form[method=get] button")
+                page.wait_for_selector("tr.hit", timeout=15000)
+                assert page.locator("tr.hit").count() == DEFAULT_TOP_K
+                video = page.locator("tr.hit video").first
+                start = float(video.get_attribute("data-start"))
+                assert start > 0
+                # the player loads the file and seeks to the fragment's start (#t=start,end)
+                page.wait_for_function("v => v.readyState >= 1 && !v.error", arg=video.element_handle(),
+                                       timeout=15000)
+                page.wait_for_function("([v, t]) => Math.abs(v.currentTime - t) < 0.15",
+                                       arg=[video.element_handle(), start], timeout=15000)
+                assert video.evaluate("v => v.duration") == pytest.approx(4.0, abs=0.2)
+                assert page.evaluate("Array.from(document.images).every(i => i.complete && i.naturalWidth > 0)")
+            finally:
+                browser.close()
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+
+
+def test_a_picture_posted_to_the_page_shows_its_hits(client, tmp_path):
+    from PIL import Image
+
+    pic = tmp_path / "blue.png"
+    Image.new("RGB", (40, 30), (20, 30, 200)).save(pic)
+    r = client.post("/", params={"k": 2}, files={"image": ("blue.png", pic.read_bytes(), "image/png")})
+    assert r.status_code == 200 and r.text.count('<tr class="hit">') == 2 and "Picture: &ldquo;blue.png" in r.text
+    assert client.post("/").status_code == 400

@@ -1,0 +1,60 @@
+"""``tvrpipe serve``: a local search server over a feature store (a page, a JSON API, the videos)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tvrpipe.cli.app import MAIN_PATH, app, console, err_console
+from tvrpipe.errors import ConfigError
+from tvrpipe.search.first_stages import AUTO, first_stage_help
+from tvrpipe.search.serve import DEFAULT_HOST, DEFAULT_PORT
+
+
+@app.command("serve", rich_help_panel=MAIN_PATH)
+def serve_cmd(
+    features: Annotated[Path, typer.Option(help="The feature store to search (tvrpipe extract --out).")],
+    run: Annotated[Optional[Path], typer.Option(
+        help="A trained run (train-head, or finetune --end-to-end) whose head ranks the videos; without it, "
+             "zero-shot CLIP, mean-pooled.")] = None,
+    host: Annotated[str, typer.Option(
+        help="The address to listen on. The default serves this machine only; any other address lets anyone "
+             "who can reach it search the store and read its collection's video files (a warning says so).")
+    ] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option(help="The port to listen on.")] = DEFAULT_PORT,
+    candidates: Annotated[Optional[int], typer.Option(
+        help="K: the shortlist of the first stage that the run's head re-ranks; default: the head scores every "
+             "video.")] = None,
+    first_stage: Annotated[str, typer.Option(
+        help=f"What ranks every video for --candidates, built once at start. {first_stage_help()}.")] = AUTO,
+    first_stage_set: Annotated[Optional[list[str]], typer.Option(
+        metavar="KEY=VALUE", help="A first-stage setting (repeatable), as for tvrpipe search.",
+        show_default=False)] = None,
+    video_root: Annotated[Optional[Path], typer.Option(
+        help="Where the collection's videos are now, when they moved since extraction (default: the folder the "
+             "store was extracted from). Only the store's videos under it are served, by id.")] = None,
+    pretrained: Annotated[Optional[str], typer.Option(
+        help="The store's CLIP checkpoint, where its recorded path no longer reaches it (its sha256 is checked).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="Where the head runs: cpu or cuda.")] = "cpu",
+) -> None:
+    """Serve a search page over a feature store: the store, the head (or zero-shot CLIP), the query CLIP and the
+    first stage are loaded once. GET / is the page (a sentence, or a picture chosen or dropped; hits with
+    thumbnails, score, uncertainty and a player at the hit's moment), GET /search?q=...&k=... the same hits as
+    JSON, GET /media/ID a video file by its id in the store (Range requests for seeking)."""
+    from tvrpipe.search.serve import exposure_warning, open_server, serve
+
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: choose cpu or cuda")
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port {port}: a port from 1 to 65535 is needed")
+    warning = exposure_warning(host)
+    if warning:
+        err_console.print(f"warning: {warning}", style="yellow")
+    server = open_server(features, run, device, pretrained, video_root, first_stage, candidates,
+                         first_stage_set or ())
+    console.print(f"{server.searcher.label} over {server.searcher.store.dir}: {len(server.stage):,} searchable "
+                  f"videos; serving http://{host if ':' not in host else f'[{host}]'}:{port}/ (Ctrl-C stops)")
+    serve(server, host, port)

@@ -1,0 +1,354 @@
+"""``tvrpipe serve``: a local search server over one feature store.
+
+Everything a search needs is loaded once, when the server starts (:func:`open_server`): the store, the run's head
+(or zero-shot CLIP), the CLIP that encodes the queries and the first stage's index; each request then encodes its
+query and ranks with them (:func:`~tvrpipe.search.engine.exhaustive` or :func:`~tvrpipe.search.engine.two_stage`,
+as ``tvrpipe search`` does). Routes (:func:`make_app`):
+
+- ``GET /``: a page with a query box and a picture field; with ``?q=...`` (or a picture POSTed to ``/``), the hits
+  with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`), score and uncertainty with
+  what they mean (the head's words), and a ``<video>`` of the file at the hit's moment (``/media/ID#t=start,end``).
+- ``GET /search?q=...&k=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form field).
+- ``GET /media/ID``: the file of the store's video ``ID``, with HTTP Range requests (the player seeks). The id is
+  looked up in the store; a path never comes from the request. The file is the store's path under the video root,
+  resolved (symlinks followed), and served only if it is a file inside the resolved root: anything else is 404.
+
+Starlette and uvicorn, not FastAPI: the server has five routes and no request schema, and FastAPI would bring
+pydantic (and its compiled core) for validation these routes do in a line each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import ipaddress
+import logging
+import math
+import os
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlencode
+
+from tvrpipe.errors import ConfigError
+from tvrpipe.search.meanings import SCALE
+from tvrpipe.search.results import Hit
+
+if TYPE_CHECKING:  # the engine imports torch: `tvrpipe serve --help` reads this module's defaults without it
+    from tvrpipe.search.engine import Searcher
+    from tvrpipe.search.index import FirstStage
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_TOP_K = 10  # tvrpipe.search.engine.DEFAULT_TOP_K (a test checks they agree)
+MAX_IMAGE_BYTES = 32 * 2**20  # choice: a phone's photo is a few MB; anything larger is refused (413)
+THUMBS = 4  # thumbnails per hit, as search --html's default
+INSTALL = "the server needs the 'serve' extra: pip install 'tvrpipe[serve]' (Starlette, uvicorn, python-multipart)"
+
+_STYLE = """body { font-family: sans-serif; margin: 1.5em; color: #222; }
+form { margin-bottom: 1em; } input[type=text] { width: 30em; } input[type=number] { width: 4em; }
+table { border-collapse: collapse; margin-bottom: 2em; }
+th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+figure { display: inline-block; margin: 0 4px 0 0; text-align: center; font-size: 75%; color: #666; }
+figure img { display: block; }
+p.error { color: #a33; } p.why { color: #a33; margin: 2px 0; font-size: 85%; }
+dl { font-size: 90%; color: #444; max-width: 60em; }
+dt { font-weight: bold; float: left; width: 7em; } dd { margin: 0 0 4px 7em; }"""
+
+
+@dataclass
+class Server:
+    """What a search server holds for its lifetime.
+
+    Attributes:
+        searcher: the store, the head and the query encoder (:func:`~tvrpipe.search.engine.open_searcher`).
+        stage: the first stage, built (or read from ``STORE/search-index/``) once.
+        candidates: K, the shortlist the head re-ranks; None: the head scores every video.
+        files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
+    """
+
+    searcher: Searcher
+    stage: FirstStage
+    candidates: int | None = None
+    files: Mapping[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def search(self, queries: Sequence[str], k: int = DEFAULT_TOP_K, images: bool = False) -> list[Hit]:
+        """The ``k`` best videos for each query (sentences, or pictures' paths with ``images``), as ``tvrpipe
+        search`` ranks them with the same store, head and first stage.
+
+        Raises:
+            ConfigError: an empty query, ``k`` out of range, a picture that cannot be read or that the head
+                cannot take.
+        """
+        from tvrpipe.search.engine import check_top_k, exhaustive, hits_of, two_stage
+
+        s = self.searcher
+        check_top_k(k, len(self.stage), s.store)
+        with self.lock:  # one search at a time: the head and the CLIP are shared by every request
+            texts = s.encode_images(queries) if images else s.encode(queries)
+            if self.candidates is None or self.candidates >= len(self.stage):
+                ranked = exhaustive(s.head, texts, s.store, self.stage.rows, k, s.device)
+            else:
+                ranked = two_stage(s.head, texts, s.store, self.stage, k, max(self.candidates, k), s.device)
+        return hits_of(queries, ranked, s.store.videos)
+
+    def media_file(self, video_id: str) -> Path | None:
+        """The file of the store's video ``video_id``, resolved, if it is a file inside the resolved video root;
+        None otherwise (an unknown id, no video root, a path or symlink leading out of the root, a missing file).
+        """
+        rel, root = self.files.get(video_id), self.searcher.video_root
+        if rel is None or root is None:
+            return None
+        try:
+            root = root.resolve(strict=True)
+            path = (root / rel).resolve(strict=True)
+        except (OSError, RuntimeError):  # missing, or a symlink loop
+            return None
+        if not path.is_relative_to(root) or not path.is_file():
+            return None
+        return path
+
+
+def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
+                pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
+                first_stage: str = "auto", candidates: int | None = None,
+                first_stage_settings: Sequence[str] | Mapping[str, Any] = ()) -> Server:
+    """Load once what every request uses: the store, the head, the query CLIP and the first stage.
+
+    Raises:
+        StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
+            sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``.
+    """
+    from tvrpipe.search.engine import open_searcher
+    from tvrpipe.search.index import first_stage as make_stage
+
+    if candidates is not None and candidates < 1:
+        raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
+    searcher = open_searcher(features, run, device, pretrained, video_root)
+    searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
+    stage = make_stage(searcher.store, first_stage, settings=first_stage_settings)
+    videos = searcher.store.videos
+    paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
+    files = {str(v): str(p) for v, p in zip(videos["video_id"], paths) if isinstance(p, str) and p}
+    return Server(searcher, stage, candidates, files)
+
+
+def exposure_warning(host: str) -> str | None:
+    """What binding ``host`` exposes, for a host other than this machine's loopback; None for loopback."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return None
+    return (f"--host {host}: anyone who can reach this address can search the store and read its collection's "
+            "video files; bind 127.0.0.1 (the default) to keep them on this machine")
+
+
+# ------------------------------------------------------------------------------------------------ the app
+
+
+def media_url(hit: Hit) -> str:
+    """``/media/ID`` at the hit's moment: ``#t=start,end`` for a clip (``#t=start`` without an end)."""
+    url = "/media/" + quote(hit.video_id, safe="")
+    start, end = hit.bounds()
+    if start is None and end is None:
+        return url
+    return f"{url}#t={0.0 if start is None else start:.2f}" + ("" if end is None else f",{end:.2f}")
+
+
+def _record(hit: Hit, server: Server) -> dict[str, Any]:
+    return {**hit.record(), "media": media_url(hit) if hit.video_id in server.files else None}
+
+
+def _k(value: str | None) -> int:
+    if value is None or value == "":
+        return DEFAULT_TOP_K
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"k={value!r}: a whole number of hits is needed") from None
+
+
+def make_app(server: Server) -> Any:
+    """The Starlette app serving ``server``'s searches, pages and media files.
+
+    Raises:
+        ConfigError: Starlette is not installed (naming the extra).
+    """
+    try:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
+        from starlette.routing import Route
+    except ImportError:
+        raise ConfigError(INSTALL) from None
+
+    async def read_picture(request: Request) -> tuple[str, bytes] | None:
+        form = await request.form(max_files=1, max_fields=8, max_part_size=MAX_IMAGE_BYTES)
+        upload = form.get("image")
+        if upload is None or isinstance(upload, str):
+            return None
+        data = await upload.read(MAX_IMAGE_BYTES + 1)
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ConfigError(f"the picture is over {MAX_IMAGE_BYTES // 2**20} MiB")
+        return (upload.filename or "picture"), data
+
+    def search_picture(name: str, data: bytes, k: int) -> list[Hit]:
+        with tempfile.TemporaryDirectory(prefix="tvrpipe-serve-") as d:
+            path = Path(d) / (Path(name).name or "picture")
+            path.write_bytes(data)
+            hits = server.search([str(path)], k, images=True)
+        return [dataclasses.replace(h, query=name) for h in hits]  # the upload's name, not the temporary path
+
+    async def page(request: Request) -> Response:
+        q = request.query_params.get("q", "")
+        k_text = request.query_params.get("k")
+        hits, error, query, heading = None, None, q, "Query"
+        try:
+            k = _k(k_text)
+            if request.method == "POST":
+                got = await read_picture(request)
+                if got is None:
+                    raise ConfigError("no picture: choose or drop a picture file")
+                query, heading = got[0], "Picture"
+                hits = await _threaded(search_picture, got[0], got[1], k)
+            elif q.strip():
+                hits = await _threaded(server.search, [q], k)
+        except ConfigError as e:
+            error = str(e)
+        body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
+                               error, heading, query)
+        return HTMLResponse(body, status_code=400 if error else 200)
+
+    async def search_json(request: Request) -> Response:
+        try:
+            k = _k(request.query_params.get("k"))
+            if request.method == "POST":
+                got = await read_picture(request)
+                if got is None:
+                    raise ConfigError("no picture: POST one as the form field 'image'")
+                hits = await _threaded(search_picture, got[0], got[1], k)
+            else:
+                hits = await _threaded(server.search, [request.query_params.get("q", "")], k)
+        except ConfigError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        head = server.searcher.head
+        return JSONResponse({"ranked_by": server.searcher.label, "score": head.meaning(),
+                             "uncertainty": head.uncertainty_text(), "hits": [_record(h, server) for h in hits]})
+
+    async def media(request: Request) -> Response:
+        path = server.media_file(request.path_params["video_id"])
+        if path is None:
+            return PlainTextResponse("no such video", status_code=404)
+        return FileResponse(path)  # Range requests answered with 206 and the bytes asked for
+
+    return Starlette(routes=[
+        Route("/", page, methods=["GET", "POST"]),
+        Route("/search", search_json, methods=["GET", "POST"]),
+        Route("/media/{video_id:path}", media, methods=["GET", "HEAD"]),
+    ])
+
+
+async def _threaded(fn: Any, *args: Any) -> Any:
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(fn, *args)
+
+
+def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: str | None, heading: str = "Query",
+                query: str = "") -> str:
+    """The search page: the query box and picture field, and the hits where there are some."""
+    from tvrpipe.search.html import csp_hash, decode_thumbnails
+
+    e = html.escape
+    s = server.searcher
+    parts = [f"<p>{e(s.label)} over {e(str(s.store.dir))}: {len(server.stage):,} searchable videos.</p>",
+             f'<form method="get" action="/"><input type="text" name="q" value="{e(q)}" placeholder="a sentence" '
+             f'autofocus> hits <input type="number" name="k" min="1" value="{e(k or str(DEFAULT_TOP_K))}" '
+             'style="width:4em"> <button type="submit">Search</button></form>',
+             '<form method="post" action="/" enctype="multipart/form-data">or a picture (choose or drop it here): '
+             '<input type="file" name="image" accept="image/*"> <button type="submit">Search with the picture'
+             "</button></form>"]
+    if error:
+        parts.append(f'<p class="error">error: {e(error)}</p>')
+    legend = [("score", f"{s.head.meaning()}. {SCALE}")]
+    if hits:
+        if any(h.uncertainty is not None for h in hits):
+            legend.append(("uncertainty", s.head.uncertainty_text() or "the head's uncertainty about the pair"))
+        legend.append(("video", "the file at the hit's moment (whole file, or its clip in seconds): the player "
+                                "starts at the moment's start"))
+        parts.append("<dl>" + "".join(f"<dt>{e(a)}</dt><dd>{e(b)}</dd>" for a, b in legend) + "</dl>")
+        shown = decode_thumbnails(hits, s.store, s.video_root, THUMBS, False)
+        with_u = any(h.uncertainty is not None for h in hits)
+        head = ["rank", "video", "clip", "score"] + (["uncertainty"] if with_u else []) + ["frames", "video"]
+        rows = "\n".join(_row(h, shown[h.row, h.path], with_u, server) for h in hits)
+        parts.append(f"<h2>{e(heading)}: &ldquo;{e(query)}&rdquo;</h2><table><thead><tr>"
+                     + "".join(f"<th>{c}</th>" for c in head) + f'</tr></thead><tbody id="hits">\n{rows}\n'
+                     "</tbody></table>")
+    elif hits is not None:
+        parts.append("<p>No hit.</p>")
+    csp = (f"default-src 'none'; img-src data:; media-src 'self'; style-src {csp_hash(_STYLE)}; "
+           "form-action 'self'")
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<title>tvrpipe serve: {e(s.label)}</title>
+<style>{_STYLE}</style>
+</head>
+<body>
+<h1>tvrpipe serve</h1>
+{chr(10).join(parts)}
+</body>
+</html>
+"""
+
+
+def _number(x: float | None) -> str:
+    return "&ndash;" if x is None else ("nan" if math.isnan(x) else f"{x:.4f}")
+
+
+def _row(hit: Hit, shown: Any, with_u: bool, server: Server) -> str:
+    e = html.escape
+    figures = "".join(f'<figure><img src="{uri}" alt="{e(hit.video_id)} at {e(cap)}"><figcaption>{e(cap)}'
+                      "</figcaption></figure>" if cap else f'<figure><img src="{uri}" alt="{e(shown.why or "")}">'
+                      "</figure>" for uri, cap, _ in shown.images)
+    if shown.why:
+        figures += f'<p class="why">no thumbnails: {e(shown.why)}</p>'
+    start, _ = hit.bounds()
+    video = (f'<video controls preload="metadata" width="240" src="{e(media_url(hit))}" '
+             f'data-start="{0.0 if start is None else start:.2f}"></video>'
+             if hit.video_id in server.files and server.searcher.video_root is not None else "no file")
+    cells = [f'<td class="num">{hit.rank}</td>', f"<td>{e(hit.video_id)}</td>", f"<td>{e(hit.clip(2))}</td>",
+             f'<td class="num">{_number(hit.score)}</td>']
+    if with_u:
+        cells.append(f'<td class="num">{_number(hit.uncertainty)}</td>')
+    cells += [f"<td>{figures}</td>", f"<td>{video}</td>"]
+    return '<tr class="hit">' + "".join(cells) + "</tr>"
+
+
+def page_url(q: str, k: int | None = None) -> str:
+    """The page's address for a query (for links and tests)."""
+    return "/?" + urlencode({"q": q, **({"k": k} if k is not None else {})})
+
+
+def serve(server: Server, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    """Serve until interrupted (uvicorn; one process, searches one at a time).
+
+    Raises:
+        ConfigError: uvicorn is not installed.
+    """
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError(INSTALL) from None
+    uvicorn.run(make_app(server), host=host, port=port, log_level="info")
