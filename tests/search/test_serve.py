@@ -257,3 +257,47 @@ def test_a_picture_posted_to_the_page_shows_its_hits(client, tmp_path):
     r = client.post("/", params={"k": 2}, files={"image": ("blue.png", pic.read_bytes(), "image/png")})
     assert r.status_code == 200 and r.text.count('<tr class="hit">') == 2 and "Picture: &ldquo;blue.png" in r.text
     assert client.post("/").status_code == 400
+
+
+# ------------------------------------------------------------------------------------------------ min_score
+
+
+def test_min_score_cuts_as_search_min_score_cuts(site, client):
+    store, root, _ = site
+    q = "a dog runs on a beach"
+    full = search(open_searcher(store, video_root=root), [q], 6).hits
+    x = (full[1].score + full[2].score) / 2  # the top 2 kept, 4 cut
+    want = search(open_searcher(store, video_root=root), [q], 6, min_score=x)
+    r = client.get("/search", params={"q": q, "k": 6, "min_score": x})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [h["video_id"] for h in body["hits"]] == [h.video_id for h in want.hits] == [h.video_id for h in full[:2]]
+    assert body["note"] == want.note(q) == f"4 of the top 6 hits scored below --min-score {x:.10g} and were cut"
+    assert client.get("/search", params={"q": q, "k": 6}).json()["note"] is None
+    page = client.get("/", params={"q": q, "k": 6, "min_score": x})
+    assert page.text.count('<tr class="hit">') == 2 and "4 of the top 6 hits scored below" in page.text
+
+
+def test_a_min_score_outside_the_heads_scores_is_400_with_searchs_message(site, server, client):
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.search.engine import check_min_score
+
+    with pytest.raises(ConfigError) as want:
+        check_min_score(server.searcher, 2.0)
+    r = client.get("/search", params={"q": "a cat", "min_score": 2.0})
+    assert r.status_code == 400 and r.json()["error"] == str(want.value)
+    assert client.get("/search", params={"q": "a cat", "min_score": "x"}).status_code == 400
+    assert client.get("/search", params={"q": "a cat", "min_score": "nan"}).status_code == 400
+    assert client.get("/", params={"q": "a cat", "min_score": 2.0}).status_code == 400
+
+
+def test_serve_min_score_is_the_default_cut_and_is_checked_at_start(site, cli, monkeypatch):
+    store, root, _ = site
+    got = {}
+    monkeypatch.setattr(serve_mod, "serve", lambda server, host, port: got.update(server=server))
+    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "0.01")
+    assert r.exit_code == 0, r.output
+    found = got["server"].search(["a dog"], 5)
+    assert found.min_score == 0.01 and all(h.score >= 0.01 for h in found.hits)
+    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "5")
+    assert r.exit_code == 1 and "--min-score 5 is outside the scores" in r.output

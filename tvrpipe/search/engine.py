@@ -580,14 +580,20 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     hits = hits_of(queries, ranked, store.videos)
     if per_video is not None:
         hits = per_file(hits, per_video, k)
+    return cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video)
+
+
+def cut_below(hits: list[Hit], min_score: float | None, searchable: int, candidates: int, k: int,
+              per_video: int | None = None) -> Found:
+    """The :class:`Found` of ranked ``hits`` (queries in order, best first) with those scoring below ``min_score``
+    cut (None: none cut); the other fields as :class:`Found` names them."""
     if min_score is None:
-        return Found(hits, len(stage), ranked.candidates, top_k=k, per_video=per_video)
+        return Found(hits, searchable, candidates, top_k=k, per_video=per_video)
     cut: dict[str, int] = {}
     for h in hits:  # each query's hits are best first: the cut is a tail, and the ranks kept stay 1, 2, ...
         if h.score < min_score:
             cut[h.query] = cut.get(h.query, 0) + 1
-    return Found([h for h in hits if h.score >= min_score], len(stage), ranked.candidates, min_score, cut, k,
-                 per_video)
+    return Found([h for h in hits if h.score >= min_score], searchable, candidates, min_score, cut, k, per_video)
 
 
 def ranking_depth(videos: pd.DataFrame, k: int, per_video: int | None, limit: int) -> int:

@@ -8,7 +8,9 @@ as ``tvrpipe search`` does). Routes (:func:`make_app`):
 - ``GET /``: a page with a query box and a picture field; with ``?q=...`` (or a picture POSTed to ``/``), the hits
   with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`), score and uncertainty with
   what they mean (the head's words), and a ``<video>`` of the file at the hit's moment (``/media/ID#t=start,end``).
-- ``GET /search?q=...&k=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form field).
+- ``GET /search?q=...&k=...&min_score=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form
+  field). ``min_score`` (on ``/`` too) cuts the hits scoring below it, as ``tvrpipe search --min-score``; without it,
+  the server's ``--min-score``, if any. The JSON's ``note`` says how many were cut.
 - ``GET /media/ID``: the file of the store's video ``ID``, with HTTP Range requests (the player seeks). The id is
   looked up in the store; a path never comes from the request. The file is the store's path under the video root,
   resolved (symlinks followed), and served only if it is a file inside the resolved root: anything else is 404.
@@ -38,7 +40,7 @@ from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
 if TYPE_CHECKING:  # the engine imports torch: `tvrpipe serve --help` reads this module's defaults without it
-    from tvrpipe.search.engine import Searcher
+    from tvrpipe.search.engine import Found, Searcher
     from tvrpipe.search.index import FirstStage
 
 log = logging.getLogger(__name__)
@@ -71,25 +73,33 @@ class Server:
         stage: the first stage, built (or read from ``STORE/search-index/``) once.
         candidates: K, the shortlist the head re-ranks; None: the head scores every video.
         files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
+        min_score: the cut of a request that gives none (``--min-score``); None: no cut.
     """
 
     searcher: Searcher
     stage: FirstStage
     candidates: int | None = None
     files: Mapping[str, str] = field(default_factory=dict)
+    min_score: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def search(self, queries: Sequence[str], k: int = DEFAULT_TOP_K, images: bool = False) -> list[Hit]:
+    def search(self, queries: Sequence[str], k: int = DEFAULT_TOP_K, images: bool = False,
+               min_score: float | None = None) -> Found:
         """The ``k`` best videos for each query (sentences, or pictures' paths with ``images``), as ``tvrpipe
-        search`` ranks them with the same store, head and first stage.
+        search`` ranks them with the same store, head and first stage, those scoring below ``min_score`` (None:
+        the server's :attr:`min_score`) cut.
 
         Raises:
-            ConfigError: an empty query, ``k`` out of range, a picture that cannot be read or that the head
+            ConfigError: an empty query, ``k`` out of range, a ``min_score`` outside the head's scores
+                (:func:`~tvrpipe.search.engine.check_min_score`), a picture that cannot be read or that the head
                 cannot take.
         """
-        from tvrpipe.search.engine import check_top_k, exhaustive, hits_of, two_stage
+        from tvrpipe.search.engine import check_min_score, check_top_k, cut_below, exhaustive, hits_of, two_stage
 
         s = self.searcher
+        min_score = self.min_score if min_score is None else min_score
+        if min_score is not None:
+            check_min_score(s, min_score)
         check_top_k(k, len(self.stage), s.store)
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
             texts = s.encode_images(queries) if images else s.encode(queries)
@@ -97,7 +107,7 @@ class Server:
                 ranked = exhaustive(s.head, texts, s.store, self.stage.rows, k, s.device)
             else:
                 ranked = two_stage(s.head, texts, s.store, self.stage, k, max(self.candidates, k), s.device)
-        return hits_of(queries, ranked, s.store.videos)
+        return cut_below(hits_of(queries, ranked, s.store.videos), min_score, len(self.stage), ranked.candidates, k)
 
     def media_file(self, video_id: str) -> Path | None:
         """The file of the store's video ``video_id``, resolved, if it is a file inside the resolved video root;
@@ -119,25 +129,28 @@ class Server:
 def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", candidates: int | None = None,
-                first_stage_settings: Sequence[str] | Mapping[str, Any] = ()) -> Server:
+                first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None) -> Server:
     """Load once what every request uses: the store, the head, the query CLIP and the first stage.
 
     Raises:
         StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
-            sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``.
+            sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``;
+            a ``min_score`` outside the head's scores.
     """
-    from tvrpipe.search.engine import open_searcher
+    from tvrpipe.search.engine import check_min_score, open_searcher
     from tvrpipe.search.index import first_stage as make_stage
 
     if candidates is not None and candidates < 1:
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
     searcher = open_searcher(features, run, device, pretrained, video_root)
+    if min_score is not None:
+        check_min_score(searcher, min_score)
     searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
     stage = make_stage(searcher.store, first_stage, settings=first_stage_settings)
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
     files = {str(v): str(p) for v, p in zip(videos["video_id"], paths) if isinstance(p, str) and p}
-    return Server(searcher, stage, candidates, files)
+    return Server(searcher, stage, candidates, files, min_score)
 
 
 def exposure_warning(host: str) -> str | None:
@@ -166,6 +179,15 @@ def media_url(hit: Hit) -> str:
 
 def _record(hit: Hit, server: Server) -> dict[str, Any]:
     return {**hit.record(), "media": media_url(hit) if hit.video_id in server.files else None}
+
+
+def _min_score(value: str | None) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"min_score={value!r}: a number is needed") from None
 
 
 def _k(value: str | None) -> int:
@@ -201,48 +223,56 @@ def make_app(server: Server) -> Any:
             raise ConfigError(f"the picture is over {MAX_IMAGE_BYTES // 2**20} MiB")
         return (upload.filename or "picture"), data
 
-    def search_picture(name: str, data: bytes, k: int) -> list[Hit]:
+    def search_picture(name: str, data: bytes, k: int, min_score: float | None) -> tuple[list[Hit], str | None]:
         with tempfile.TemporaryDirectory(prefix="tvrpipe-serve-") as d:
             path = Path(d) / (Path(name).name or "picture")
             path.write_bytes(data)
-            hits = server.search([str(path)], k, images=True)
-        return [dataclasses.replace(h, query=name) for h in hits]  # the upload's name, not the temporary path
+            found = server.search([str(path)], k, images=True, min_score=min_score)
+        # the upload's name, not the temporary path
+        return [dataclasses.replace(h, query=name) for h in found.hits], found.note(str(path))
+
+    def search_text(q: str, k: int, min_score: float | None) -> tuple[list[Hit], str | None]:
+        found = server.search([q], k, min_score=min_score)
+        return found.hits, found.note(q)
 
     async def page(request: Request) -> Response:
         q = request.query_params.get("q", "")
         k_text = request.query_params.get("k")
-        hits, error, query, heading = None, None, q, "Query"
+        hits, note, error, query, heading = None, None, None, q, "Query"
         try:
             k = _k(k_text)
+            min_score = _min_score(request.query_params.get("min_score"))
             if request.method == "POST":
                 got = await read_picture(request)
                 if got is None:
                     raise ConfigError("no picture: choose or drop a picture file")
                 query, heading = got[0], "Picture"
-                hits = await _threaded(search_picture, got[0], got[1], k)
+                hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
             elif q.strip():
-                hits = await _threaded(server.search, [q], k)
+                hits, note = await _threaded(search_text, q, k, min_score)
         except ConfigError as e:
             error = str(e)
         body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
-                               error, heading, query)
+                               error, heading, query, note)
         return HTMLResponse(body, status_code=400 if error else 200)
 
     async def search_json(request: Request) -> Response:
         try:
             k = _k(request.query_params.get("k"))
+            min_score = _min_score(request.query_params.get("min_score"))
             if request.method == "POST":
                 got = await read_picture(request)
                 if got is None:
                     raise ConfigError("no picture: POST one as the form field 'image'")
-                hits = await _threaded(search_picture, got[0], got[1], k)
+                hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
             else:
-                hits = await _threaded(server.search, [request.query_params.get("q", "")], k)
+                hits, note = await _threaded(search_text, request.query_params.get("q", ""), k, min_score)
         except ConfigError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         head = server.searcher.head
         return JSONResponse({"ranked_by": server.searcher.label, "score": head.meaning(),
-                             "uncertainty": head.uncertainty_text(), "hits": [_record(h, server) for h in hits]})
+                             "uncertainty": head.uncertainty_text(), "note": note,
+                             "hits": [_record(h, server) for h in hits]})
 
     async def media(request: Request) -> Response:
         path = server.media_file(request.path_params["video_id"])
@@ -264,8 +294,9 @@ async def _threaded(fn: Any, *args: Any) -> Any:
 
 
 def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: str | None, heading: str = "Query",
-                query: str = "") -> str:
-    """The search page: the query box and picture field, and the hits where there are some."""
+                query: str = "", note: str | None = None) -> str:
+    """The search page: the query box and picture field, and the hits where there are some (``note``: what the
+    minimum score cut)."""
     from tvrpipe.search.html import csp_hash, decode_thumbnails
 
     e = html.escape
@@ -295,6 +326,8 @@ def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: s
                      "</tbody></table>")
     elif hits is not None:
         parts.append("<p>No hit.</p>")
+    if note:
+        parts.append(f'<p class="note">{e(note)}</p>')
     csp = (f"default-src 'none'; img-src data:; media-src 'self'; style-src {csp_hash(_STYLE)}; "
            "form-action 'self'")
     return f"""<!DOCTYPE html>
