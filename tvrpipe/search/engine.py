@@ -114,6 +114,15 @@ class Searcher:
         return TextBatch(torch.zeros(len(paths), 0, D), torch.zeros(len(paths), 0, dtype=torch.bool),
                          emb.half().float())
 
+    def share_clip(self, other: Searcher) -> bool:
+        """Take ``other``'s loaded query CLIP where it is the one this store records (a store reopened after an
+        extract): no second load. Returns whether it was taken."""
+        if (other._bundle is None or other.clip is None or other.clip != self.clip
+                or other._bundle.weights_sha256 != self.store.provenance.get("weights_sha256")):
+            return False
+        self._bundle = other._bundle
+        return True
+
     def _clip_bundle(self, what: str) -> Any:
         """The store's CLIP (loaded once, its weights' sha256 checked against the store's), to encode a ``what``."""
         if self.clip is None:

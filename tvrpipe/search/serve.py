@@ -15,6 +15,18 @@ as ``tvrpipe search`` does). Routes (:func:`make_app`):
   looked up in the store; a path never comes from the request. The file is the store's path under the video root,
   resolved (symlinks followed), and served only if it is a file inside the resolved root: anything else is 404.
 
+**A store updated while serving.** Each search first checks, at most once a second (:meth:`Server.refresh`), a
+cheap signature of the store's folder (:func:`store_signature`: ``stat`` of its metadata, tables and shard
+markers' folder). When it changed, and the store is complete and no writer holds its lock (an extract still
+writing is left alone, and checked again a second later), the store, the head and the first stage are opened
+again (the query CLIP is kept where the new store records the same one) on the request that noticed, and
+swapped in at once; requests meanwhile, and the ones during an extract, are answered from the old ones. A failed
+reopen keeps the old ones and is logged once per signature. While an extract rewrites the store in place, the
+old first stage stays whole (its embeddings are a memory map of a file that an index rebuild replaces, never
+rewrites), but the head reads the old store's frames from files the extract may be rewriting: a search that
+fails then is answered 503 (retry), and one that does not may mix the old and new frames of the videos it
+scores, under the old store's ids.
+
 Starlette and uvicorn, not FastAPI: the server has five routes and no request schema, and FastAPI would bring
 pydantic (and its compiled core) for validation these routes do in a line each.
 """
@@ -29,13 +41,14 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, TvrpipeError
 from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
@@ -64,24 +77,125 @@ dl { font-size: 90%; color: #444; max-width: 60em; }
 dt { font-weight: bold; float: left; width: 7em; } dd { margin: 0 0 4px 7em; }"""
 
 
+class StoreBusy(TvrpipeError):
+    """A search failed while an extract was rewriting the store under the server (answered 503: retry)."""
+
+
+def store_signature(features_dir: str | os.PathLike[str]) -> tuple:
+    """What changes when ``tvrpipe extract`` writes the store in ``features_dir``, read with a few ``stat``
+    calls: its Zarr metadata (rewritten whenever its attributes are, ``complete`` included), its tables and the
+    folder of its video shards' markers (a shard written again replaces its marker). A missing file counts
+    as its own state."""
+    from tvrpipe.features.store import PROGRESS, STORE_NAME
+
+    d = Path(features_dir)
+    out = []
+    for path in (d / STORE_NAME / "zarr.json", d / "videos.parquet", d / "texts.parquet", d / PROGRESS / "videos"):
+        try:
+            st = path.stat()
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def ready_to_reopen(features_dir: str | os.PathLike[str]) -> bool:
+    """Whether the store can be opened again now: no writer holds its lock and its attributes say it is
+    complete (a store still being written, or left incomplete, is not)."""
+    from tvrpipe.features.store import store_attributes
+    from tvrpipe.lock import lock_holder
+
+    if lock_holder(features_dir) is not None:
+        return False
+    try:
+        return bool(store_attributes(features_dir).get("complete"))
+    except TvrpipeError:
+        return False
+
+
+@dataclass(frozen=True)
+class Served:
+    """One opening of the store: what a request ranks with, swapped whole when the store changes.
+
+    Attributes:
+        searcher: the store, the head and the query encoder (:func:`~tvrpipe.search.engine.open_searcher`).
+        stage: the first stage, built (or read from ``STORE/search-index/``) once.
+        files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
+        signature: the store's :func:`store_signature` when it was opened.
+    """
+
+    searcher: Searcher
+    stage: FirstStage
+    files: Mapping[str, str] = field(default_factory=dict)
+    signature: tuple = ()
+
+
 @dataclass
 class Server:
     """What a search server holds for its lifetime.
 
     Attributes:
-        searcher: the store, the head and the query encoder (:func:`~tvrpipe.search.engine.open_searcher`).
-        stage: the first stage, built (or read from ``STORE/search-index/``) once.
+        current: the store, head and first stage answered from (:class:`Served`), replaced when the store changes.
         candidates: K, the shortlist the head re-ranks; None: the head scores every video.
-        files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
         min_score: the cut of a request that gives none (``--min-score``); None: no cut.
+        reopen: opens the store again (:meth:`refresh`); None: the server keeps ``current``.
+        check_seconds: the least time between two checks of the store's signature.
     """
 
-    searcher: Searcher
-    stage: FirstStage
+    current: Served
     candidates: int | None = None
-    files: Mapping[str, str] = field(default_factory=dict)
     min_score: float | None = None
+    reopen: Callable[[Served], Served] | None = field(default=None, repr=False)
+    check_seconds: float = 1.0  # choice: a few stat calls a second at most, under any request rate
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reloading: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _checked: float = field(default=-math.inf, repr=False)
+    _failed: tuple | None = field(default=None, repr=False)
+
+    @property
+    def searcher(self) -> Searcher:
+        return self.current.searcher
+
+    @property
+    def stage(self) -> FirstStage:
+        return self.current.stage
+
+    @property
+    def files(self) -> Mapping[str, str]:
+        return self.current.files
+
+    def refresh(self) -> bool:
+        """Open the store again and swap it in, where its signature changed since it was opened and it is
+        complete and not being written; at most one check per :attr:`check_seconds`, one reopen at a time (other
+        requests meanwhile keep the old one). A reopen that fails keeps the old one, logged once per signature.
+
+        Returns:
+            Whether a new opening was swapped in.
+        """
+        now = time.monotonic()
+        if self.reopen is None or now - self._checked < self.check_seconds:
+            return False
+        self._checked = now
+        old = self.current
+        d = old.searcher.store.dir
+        sig = store_signature(d)
+        if sig == old.signature or sig == self._failed or not ready_to_reopen(d):
+            return False
+        if not self._reloading.acquire(blocking=False):
+            return False
+        try:
+            new = self.reopen(old)
+            if store_signature(d) != sig:  # written again while it was opened: the next check reopens it
+                return False
+            self.current = dataclasses.replace(new, signature=sig)
+            log.info("%s changed: now serving it as written (%s searchable videos)", d, f"{len(new.stage):,}")
+            return True
+        except Exception as e:  # noqa: BLE001 - whatever the new store does, the old one keeps serving
+            self._failed = sig
+            log.warning("%s changed, but opening it again failed (still serving the store as it was): %s", d, e)
+            return False
+        finally:
+            self._reloading.release()
 
     def search(self, queries: Sequence[str], k: int = DEFAULT_TOP_K, images: bool = False,
                min_score: float | None = None) -> Found:
@@ -96,18 +210,26 @@ class Server:
         """
         from tvrpipe.search.engine import check_min_score, check_top_k, cut_below, exhaustive, hits_of, two_stage
 
-        s = self.searcher
+        self.refresh()
+        cur = self.current  # one opening for the whole request, whatever a concurrent refresh swaps in
+        s, stage = cur.searcher, cur.stage
         min_score = self.min_score if min_score is None else min_score
         if min_score is not None:
             check_min_score(s, min_score)
-        check_top_k(k, len(self.stage), s.store)
+        check_top_k(k, len(stage), s.store)
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
             texts = s.encode_images(queries) if images else s.encode(queries)
-            if self.candidates is None or self.candidates >= len(self.stage):
-                ranked = exhaustive(s.head, texts, s.store, self.stage.rows, k, s.device)
-            else:
-                ranked = two_stage(s.head, texts, s.store, self.stage, k, max(self.candidates, k), s.device)
-        return cut_below(hits_of(queries, ranked, s.store.videos), min_score, len(self.stage), ranked.candidates, k)
+            try:
+                if self.candidates is None or self.candidates >= len(stage):
+                    ranked = exhaustive(s.head, texts, s.store, stage.rows, k, s.device)
+                else:
+                    ranked = two_stage(s.head, texts, s.store, stage, k, max(self.candidates, k), s.device)
+            except Exception as e:
+                if self.reopen is None or store_signature(s.store.dir) == cur.signature:
+                    raise
+                raise StoreBusy(f"{s.store.dir} is being written again (tvrpipe extract) and this search could not "
+                                "read it; retry in a moment") from e
+        return cut_below(hits_of(queries, ranked, s.store.videos), min_score, len(stage), ranked.candidates, k)
 
     def media_file(self, video_id: str) -> Path | None:
         """The file of the store's video ``video_id``, resolved, if it is a file inside the resolved video root;
@@ -137,20 +259,38 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
             sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``;
             a ``min_score`` outside the head's scores.
     """
-    from tvrpipe.search.engine import check_min_score, open_searcher
-    from tvrpipe.search.index import first_stage as make_stage
+    from tvrpipe.search.engine import check_min_score
 
     if candidates is not None and candidates < 1:
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
+
+    def reopen(old: Served | None) -> Served:
+        sig = store_signature(features)
+        served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old)
+        if min_score is not None:
+            check_min_score(served.searcher, min_score)
+        return dataclasses.replace(served, signature=sig)
+
+    return Server(reopen(None), candidates, min_score, reopen)
+
+
+def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
+                pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
+                first_stage: str = "auto", first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
+                old: Served | None = None) -> Served:
+    """One opening of the store (:class:`Served`); the query CLIP of ``old`` is kept where the store records the
+    same one (a reopen after an extract), else loaded and tried on a warm-up query."""
+    from tvrpipe.search.engine import open_searcher
+    from tvrpipe.search.index import first_stage as make_stage
+
     searcher = open_searcher(features, run, device, pretrained, video_root)
-    if min_score is not None:
-        check_min_score(searcher, min_score)
-    searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
+    if old is None or not searcher.share_clip(old.searcher):
+        searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
     stage = make_stage(searcher.store, first_stage, settings=first_stage_settings)
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
     files = {str(v): str(p) for v, p in zip(videos["video_id"], paths) if isinstance(p, str) and p}
-    return Server(searcher, stage, candidates, files, min_score)
+    return Served(searcher, stage, files)
 
 
 def exposure_warning(host: str) -> str | None:
@@ -238,7 +378,7 @@ def make_app(server: Server) -> Any:
     async def page(request: Request) -> Response:
         q = request.query_params.get("q", "")
         k_text = request.query_params.get("k")
-        hits, note, error, query, heading = None, None, None, q, "Query"
+        hits, note, error, busy, query, heading = None, None, None, False, q, "Query"
         try:
             k = _k(k_text)
             min_score = _min_score(request.query_params.get("min_score"))
@@ -250,11 +390,11 @@ def make_app(server: Server) -> Any:
                 hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
             elif q.strip():
                 hits, note = await _threaded(search_text, q, k, min_score)
-        except ConfigError as e:
-            error = str(e)
+        except (ConfigError, StoreBusy) as e:
+            error, busy = str(e), isinstance(e, StoreBusy)
         body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
                                error, heading, query, note)
-        return HTMLResponse(body, status_code=400 if error else 200)
+        return HTMLResponse(body, status_code=(503 if busy else 400) if error else 200)
 
     async def search_json(request: Request) -> Response:
         try:
@@ -269,6 +409,8 @@ def make_app(server: Server) -> Any:
                 hits, note = await _threaded(search_text, request.query_params.get("q", ""), k, min_score)
         except ConfigError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
+        except StoreBusy as e:
+            return JSONResponse({"error": str(e)}, status_code=503)
         head = server.searcher.head
         return JSONResponse({"ranked_by": server.searcher.label, "score": head.meaning(),
                              "uncertainty": head.uncertainty_text(), "note": note,
