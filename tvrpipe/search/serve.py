@@ -208,7 +208,14 @@ class Server:
                 (:func:`~tvrpipe.search.engine.check_min_score`), a picture that cannot be read or that the head
                 cannot take.
         """
-        from tvrpipe.search.engine import check_min_score, check_top_k, cut_below, exhaustive, hits_of, two_stage
+        from tvrpipe.search.engine import (
+            check_min_score,
+            check_top_k,
+            cut_below,
+            exhaustive,
+            hits_of,
+            two_stage,
+        )
 
         self.refresh()
         cur = self.current  # one opening for the whole request, whatever a concurrent refresh swaps in
