@@ -43,25 +43,31 @@ def _webm(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
             out.mux(packet)
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """A store of the tiny CLIP's width relabelled as extracted with it (as test_search does), its videos pointed
-    at real WebM files under a video root, each a moment of a file; beside the root, a secret file, reached from
-    the store by a symlink inside the root and by a ``../`` path."""
+def _tiny_clip_store(path: Path, seed: int) -> Path:
+    """A generated store of the tiny CLIP's width, relabelled as extracted with it (as test_search does)."""
     import zarr
 
     from tvrpipe.features.clip import TINY_MODEL, load_clip
     from tvrpipe.features.genstore import GenSpec, generate_store
 
-    base = tmp_path_factory.mktemp("serve")
     spec = GenSpec(train_videos=8, test_videos=4, captions_per_train_video=1, frames=4, max_words=8, embed_dim=64,
-                   seed=3)
-    store = generate_store(base / "store", spec, video_shard=8, text_shard=16)
+                   seed=seed)
+    store = generate_store(path, spec, video_shard=8, text_shard=16)
     attrs = zarr.open_group(str(store / "features.zarr"), mode="a").attrs
     attrs.update({"model": TINY_MODEL, "pretrained": "none", "seed": 0, "frame_sampling": "uniform",
                   "weights_sha256": load_clip(TINY_MODEL, "none", device="cpu", seed=0).weights_sha256,
                   "made_by": "tvrpipe extract"})
     del attrs["generator"]
+    return store
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A store of the tiny CLIP's width relabelled as extracted with it (as test_search does), its videos pointed
+    at real WebM files under a video root, each a moment of a file; beside the root, a secret file, reached from
+    the store by a symlink inside the root and by a ``../`` path."""
+    base = tmp_path_factory.mktemp("serve")
+    store = _tiny_clip_store(base / "store", seed=3)
     root = base / "videos"
     root.mkdir()
     for i in range(N_FILES):
@@ -257,3 +263,125 @@ def test_a_picture_posted_to_the_page_shows_its_hits(client, tmp_path):
     r = client.post("/", params={"k": 2}, files={"image": ("blue.png", pic.read_bytes(), "image/png")})
     assert r.status_code == 200 and r.text.count('<tr class="hit">') == 2 and "Picture: &ldquo;blue.png" in r.text
     assert client.post("/").status_code == 400
+
+
+# ------------------------------------------------------------------------------------------------ min_score
+
+
+def test_min_score_cuts_as_search_min_score_cuts(site, client):
+    store, root, _ = site
+    q = "a dog runs on a beach"
+    full = search(open_searcher(store, video_root=root), [q], 6).hits
+    x = (full[1].score + full[2].score) / 2  # the top 2 kept, 4 cut
+    want = search(open_searcher(store, video_root=root), [q], 6, min_score=x)
+    r = client.get("/search", params={"q": q, "k": 6, "min_score": x})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [h["video_id"] for h in body["hits"]] == [h.video_id for h in want.hits] == [h.video_id for h in full[:2]]
+    assert body["note"] == want.note(q) == f"4 of the top 6 hits scored below --min-score {x:.10g} and were cut"
+    assert client.get("/search", params={"q": q, "k": 6}).json()["note"] is None
+    page = client.get("/", params={"q": q, "k": 6, "min_score": x})
+    assert page.text.count('<tr class="hit">') == 2 and "4 of the top 6 hits scored below" in page.text
+
+
+def test_a_min_score_outside_the_heads_scores_is_400_with_searchs_message(site, server, client):
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.search.engine import check_min_score
+
+    with pytest.raises(ConfigError) as want:
+        check_min_score(server.searcher, 2.0)
+    r = client.get("/search", params={"q": "a cat", "min_score": 2.0})
+    assert r.status_code == 400 and r.json()["error"] == str(want.value)
+    assert client.get("/search", params={"q": "a cat", "min_score": "x"}).status_code == 400
+    assert client.get("/search", params={"q": "a cat", "min_score": "nan"}).status_code == 400
+    assert client.get("/", params={"q": "a cat", "min_score": 2.0}).status_code == 400
+
+
+def test_serve_min_score_is_the_default_cut_and_is_checked_at_start(site, cli, monkeypatch):
+    store, root, _ = site
+    got = {}
+    monkeypatch.setattr(serve_mod, "serve", lambda server, host, port: got.update(server=server))
+    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "0.01")
+    assert r.exit_code == 0, r.output
+    found = got["server"].search(["a dog"], 5)
+    assert found.min_score == 0.01 and all(h.score >= 0.01 for h in found.hits)
+    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "5")
+    assert r.exit_code == 1 and "--min-score 5 is outside the scores" in r.output
+
+
+# ---------------------------------------------------------------------------------- a store updated while serving
+
+
+def _replace(store: Path, new: Path) -> None:
+    """``new`` where ``store`` was, as an extract writing a new store there leaves it."""
+    shutil.rmtree(store)
+    new.rename(store)
+
+
+def _ids(client, q: str = "a dog runs on a beach", k: int = 5) -> list[str]:
+    r = client.get("/search", params={"q": q, "k": k})
+    assert r.status_code == 200, r.text
+    return [h["video_id"] for h in r.json()["hits"]]
+
+
+def _want(store: Path, q: str = "a dog runs on a beach", k: int = 5) -> list[str]:
+    return [h.video_id for h in search(open_searcher(store), [q], k).hits]
+
+
+def test_a_store_written_again_is_served_once_complete_and_unlocked(tmp_path, caplog):
+    import zarr
+
+    from tvrpipe.lock import DirLock
+
+    store = _tiny_clip_store(tmp_path / "store", seed=3)
+    server = open_server(store)
+    server.check_seconds = 0.0
+    client = TestClient(make_app(server))
+    old = _want(store)
+    assert _ids(client) == old
+    first = server.current
+
+    # being written (an extract resuming in place): its lock held, then released with the store incomplete; the
+    # store's files are those served, so the answers are the old ones
+    attrs = zarr.open_group(str(store / "features.zarr"), mode="a").attrs
+    lock = DirLock(store)
+    try:
+        attrs["complete"] = False
+        assert _ids(client) == old and server.current is first
+    finally:
+        lock.release()
+    assert _ids(client) == old and server.current is first
+
+    # another store written in its place, still locked: not picked up (the head then reads the new files under
+    # the old ids, the hazard docs/search.md names); once unlocked and complete, the next request serves it
+    new = _tiny_clip_store(tmp_path / "new", seed=11)
+    lock = DirLock(new)
+    try:
+        _replace(store, new)
+        _ids(client)
+        assert server.current is first
+    finally:
+        lock.release()
+    now = _want(store)
+    assert now != old
+    assert _ids(client) == now and server.current is not first
+    assert server.searcher._bundle is first.searcher._bundle  # the query CLIP kept, not loaded again
+
+    # a new store that cannot be opened (its table damaged) keeps the last one, logged once
+    second = server.current
+    (store / "videos.parquet").write_bytes(b"not parquet")
+    with caplog.at_level("WARNING", logger="tvrpipe.search.serve"):
+        assert _ids(client) == now and _ids(client) == now
+    assert server.current is second
+    assert sum("opening it again failed" in r.message for r in caplog.records) == 1
+
+
+def test_the_store_is_checked_at_most_once_per_interval(tmp_path, monkeypatch):
+    store = _tiny_clip_store(tmp_path / "store", seed=3)
+    server = open_server(store)
+    calls = []
+    monkeypatch.setattr(serve_mod, "store_signature", lambda d: calls.append(d) or server.current.signature)
+    client = TestClient(make_app(server))
+    for _ in range(5):
+        _ids(client)
+    assert len(calls) <= 1

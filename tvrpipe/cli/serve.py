@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tvrpipe.cli.app import MAIN_PATH, app, console, err_console
+from tvrpipe.cli.app import MAIN_PATH, app, console, err_console, finite_float
 from tvrpipe.errors import ConfigError
 from tvrpipe.search.first_stages import AUTO, first_stage_help
 from tvrpipe.search.serve import DEFAULT_HOST, DEFAULT_PORT
@@ -27,6 +27,10 @@ def serve_cmd(
     candidates: Annotated[Optional[int], typer.Option(
         help="K: the shortlist of the first stage that the run's head re-ranks; default: the head scores every "
              "video.")] = None,
+    min_score: Annotated[Optional[float], typer.Option(
+        parser=finite_float, metavar="X", help="Cut the hits scoring below X, as tvrpipe search --min-score (X on the "
+        "ranking head's own scale; a value outside its scores is refused); a request's min_score=... replaces it.",
+        show_default=False)] = None,
     first_stage: Annotated[str, typer.Option(
         help=f"What ranks every video for --candidates, built once at start. {first_stage_help()}.")] = AUTO,
     first_stage_set: Annotated[Optional[list[str]], typer.Option(
@@ -42,8 +46,8 @@ def serve_cmd(
 ) -> None:
     """Serve a search page over a feature store: the store, the head (or zero-shot CLIP), the query CLIP and the
     first stage are loaded once. GET / is the page (a sentence, or a picture chosen or dropped; hits with
-    thumbnails, score, uncertainty and a player at the hit's moment), GET /search?q=...&k=... the same hits as
-    JSON, GET /media/ID a video file by its id in the store (Range requests for seeking)."""
+    thumbnails, score, uncertainty and a player at the hit's moment), GET /search?q=...&k=...&min_score=... the
+    same hits as JSON, GET /media/ID a video file by its id in the store (Range requests for seeking)."""
     from tvrpipe.search.serve import exposure_warning, open_server, serve
 
     if device not in ("cpu", "cuda"):
@@ -54,7 +58,7 @@ def serve_cmd(
     if warning:
         err_console.print(f"warning: {warning}", style="yellow")
     server = open_server(features, run, device, pretrained, video_root, first_stage, candidates,
-                         first_stage_set or ())
+                         first_stage_set or (), min_score)
     console.print(f"{server.searcher.label} over {server.searcher.store.dir}: {len(server.stage):,} searchable "
                   f"videos; serving http://{host if ':' not in host else f'[{host}]'}:{port}/ (Ctrl-C stops)")
     serve(server, host, port)

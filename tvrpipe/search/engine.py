@@ -114,6 +114,15 @@ class Searcher:
         return TextBatch(torch.zeros(len(paths), 0, D), torch.zeros(len(paths), 0, dtype=torch.bool),
                          emb.half().float())
 
+    def share_clip(self, other: Searcher) -> bool:
+        """Take ``other``'s loaded query CLIP where it is the one this store records (a store reopened after an
+        extract): no second load. Returns whether it was taken."""
+        if (other._bundle is None or other.clip is None or other.clip != self.clip
+                or other._bundle.weights_sha256 != self.store.provenance.get("weights_sha256")):
+            return False
+        self._bundle = other._bundle
+        return True
+
     def _clip_bundle(self, what: str) -> Any:
         """The store's CLIP (loaded once, its weights' sha256 checked against the store's), to encode a ``what``."""
         if self.clip is None:
@@ -580,14 +589,20 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     hits = hits_of(queries, ranked, store.videos)
     if per_video is not None:
         hits = per_file(hits, per_video, k)
+    return cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video)
+
+
+def cut_below(hits: list[Hit], min_score: float | None, searchable: int, candidates: int, k: int,
+              per_video: int | None = None) -> Found:
+    """The :class:`Found` of ranked ``hits`` (queries in order, best first) with those scoring below ``min_score``
+    cut (None: none cut); the other fields as :class:`Found` names them."""
     if min_score is None:
-        return Found(hits, len(stage), ranked.candidates, top_k=k, per_video=per_video)
+        return Found(hits, searchable, candidates, top_k=k, per_video=per_video)
     cut: dict[str, int] = {}
     for h in hits:  # each query's hits are best first: the cut is a tail, and the ranks kept stay 1, 2, ...
         if h.score < min_score:
             cut[h.query] = cut.get(h.query, 0) + 1
-    return Found([h for h in hits if h.score >= min_score], len(stage), ranked.candidates, min_score, cut, k,
-                 per_video)
+    return Found([h for h in hits if h.score >= min_score], searchable, candidates, min_score, cut, k, per_video)
 
 
 def ranking_depth(videos: pd.DataFrame, k: int, per_video: int | None, limit: int) -> int:

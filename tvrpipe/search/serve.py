@@ -8,10 +8,24 @@ as ``tvrpipe search`` does). Routes (:func:`make_app`):
 - ``GET /``: a page with a query box and a picture field; with ``?q=...`` (or a picture POSTed to ``/``), the hits
   with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`), score and uncertainty with
   what they mean (the head's words), and a ``<video>`` of the file at the hit's moment (``/media/ID#t=start,end``).
-- ``GET /search?q=...&k=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form field).
+- ``GET /search?q=...&k=...&min_score=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form
+  field). ``min_score`` (on ``/`` too) cuts the hits scoring below it, as ``tvrpipe search --min-score``; without it,
+  the server's ``--min-score``, if any. The JSON's ``note`` says how many were cut.
 - ``GET /media/ID``: the file of the store's video ``ID``, with HTTP Range requests (the player seeks). The id is
   looked up in the store; a path never comes from the request. The file is the store's path under the video root,
   resolved (symlinks followed), and served only if it is a file inside the resolved root: anything else is 404.
+
+**A store updated while serving.** Each search first checks, at most once a second (:meth:`Server.refresh`), a
+cheap signature of the store's folder (:func:`store_signature`: ``stat`` of its metadata, tables and shard
+markers' folder). When it changed, and the store is complete and no writer holds its lock (an extract still
+writing is left alone, and checked again a second later), the store, the head and the first stage are opened
+again (the query CLIP is kept where the new store records the same one) on the request that noticed, and
+swapped in at once; requests meanwhile, and the ones during an extract, are answered from the old ones. A failed
+reopen keeps the old ones and is logged once per signature. While an extract rewrites the store in place, the
+old first stage stays whole (its embeddings are a memory map of a file that an index rebuild replaces, never
+rewrites), but the head reads the old store's frames from files the extract may be rewriting: a search that
+fails then is answered 503 (retry), and one that does not may mix the old and new frames of the videos it
+scores, under the old store's ids.
 
 Starlette and uvicorn, not FastAPI: the server has five routes and no request schema, and FastAPI would bring
 pydantic (and its compiled core) for validation these routes do in a line each.
@@ -27,18 +41,19 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, TvrpipeError
 from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
 if TYPE_CHECKING:  # the engine imports torch: `tvrpipe serve --help` reads this module's defaults without it
-    from tvrpipe.search.engine import Searcher
+    from tvrpipe.search.engine import Found, Searcher
     from tvrpipe.search.index import FirstStage
 
 log = logging.getLogger(__name__)
@@ -62,42 +77,166 @@ dl { font-size: 90%; color: #444; max-width: 60em; }
 dt { font-weight: bold; float: left; width: 7em; } dd { margin: 0 0 4px 7em; }"""
 
 
+class StoreBusy(TvrpipeError):
+    """A search failed while an extract was rewriting the store under the server (answered 503: retry)."""
+
+
+def store_signature(features_dir: str | os.PathLike[str]) -> tuple:
+    """What changes when ``tvrpipe extract`` writes the store in ``features_dir``, read with a few ``stat``
+    calls: its Zarr metadata (rewritten whenever its attributes are, ``complete`` included), its tables and the
+    folder of its video shards' markers (a shard written again replaces its marker). A missing file counts
+    as its own state."""
+    from tvrpipe.features.store import PROGRESS, STORE_NAME
+
+    d = Path(features_dir)
+    out = []
+    for path in (d / STORE_NAME / "zarr.json", d / "videos.parquet", d / "texts.parquet", d / PROGRESS / "videos"):
+        try:
+            st = path.stat()
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def ready_to_reopen(features_dir: str | os.PathLike[str]) -> bool:
+    """Whether the store can be opened again now: no writer holds its lock and its attributes say it is
+    complete (a store still being written, or left incomplete, is not)."""
+    from tvrpipe.features.store import store_attributes
+    from tvrpipe.lock import lock_holder
+
+    if lock_holder(features_dir) is not None:
+        return False
+    try:
+        return bool(store_attributes(features_dir).get("complete"))
+    except TvrpipeError:
+        return False
+
+
+@dataclass(frozen=True)
+class Served:
+    """One opening of the store: what a request ranks with, swapped whole when the store changes.
+
+    Attributes:
+        searcher: the store, the head and the query encoder (:func:`~tvrpipe.search.engine.open_searcher`).
+        stage: the first stage, built (or read from ``STORE/search-index/``) once.
+        files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
+        signature: the store's :func:`store_signature` when it was opened.
+    """
+
+    searcher: Searcher
+    stage: FirstStage
+    files: Mapping[str, str] = field(default_factory=dict)
+    signature: tuple = ()
+
+
 @dataclass
 class Server:
     """What a search server holds for its lifetime.
 
     Attributes:
-        searcher: the store, the head and the query encoder (:func:`~tvrpipe.search.engine.open_searcher`).
-        stage: the first stage, built (or read from ``STORE/search-index/``) once.
+        current: the store, head and first stage answered from (:class:`Served`), replaced when the store changes.
         candidates: K, the shortlist the head re-ranks; None: the head scores every video.
-        files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
+        min_score: the cut of a request that gives none (``--min-score``); None: no cut.
+        reopen: opens the store again (:meth:`refresh`); None: the server keeps ``current``.
+        check_seconds: the least time between two checks of the store's signature.
     """
 
-    searcher: Searcher
-    stage: FirstStage
+    current: Served
     candidates: int | None = None
-    files: Mapping[str, str] = field(default_factory=dict)
+    min_score: float | None = None
+    reopen: Callable[[Served], Served] | None = field(default=None, repr=False)
+    check_seconds: float = 1.0  # choice: a few stat calls a second at most, under any request rate
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reloading: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _checked: float = field(default=-math.inf, repr=False)
+    _failed: tuple | None = field(default=None, repr=False)
 
-    def search(self, queries: Sequence[str], k: int = DEFAULT_TOP_K, images: bool = False) -> list[Hit]:
+    @property
+    def searcher(self) -> Searcher:
+        return self.current.searcher
+
+    @property
+    def stage(self) -> FirstStage:
+        return self.current.stage
+
+    @property
+    def files(self) -> Mapping[str, str]:
+        return self.current.files
+
+    def refresh(self) -> bool:
+        """Open the store again and swap it in, where its signature changed since it was opened and it is
+        complete and not being written; at most one check per :attr:`check_seconds`, one reopen at a time (other
+        requests meanwhile keep the old one). A reopen that fails keeps the old one, logged once per signature.
+
+        Returns:
+            Whether a new opening was swapped in.
+        """
+        now = time.monotonic()
+        if self.reopen is None or now - self._checked < self.check_seconds:
+            return False
+        self._checked = now
+        old = self.current
+        d = old.searcher.store.dir
+        sig = store_signature(d)
+        if sig == old.signature or sig == self._failed or not ready_to_reopen(d):
+            return False
+        if not self._reloading.acquire(blocking=False):
+            return False
+        try:
+            new = self.reopen(old)
+            if store_signature(d) != sig:  # written again while it was opened: the next check reopens it
+                return False
+            self.current = dataclasses.replace(new, signature=sig)
+            log.info("%s changed: now serving it as written (%s searchable videos)", d, f"{len(new.stage):,}")
+            return True
+        except Exception as e:  # noqa: BLE001 - whatever the new store does, the old one keeps serving
+            self._failed = sig
+            log.warning("%s changed, but opening it again failed (still serving the store as it was): %s", d, e)
+            return False
+        finally:
+            self._reloading.release()
+
+    def search(self, queries: Sequence[str], k: int = DEFAULT_TOP_K, images: bool = False,
+               min_score: float | None = None) -> Found:
         """The ``k`` best videos for each query (sentences, or pictures' paths with ``images``), as ``tvrpipe
-        search`` ranks them with the same store, head and first stage.
+        search`` ranks them with the same store, head and first stage, those scoring below ``min_score`` (None:
+        the server's :attr:`min_score`) cut.
 
         Raises:
-            ConfigError: an empty query, ``k`` out of range, a picture that cannot be read or that the head
+            ConfigError: an empty query, ``k`` out of range, a ``min_score`` outside the head's scores
+                (:func:`~tvrpipe.search.engine.check_min_score`), a picture that cannot be read or that the head
                 cannot take.
         """
-        from tvrpipe.search.engine import check_top_k, exhaustive, hits_of, two_stage
+        from tvrpipe.search.engine import (
+            check_min_score,
+            check_top_k,
+            cut_below,
+            exhaustive,
+            hits_of,
+            two_stage,
+        )
 
-        s = self.searcher
-        check_top_k(k, len(self.stage), s.store)
+        self.refresh()
+        cur = self.current  # one opening for the whole request, whatever a concurrent refresh swaps in
+        s, stage = cur.searcher, cur.stage
+        min_score = self.min_score if min_score is None else min_score
+        if min_score is not None:
+            check_min_score(s, min_score)
+        check_top_k(k, len(stage), s.store)
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
             texts = s.encode_images(queries) if images else s.encode(queries)
-            if self.candidates is None or self.candidates >= len(self.stage):
-                ranked = exhaustive(s.head, texts, s.store, self.stage.rows, k, s.device)
-            else:
-                ranked = two_stage(s.head, texts, s.store, self.stage, k, max(self.candidates, k), s.device)
-        return hits_of(queries, ranked, s.store.videos)
+            try:
+                if self.candidates is None or self.candidates >= len(stage):
+                    ranked = exhaustive(s.head, texts, s.store, stage.rows, k, s.device)
+                else:
+                    ranked = two_stage(s.head, texts, s.store, stage, k, max(self.candidates, k), s.device)
+            except Exception as e:
+                if self.reopen is None or store_signature(s.store.dir) == cur.signature:
+                    raise
+                raise StoreBusy(f"{s.store.dir} is being written again (tvrpipe extract) and this search could not "
+                                "read it; retry in a moment") from e
+        return cut_below(hits_of(queries, ranked, s.store.videos), min_score, len(stage), ranked.candidates, k)
 
     def media_file(self, video_id: str) -> Path | None:
         """The file of the store's video ``video_id``, resolved, if it is a file inside the resolved video root;
@@ -119,25 +258,46 @@ class Server:
 def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", candidates: int | None = None,
-                first_stage_settings: Sequence[str] | Mapping[str, Any] = ()) -> Server:
+                first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None) -> Server:
     """Load once what every request uses: the store, the head, the query CLIP and the first stage.
 
     Raises:
         StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
-            sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``.
+            sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``;
+            a ``min_score`` outside the head's scores.
     """
-    from tvrpipe.search.engine import open_searcher
-    from tvrpipe.search.index import first_stage as make_stage
+    from tvrpipe.search.engine import check_min_score
 
     if candidates is not None and candidates < 1:
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
+
+    def reopen(old: Served | None) -> Served:
+        sig = store_signature(features)
+        served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old)
+        if min_score is not None:
+            check_min_score(served.searcher, min_score)
+        return dataclasses.replace(served, signature=sig)
+
+    return Server(reopen(None), candidates, min_score, reopen)
+
+
+def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
+                pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
+                first_stage: str = "auto", first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
+                old: Served | None = None) -> Served:
+    """One opening of the store (:class:`Served`); the query CLIP of ``old`` is kept where the store records the
+    same one (a reopen after an extract), else loaded and tried on a warm-up query."""
+    from tvrpipe.search.engine import open_searcher
+    from tvrpipe.search.index import first_stage as make_stage
+
     searcher = open_searcher(features, run, device, pretrained, video_root)
-    searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
+    if old is None or not searcher.share_clip(old.searcher):
+        searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
     stage = make_stage(searcher.store, first_stage, settings=first_stage_settings)
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
     files = {str(v): str(p) for v, p in zip(videos["video_id"], paths) if isinstance(p, str) and p}
-    return Server(searcher, stage, candidates, files)
+    return Served(searcher, stage, files)
 
 
 def exposure_warning(host: str) -> str | None:
@@ -166,6 +326,15 @@ def media_url(hit: Hit) -> str:
 
 def _record(hit: Hit, server: Server) -> dict[str, Any]:
     return {**hit.record(), "media": media_url(hit) if hit.video_id in server.files else None}
+
+
+def _min_score(value: str | None) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"min_score={value!r}: a number is needed") from None
 
 
 def _k(value: str | None) -> int:
@@ -201,48 +370,58 @@ def make_app(server: Server) -> Any:
             raise ConfigError(f"the picture is over {MAX_IMAGE_BYTES // 2**20} MiB")
         return (upload.filename or "picture"), data
 
-    def search_picture(name: str, data: bytes, k: int) -> list[Hit]:
+    def search_picture(name: str, data: bytes, k: int, min_score: float | None) -> tuple[list[Hit], str | None]:
         with tempfile.TemporaryDirectory(prefix="tvrpipe-serve-") as d:
             path = Path(d) / (Path(name).name or "picture")
             path.write_bytes(data)
-            hits = server.search([str(path)], k, images=True)
-        return [dataclasses.replace(h, query=name) for h in hits]  # the upload's name, not the temporary path
+            found = server.search([str(path)], k, images=True, min_score=min_score)
+        # the upload's name, not the temporary path
+        return [dataclasses.replace(h, query=name) for h in found.hits], found.note(str(path))
+
+    def search_text(q: str, k: int, min_score: float | None) -> tuple[list[Hit], str | None]:
+        found = server.search([q], k, min_score=min_score)
+        return found.hits, found.note(q)
 
     async def page(request: Request) -> Response:
         q = request.query_params.get("q", "")
         k_text = request.query_params.get("k")
-        hits, error, query, heading = None, None, q, "Query"
+        hits, note, error, busy, query, heading = None, None, None, False, q, "Query"
         try:
             k = _k(k_text)
+            min_score = _min_score(request.query_params.get("min_score"))
             if request.method == "POST":
                 got = await read_picture(request)
                 if got is None:
                     raise ConfigError("no picture: choose or drop a picture file")
                 query, heading = got[0], "Picture"
-                hits = await _threaded(search_picture, got[0], got[1], k)
+                hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
             elif q.strip():
-                hits = await _threaded(server.search, [q], k)
-        except ConfigError as e:
-            error = str(e)
+                hits, note = await _threaded(search_text, q, k, min_score)
+        except (ConfigError, StoreBusy) as e:
+            error, busy = str(e), isinstance(e, StoreBusy)
         body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
-                               error, heading, query)
-        return HTMLResponse(body, status_code=400 if error else 200)
+                               error, heading, query, note)
+        return HTMLResponse(body, status_code=(503 if busy else 400) if error else 200)
 
     async def search_json(request: Request) -> Response:
         try:
             k = _k(request.query_params.get("k"))
+            min_score = _min_score(request.query_params.get("min_score"))
             if request.method == "POST":
                 got = await read_picture(request)
                 if got is None:
                     raise ConfigError("no picture: POST one as the form field 'image'")
-                hits = await _threaded(search_picture, got[0], got[1], k)
+                hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
             else:
-                hits = await _threaded(server.search, [request.query_params.get("q", "")], k)
+                hits, note = await _threaded(search_text, request.query_params.get("q", ""), k, min_score)
         except ConfigError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
+        except StoreBusy as e:
+            return JSONResponse({"error": str(e)}, status_code=503)
         head = server.searcher.head
         return JSONResponse({"ranked_by": server.searcher.label, "score": head.meaning(),
-                             "uncertainty": head.uncertainty_text(), "hits": [_record(h, server) for h in hits]})
+                             "uncertainty": head.uncertainty_text(), "note": note,
+                             "hits": [_record(h, server) for h in hits]})
 
     async def media(request: Request) -> Response:
         path = server.media_file(request.path_params["video_id"])
@@ -264,8 +443,9 @@ async def _threaded(fn: Any, *args: Any) -> Any:
 
 
 def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: str | None, heading: str = "Query",
-                query: str = "") -> str:
-    """The search page: the query box and picture field, and the hits where there are some."""
+                query: str = "", note: str | None = None) -> str:
+    """The search page: the query box and picture field, and the hits where there are some (``note``: what the
+    minimum score cut)."""
     from tvrpipe.search.html import csp_hash, decode_thumbnails
 
     e = html.escape
@@ -295,6 +475,8 @@ def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: s
                      "</tbody></table>")
     elif hits is not None:
         parts.append("<p>No hit.</p>")
+    if note:
+        parts.append(f'<p class="note">{e(note)}</p>')
     csp = (f"default-src 'none'; img-src data:; media-src 'self'; style-src {csp_hash(_STYLE)}; "
            "form-action 'self'")
     return f"""<!DOCTYPE html>
