@@ -28,19 +28,15 @@ N_FILES = 3
 SECRET = b"outside the video root: never served"
 
 
-def _webm(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
-    """A small VP8 WebM (every browser plays it), a colour ramp so frames differ."""
-    import av
+def _mp4(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
+    """A small H.264 mp4 (Chromium plays it), a colour ramp so frames differ. Written with tvrpipe's own writer:
+    libvpx (WebM) cannot be opened once decord's bundled libavcodec is loaded in the process, as it is when the
+    whole suite runs."""
+    from tvrpipe.data.synth import write_mp4
 
-    with av.open(str(path), "w") as out:
-        s = out.add_stream("libvpx", rate=fps)
-        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
-        for i in range(int(seconds * fps)):
-            img = np.full((48, 64, 3), (i * 6) % 256, np.uint8)
-            for packet in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                out.mux(packet)
-        for packet in s.encode():
-            out.mux(packet)
+    n = int(seconds * fps)
+    frames = np.stack([np.full((48, 64, 3), (i * 6) % 256, np.uint8) for i in range(n)])
+    write_mp4(path, frames, fps)
 
 
 def _tiny_clip_store(path: Path, seed: int) -> Path:
@@ -71,16 +67,16 @@ def site(tmp_path_factory):
     root = base / "videos"
     root.mkdir()
     for i in range(N_FILES):
-        _webm(root / f"v{i}.webm")
-    (base / "secret.webm").write_bytes(SECRET)
-    (root / "link.webm").symlink_to(base / "secret.webm")
+        _mp4(root / f"v{i}.mp4")
+    (base / "secret.mp4").write_bytes(SECRET)
+    (root / "link.mp4").symlink_to(base / "secret.mp4")
     videos = pd.read_parquet(store / "videos.parquet")
     n = len(videos)
-    videos["path"] = [f"v{i % N_FILES}.webm" for i in range(n)]
+    videos["path"] = [f"v{i % N_FILES}.mp4" for i in range(n)]
     videos["start_s"] = [1.0 + 0.5 * (i % 3) for i in range(n)]
     videos["end_s"] = videos["start_s"] + 1.0
-    videos.loc[n - 2, "path"] = "link.webm"  # a symlink inside the root to a file outside it
-    videos.loc[n - 1, "path"] = "../secret.webm"  # a path that leaves the root
+    videos.loc[n - 2, "path"] = "link.mp4"  # a symlink inside the root to a file outside it
+    videos.loc[n - 1, "path"] = "../secret.mp4"  # a path that leaves the root
     videos.to_parquet(store / "videos.parquet")
     return store, root, videos
 
@@ -151,7 +147,7 @@ def test_media_is_served_by_id_with_range_requests(site, client):
     _, root, videos = site
     vid = videos.video_id[0]
     whole = client.get(f"/media/{vid}")
-    assert whole.status_code == 200 and whole.content == (root / "v0.webm").read_bytes()
+    assert whole.status_code == 200 and whole.content == (root / "v0.mp4").read_bytes()
     part = client.get(f"/media/{vid}", headers={"Range": "bytes=10-19"})
     assert part.status_code == 206 and part.content == whole.content[10:20]
     assert part.headers["content-range"] == f"bytes 10-19/{len(whole.content)}"
@@ -172,8 +168,8 @@ def test_media_never_reads_outside_the_root(site, client, tmp_path, monkeypatch)
 
     monkeypatch.setattr(responses.FileResponse, "__init__", spy)
     n = len(videos)
-    secret = str(root.parent / "secret.webm")
-    for url in ["/media/no-such-video", "/media/v0.webm", "/media/..%2Fsecret.webm", "/media/%2E%2E/secret.webm",
+    secret = str(root.parent / "secret.mp4")
+    for url in ["/media/no-such-video", "/media/v0.mp4", "/media/..%2Fsecret.mp4", "/media/%2E%2E/secret.mp4",
                 "/media/..%2F..%2F..%2Fetc%2Fpasswd", f"/media/{secret}", f"/media/{secret.lstrip('/')}",
                 f"/media/{videos.video_id[n - 2]}", f"/media/{videos.video_id[n - 1]}", "/media/other_store_0001",
                 "/media/", "/media/%00"]:
@@ -182,7 +178,7 @@ def test_media_never_reads_outside_the_root(site, client, tmp_path, monkeypatch)
         assert SECRET not in r.content
     assert served == []
     client.get(f"/media/{videos.video_id[0]}")
-    assert served == [(root / "v0.webm").resolve()]
+    assert served == [(root / "v0.mp4").resolve()]
 
 
 def test_loopback_binds_quietly_and_another_address_is_warned_about():
