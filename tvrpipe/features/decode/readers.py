@@ -157,18 +157,24 @@ def decode_moments(
     return out
 
 
-def _moments_decord(path: Path, num_frames: int, image_size: int,
-                    clips: list[tuple[float | None, float | None]]) -> list[DecodedVideo | DecodeFailure]:
-    """:func:`decode_moments`'s one open: what :func:`_read_decord` does for one clip, for all of them."""
+def _decord_reader(path: Path, image_size: int) -> tuple[Any, np.ndarray]:
+    """A decord reader of ``path`` that outputs frames at their resized size for ``image_size``, and its frames'
+    times in seconds (float64)."""
     import decord
 
-    check_file(path)
     width, height = probe_size(path)
     new_w, new_h = resize_dims(width, height, image_size)
     if not _decord_can_output(new_w):
         raise RuntimeError(f"decord 0.6 cannot return frames {new_w} px wide (its row-padding bug)")
     vr = _open_decord(decord, path, new_w, new_h)
-    times = _decord_times(vr)  # float64 (n,)
+    return vr, _decord_times(vr)
+
+
+def _moments_decord(path: Path, num_frames: int, image_size: int,
+                    clips: list[tuple[float | None, float | None]]) -> list[DecodedVideo | DecodeFailure]:
+    """:func:`decode_moments`'s one open: what :func:`_read_decord` does for one clip, for all of them."""
+    check_file(path)
+    vr, times = _decord_reader(path, image_size)
     picks: list[np.ndarray | DecodeFailure] = []
     for start, end in clips:
         if start is not None and end is not None and end <= start:
@@ -200,14 +206,7 @@ def _read_decord(
     path: Path, num_frames: int, image_size: int, start_s: float | None, end_s: float | None,
     offsets: np.ndarray | None = None,
 ) -> DecodedVideo:
-    import decord
-
-    width, height = probe_size(path)
-    new_w, new_h = resize_dims(width, height, image_size)
-    if not _decord_can_output(new_w):
-        raise RuntimeError(f"decord 0.6 cannot return frames {new_w} px wide (its row-padding bug)")
-    vr = _open_decord(decord, path, new_w, new_h)
-    times = _decord_times(vr)  # float64 (n,)
+    vr, times = _decord_reader(path, image_size)
     idx = pick_frames(times, num_frames, start_s, end_s, path, offsets)
     # No retry inside decord when this fails: on a file whose frame count lies (more packets than
     # decodable frames) a second get_batch, even one clamped to the frames that do decode, returned
