@@ -135,6 +135,21 @@ class SplitData(SplitBatches):
 
 
 
+def text_columns(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> np.ndarray:
+    """``(n_t,)``: each caption's column among ``video_rows`` (both sorted store rows of the split ``name``).
+
+    Raises:
+        ValueError: a caption whose video is not among ``video_rows``.
+    """
+    col = np.full(len(store.videos), -1, dtype=np.int64)
+    col[video_rows] = np.arange(len(video_rows))
+    text_video = col[store.texts["video_row"].to_numpy()[text_rows]]
+    if (text_video < 0).any():
+        raise ValueError(f"{store.dir}: caption row {text_rows[text_video < 0][0]} has its video outside the "
+                         f"{name} rows")
+    return text_video
+
+
 def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray,
               tokens: bool = True) -> SplitData:
     """The features of store rows ``video_rows`` and ``text_rows`` (every caption's video among them).
@@ -147,12 +162,7 @@ def load_rows(store: FeatureStore, name: str, video_rows: np.ndarray, text_rows:
         NonFiniteError: a loaded feature is NaN or infinite.
     """
     video_rows, text_rows = np.sort(video_rows), np.sort(text_rows)
-    col = np.full(len(store.videos), -1, dtype=np.int64)
-    col[video_rows] = np.arange(len(video_rows))
-    text_video = col[store.texts["video_row"].to_numpy()[text_rows]]
-    if (text_video < 0).any():
-        raise ValueError(f"{store.dir}: caption row {text_rows[text_video < 0][0]} has its video outside the "
-                         f"{name} rows")
+    text_video = text_columns(store, name, video_rows, text_rows)
     g = store.group
     # the token columns after the split's last real token are padding in every caption: not loaded
     # (padding never enters a head; SplitData.text_batch(trim=True) does the same per batch)

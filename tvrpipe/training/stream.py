@@ -39,6 +39,7 @@ from tvrpipe.training.data import (
     as_float32,
     load_split,
     real_width,
+    text_columns,
 )
 
 MEMORY_SHARE = 0.5  # the default budget: this share of the memory the process may use
@@ -202,12 +203,7 @@ class StoreSplit(SplitBatches):
     def __init__(self, store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> None:
         self.store, self.name = store, name
         self.video_rows, self.text_rows = np.sort(video_rows), np.sort(text_rows)
-        col = np.full(len(store.videos), -1, dtype=np.int64)
-        col[self.video_rows] = np.arange(len(self.video_rows))
-        self.text_video = col[store.texts["video_row"].to_numpy()[self.text_rows]]
-        if (self.text_video < 0).any():
-            raise ValueError(f"{store.dir}: caption row {self.text_rows[self.text_video < 0][0]} has its video "
-                             f"outside the {name} rows")
+        self.text_video = text_columns(store, name, self.video_rows, self.text_rows)
         self.video_ids = store.videos["video_id"].to_numpy()[self.video_rows]
         self.caption_ids = store.texts["caption_id"].to_numpy()[self.text_rows]
         self._width: int | None = None
