@@ -74,6 +74,16 @@ def test_plan_streams_above_the_budget_and_sizes_the_buffer(opened):
     rec = plan.record()
     assert rec["mode"] == "streamed" and rec["buffer_videos"] == plan.buffer_videos and "--memory-budget" in rec["budget"]
     assert pair_bytes(s, split_width(s, rows.train_texts)) > each
+    # each split's token width is read once, for the plan, and handed to the splits read on use
+    tokens = plan_data(s, rows, True, 16, budget=60_000)
+    assert tokens.streamed
+    assert tokens.widths == {n: split_width(s, getattr(rows, f"{n}_texts")) for n in ("train", "val", "test")}
+    assert plan.widths == {}
+    from tvrpipe.training.stream import open_splits
+
+    splits = open_splits(s, rows, tokens, True)
+    assert [sp._width for sp in (splits.train, splits.val, splits.test)] == [tokens.widths[n] for n in
+                                                                              ("train", "val", "test")]
 
 
 def test_plan_refuses_a_budget_below_a_batch_and_a_block(opened):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,7 @@ from tvrpipe.training.data import (
 
 MEMORY_SHARE = 0.5  # the default budget: this share of the memory the process may use
 BUFFER_SHARE = 0.5  # of a streamed run's budget, the shuffle buffer's; the rest is reads in flight and batches
+SPLITS = ("train", "val", "test")
 IN_MEMORY_ORDER = "every training video once an epoch, in a random permutation"
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -125,6 +126,8 @@ class DataPlan:
         needs: bytes the splits would hold in memory.
         budget, budget_source: the memory budget and where it comes from.
         buffer_videos, block_videos: a streamed run's shuffle buffer and read block, in videos (0 in memory).
+        widths: each split's real token columns (:func:`split_width`), read once for the plan and kept for the
+            splits read on use; empty for a head that reads no word tokens.
     """
 
     streamed: bool
@@ -133,6 +136,7 @@ class DataPlan:
     budget_source: str
     buffer_videos: int = 0
     block_videos: int = 0
+    widths: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def order(self) -> str:
@@ -163,14 +167,17 @@ def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: in
         budget, budget_source = int(limit * MEMORY_SHARE), f"{MEMORY_SHARE:.0%} of {gb(limit)}, the {source}"
     else:
         budget_source = "--memory-budget"
-    texts = np.concatenate([rows.train_texts, rows.val_texts, rows.test_texts])
+    n_texts = len(rows.train_texts) + len(rows.val_texts) + len(rows.test_texts)
     videos = len(rows.train_videos) + len(rows.val_videos) + len(rows.test_videos)
-    width = split_width(store, texts) if uses_tokens and len(texts) else 0
+    # one pass over each split's token masks; the widest is the union's width (the bytes counted), the train
+    # split's sizes the buffer, and all three serve the splits read on use
+    widths = {name: split_width(store, getattr(rows, f"{name}_texts")) for name in SPLITS} if uses_tokens else {}
+    width = max(widths.values()) if widths and n_texts else 0
     F, D = store.group["videos/frames"].shape[1:]
-    needs = videos * (F * D * 2 + F) + len(texts) * (D * 2 + width * (D * 2 + 1))
+    needs = videos * (F * D * 2 + F) + n_texts * (D * 2 + width * (D * 2 + 1))
     if needs <= budget:
-        return DataPlan(False, needs, budget, budget_source)
-    each = pair_bytes(store, split_width(store, rows.train_texts) if uses_tokens else 0)
+        return DataPlan(False, needs, budget, budget_source, widths=widths)
+    each = pair_bytes(store, widths.get("train", 0))
     chunk = store.group["videos/frames"].chunks[0]
     buffer = int(budget * BUFFER_SHARE) // each
     block = block_size(chunk, buffer)
@@ -180,7 +187,7 @@ def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: in
             f"needs a shuffle buffer of at least a batch and a read block ({batch + block} pairs of {each:,} bytes: "
             f"{gb((batch + block) * each / BUFFER_SHARE)} of budget); give a larger --memory-budget or a smaller "
             "--batch-size")
-    return DataPlan(True, needs, budget, budget_source, buffer, block)
+    return DataPlan(True, needs, budget, budget_source, buffer, block, widths)
 
 
 BLOCKS_IN_BUFFER = 16  # a full buffer mixes at least this many read blocks
@@ -200,13 +207,14 @@ class StoreSplit(SplitBatches):
     Batches are read as the in-memory split would make them (same rows, same token width), so evaluation gives
     the same numbers either way."""
 
-    def __init__(self, store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray) -> None:
+    def __init__(self, store: FeatureStore, name: str, video_rows: np.ndarray, text_rows: np.ndarray,
+                 width: int | None = None) -> None:
         self.store, self.name = store, name
         self.video_rows, self.text_rows = np.sort(video_rows), np.sort(text_rows)
         self.text_video = text_columns(store, name, self.video_rows, self.text_rows)
         self.video_ids = store.videos["video_id"].to_numpy()[self.video_rows]
         self.caption_ids = store.texts["caption_id"].to_numpy()[self.text_rows]
-        self._width: int | None = None
+        self._width = width  # the split's real token columns where already known (a plan's), else read on use
 
     @property
     def n_videos(self) -> int:
@@ -247,10 +255,10 @@ def open_splits(store: FeatureStore, rows: SplitRows, plan: DataPlan, uses_token
     """The train, validation and test splits as ``plan`` reads them: loaded (:func:`load_split`) or
     :class:`StoreSplit`."""
     if not plan.streamed:
-        return Splits(*(load_split(store, name, rows, tokens=uses_tokens) for name in ("train", "val", "test")),
+        return Splits(*(load_split(store, name, rows, tokens=uses_tokens) for name in SPLITS),
                       val_source=rows.val_source)
-    return Splits(*(StoreSplit(store, name, getattr(rows, f"{name}_videos"), getattr(rows, f"{name}_texts"))
-                    for name in ("train", "val", "test")), val_source=rows.val_source)
+    return Splits(*(StoreSplit(store, name, getattr(rows, f"{name}_videos"), getattr(rows, f"{name}_texts"),
+                               plan.widths.get(name)) for name in SPLITS), val_source=rows.val_source)
 
 
 class InMemoryPairs:
