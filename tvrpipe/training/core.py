@@ -260,7 +260,7 @@ def apply_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None =
     scaler.update()
 
 
-def _without(config: dict, keys: tuple[str, ...]) -> dict:
+def without_keys(config: dict, keys: tuple[str, ...]) -> dict:
     """``config`` without ``keys``: top-level names (``execution``) or dotted ones (``train.device``)."""
     out = {k: v for k, v in config.items() if k not in keys}
     for key in keys:
@@ -294,7 +294,7 @@ def check_run_dir(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (
             raise ConfigError(f"--out {out}: {folder} is {kind}; a run goes into a folder of its own (e.g. runs/NAME)")
 
     def same(c: dict) -> dict:
-        c = _without({k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k != RESUMED}, ignore)
+        c = without_keys({k: v for k, v in c.items() if k not in ENVIRONMENT_KEYS and k != RESUMED}, ignore)
         resolved = {k: v for k, v in (c.get("resolved") or {}).items() if k != "lr_source"}
         if isinstance(resolved.get("lr_groups"), dict):
             resolved["lr_groups"] = {g: {k: v for k, v in r.items() if k != "source"} if isinstance(r, dict) else r

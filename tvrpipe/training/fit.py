@@ -65,6 +65,7 @@ from tvrpipe.training.core import (
     seed_step,
     setting_source,
     start_run,
+    without_keys,
 )
 from tvrpipe.training.data import SplitData, Splits, check_captioned, store_split_rows
 from tvrpipe.training.evaluate import evaluate_split
@@ -407,15 +408,9 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
 def _data_changed(out: Path, old: dict, new: dict) -> str | None:
     """The reason a run directory's config differs, when only how the data is read changed (another memory
     budget, or another machine's memory, moved the split between memory and streaming)."""
-    execution = {key.partition(".")[2] for key in EXECUTION if key.startswith("train.")}
-
-    def differs(k: str) -> bool:
-        if k == "train":  # its execution settings (the budget among them) may differ
-            return ({f: v for f, v in (old.get(k) or {}).items() if f not in execution}
-                    != {f: v for f, v in new[k].items() if f not in execution})
-        return old.get(k) != new[k]
-
-    if [k for k in new if differs(k)] == ["data"]:
+    # compared as check_run_dir compares them: without the execution settings (the budget among them)
+    then, now_all = without_keys(old, EXECUTION), without_keys(new, EXECUTION)
+    if [k for k in now_all if then.get(k) != now_all[k]] == ["data"]:
         was, now = old.get("data") or {}, new["data"]
         return (f"{out} was trained with its data {was.get('mode', 'in memory')} ({was.get('order', 'a permutation')}), "
                 f"and this run would read it {now['mode']} ({now['order']}), which draws other batches; choose "
