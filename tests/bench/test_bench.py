@@ -619,3 +619,29 @@ def test_bench_extract_long_video_times_its_moments_against_one_pass(cli, tmp_pa
                        (("--long-video", "40", "--window", "10", "--stride", "20"), "--stride 20s is longer than")):
         r = cli("bench", "extract", "--out", tmp_path / "c", *args)
         assert r.exit_code == 1 and said in " ".join(r.output.split()), r.output
+
+
+def test_bench_streamed_trains_larger_than_its_budget_and_compares_both_ways(tmp_path):
+    """`bench train-head --streamed` at a tiny size (D = 32): the large store's features are at least 3x the
+    budget and it streamed; the store that fits trained in memory and streamed; the figures are what the runs
+    recorded, and the targets are computed from them."""
+    from tvrpipe.bench.streamed import bench_streamed
+
+    r = bench_streamed(tmp_path / "b", budget=150_000, method="xpool", batch_size=16, frames=4, words=4, dim=32,
+                       progress=False)
+    assert r.large_needs >= 3 * r.budget and r.large_data["mode"] == "streamed"
+    assert r.large_data["budget"] == "150.0 kB (--memory-budget)"
+    assert r.memory_samples_per_s > 0 and r.streamed_samples_per_s > 0 and r.model_peak > 0 and r.large_peak > 0
+    assert r.throughput_ratio == pytest.approx(r.streamed_samples_per_s / r.memory_samples_per_s)
+    assert 0 <= r.memory_val_r1 <= 100 and 0 <= r.streamed_val_r1 <= 100 and r.val_n > 0
+    assert r.record()["within_noise"] == (abs(r.memory_val_r1 - r.streamed_val_r1) <= 2 * r.noise_sd)
+
+
+def test_bench_streamed_refuses_options_of_the_other_measurement(cli, tmp_path):
+    for args, said in ((("--streamed", "--steps", "5"), "--steps: --streamed trains whole epochs"),
+                       (("--memory-budget", "1GB"), "--memory-budget: they belong to --streamed"),
+                       (("--streamed", "--memory-budget", "lots"), "--memory-budget 'lots': give a size above 0"),
+                       (("--streamed", "--method", "xpool", "--method", "duq"), "--streamed measures one head")):
+        r = cli("bench", "train-head", "--out", tmp_path / "b", *args)
+        assert r.exit_code == 1 and said in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "b").exists()
