@@ -511,18 +511,21 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
                    "--train-videos", "64", "--train-epochs", "2", *args)
 
     r = bench("--candidates", "20", "--candidates", "100", "--candidates", "600", "--method", "meanpool",
-              "--method", "xpool", "--json", tmp_path / "r.json")
+              "--method", "xpool", "--latency-queries", "3", "--json", tmp_path / "r.json")
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "r.json").read_text())
     assert res == json.loads((out / "results.json").read_text())
     assert (res["videos"], res["queries"], res["dim"], res["candidates"]) == (600, 6, 32, [20, 100, 600])
     assert res["first_stage"] == "exact" and res["index_seconds"] > 0 and res["first_stage_seconds"] > 0
+    assert 0.05 < res["index_peak_gb"] < 8 and (res["exhaustive_queries"], res["latency_queries"]) == (6, 3)
     hit = [res["first_stage_hit"][k] for k in ("20", "100", "600")]
     assert hit == sorted(hit) and hit[-1] == 1.0  # every query's video is in a shortlist of the whole collection
     assert list(res["trained"]) == ["meanpool", "xpool"]
     assert all(0 <= t["test_R@1"] <= 100 and t["epochs_run"] == 2 and 0 <= t["selected_epoch"] <= 2
                for t in res["trained"].values())
-    assert res["train_epochs"] == 2 and "heads trained 2 epochs on 64 videos" in r.output
+    said = " ".join(r.output.split())
+    assert res["train_epochs"] == 2 and "heads trained 2 epochs on 64 videos" in said
+    assert "6 held-out queries searched as one batch (exhaustively: 6 of them), 3 also one at a time" in said
     assert "xpool: trained 2 epochs (selected" in r.output
     for method in ("meanpool", "xpool"):
         rows = [x for x in res["rows"] if x["method"] == method]
@@ -531,6 +534,9 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
             assert x["seconds"] > 0 and x["qps"] == pytest.approx(6 / x["seconds"])
             assert x["peak_gb"] > 0 and (x["extra_gb"] is None or x["extra_gb"] >= 0)
             assert 0 <= x["r1"] <= x["r10"] <= 100
+            # one query alone, timed for the two stages (3 queries): a median at most the 95th percentile
+            assert (x["p50_ms"] is None) == (x["candidates"] is None)
+            assert x["p50_ms"] is None or 0 < x["p50_ms"] <= x["p95_ms"]
         full, two = rows[0], rows[1:]
         assert full["recall"] == 1.0 and full["encoded"] == 600
         assert all(x["encoded"] <= min(600, 6 * x["candidates"]) for x in two) and two[-1]["encoded"] == 600
@@ -546,8 +552,13 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     runs = {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")}
     assert {p.relative_to(out).parts[1] for p in stores} == {"collection-600-d32-s0", "benchmark-64-d32-s0"}
     assert {p.parent.name for p in runs} == {"meanpool-2ep", "xpool-2ep"}
-    r = bench("--candidates", "600", "--method", "xpool")  # a rerun: the stores and the run are reused
+    # a rerun: the stores and the run are reused; the exhaustive search runs on 2 of the 6 queries
+    r = bench("--candidates", "600", "--method", "xpool", "--exhaustive-queries", "2", "--latency-queries", "0")
     assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    full, two = res["rows"]
+    assert res["exhaustive_queries"] == 2 and full["qps"] == pytest.approx(2 / full["seconds"])
+    assert two["qps"] == pytest.approx(6 / two["seconds"]) and two["recall"] == 1.0 and two["p50_ms"] is None
     assert {p: p.stat().st_mtime for p in out.glob(chunks) if p.is_file()} == stores
     assert {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")} == runs
 
@@ -557,6 +568,8 @@ def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):
     for args, said in ((("--candidates", "5"), "--candidates 5: each K must be between 10"),
                        (("--videos", "600", "--candidates", "700"), "--candidates 700: each K must be between 10"),
                        (("--queries", "0"), "--queries 0: between 1 and --videos"),
+                       (("--queries", "8", "--exhaustive-queries", "9"), "--exhaustive-queries 9: between 1 and --queries"),
+                       (("--latency-queries", "-1"), "--latency-queries -1: between 0 and --queries"),
                        (("--train-epochs", "0"), "--train-epochs 0: at least 1 (leave it out to train until"),
                        (("--method", "nope"), "unknown method 'nope'"),
                        (("--first-stage-set", "nprobe=4"), "first stage exact has no setting 'nprobe'")):

@@ -200,12 +200,17 @@ def test_an_index_of_the_exact_stage_cannot_be_exported(store, tmp_path):
 
 
 def test_a_memory_mapped_cache_ranks_as_the_computed_one(store):
-    computed = first_stage(store, "exact")
+    computed = first_stage(store, "exact", cache=False)  # in RAM
+    built = first_stage(store, "exact")  # written to disk block by block, then read back as a memory map
     cached = first_stage(store, "exact")
-    assert isinstance(cached.pooled, np.memmap) and not isinstance(computed.pooled, np.memmap)
+    assert not isinstance(computed.pooled, np.memmap)
+    assert isinstance(built.pooled, np.memmap) and isinstance(cached.pooled, np.memmap)
+    np.testing.assert_array_equal(built.pooled, computed.pooled)
+    np.testing.assert_array_equal(built.rows, computed.rows)
     q = unit(4, 32, 5)
-    for a, b in zip(computed.top(q, 9), cached.top(q, 9)):
-        np.testing.assert_array_equal(a, b)
+    for stage in (built, cached):
+        for a, b in zip(computed.top(q, 9), stage.top(q, 9)):
+            np.testing.assert_array_equal(a, b)
     assert index_mod.recorded_stage(_meta(store)) == {"name": "exact", "settings": {}}
 
 

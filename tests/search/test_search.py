@@ -209,7 +209,7 @@ def test_the_index_is_kept_beside_the_store_and_rebuilt_when_the_store_changes(s
     meta = json.loads((folder / "index.json").read_text())
     assert meta["store_key"] == store_key(store) and meta["videos"] == len(stage)
     calls = []
-    monkeypatch.setattr(index_mod, "pooled_rows", lambda s: calls.append(1) or pooled_rows(s))
+    monkeypatch.setattr(index_mod, "pooled_rows", lambda s, *a: calls.append(1) or pooled_rows(s, *a))
     again = first_stage(store, "exact")
     assert calls == [] and np.array_equal(again.pooled, stage.pooled)  # read back, not computed
     # the store extracted again (another manifest): its key changes and the index is built anew

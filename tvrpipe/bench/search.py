@@ -79,8 +79,11 @@ class SearchRow:
         extra_gb: that peak minus the resident set just before the arm (GiB); None where the peak could not be
             reset (it is then the process's).
         encoded: the distinct videos the head encoded (all of them; or the union of the shortlists).
-        recall: recall@10 against the exhaustive top 10, mean over queries (1.0 for the exhaustive).
-        r1, r10: R@1 and R@10 of each query's own video, in %.
+        recall: recall@10 against the exhaustive top 10, mean over the queries the exhaustive search ran (1.0
+            for the exhaustive).
+        r1, r10: R@1 and R@10 of each query's own video, in % (over the queries the arm searched).
+        p50_ms, p95_ms: the two stages' latency of one query searched alone (the interactive case), median
+            and 95th percentile over the latency queries, in ms; None for the exhaustive search.
     """
 
     method: str
@@ -93,6 +96,8 @@ class SearchRow:
     recall: float
     r1: float
     r10: float
+    p50_ms: float | None = None
+    p95_ms: float | None = None
 
 
 @dataclass
@@ -107,6 +112,7 @@ class SearchBench:
     candidates: list[int]
     first_stage: str  # what ran: the first stage's own description (exact, or its index and settings)
     index_seconds: float  # building the first stage from the store (pooling, and its index)
+    index_peak_gb: float  # the resident peak of the process that built it (a fresh one)
     first_stage_seconds: float  # the first stage alone, top max(K) for every query (one batch)
     first_stage_r1: float  # zero-shot CLIP (mean-pooled) R@1 / R@10 of each query's video, in %
     first_stage_r10: float
@@ -117,6 +123,8 @@ class SearchBench:
     # method -> {"test_R@1", "seconds", "run", "epochs_run", "selected_epoch"}
     trained: dict[str, dict] = field(default_factory=dict)
     rows: list[SearchRow] = field(default_factory=list)
+    exhaustive_queries: int = 0  # the queries the exhaustive search ran (a sample at a large collection)
+    latency_queries: int = 0  # the queries each two-stage arm also searched one at a time
     cpus: int = 0
     threads: int = 0
 
@@ -148,9 +156,11 @@ class SearchBench:
         """The setting, the first stage and, per head, the K reaching the target and what it buys."""
         out = [
             f"{self.videos:,} generated videos (F = {self.frames}, L = {self.words}, D = {self.dim}), "
-            f"{self.queries} held-out queries searched as one batch; heads trained {self.training()} on "
+            f"{self.queries} held-out queries searched as one batch (exhaustively: {self.exhaustive_queries} of "
+            f"them), {self.latency_queries} also one at a time; heads trained {self.training()} on "
             f"{self.train_videos:,} videos of the same world; {self.cpus} CPUs, {self.threads} torch threads",
-            f"first stage: {self.first_stage}, built in {self.index_seconds:.1f} s; alone "
+            f"first stage: {self.first_stage}, built in {self.index_seconds:.1f} s (peak {self.index_peak_gb:.2f} "
+            f"GB); alone "
             f"{self.queries / self.first_stage_seconds:,.0f} qps for its top {max(self.candidates)}; zero-shot "
             f"R@1 {self.first_stage_r1:.1f} %, R@10 {self.first_stage_r10:.1f} %; query's video in its top K: "
             + ", ".join(f"K={k} {100 * v:.0f} %" for k, v in self.first_stage_hit.items()),
@@ -170,9 +180,10 @@ class SearchBench:
                            f"{max(self.recall(m).values()):.3f} at K = {max(self.recall(m))})")
                 continue
             two = self.row(m, k)
+            alone = "" if two.p50_ms is None else f"; one query alone p50 {two.p50_ms:,.0f} ms, p95 {two.p95_ms:,.0f} ms"
             out.append(f"{m}: K = {k} reaches recall@10 {two.recall:.3f}: {two.qps / ex.qps:,.1f}x the exhaustive "
                        f"qps ({two.qps:,.2f} vs {ex.qps:,.2f}), peak {two.peak_gb:.2f} vs {ex.peak_gb:.2f} GB, "
-                       f"R@1 {two.r1:.1f} vs {ex.r1:.1f} %")
+                       f"R@1 {two.r1:.1f} vs {ex.r1:.1f} %{alone}")
         return out
 
 
@@ -203,10 +214,11 @@ def query_batch(store, rows: np.ndarray):
     return TextBatch(f32("texts/tokens"), torch.from_numpy(store.read("texts/token_mask", rows)), f32("texts/sentence"))
 
 
-def _first_rows(texts, n: int):
+def _text_rows(texts, a: int, b: int):
+    """Queries ``a`` to ``b`` of a TextBatch."""
     from tvrpipe.heads.base import TextBatch
 
-    return TextBatch(texts.tokens[:n], texts.token_mask[:n], texts.sentence[:n])
+    return TextBatch(texts.tokens[a:b], texts.token_mask[a:b], texts.sentence[a:b])
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -252,10 +264,12 @@ class _Arm:
     candidates: int | None
     first_stage: str
     settings: tuple[str, ...] = ()  # the first stage's --first-stage-set items
+    latency: int = 0  # the two stages: the first queries also searched one at a time, each timed
 
 
 def _arm(job: _Arm) -> dict:
-    """One arm in this (fresh) process: load, warm up, reset the memory peak, search every query, time it."""
+    """One arm in this (fresh) process: load, warm up, reset the memory peak, search every query as one batch,
+    time it; then the first ``latency`` queries one at a time (the two stages), each timed."""
     import torch
 
     from tvrpipe.features.store import open_store
@@ -275,22 +289,47 @@ def _arm(job: _Arm) -> dict:
         return two_stage(head, t, store, stage, TOP, job.candidates)
 
     if stage is None:
-        search(_first_rows(texts, 2), job.rows[:WARMUP_VIDEOS])
+        search(_text_rows(texts, 0, 2), job.rows[:WARMUP_VIDEOS])
     else:
-        two_stage(head, _first_rows(texts, 2), store, stage, TOP, min(job.candidates, WARMUP_VIDEOS))
+        two_stage(head, _text_rows(texts, 0, 2), store, stage, TOP, min(job.candidates, WARMUP_VIDEOS))
     gc.collect()
     reset = _reset_peak()
     before = _proc_status("VmRSS") if reset else None
     t = time.perf_counter()
     ranked = search(texts)
     seconds = time.perf_counter() - t
+    alone = []
+    for i in range(min(job.latency, len(texts)) if stage is not None else 0):
+        t = time.perf_counter()
+        search(_text_rows(texts, i, i + 1))
+        alone.append(time.perf_counter() - t)
     peak = _peak_bytes()
     if stage is None:
         encoded = len(job.rows)
     else:
         encoded = len(np.unique(stage.top(texts.sentence.numpy(), ranked.candidates)[0]))
     return {"seconds": seconds, "peak": peak, "extra": None if before is None else peak - before,
-            "rows": ranked.rows, "encoded": int(encoded), "threads": torch.get_num_threads()}
+            "rows": ranked.rows, "encoded": int(encoded), "threads": torch.get_num_threads(), "alone": alone}
+
+
+@dataclass(frozen=True)
+class _Build:
+    store: str
+    first_stage: str
+    settings: tuple[str, ...]
+
+
+def _build(job: _Build) -> dict:
+    """The first stage built afresh from the store in this (fresh) process and kept beside it: its build time
+    (pooling every video's frames, and its index) and the process's resident peak."""
+    from tvrpipe.features.store import open_store
+    from tvrpipe.search.index import INDEX_DIR, first_stage
+
+    store = open_store(job.store)
+    shutil.rmtree(Path(job.store) / INDEX_DIR, ignore_errors=True)
+    t = time.perf_counter()
+    stage = first_stage(store, job.first_stage, cache=True, settings=job.settings)
+    return {"seconds": time.perf_counter() - t, "peak": _peak_bytes(), "describe": stage.describe()}
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -323,11 +362,15 @@ def _trained(store_dir: Path, method: str, run_dir: Path, epochs: int | None) ->
 
 
 def _check(videos: int, queries: int, candidates: Sequence[int], train_videos: int, train_epochs: int | None,
-           dim: int) -> list[int]:
+           dim: int, exhaustive_queries: int | None = None, latency_queries: int = 0) -> list[int]:
     if videos < TOP:
         raise ConfigError(f"--videos {videos}: the collection needs at least {TOP} videos (the top {TOP} is compared)")
     if not 1 <= queries <= videos:
         raise ConfigError(f"--queries {queries}: between 1 and --videos ({videos})")
+    if exhaustive_queries is not None and not 1 <= exhaustive_queries <= queries:
+        raise ConfigError(f"--exhaustive-queries {exhaustive_queries}: between 1 and --queries ({queries})")
+    if not 0 <= latency_queries <= queries:
+        raise ConfigError(f"--latency-queries {latency_queries}: between 0 and --queries ({queries})")
     ks = sorted(set(int(k) for k in candidates))
     if not ks:
         raise ConfigError("--candidates: give at least one K")
@@ -357,6 +400,8 @@ def bench_search(
     dim: int = 512,
     seed: int = 0,
     progress: bool = True,
+    exhaustive_queries: int | None = None,
+    latency_queries: int = 16,
 ) -> SearchBench:
     """Generate (once) the collection and the benchmark, train every head (once), then measure each head's
     exhaustive search and its two stages at each K, each in a fresh process; ``<out>/results.json`` gets
@@ -378,6 +423,11 @@ def bench_search(
         dim: D, the embedding width (ViT-B/32: 512).
         seed: the generated world and the draw of the queries.
         progress: progress bars.
+        exhaustive_queries: the queries (drawn at random among ``queries``) the exhaustive search runs, and so
+            those recall@10 averages over; None: all. At a million videos a head's exhaustive search costs
+            minutes a query, so it runs on a sample.
+        latency_queries: the first queries each two-stage arm also searches one at a time, each timed (p50
+            and p95 latency: the interactive case); 0: none.
 
     Raises:
         ConfigError: an option out of range, an unknown head or first stage, or one whose library is missing.
@@ -393,10 +443,9 @@ def bench_search(
     from tvrpipe.rundir import BEST, CHECKPOINTS
     from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.first_stages.exact import exact_top
-    from tvrpipe.search.index import INDEX_DIR
     from tvrpipe.search.index import first_stage as build_first_stage
 
-    ks = _check(videos, queries, candidates, train_videos, train_epochs, dim)
+    ks = _check(videos, queries, candidates, train_videos, train_epochs, dim, exhaustive_queries, latency_queries)
     methods = methods or list_heads()
     for m in methods:  # an unknown head fails here, before the stores are generated
         head_class(m)
@@ -411,16 +460,17 @@ def bench_search(
     bench_dir = generate_store(out / "stores" / f"benchmark-{train_videos}-d{dim}-s{seed}", bench_spec,
                                progress=progress, wait=True, made_by="tvrpipe bench search")
 
-    # the first stage, built afresh (timed) and kept beside the collection for the arms' processes
+    # the first stage, built afresh in a process of its own (timed, its peak measured) and kept beside the
+    # collection for the arms' processes
+    built = in_fresh_process(_build, _Build(str(coll_dir), kind, first_stage_settings), "building the first stage")
     store = open_store(coll_dir)
-    shutil.rmtree(coll_dir / INDEX_DIR, ignore_errors=True)
-    t = time.perf_counter()
     stage = build_first_stage(store, kind, cache=True, settings=first_stage_settings)
-    index_seconds = time.perf_counter() - t
-    what = stage.describe()
+    what = built["describe"]
 
-    # the queries: held-out captions, and each one's video
-    qrows = np.sort(np.random.default_rng([seed, 45]).choice(len(store.texts), queries, replace=False))
+    # the queries: held-out captions, and each one's video; the exhaustive search's sample of them
+    rng = np.random.default_rng([seed, 45])
+    qrows = np.sort(rng.choice(len(store.texts), queries, replace=False))
+    sample = np.sort(rng.permutation(queries)[: exhaustive_queries or queries])
     truth = store.texts["video_row"].to_numpy()[qrows]
     sentences = query_batch(store, qrows).sentence.numpy()
     t = time.perf_counter()
@@ -435,10 +485,11 @@ def bench_search(
                  for k in ks}
     bench = SearchBench(
         videos=videos, queries=queries, dim=dim, frames=FRAMES, words=WORDS, candidates=ks, first_stage=what,
-        index_seconds=index_seconds, first_stage_seconds=first_seconds,
+        index_seconds=built["seconds"], index_peak_gb=built["peak"] / 2**30, first_stage_seconds=first_seconds,
         first_stage_r1=_r_at(top, truth, 1), first_stage_r10=_r_at(top, truth, TOP),
         first_stage_hit={k: _r_at(top, truth, k) / 100 for k in ks}, first_stage_exact=exact,
-        train_videos=train_videos, train_epochs=train_epochs, cpus=os.cpu_count() or 1)
+        train_videos=train_videos, train_epochs=train_epochs, exhaustive_queries=len(sample),
+        latency_queries=latency_queries, cpus=os.cpu_count() or 1)
     rows = stage.rows
     del stage, top, pos
     gc.collect()
@@ -454,15 +505,19 @@ def bench_search(
             full = None
             for k in (None, *ks):
                 bar.update(task, description=f"{method}: {'exhaustive' if k is None else f'two stages, K = {k}'}")
-                job = _Arm(str(coll_dir), str(run_dir / CHECKPOINTS / BEST), qrows, rows, k, kind,
-                           first_stage_settings)
+                searched = sample if k is None else np.arange(queries)
+                job = _Arm(str(coll_dir), str(run_dir / CHECKPOINTS / BEST), qrows[searched], rows, k, kind,
+                           first_stage_settings, latency_queries)
                 r = in_fresh_process(_arm, job, f"{method} search, {'exhaustive' if k is None else f'K = {k}'}")
                 full = r["rows"] if k is None else full
+                alone = np.asarray(r["alone"]) * 1000
                 bench.rows.append(SearchRow(
-                    method=method, candidates=k, seconds=r["seconds"], qps=queries / r["seconds"],
+                    method=method, candidates=k, seconds=r["seconds"], qps=len(searched) / r["seconds"],
                     peak_gb=r["peak"] / 2**30, extra_gb=None if r["extra"] is None else r["extra"] / 2**30,
-                    encoded=r["encoded"], recall=recall_at(r["rows"], full), r1=_r_at(r["rows"], truth, 1),
-                    r10=_r_at(r["rows"], truth, TOP)))
+                    encoded=r["encoded"], recall=recall_at(r["rows"] if k is None else r["rows"][sample], full),
+                    r1=_r_at(r["rows"], truth[searched], 1), r10=_r_at(r["rows"], truth[searched], TOP),
+                    p50_ms=float(np.percentile(alone, 50)) if len(alone) else None,
+                    p95_ms=float(np.percentile(alone, 95)) if len(alone) else None))
                 bench.threads = r["threads"]
                 log.info("%s", bench.rows[-1])
                 bar.advance(task)

@@ -382,24 +382,34 @@ def bench_search_cmd(
         help="Epochs each head trains (warmup, then cosine). Default: until validation stops improving, as "
              "train-head trains by default.")] = BS.train_epochs,
     dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = BS.dim,
+    exhaustive_queries: Annotated[Optional[int], typer.Option(
+        help="Queries the exhaustive search runs (a random sample of --queries), over which recall@10 is "
+             "averaged. Default: all; at a million videos a head's exhaustive search costs minutes a query.",
+        show_default=False)] = BS.exhaustive_queries,
+    latency_queries: Annotated[int, typer.Option(
+        help="Queries each two-stage arm also searches one at a time, each timed: the p50 and p95 latency of "
+             "one query (0: none).")] = BS.latency_queries,
     json_out: JsonOut = None,
 ) -> None:
     """Per head, on a generated collection: queries/s and peak memory of the exhaustive search and of the two
-    stages at each K, the recall of the two-stage top 10 against the exhaustive top 10, and the K reaching 0.95."""
+    stages at each K, one query's latency (p50, p95), the recall of the two-stage top 10 against the exhaustive
+    top 10, and the K reaching 0.95."""
     from rich.table import Table
 
     r = bench_search(out, videos, queries, tuple(candidates or BS.candidates), method, first_stage,
-                     tuple(first_stage_set or ()), train_videos, train_epochs, dim)
+                     tuple(first_stage_set or ()), train_videos, train_epochs, dim,
+                     exhaustive_queries=exhaustive_queries, latency_queries=latency_queries)
     table = Table(title=f"search of {r.videos:,} videos, {r.queries} queries as one batch (first stage: "
                         f"{r.first_stage}); recall@10 against the exhaustive top 10")
-    for col in ("method", "search", "qps", "speed-up", "peak GB", "extra GB", "videos encoded", "recall@10",
-                "R@1 %", "R@10 %"):
+    for col in ("method", "search", "qps", "speed-up", "one query p50 / p95 ms", "peak GB", "extra GB",
+                "videos encoded", "recall@10", "R@1 %", "R@10 %"):
         table.add_column(col, justify="right")
     for m in r.methods():
         full, k95 = r.row(m, None), r.k_reaching(m)
         for x in (row for row in r.rows if row.method == m):
             search = "exhaustive" if x.candidates is None else f"K = {x.candidates}" + (" *" if x.candidates == k95 else "")
-            table.add_row(m, search, f"{x.qps:,.2f}", f"{x.qps / full.qps:,.1f}x", f"{x.peak_gb:.2f}",
+            alone = "-" if x.p50_ms is None else f"{x.p50_ms:,.0f} / {x.p95_ms:,.0f}"
+            table.add_row(m, search, f"{x.qps:,.2f}", f"{x.qps / full.qps:,.1f}x", alone, f"{x.peak_gb:.2f}",
                           "-" if x.extra_gb is None else f"{x.extra_gb:.2f}", f"{x.encoded:,}", f"{x.recall:.3f}",
                           f"{x.r1:.1f}", f"{x.r10:.1f}")
     console.print(table)

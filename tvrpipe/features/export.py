@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -84,26 +85,35 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
 POOLED_FORMATS = ("npy", "parquet")
 
 
+def pooled_blocks(store, rows: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The store's videos ``rows`` at a time, each block as ``(its rows, embeddings (block, D) float32, has a
+    decoded frame (block,) bool)``: the embedding as the meanpool head computes it (L2-normalised mean of the
+    L2-normalised valid frames, :func:`tvrpipe.heads.meanpool.mean_video`); a video without a decoded frame (a
+    failed one) has a zero row. Memory holds one block of frames, whatever the store's size."""
+    import torch
+
+    from tvrpipe.heads.meanpool import mean_video
+
+    n = store.array("videos/frames").shape[0]
+    for a in range(0, n, rows):
+        part = np.arange(a, min(a + rows, n))
+        m = store.read("videos/frame_mask", part)
+        frames = store.read("videos/frames", part)
+        yield part, mean_video(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(m)).numpy(), m.any(axis=1)
+
+
 def pooled_embeddings(store, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
-    """Every video's embedding as the meanpool head computes it (L2-normalised mean of the L2-normalised
-    valid frames, :func:`tvrpipe.heads.meanpool.mean_video`), read ``rows`` videos at a time.
+    """Every video's embedding as the meanpool head computes it (:func:`pooled_blocks`), read ``rows`` videos
+    at a time.
 
     Returns:
         ``(embeddings (N, D) float32, has_frames (N,) bool)``; a video without a decoded frame (a
         failed one) has no embedding (a zero row, ``has_frames`` False).
     """
-    import torch
-
-    from tvrpipe.heads.meanpool import mean_video
-
     n, _, d = store.array("videos/frames").shape
     out, has = np.zeros((n, d), np.float32), np.zeros(n, bool)
-    for a in range(0, n, rows):
-        part = np.arange(a, min(a + rows, n))
-        m = store.read("videos/frame_mask", part)
-        frames = store.read("videos/frames", part)
-        out[part] = mean_video(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(m)).numpy()
-        has[part] = m.any(axis=1)
+    for part, emb, h in pooled_blocks(store, rows):
+        out[part], has[part] = emb, h
     return out, has
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tvrpipe.errors import ConfigError, WriteError
+from tvrpipe.errors import ConfigError, TvrpipeError, WriteError
 from tvrpipe.features.store import FeatureStore, store_identity, written_state
 from tvrpipe.files import atomic_replace_folder, atomic_write, remove_staged
 from tvrpipe.search.first_stages import (
@@ -49,6 +49,7 @@ from tvrpipe.search.first_stages.exact import exact_top
 log = logging.getLogger(__name__)
 
 INDEX_DIR = "search-index"
+_MASK_BLOCK = 1 << 20  # frame masks read at once to find the searchable rows: F bytes a video
 EXPORTED = "faiss-hnsw"  # what `tvrpipe export --format faiss` writes unless --first-stage names another
 LEGACY = "faiss-hnsw"  # an index.json written before the registry, {"faiss": "<FAISS index type>"}, holds one
 
@@ -93,13 +94,29 @@ class FirstStage:
         return exact_top(self.pooled, q, k)  # every video: their exact order, whichever index
 
 
-def pooled_rows(store: FeatureStore) -> tuple[np.ndarray, np.ndarray]:
-    """The pooled embeddings of the videos with a decoded frame, and their store rows."""
-    from tvrpipe.features.export import pooled_embeddings
+def pooled_rows(store: FeatureStore, out: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The pooled embeddings of the videos with a decoded frame, and their store rows. With ``out``, the
+    embeddings are written there as a ``.npy`` file and returned memory-mapped, so memory holds one block of
+    frames whatever the store's size (a million videos' embeddings are 2 GB at D = 512); else in RAM."""
+    from tvrpipe.features.export import pooled_blocks
 
-    emb, has = pooled_embeddings(store)
+    n, _, d = store.array("videos/frames").shape
+    has = np.zeros(n, bool)
+    for a in range(0, n, _MASK_BLOCK):  # which rows have a frame first: the output's size
+        has[a : a + _MASK_BLOCK] = store.read("videos/frame_mask", np.arange(a, min(a + _MASK_BLOCK, n))).any(1)
     rows = np.flatnonzero(has).astype(np.int64)
-    return np.ascontiguousarray(emb[rows]), rows
+    if out is None:
+        pooled = np.empty((len(rows), d), np.float32)
+    else:
+        pooled = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(len(rows), d))
+    at = np.searchsorted(rows, np.arange(n))  # a row with a frame: its position among them
+    for part, emb, h in pooled_blocks(store):
+        pooled[at[part[h]]] = emb[h]
+    if out is not None:
+        pooled.flush()
+        del pooled
+        pooled = np.load(out, mmap_mode="r")
+    return pooled, rows
 
 
 def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
@@ -131,18 +148,21 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
             pooled = rows = index = None
     elif meta is not None:
         log.info("%s was built from an earlier state of the store; building it again", folder)
+    if cache:  # what a search killed while it kept its index left beside the store
+        remove_staged(store.dir, (INDEX_DIR,))
+    if (pooled is None or rows is None) and cache:
+        kept = _build_in_place(store, folder, key, cls, config)
+        if kept is not None:
+            return kept
+        cache = False  # it could not be kept: built in memory, and not tried again
     if pooled is None or rows is None:
         pooled, rows = pooled_rows(store)
         index = None
-    if not len(rows):
-        raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to search "
-                          f"(see {Path(store.dir) / 'failures.parquet'})")
+    _check_searchable(store, rows)
     built = False
     if index is None:
         index = cls.build(pooled, config)
         built = bool(cls.files)  # a first stage without files costs nothing to build, and is not worth a rewrite
-    if cache:  # what a search killed while it kept its index left beside the store
-        remove_staged(store.dir, (INDEX_DIR,))
     if cache and (not fresh or built):
         if store_key(store) == key:
             _save(folder, key, pooled, rows, index)
@@ -150,6 +170,47 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
             log.warning("%s changed while its search index was built (an extract running?); the index is not kept",
                         store.dir)
     return FirstStage(pooled, rows, index)
+
+
+class _StoreChanged(TvrpipeError):
+    """The store's key changed while its index was built from it (a tvrpipe error: :func:`writing` lets it
+    through, as it is no failure to write)."""
+
+
+def _check_searchable(store: FeatureStore, rows: np.ndarray) -> None:
+    if not len(rows):
+        raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to search "
+                          f"(see {Path(store.dir) / 'failures.parquet'})")
+
+
+def _build_in_place(store: FeatureStore, folder: Path, key: str, cls: type[FirstStageIndex],
+                    config: Any) -> FirstStage | None:
+    """Build the whole cache under its staged name, the pooled embeddings written to disk block by block (not
+    held in RAM: at a million videos they are 2 GB, and the index is built from the memory map), rename it into
+    place and read it back as a search would. None where it cannot be kept (a read-only store, or the store
+    changed while it was read): the caller builds it in memory."""
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        pooled, rows = pooled_rows(store, tmp / "pooled.npy")
+        _check_searchable(store, rows)
+        index = cls.build(pooled, config)
+        if store_key(store) != key:
+            raise _StoreChanged
+        np.save(tmp / "rows.npy", rows)
+        index.save(tmp)
+        _write_meta(tmp, key, pooled, rows, index)
+
+    try:
+        atomic_replace_folder(folder, write)
+    except _StoreChanged:  # an extract rewrote shards while they were read: kept, the index would outlive it
+        log.warning("%s changed while its search index was built (an extract running?); the index is not kept",
+                    store.dir)
+        return None
+    except (OSError, WriteError) as e:
+        log.info("%s: the search index is not kept (%s); it is computed again next time", folder, e)
+        return None
+    pooled, rows = np.load(folder / "pooled.npy", mmap_mode="r"), np.load(folder / "rows.npy")
+    return FirstStage(pooled, rows, cls.load(folder, pooled, config))
 
 
 def _read_meta(folder: Path) -> dict | None:
@@ -178,6 +239,10 @@ def write_index_files(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarr
     np.save(folder / "pooled.npy", pooled)
     np.save(folder / "rows.npy", rows)
     index.save(folder)
+    _write_meta(folder, key, pooled, rows, index)
+
+
+def _write_meta(folder: Path, key: str, pooled: np.ndarray, rows: np.ndarray, index: FirstStageIndex) -> None:
     meta = {"store_key": key, "videos": int(len(rows)), "dim": int(pooled.shape[1]),
             "first_stage": {"name": index.name, "settings": index.build_settings(index.config)},
             "describe": index.describe()}
