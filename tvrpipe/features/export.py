@@ -84,26 +84,28 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
 POOLED_FORMATS = ("npy", "parquet")
 
 
-def pooled_embeddings(store, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every video's embedding as the meanpool head computes it (L2-normalised mean of the L2-normalised
-    valid frames, :func:`tvrpipe.heads.meanpool.mean_video`), read ``rows`` videos at a time.
+    valid frames, :func:`tvrpipe.heads.meanpool.mean_video`), read ``rows`` videos at a time; ``which``: only
+    these store rows (sorted), in that order (one shard of a search's first stage reads its own rows alone).
 
     Returns:
-        ``(embeddings (N, D) float32, has_frames (N,) bool)``; a video without a decoded frame (a
-        failed one) has no embedding (a zero row, ``has_frames`` False).
+        ``(embeddings (N, D) float32, has_frames (N,) bool)``, N the store's videos (or ``which``'s); a video
+        without a decoded frame (a failed one) has no embedding (a zero row, ``has_frames`` False).
     """
     import torch
 
     from tvrpipe.heads.meanpool import mean_video
 
     n, _, d = store.array("videos/frames").shape
-    out, has = np.zeros((n, d), np.float32), np.zeros(n, bool)
-    for a in range(0, n, rows):
-        part = np.arange(a, min(a + rows, n))
+    which = np.arange(n) if which is None else np.asarray(which, np.int64)
+    out, has = np.zeros((len(which), d), np.float32), np.zeros(len(which), bool)
+    for a in range(0, len(which), rows):
+        part = which[a : a + rows]
         m = store.read("videos/frame_mask", part)
         frames = store.read("videos/frames", part)
-        out[part] = mean_video(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(m)).numpy()
-        has[part] = m.any(axis=1)
+        out[a : a + len(part)] = mean_video(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(m)).numpy()
+        has[a : a + len(part)] = m.any(axis=1)
     return out, has
 
 
