@@ -76,7 +76,7 @@ def search_cmd(
         "and indexes its own contiguous part of the store's searchable videos, and their top K are merged here, "
         "where the head re-ranks them (docs/search.md).", show_default=False)] = None,
     address: Annotated[Optional[str], typer.Option(
-        help="The Ray cluster the --shards run on: auto, HOST:PORT, or local (a Ray started in this process).",
+        metavar="ADDRESS", help="The Ray cluster the --shards run on: auto, HOST:PORT, or local (a Ray started in this process).",
         show_default=False)] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the hits as a JSON list.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write the hits as CSV.")] = None,

@@ -41,7 +41,7 @@ def serve_cmd(
         "tvrpipe search: built once at start; the head re-ranks their merged shortlist in this process.",
         show_default=False)] = None,
     address: Annotated[Optional[str], typer.Option(
-        help="The Ray cluster the --shards run on: auto, HOST:PORT, or local (a Ray started in this process).",
+        metavar="ADDRESS", help="The Ray cluster the --shards run on: auto, HOST:PORT, or local (a Ray started in this process).",
         show_default=False)] = None,
     video_root: Annotated[Optional[Path], typer.Option(
         help="Where the collection's videos are now, when they moved since extraction (default: the folder the "
