@@ -98,7 +98,9 @@ def require_gpus(need: float, option: str, instead: str, per_task: float | None 
 
 def ray_address(address: str | None) -> tuple[str | None, str]:
     """The cluster to join, ``address`` or else ``RAY_ADDRESS`` (None: a local instance), and the option
-    that named it, for messages."""
+    that named it, for messages. ``local`` asks for a local instance even where ``RAY_ADDRESS`` is set."""
+    if address == "local":
+        return None, "--address"
     if address:
         return address, "--address"
     return os.environ.get("RAY_ADDRESS") or None, "RAY_ADDRESS"

@@ -71,6 +71,13 @@ def search_cmd(
     index: Annotated[Optional[Path], typer.Option(
         help="An index folder written by `tvrpipe export --format faiss` for the first stage; it must be "
              "of this very store.")] = None,
+    shards: Annotated[Optional[int], typer.Option(
+        metavar="N", help="Split the first stage over N Ray actors (with --address and --candidates): each pools "
+        "and indexes its own contiguous part of the store's searchable videos, and their top K are merged here, "
+        "where the head re-ranks them (docs/search.md).", show_default=False)] = None,
+    address: Annotated[Optional[str], typer.Option(
+        metavar="ADDRESS", help="The Ray cluster the --shards run on: auto, HOST:PORT, or local (a Ray started in this process).",
+        show_default=False)] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the hits as a JSON list.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write the hits as CSV.")] = None,
     html: Annotated[Optional[Path], typer.Option(
@@ -87,6 +94,7 @@ def search_cmd(
 ) -> None:
     """Search a feature store's videos with sentences (or pictures, --image); print the top hits of each (rank,
     video, path, clip bounds, score, and the head's uncertainty where it has one)."""
+    from tvrpipe.cluster import ray_running, stop_ray
     from tvrpipe.features.outputs import check_output_files
     from tvrpipe.files import atomic_write_text
     from tvrpipe.search.engine import open_searcher, read_queries, search
@@ -120,11 +128,18 @@ def search_cmd(
     searcher = open_searcher(features, run, device, pretrained, video_root)
     # the collection's folder too, where the store says it is: a page written there would become one of its files
     check_output_files(outputs, {"--video-root": searcher.video_root})
-    found = search(searcher, texts, top_k, candidates, first_stage, index, first_stage_settings=first_stage_set or (),
-                   min_score=min_score, images=bool(image), per_video=per_video)
+    ours = not ray_running()  # a Ray the shards start is stopped when the search is done (one it joined is left)
+    try:
+        found = search(searcher, texts, top_k, candidates, first_stage, index,
+                       first_stage_settings=first_stage_set or (), min_score=min_score, images=bool(image),
+                       per_video=per_video, shards=shards, address=address)
+    finally:
+        if ours:
+            stop_ray()
     hits = found.hits
     how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
-           else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos")
+           else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos"
+           + (f" (in {found.shards} Ray shards)" if found.shards else ""))
     console.print(Text.assemble((searcher.label, "bold"), f" over {searcher.store.dir} ({how} scored by the head)"))
     if repeated:
         console.print(f"{repeated} repeated quer{'ies' if repeated > 1 else 'y'} searched once", highlight=False)

@@ -36,6 +36,13 @@ def serve_cmd(
     first_stage_set: Annotated[Optional[list[str]], typer.Option(
         metavar="KEY=VALUE", help="A first-stage setting (repeatable), as for tvrpipe search.",
         show_default=False)] = None,
+    shards: Annotated[Optional[int], typer.Option(
+        metavar="N", help="Split the first stage over N Ray actors (with --address and --candidates), as for "
+        "tvrpipe search: built once at start; the head re-ranks their merged shortlist in this process.",
+        show_default=False)] = None,
+    address: Annotated[Optional[str], typer.Option(
+        metavar="ADDRESS", help="The Ray cluster the --shards run on: auto, HOST:PORT, or local (a Ray started in this process).",
+        show_default=False)] = None,
     video_root: Annotated[Optional[Path], typer.Option(
         help="Where the collection's videos are now, when they moved since extraction (default: the folder the "
              "store was extracted from). Only the store's videos under it are served, by id.")] = None,
@@ -58,7 +65,8 @@ def serve_cmd(
     if warning:
         err_console.print(f"warning: {warning}", style="yellow")
     server = open_server(features, run, device, pretrained, video_root, first_stage, candidates,
-                         first_stage_set or (), min_score)
+                         first_stage_set or (), min_score, shards, address)
+    where = f" (first stage: {server.stage.describe()}, at {address})" if shards else ""
     console.print(f"{server.searcher.label} over {server.searcher.store.dir}: {len(server.stage):,} searchable "
-                  f"videos; serving http://{host if ':' not in host else f'[{host}]'}:{port}/ (Ctrl-C stops)")
+                  f"videos{where}; serving http://{host if ':' not in host else f'[{host}]'}:{port}/ (Ctrl-C stops)")
     serve(server, host, port)

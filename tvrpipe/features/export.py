@@ -85,35 +85,41 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
 POOLED_FORMATS = ("npy", "parquet")
 
 
-def pooled_blocks(store, rows: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The store's videos ``rows`` at a time, each block as ``(its rows, embeddings (block, D) float32, has a
-    decoded frame (block,) bool)``: the embedding as the meanpool head computes it (L2-normalised mean of the
-    L2-normalised valid frames, :func:`tvrpipe.heads.meanpool.mean_video`); a video without a decoded frame (a
-    failed one) has a zero row. Memory holds one block of frames, whatever the store's size."""
+def pooled_blocks(store, rows: int = 4096,
+                  which: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The store's videos (``which``: only these store rows, sorted) ``rows`` at a time, each block as ``(its
+    store rows, embeddings (block, D) float32, has a decoded frame (block,) bool)``: the embedding as the meanpool
+    head computes it (L2-normalised mean of the L2-normalised valid frames,
+    :func:`tvrpipe.heads.meanpool.mean_video`); a video without a decoded frame (a failed one) has a zero row.
+    Memory holds one block of frames, whatever the store's size."""
     import torch
 
     from tvrpipe.heads.meanpool import mean_video
 
-    n = store.array("videos/frames").shape[0]
-    for a in range(0, n, rows):
-        part = np.arange(a, min(a + rows, n))
+    which = np.arange(store.array("videos/frames").shape[0]) if which is None else np.asarray(which, np.int64)
+    for a in range(0, len(which), rows):
+        part = which[a : a + rows]
         m = store.read("videos/frame_mask", part)
         frames = store.read("videos/frames", part)
         yield part, mean_video(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(m)).numpy(), m.any(axis=1)
 
 
-def pooled_embeddings(store, rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every video's embedding as the meanpool head computes it (:func:`pooled_blocks`), read ``rows`` videos
-    at a time.
+    at a time; ``which``: only these store rows (sorted), in that order (one shard of a search's first stage
+    reads its own rows alone).
 
     Returns:
-        ``(embeddings (N, D) float32, has_frames (N,) bool)``; a video without a decoded frame (a
-        failed one) has no embedding (a zero row, ``has_frames`` False).
+        ``(embeddings (N, D) float32, has_frames (N,) bool)``, N the store's videos (or ``which``'s); a video
+        without a decoded frame (a failed one) has no embedding (a zero row, ``has_frames`` False).
     """
     n, _, d = store.array("videos/frames").shape
-    out, has = np.zeros((n, d), np.float32), np.zeros(n, bool)
-    for part, emb, h in pooled_blocks(store, rows):
-        out[part], has[part] = emb, h
+    size = n if which is None else len(which)
+    out, has = np.zeros((size, d), np.float32), np.zeros(size, bool)
+    at = 0
+    for part, emb, h in pooled_blocks(store, rows, which):
+        out[at : at + len(part)], has[at : at + len(part)] = emb, h
+        at += len(part)
     return out, has
 
 

@@ -6,7 +6,8 @@ sentence embedding (:mod:`tvrpipe.search.index`, with a first stage of :mod:`tvr
 exact, or an index); the run's head then scores the
 ``candidates`` best of them and the top ``k`` of its scores are the hits. With ``candidates`` None (or at
 least the collection's size) the head scores every video (:func:`exhaustive`), in blocks of videos so
-memory stays bounded: the two stages with K = n are the exhaustive search.
+memory stays bounded: the two stages with K = n are the exhaustive search. The first stage may be split over Ray
+actors (``--shards``, :mod:`tvrpipe.search.shards`); the head re-ranks their merged shortlist here all the same.
 
 The queries are encoded by the CLIP the run learnt with, exactly as extraction encodes captions (word
 tokens, mask and EOS sentence, rounded to float16 as the store holds them):
@@ -30,7 +31,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -39,7 +40,6 @@ import torch
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.features.store import FeatureStore, open_store
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
-from tvrpipe.search.index import FirstStage
 from tvrpipe.search.results import Hit
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,20 @@ DEFAULT_TOP_K = 10
 VIDEO_BLOCK = 2048  # videos per head call: (block x F x D) float32 frames, 48 MiB at F=12, D=512
 ZERO_SHOT = "zero-shot CLIP (meanpool, untrained)"
 CLIP_KEYS = ("model", "embed_dim", "weights_sha256")  # what the run's CLIP and the store's must share
+
+
+class Shortlister(Protocol):
+    """What :func:`two_stage` needs of a first stage: one index in this process
+    (:class:`~tvrpipe.search.index.FirstStage`) or one split over Ray actors
+    (:class:`~tvrpipe.search.shards.ShardedFirstStage`)."""
+
+    rows: np.ndarray  # (n,) the store row of each position
+
+    def __len__(self) -> int: ...
+
+    def top(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions into rows (Q, k), scores (Q, k))``, best first, for ``(Q, D)`` sentence embeddings."""
+        ...
 
 
 @dataclass
@@ -407,7 +421,7 @@ def exhaustive(head: Head, texts: TextBatch, store: FeatureStore, rows: np.ndarr
 
 
 @torch.inference_mode()
-def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: FirstStage, k: int, candidates: int,
+def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlister, k: int, candidates: int,
               device: str = "cpu") -> Ranked:
     """The first stage's ``candidates`` best videos per query, re-ranked by the head; the ``k`` best per query.
 
@@ -470,6 +484,8 @@ class Found:
         cut: per query, the hits of its top k that scored below ``min_score`` (queries with none left out).
         top_k: the hits asked for per query, before the cut.
         per_video: at most this many hits of one file per query (its best moments); None: no limit.
+        shards: the Ray actors the first stage was split over (:mod:`tvrpipe.search.shards`); None: one index
+            in this process.
     """
 
     hits: list[Hit]
@@ -479,6 +495,7 @@ class Found:
     cut: Mapping[str, int] = field(default_factory=dict)
     top_k: int = 0
     per_video: int | None = None
+    shards: int | None = None
 
     @property
     def exhaustive(self) -> bool:
@@ -521,7 +538,8 @@ def check_min_score(searcher: Searcher, min_score: float) -> None:
 def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
            texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
-           min_score: float | None = None, images: bool = False, per_video: int | None = None) -> Found:
+           min_score: float | None = None, images: bool = False, per_video: int | None = None,
+           shards: int | None = None, address: str | None = None) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -542,6 +560,10 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         per_video: keep at most this many hits of one file per query, its best (a collection cut into moments:
             the best N moments of each file); the ranking goes deep enough that the k hits kept are the k best
             under that limit (within the shortlist, with ``candidates``). None: no limit.
+        shards: split the first stage over this many Ray actors (:mod:`tvrpipe.search.shards`), each building its
+            part of the store's searchable videos; the head re-ranks their merged shortlist here. Needs
+            ``address`` and ``candidates``; None: one index in this process.
+        address: the Ray cluster of ``shards`` (``auto``, ``HOST:PORT``, or ``local``: a Ray started here).
 
     Returns:
         The hits (one per query and rank, queries in order, best first), how many videos were scored, and how
@@ -552,10 +574,13 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             a first stage that cannot be had (checked before the first stage is built where the store's
             size is enough to tell), a ``min_score`` outside the head's scores (:func:`check_min_score`), or a
             picture that cannot be searched (:meth:`Searcher.encode_images`); all before the index is built.
+            ``shards`` without ``address`` (or the other way round), below 1, with ``index`` or without
+            ``candidates``; above the searchable videos, or an unreachable ``address`` (before any shard is built).
     """
     from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.index import exported_stage
     from tvrpipe.search.index import first_stage as make_stage
+    from tvrpipe.search.shards import check_sharding, sharded_first_stage
 
     check_queries(queries)
     store = searcher.store
@@ -565,6 +590,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
     if index is not None and first_stage != "auto":
         raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
+    check_sharding(shards, address, candidates, index)
     if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
         stage_config(resolve_first_stage(first_stage), first_stage_settings)
     if min_score is not None:
@@ -576,8 +602,11 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     # before its index is written
     if texts is None:
         texts = searcher.encode_images(queries) if images else searcher.encode(queries)
-    stage = (exported_stage(index, store, first_stage_settings) if index is not None
-             else make_stage(store, first_stage, settings=first_stage_settings))
+    if shards is not None:
+        stage = sharded_first_stage(store, first_stage, first_stage_settings, shards, address, candidates)
+    else:
+        stage = (exported_stage(index, store, first_stage_settings) if index is not None
+                 else make_stage(store, first_stage, settings=first_stage_settings))
     k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
     check_top_k(k, len(stage), store)
     _check_candidates(candidates, k)
@@ -589,7 +618,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     hits = hits_of(queries, ranked, store.videos)
     if per_video is not None:
         hits = per_file(hits, per_video, k)
-    return cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video)
+    return replace(cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video), shards=shards)
 
 
 def cut_below(hits: list[Hit], min_score: float | None, searchable: int, candidates: int, k: int,

@@ -49,7 +49,6 @@ from tvrpipe.search.first_stages.exact import exact_top
 log = logging.getLogger(__name__)
 
 INDEX_DIR = "search-index"
-_MASK_BLOCK = 1 << 20  # frame masks read at once to find the searchable rows: F bytes a video
 EXPORTED = "faiss-hnsw"  # what `tvrpipe export --format faiss` writes unless --first-stage names another
 LEGACY = "faiss-hnsw"  # an index.json written before the registry, {"faiss": "<FAISS index type>"}, holds one
 
@@ -94,6 +93,13 @@ class FirstStage:
         return exact_top(self.pooled, q, k)  # every video: their exact order, whichever index
 
 
+def searchable_rows(store: FeatureStore) -> np.ndarray:
+    """The store rows of the videos with a decoded frame, in order, read from the frame masks alone (a bit per
+    frame, not the frames)."""
+    parts = [rows[mask.any(axis=1)] for rows, mask in store.blocks("videos/frame_mask")]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
 def pooled_rows(store: FeatureStore, out: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The pooled embeddings of the videos with a decoded frame, and their store rows. With ``out``, the
     embeddings are written there as a ``.npy`` file and returned memory-mapped, so memory holds one block of
@@ -101,10 +107,7 @@ def pooled_rows(store: FeatureStore, out: Path | None = None) -> tuple[np.ndarra
     from tvrpipe.features.export import pooled_blocks
 
     n, _, d = store.array("videos/frames").shape
-    has = np.zeros(n, bool)
-    for a in range(0, n, _MASK_BLOCK):  # which rows have a frame first: the output's size
-        has[a : a + _MASK_BLOCK] = store.read("videos/frame_mask", np.arange(a, min(a + _MASK_BLOCK, n))).any(1)
-    rows = np.flatnonzero(has).astype(np.int64)
+    rows = searchable_rows(store)  # first: the output's size
     if out is None:
         pooled = np.empty((len(rows), d), np.float32)
     else:

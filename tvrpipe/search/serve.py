@@ -53,8 +53,7 @@ from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
 if TYPE_CHECKING:  # the engine imports torch: `tvrpipe serve --help` reads this module's defaults without it
-    from tvrpipe.search.engine import Found, Searcher
-    from tvrpipe.search.index import FirstStage
+    from tvrpipe.search.engine import Found, Searcher, Shortlister
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +118,14 @@ class Served:
 
     Attributes:
         searcher: the store, the head and the query encoder (:func:`~tvrpipe.search.engine.open_searcher`).
-        stage: the first stage, built (or read from ``STORE/search-index/``) once.
+        stage: the first stage, built (or read from ``STORE/search-index/``) once; or split over Ray actors
+            (:class:`~tvrpipe.search.shards.ShardedFirstStage`, ``--shards``).
         files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
         signature: the store's :func:`store_signature` when it was opened.
     """
 
     searcher: Searcher
-    stage: FirstStage
+    stage: Shortlister
     files: Mapping[str, str] = field(default_factory=dict)
     signature: tuple = ()
 
@@ -157,7 +157,7 @@ class Server:
         return self.current.searcher
 
     @property
-    def stage(self) -> FirstStage:
+    def stage(self) -> Shortlister:
         return self.current.stage
 
     @property
@@ -258,22 +258,28 @@ class Server:
 def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", candidates: int | None = None,
-                first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None) -> Server:
-    """Load once what every request uses: the store, the head, the query CLIP and the first stage.
+                first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None,
+                shards: int | None = None, address: str | None = None) -> Server:
+    """Load once what every request uses: the store, the head, the query CLIP and the first stage (with
+    ``shards``, split over that many Ray actors on the cluster at ``address``, as ``tvrpipe search --shards``).
 
     Raises:
         StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
             sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``;
-            a ``min_score`` outside the head's scores.
+            a ``min_score`` outside the head's scores; ``shards`` as :func:`~tvrpipe.search.engine.search` refuses
+            them.
     """
     from tvrpipe.search.engine import check_min_score
+    from tvrpipe.search.shards import check_sharding
 
     if candidates is not None and candidates < 1:
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
+    check_sharding(shards, address, candidates)
 
     def reopen(old: Served | None) -> Served:
         sig = store_signature(features)
-        served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old)
+        served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old,
+                             shards, address, candidates)
         if min_score is not None:
             check_min_score(served.searcher, min_score)
         return dataclasses.replace(served, signature=sig)
@@ -284,16 +290,20 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
 def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
-                old: Served | None = None) -> Served:
+                old: Served | None = None, shards: int | None = None, address: str | None = None,
+                candidates: int | None = None) -> Served:
     """One opening of the store (:class:`Served`); the query CLIP of ``old`` is kept where the store records the
-    same one (a reopen after an extract), else loaded and tried on a warm-up query."""
+    same one (a reopen after an extract), else loaded and tried on a warm-up query. With ``shards``, the first
+    stage is new Ray actors (``old``'s end when its last request drops them)."""
     from tvrpipe.search.engine import open_searcher
     from tvrpipe.search.index import first_stage as make_stage
+    from tvrpipe.search.shards import sharded_first_stage
 
     searcher = open_searcher(features, run, device, pretrained, video_root)
     if old is None or not searcher.share_clip(old.searcher):
         searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
-    stage = make_stage(searcher.store, first_stage, settings=first_stage_settings)
+    stage = (make_stage(searcher.store, first_stage, settings=first_stage_settings) if shards is None else
+             sharded_first_stage(searcher.store, first_stage, first_stage_settings, shards, address, candidates))
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
     files = {str(v): str(p) for v, p in zip(videos["video_id"], paths) if isinstance(p, str) and p}
@@ -421,6 +431,7 @@ def make_app(server: Server) -> Any:
         head = server.searcher.head
         return JSONResponse({"ranked_by": server.searcher.label, "score": head.meaning(),
                              "uncertainty": head.uncertainty_text(), "note": note,
+                             "shards": getattr(server.stage, "shards", None),
                              "hits": [_record(h, server) for h in hits]})
 
     async def media(request: Request) -> Response:
