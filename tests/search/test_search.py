@@ -168,9 +168,21 @@ def test_a_short_list_keeps_only_first_stage_candidates_and_more_candidates_reca
     stage = first_stage(store, "exact", cache=False)
     full = exhaustive(head, texts, store, stage.rows, 10)
     pos, _ = stage.top(texts.sentence.numpy(), 12)
-    short = two_stage(head, texts, store, stage, 10, 12)
+    read = []
+
+    class Recording:  # the store, recording which rows' frames are read
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def read(self, name, rows):
+            read.extend(rows if name == "videos/frames" else [])
+            return store.read(name, rows)
+
+    short = two_stage(head, texts, Recording(), stage, 10, 12)
     for q in range(len(texts)):
         assert set(short.rows[q]) <= set(stage.rows[pos[q]])
+    # the head reads the frames of the shortlisted videos only, each once
+    assert sorted(read) == sorted(set(stage.rows[pos].ravel())) and len(read) < len(stage)
     recall = [np.mean([len(set(two_stage(head, texts, store, stage, 10, K).rows[q]) & set(full.rows[q])) / 10
                        for q in range(len(texts))]) for K in (10, 30, len(stage))]
     assert recall[0] <= recall[1] <= recall[2] == 1.0
