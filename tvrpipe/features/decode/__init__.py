@@ -43,7 +43,9 @@ Modules, by role: :mod:`.sampling` (which frames, their times, resize and crop, 
 :mod:`.probe` (opening a file with PyAV: stream, rate, rotation, size; :func:`probe_video`),
 :mod:`.readers` (decord and PyAV; :func:`decode_video`; :func:`decode_moments`, a file's moments from one open
 of it, kept open across calls by an :class:`OpenFile`), :mod:`.worker` (:class:`DecodeWorker`, the decoder
-process), :mod:`.thumbnails` (:func:`frames_at`), :mod:`.failure` (:class:`DecodeFailure` and the checks made before decoding). Every name other modules use is re-exported here: import them from
+process), :mod:`.thumbnails` (:func:`frames_at`), :mod:`.shots` (:func:`detect_cuts`, shot boundaries with
+PySceneDetect), :mod:`.failure` (:class:`DecodeFailure` and the checks made before decoding). Every name other
+modules use is re-exported here: import them from
 ``tvrpipe.features.decode``.
 """
 
@@ -51,12 +53,13 @@ from tvrpipe.features.decode.failure import MAX_TIMEOUT_S, DecodeFailure, check_
 from tvrpipe.features.decode.probe import probe_duration, probe_video
 from tvrpipe.features.decode.readers import RESIZE_INTERPOLATION, OpenFile, decode_moments, decode_video
 from tvrpipe.features.decode.sampling import FRAME_SAMPLING, DecodedVideo, resize_dims, sample_indices
+from tvrpipe.features.decode.shots import detect_cuts
 from tvrpipe.features.decode.thumbnails import frames_at
 from tvrpipe.features.decode.worker import DecodeWorker
 
 __all__ = [
     "FRAME_SAMPLING", "MAX_TIMEOUT_S", "RESIZE_INTERPOLATION",
     "DecodeFailure", "DecodeWorker", "DecodedVideo", "OpenFile",
-    "check_timeout", "decode_moments", "decode_video", "frames_at", "probe_duration", "probe_video",
+    "check_timeout", "decode_moments", "decode_video", "detect_cuts", "frames_at", "probe_duration", "probe_video",
     "resize_dims", "sample_indices",
 ]
