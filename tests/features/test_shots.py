@@ -174,3 +174,23 @@ def test_cutting_of_shots():
     assert Cutting.recorded({"moments": Cutting(5.0, shots=True).record()}) == Cutting(5.0, shots=True)
     with pytest.raises(ConfigError, match="--shot-threshold needs --shots"):
         Cutting(10.0, threshold=20.0)
+
+
+def test_a_collection_of_shots_is_extracted_with_each_shots_frames(ray_session, folder, tmp_path):
+    from tvrpipe.features.clip import TINY_MODEL
+    from tvrpipe.features.extract import ExtractConfig, extract
+    from tvrpipe.features.store import open_store
+
+    build_collection(folder, tmp_path / "m", progress=False, cutting=Cutting(shots=True))
+    cfg = ExtractConfig(model=TINY_MODEL, pretrained="none", frames=4, video_shard=2, batch_size=4, decoders=1,
+                        progress=False, timeout_s=30.0)
+    s = extract(tmp_path / "m", folder, tmp_path / "s", cfg)
+    assert (s.videos_done, s.failed) == (5, 0), s.lines()
+    store = open_store(tmp_path / "s")
+    v = read_manifest(tmp_path / "m").videos.set_index("video_id")
+    ids = list(store.videos.video_id)
+    assert ids == sorted(v.index)
+    stamps = store.array("videos/timestamps")[:]  # (5, 4): every frame inside its shot
+    for i, video_id in enumerate(ids):
+        start, end = v.loc[video_id, ["start_s", "end_s"]]
+        assert ((stamps[i] >= start - 1e-3) & (stamps[i] < end)).all(), (video_id, stamps[i])
