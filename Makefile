@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml uv.lock | $(UV)
 	# `make lock`). --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (as on these machines)
 	# Python never caches what it compiles, so every process (each test's subprocess, each Ray
 	# worker) would compile torch's and ray's sources again, ~5-8 s each; compiled once here.
-	$(UV) sync --locked --extra dev --extra search --extra serve --compile-bytecode --python $(PYTHON)
+	$(UV) sync --locked --extra dev --extra search --extra serve --extra shots --compile-bytecode --python $(PYTHON)
 	$(BIN)/python -c 'import torch, torchvision, open_clip, decord, av, zarr, ray; print("environment ok: torch", torch.__version__)'
 	touch $(STAMP)
 

@@ -5,7 +5,9 @@ is cut into ``--window`` windows every ``--stride`` (:class:`~tvrpipe.features.c
 ways, each in a fresh process on one core's worth of work:
 
 - **moments**: what extraction's decoders do for a collection cut into moments, groups of 32 moments of the file
-  at a time (:func:`~tvrpipe.features.decode.decode_moments`), F frames each at the model's image size;
+  at a time in time order from one open of it (:func:`~tvrpipe.features.decode.decode_moments` with the
+  :class:`~tvrpipe.features.decode.readers.OpenFile` a decoder process keeps), F frames each at the model's
+  image size;
 - **one pass**: every frame of the file decoded once, in order, by the same reader (decord) at the same output size.
 
 The ratio moments / one pass says what cutting a file into moments costs over reading it once (goal: within
@@ -59,13 +61,16 @@ def long_video(path: Path, seconds: float, fps: int = FPS, width: int = WIDTH, h
 
 def _moments(args: tuple[str, list[tuple[float, float]], int, int]) -> dict:
     from tvrpipe.features.decode import DecodedVideo
-    from tvrpipe.features.decode.readers import decode_moments
+    from tvrpipe.features.decode.readers import OpenFile, decode_moments
 
     path, bounds, frames, size = args
     t = time.perf_counter()
     done = 0
+    reader = OpenFile()  # kept across the calls, as the decoder process keeps it
     for a in range(0, len(bounds), GROUP):
-        done += sum(isinstance(v, DecodedVideo) for v in decode_moments(path, frames, size, bounds[a:a + GROUP]))
+        got = decode_moments(path, frames, size, bounds[a:a + GROUP], reader)
+        done += sum(isinstance(v, DecodedVideo) for v in got)
+    reader.close()
     return {"seconds": time.perf_counter() - t, "decoded": done}
 
 

@@ -14,6 +14,7 @@ from tvrpipe.cli.options import print_counts
 from tvrpipe.data.datasets import build_manifest, list_datasets, load_spec
 from tvrpipe.data.manifest import META_FILE, read_manifest
 from tvrpipe.errors import ConfigError
+from tvrpipe.features.decode.shots import SHOT_THRESHOLD
 
 manifest_app = new_app(help="Build and inspect dataset manifests (videos.parquet + captions.parquet).")
 app.add_typer(manifest_app, name="manifest", rich_help_panel=MAIN_PATH)
@@ -45,11 +46,22 @@ def build(
     window: Annotated[Optional[str], typer.Option(
         help="With --videos: cut each file into moments this long (10s, 2.5m, 1h; seconds without a unit), one row "
              "each, id 'path#t=START,END'; the last moment ends at the file's end, and a file shorter than a window "
-             "is one moment. 'whole' goes back to one row per file. Default: the last build's cutting into --out, "
+             "is one moment. 'whole' goes back to one row per file. With --shots: the longest a moment may be (a "
+             "longer shot is cut into windows of this length). Default: the last build's cutting into --out, "
              "else whole files.")] = None,
     stride: Annotated[Optional[str], typer.Option(
         help="With --window: a moment starts every STRIDE (at most the window: overlapping or end to end). "
              "Default: the window.")] = None,
+    shots: Annotated[bool, typer.Option(
+        "--shots", help="With --videos: cut each file at its shot boundaries (PySceneDetect's ContentDetector, "
+                        "the 'shots' extra: pip install 'tvrpipe[shots]'), a moment per shot, id 'path#t=START,END'; "
+                        "a file where no cut is found, or detection fails, is one shot (listed in meta.json "
+                        "one_shot).")] = False,
+    shot_threshold: Annotated[Optional[float], typer.Option(
+        help="With --shots: the detector's threshold, the mean change of hue, saturation and luminance (0-255) "
+             f"between two frames that makes a cut; lower finds more cuts. Default: {SHOT_THRESHOLD:g} "
+             "(PySceneDetect's).",
+        show_default=False)] = None,
 ) -> None:
     """Build a manifest from a dataset's annotation files, or from a folder of your own videos (--videos)."""
     if videos is not None:
@@ -59,19 +71,26 @@ def build(
         if others:
             raise ConfigError(f"--videos builds a collection from a folder, without annotations; {', '.join(others)} "
                               "belong to a dataset's annotation files: give one or the other")
-        from tvrpipe.features.collection import build_collection, cutting_of
+        from tvrpipe.features.collection import Cutting, build_collection, cutting_of
         from tvrpipe.features.outputs import check_output_folder
 
-        cutting = cutting_of(window, stride)
+        cutting = cutting_of(window, stride, shots, shot_threshold)
         check_output_folder(out, may_be="a manifest")
         b = build_collection(videos, out, cutting=cutting)
         skipped = b.manifest.meta["skipped"]
         n_files = b.manifest.videos["path"].nunique()
-        cut = b.manifest.meta.get("moments")
-        what = (f"{len(b.manifest.videos):,} moments of {n_files:,} videos ({cut['window_s']:g}s windows every "
-                f"{cut['stride_s']:g}s)" if cut else f"{len(b.manifest.videos):,} videos")
-        console.print(f"collection of {what}, no captions -> {out} "
-                      f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)", highlight=False)
+        cut = Cutting.recorded(b.manifest.meta)
+        what = (f"{len(b.manifest.videos):,} moments of {n_files:,} videos ({cut.describe()})" if cut.moments
+                else f"{len(b.manifest.videos):,} videos")
+        console.print(Text(f"collection of {what}, no captions -> {out} "
+                           f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)"))
+        one_shot = b.manifest.meta.get("one_shot") or []
+        if one_shot:
+            failed = sum("detection failed" in str(s["reason"]) for s in one_shot)
+            console.print(Text(f"{len(one_shot):,} videos are one shot each ({len(one_shot) - failed:,} with no shot "
+                               f"boundary found, {failed:,} where detection failed); they are listed in "
+                               f"{out / META_FILE} (one_shot), e.g. {one_shot[0]['path']}: {one_shot[0]['reason']}",
+                               style="yellow"))
         if skipped:
             kinds = [f"{b.undecodable:,} video files that do not decode", f"{b.not_videos:,} not videos",
                      f"{b.unusable:,} that cannot be opened as named",
@@ -80,9 +99,11 @@ def build(
             console.print(f"skipped {len(skipped):,} files ({', '.join(kinds)}); the reasons are in "
                           f"{out / META_FILE}, e.g. {shown['path']}: {shown['reason']}", style="yellow")
         return
-    if window is not None or stride is not None:
-        raise ConfigError(f"{'--window' if window is not None else '--stride'} cuts the files of a collection into "
-                          "moments: give it with --videos (a dataset's clips come from its annotations)")
+    given = [name for name, value in (("--window", window), ("--stride", stride), ("--shots", shots or None),
+                                      ("--shot-threshold", shot_threshold)) if value is not None]
+    if given:
+        raise ConfigError(f"{given[0]} cuts the files of a collection into moments: give it with --videos (a "
+                          "dataset's clips come from its annotations)")
     if dataset is None or annotations is None:
         raise ConfigError("give --dataset and --annotations (a benchmark or a table of your own), or --videos FOLDER "
                           "(a folder of videos without captions)")

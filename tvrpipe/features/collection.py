@@ -30,6 +30,13 @@ the gaps would be parts of a video that no search can find. The cutting is recor
 (``moments``) and kept by a rebuild that does not name one, so that the ``manifest build`` command other
 messages print keeps the moments; an unchanged file's bounds are taken from the last build (its last moment
 ends at its end), so it is not probed again.
+
+**Shots.** With ``Cutting(shots=True)`` (``--shots``) a file is cut where PySceneDetect finds a cut
+(:func:`~tvrpipe.features.decode.shots.detect_cuts`), a moment per shot written as a window is; with ``window_s``
+(``--window``) a shot longer than the window is cut into windows of it, end to end from the shot's start, as
+:meth:`Cutting.bounds` cuts a file. A file with no cut, or whose detection fails, is one shot, and is listed in
+``meta.json`` ``one_shot`` with the reason. A rebuild with the same cutting keeps an unchanged file's shots (its
+moments in the last build) and detects only new and changed files; another threshold or cap detects every file.
 """
 
 from __future__ import annotations
@@ -107,22 +114,34 @@ def _shown_path(path: str) -> str:
 @dataclass(frozen=True)
 class Cutting:
     """How a collection's files are cut into moments: fixed windows of ``window_s`` seconds every ``stride_s``
-    (None: one row per whole file).
+    (None: one row per whole file), or, with ``shots``, at the shot boundaries PySceneDetect finds
+    (``threshold``: its ContentDetector's), each shot longer than ``window_s`` (if given) cut into windows of
+    ``window_s`` end to end.
 
     Example:
         >>> Cutting(10.0, 5.0).bounds(23.0)
         [(0.0, 10.0), (5.0, 15.0), (10.0, 20.0), (15.0, 23.0)]
         >>> Cutting(10.0).bounds(4.2)
         [(0.0, 4.2)]
+        >>> Cutting(10.0, shots=True).shot_bounds([3.2, 26.0], 30.0)
+        [(0.0, 3.2), (3.2, 13.2), (13.2, 23.2), (23.2, 26.0), (26.0, 30.0)]
     """
 
     window_s: float | None = None
     stride_s: float | None = None  # None: the window (windows end to end)
+    shots: bool = False
+    threshold: float | None = None  # with shots: ContentDetector's threshold (None: its default)
 
     def __post_init__(self) -> None:
-        for name in ("window_s", "stride_s"):
+        for name in ("window_s", "stride_s", "threshold"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
+        if not self.shots:
+            if self.threshold is not None:
+                raise ConfigError("--shot-threshold needs --shots: it is the shot detector's threshold")
+        else:
+            self._check_shots()
+            return
         if self.window_s is None:
             if self.stride_s is not None:
                 raise ConfigError("--stride needs --window: give the window length too, e.g. --window 10s --stride 5s")
@@ -140,12 +159,29 @@ class Cutting:
         if self.stride_s < 0.001:
             raise ConfigError(f"--stride {self.stride_s:g}s: bounds are kept to the millisecond; give at least 0.001s")
 
+    def _check_shots(self) -> None:
+        from tvrpipe.features.decode.shots import SHOT_THRESHOLD
+
+        if self.stride_s is not None:
+            raise ConfigError("--stride with --shots: shots are cut where the picture changes, not every STRIDE; "
+                              "--window with --shots caps a long shot (cut into windows of that length end to end)")
+        if self.window_s is not None and not (np.isfinite(self.window_s) and self.window_s > 0):
+            raise ConfigError(f"--window {self.window_s:g}: a window must last a positive number of seconds")
+        if self.threshold is None:
+            object.__setattr__(self, "threshold", SHOT_THRESHOLD)
+        if not (np.isfinite(self.threshold) and 0 < self.threshold <= 255):
+            raise ConfigError(f"--shot-threshold {self.threshold:g}: the detector's threshold is a mean change of "
+                              f"hue, saturation and luminance between frames, above 0 and at most 255 (default "
+                              f"{SHOT_THRESHOLD:g}; lower finds more cuts)")
+
     @property
     def moments(self) -> bool:
-        return self.window_s is not None
+        return self.window_s is not None or self.shots
 
-    def record(self) -> dict[str, float] | None:
+    def record(self) -> dict[str, Any] | None:
         """What ``meta.json`` records as ``moments``."""
+        if self.shots:
+            return {"shots": True, "threshold": self.threshold, "window_s": self.window_s}
         return {"window_s": self.window_s, "stride_s": self.stride_s} if self.moments else None
 
     @classmethod
@@ -153,9 +189,34 @@ class Cutting:
         """The cutting a manifest's ``meta.json`` records (whole files when it records none, or a damaged one)."""
         rec = meta.get("moments") if isinstance(meta, dict) else None
         try:
+            if rec.get("shots"):
+                window = rec.get("window_s")
+                return cls(None if window is None else float(window), shots=True, threshold=float(rec["threshold"]))
             return cls(float(rec["window_s"]), float(rec["stride_s"]))
         except Exception:
             return cls()
+
+    def describe(self) -> str:
+        """``10s windows every 5s``, ``shots, threshold 27, at most 10s``: what the build printed says."""
+        if self.shots:
+            cap = f", at most {self.window_s:g}s" if self.window_s is not None else ""
+            return f"shots, threshold {self.threshold:g}{cap}"
+        return f"{self.window_s:g}s windows every {self.stride_s:g}s" if self.moments else "whole files"
+
+    def shot_bounds(self, cuts: list[float], duration: float) -> list[tuple[float, float]]:
+        """The moments ``(start_s, end_s)`` of a file of ``duration`` seconds whose shots start at ``cuts`` (seconds,
+        after 0): one per shot, a shot longer than ``window_s`` cut into windows as :meth:`bounds` cuts a file
+        (end to end from the shot's start, the last ending at the shot's end, a tail under :data:`TAIL_S` joining
+        the window before it); no cut, one moment of the whole file."""
+        end = round(float(duration), 3)
+        edges = [0.0, *sorted(c for c in {round(float(c), 3) for c in cuts} if 0 < c < end), end]
+        cap = Cutting(self.window_s) if self.window_s is not None else None
+        out = []
+        for a, b in zip(edges[:-1], edges[1:]):
+            pieces = cap.bounds(b - a) if cap is not None else [(0.0, b - a)]
+            out += [(round(a + s, 3), b if k == len(pieces) - 1 else round(a + e, 3))
+                    for k, (s, e) in enumerate(pieces)]
+        return out
 
     def bounds(self, duration: float) -> list[tuple[float, float]]:
         """The moments ``(start_s, end_s)`` of a file of ``duration`` seconds, in milliseconds (the docstring)."""
@@ -192,19 +253,27 @@ def parse_seconds(text: str, option: str) -> float:
     return value
 
 
-def cutting_of(window: str | None, stride: str | None) -> Cutting | None:
-    """The :class:`Cutting` that ``--window``/``--stride`` ask for: None when neither is given (keep the last
-    build's), whole files for ``--window whole``.
+def cutting_of(window: str | None, stride: str | None, shots: bool = False,
+               threshold: float | None = None) -> Cutting | None:
+    """The :class:`Cutting` that ``--window``/``--stride`` (or ``--shots``, ``--shot-threshold``, with ``--window``
+    as the longest moment) ask for: None when none is given (keep the last build's), whole files for
+    ``--window whole``.
 
     Raises:
         ConfigError: a value that is not a duration, or a cutting :class:`Cutting` refuses.
     """
-    if window is None and stride is None:
+    if window is None and stride is None and not shots and threshold is None:
         return None
     if window is not None and window.strip().lower() == WHOLE:
         if stride is not None:
             raise ConfigError("--stride with --window whole: whole files are not cut; leave --stride out")
+        if shots or threshold is not None:
+            raise ConfigError("--shots with --window whole: whole files are not cut; with --shots, --window is the "
+                              "longest a moment may be (a duration)")
         return Cutting()
+    if shots or threshold is not None:
+        return Cutting(None if window is None else parse_seconds(window, "--window"),
+                       None if stride is None else parse_seconds(stride, "--stride"), shots, threshold)
     return Cutting(None if window is None else parse_seconds(window, "--window"),
                    None if stride is None else parse_seconds(stride, "--stride"))
 
@@ -351,27 +420,43 @@ class CollectionBuild:
     hidden: int = 0
 
 
-def _previous(out: Path, root: str) -> tuple[dict[str, tuple[int, int, str | None]], dict[str, float], Cutting]:
-    """What the last build into ``out`` found for each video file of the same folder: path -> (bytes, mtime_ns,
-    None if it decoded else the reason); path -> its duration where that build cut it into moments (its last
-    moment ends at its end); and that build's cutting. Empty when there is no such build (or its files cannot
-    be read: then everything is probed again)."""
+@dataclass(frozen=True)
+class _Previous:
+    """What the last build into the same ``--out`` from the same folder found (empty when there is none, or its
+    files cannot be read: then everything is probed again)."""
+
+    known: dict[str, tuple[int, int, str | None]] = field(default_factory=dict)  # path -> bytes, mtime_ns, reason
+    durations: dict[str, float] = field(default_factory=dict)  # path -> duration, where it was cut into moments
+    bounds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # path -> its moments, in order
+    one_shot: dict[str, str] = field(default_factory=dict)  # path -> why --shots left it one moment
+    cutting: Cutting = field(default_factory=Cutting)
+
+
+def _previous(out: Path, root: str) -> _Previous:
+    """What the last build into ``out`` found for each video file of the same folder: its fingerprint and None if
+    it decoded, else the reason; its duration and its moments where that build cut it into moments (its last
+    moment ends at its end); and that build's cutting."""
     try:
         meta = json.loads((out / META_FILE).read_text())
         if meta.get("kind") != COLLECTION or meta.get("video_root") != root:
-            return {}, {}, Cutting()
-        videos = pq.read_table(out / VIDEOS_FILE, columns=["video_id", "path", "end_s"]).to_pandas()
+            return _Previous()
+        videos = pq.read_table(out / VIDEOS_FILE, columns=["video_id", "path", "start_s", "end_s"]).to_pandas()
         files = pq.read_table(out / FILES_FILE).to_pandas().merge(videos, on="video_id")
     except Exception:  # missing or damaged: probe everything again
-        return {}, {}, Cutting()
+        return _Previous()
     known: dict[str, tuple[int, int, str | None]] = {
         str(p): (int(b), int(m), None) for p, b, m in zip(files["path"], files["bytes"], files["mtime_ns"])}
-    ends = files.dropna(subset=["end_s"]).groupby("path")["end_s"].max()
-    durations = {str(p): float(e) for p, e in ends.items()}
+    cut = files.dropna(subset=["start_s", "end_s"]).sort_values(["path", "start_s", "end_s"])
+    durations = {str(p): float(e) for p, e in cut.groupby("path")["end_s"].max().items()}
+    bounds: dict[str, list[tuple[float, float]]] = {}
+    for p, a, b in zip(cut["path"], cut["start_s"], cut["end_s"]):
+        bounds.setdefault(str(p), []).append((float(a), float(b)))
     for s in meta.get("skipped") or []:
         if isinstance(s, dict) and {"path", "bytes", "mtime_ns", "reason"} <= set(s):
             known[str(s["path"])] = (int(s["bytes"]), int(s["mtime_ns"]), str(s["reason"]))
-    return known, durations, Cutting.recorded(meta)
+    one_shot = {str(s["path"]): str(s["reason"]) for s in meta.get("one_shot") or []
+                if isinstance(s, dict) and {"path", "reason"} <= set(s)}
+    return _Previous(known, durations, bounds, one_shot, Cutting.recorded(meta))
 
 
 def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
@@ -424,8 +509,13 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
         held_text = (f"it holds {len(held)} files, e.g. {', '.join(held[:_SHOW])}" if held
                      else "it holds no file (hidden files and folders are skipped)")
         raise ManifestError(f"no video file ({', '.join(sorted(VIDEO_EXTENSIONS))}) under {root}: {held_text}")
-    before, durations, recorded = _previous(out, root_abs)
-    cutting = recorded if cutting is None else cutting
+    previous = _previous(out, root_abs)
+    before, durations = previous.known, previous.durations
+    cutting = previous.cutting if cutting is None else cutting
+    if cutting.shots:
+        from tvrpipe.features.decode.shots import require_scenedetect
+
+        require_scenedetect()  # before any file is probed
     prints: dict[str, tuple[int, int]] = {}
     reasons: dict[str, str | None] = {}
     to_probe = []
@@ -462,7 +552,13 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     spec = load_spec("custom")  # the same sampling defaults as a table of one's own videos
     meta = {"kind": COLLECTION, "dataset": COLLECTION, "video_root": root_abs, "frames": spec.frames,
             "max_words": spec.max_words, "skipped": skipped}
-    if cutting.moments:
+    if cutting.shots:
+        meta["moments"] = cutting.record()
+        # an unchanged file keeps the shots the last build found with the same detector and cap
+        kept = {p: b for p, b in previous.bounds.items() if p not in to_probe} if previous.cutting == cutting else {}
+        rows, one_shot = _shot_moments(root, good, kept, previous.one_shot, cutting, progress)
+        meta["one_shot"] = one_shot
+    elif cutting.moments:
         meta["moments"] = cutting.record()
         rows = _moments(root, good, {p: d for p, d in durations.items() if p not in to_probe}, cutting, progress)
     else:
@@ -502,6 +598,46 @@ def _moments(root: Path, paths: list[str], known: dict[str, float], cutting: Cut
             rows.append({"video_id": moment_id(p, start, end), "path": p, "split": SPLIT,
                          "start_s": start, "end_s": end})
     return rows
+
+
+def _shot_moments(root: Path, paths: list[str], kept: dict[str, list[tuple[float, float]]], notes: dict[str, str],
+                  cutting: Cutting, progress: bool) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """The manifest rows of ``paths`` cut at their shots (:meth:`Cutting.shot_bounds`): ``kept`` moments for the
+    files the last build cut the same way (``notes``: why it left some one moment), the others detected
+    (:func:`~tvrpipe.features.decode.shots.detect_cuts`) and timed (the last shot ends at the file's end). Also
+    the files left one moment, each ``{"path", "reason"}``: no cut found, or the detection failed (its error)."""
+    from tvrpipe.features.decode import DecodeFailure, probe_duration
+    from tvrpipe.features.decode.shots import detect_cuts
+
+    def cut(path: Path) -> tuple[list[float], float, str | None] | str:
+        try:
+            duration = probe_duration(path)
+        except DecodeFailure as e:  # it decoded a moment ago: changed since
+            return f"{e.kind}: {e.detail}"
+        try:
+            cuts = detect_cuts(path, cutting.threshold)
+        except DecodeFailure as e:
+            return [], duration, f"shot detection failed ({e.detail}): the whole file is one shot"
+        return cuts, duration, None if cuts else "no shot boundary found: the whole file is one shot"
+
+    todo = [p for p in paths if p not in kept]
+    found = dict(zip(todo, _probe_all([root / p for p in todo], cut, progress, "finding shots")))
+    bad = [(p, d) for p, d in found.items() if isinstance(d, str)]
+    if bad:
+        raise ManifestError(f"{root / bad[0][0]}: its duration cannot be read ({bad[0][1]}); it changed while the "
+                            "folder was read? build the manifest again")
+    rows, one_shot = [], []
+    for p in paths:
+        if p in kept:
+            bounds, why = kept[p], notes.get(p)
+        else:
+            cuts, duration, why = found[p]
+            bounds = cutting.shot_bounds(cuts, duration)
+        if why is not None:
+            one_shot.append({"path": p, "reason": why})
+        rows += [{"video_id": moment_id(p, a, b), "path": p, "split": SPLIT, "start_s": a, "end_s": b}
+                 for a, b in bounds]
+    return rows, one_shot
 
 
 def _probe_all(paths: list[Path], probe, progress: bool, what: str = "probing videos") -> list[Any]:

@@ -41,21 +41,25 @@ Choices where the papers and codebases are silent or differ:
 
 Modules, by role: :mod:`.sampling` (which frames, their times, resize and crop, padding to F),
 :mod:`.probe` (opening a file with PyAV: stream, rate, rotation, size; :func:`probe_video`),
-:mod:`.readers` (decord and PyAV; :func:`decode_video`), :mod:`.worker` (:class:`DecodeWorker`, the
-decoder process), :mod:`.thumbnails` (:func:`frames_at`), :mod:`.failure` (:class:`DecodeFailure` and the
-checks made before decoding). Every name other modules use is re-exported here: import them from
+:mod:`.readers` (decord and PyAV; :func:`decode_video`; :func:`decode_moments`, a file's moments from one open
+of it, kept open across calls by an :class:`OpenFile`), :mod:`.worker` (:class:`DecodeWorker`, the decoder
+process), :mod:`.thumbnails` (:func:`frames_at`), :mod:`.shots` (:func:`detect_cuts`, shot boundaries with
+PySceneDetect), :mod:`.failure` (:class:`DecodeFailure` and the checks made before decoding). Every name other
+modules use is re-exported here: import them from
 ``tvrpipe.features.decode``.
 """
 
 from tvrpipe.features.decode.failure import MAX_TIMEOUT_S, DecodeFailure, check_timeout
 from tvrpipe.features.decode.probe import probe_duration, probe_video
-from tvrpipe.features.decode.readers import RESIZE_INTERPOLATION, decode_video
+from tvrpipe.features.decode.readers import RESIZE_INTERPOLATION, OpenFile, decode_moments, decode_video
 from tvrpipe.features.decode.sampling import FRAME_SAMPLING, DecodedVideo, resize_dims, sample_indices
+from tvrpipe.features.decode.shots import detect_cuts
 from tvrpipe.features.decode.thumbnails import frames_at
 from tvrpipe.features.decode.worker import DecodeWorker
 
 __all__ = [
     "FRAME_SAMPLING", "MAX_TIMEOUT_S", "RESIZE_INTERPOLATION",
-    "DecodeFailure", "DecodeWorker", "DecodedVideo",
-    "check_timeout", "decode_video", "frames_at", "probe_duration", "probe_video", "resize_dims", "sample_indices",
+    "DecodeFailure", "DecodeWorker", "DecodedVideo", "OpenFile",
+    "check_timeout", "decode_moments", "decode_video", "detect_cuts", "frames_at", "probe_duration", "probe_video",
+    "resize_dims", "sample_indices",
 ]

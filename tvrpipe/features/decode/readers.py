@@ -118,21 +118,27 @@ def decode_moments(
     num_frames: int,
     image_size: int,
     bounds: Sequence[tuple[float | None, float | None]],
+    reader: OpenFile | None = None,
 ) -> list[DecodedVideo | DecodeFailure]:
     """Several clips (moments) of one file, decoded from one open of it: each clip's frames as
     :func:`decode_video` of that clip alone gives them, or its :class:`DecodeFailure`.
 
     decord opens the file once, reads the frame times once, and decodes the union of the frames the clips
-    sample in one sorted ``get_batch`` (decord seeks to the keyframe before a frame only when the frames
-    before it are not on its way; moments that overlap or touch share the decode). One open with seeks rather
-    than a full sequential pass: windows far apart, or a file cut into few moments, then skip what no moment
-    samples. Where that fails (decord cannot read the file, a frame does not decode), every clip is decoded
-    alone with :func:`decode_video`'s readers, so a failure is each clip's own, as if decoded alone.
+    sample in time order (:func:`read_order`): from one sampled frame to the next it decodes forward without
+    converting the frames between, and into the next group of pictures it decodes on through the keyframe
+    rather than seek to it (decord's seek, back to the start and then to the keyframe, costs more than the rest
+    of a group of pictures); a frame two or more groups of pictures ahead is sought, so that moments far apart
+    skip what no moment samples. With ``reader`` (an :class:`OpenFile` kept across calls, as the decoder process
+    keeps one) the file stays open between calls and a call decodes on from where the last one stopped: a long
+    file's moments, sent in time order a few per call, are one pass over the file. Where that fails (decord
+    cannot read the file, a frame does not decode), every clip is decoded alone with :func:`decode_video`'s
+    readers, so a failure is each clip's own, as if decoded alone.
 
     Args:
         path: the video file.
         num_frames, image_size: F and S, as :func:`decode_video`.
         bounds: ``(start_s, end_s)`` of each clip (None or NaN: open).
+        reader: the open file to decode from, left open for the next call; None: opened for this call only.
 
     Returns:
         One result per clip, in the order of ``bounds``.
@@ -144,10 +150,16 @@ def decode_moments(
     check_sizes(num_frames, image_size)
     path = Path(path)
     clips = [(clip_bound(a), clip_bound(b)) for a, b in bounds]
+    own = reader is None
+    reader = OpenFile() if reader is None else reader
     try:
-        return _moments_decord(path, num_frames, image_size, clips)
+        return _moments_decord(path, num_frames, image_size, clips, reader)
     except Exception as exc:
+        reader.close()  # where decord stopped is not known: the next call opens the file again
         log.debug("%s: decoding its %d moments together failed (%s); each alone", path, len(clips), describe(exc))
+    finally:
+        if own:
+            reader.close()
     out: list[DecodedVideo | DecodeFailure] = []
     for start, end in clips:
         try:
@@ -155,6 +167,81 @@ def decode_moments(
         except DecodeFailure as failure:
             out.append(failure)
     return out
+
+
+class OpenFile:
+    """A decord reader of one file kept open across :func:`decode_moments` calls, and the frame it decodes next.
+
+    It is kept while the calls name the same file, unchanged (device, inode, size, modification time), at the
+    same output size; another file closes it and opens that one. The decoder process keeps one, so that a long
+    file's calls of a few moments each open the file once (decord indexes every packet of a file as it opens
+    it: about a second for an hour of video) and decode on from where the last call stopped.
+
+    Example:
+        >>> reader = OpenFile()
+        >>> first = decode_moments("long.mp4", 12, 224, [(0, 10), (10, 20)], reader)  # doctest: +SKIP
+        >>> then = decode_moments("long.mp4", 12, 224, [(20, 30), (30, 40)], reader)  # doctest: +SKIP
+        >>> reader.close()
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self.vr: Any = None
+        self.times = np.zeros(0)  # float64 (n,): each frame's time (s), in presentation order
+        self.keys = np.zeros(0, np.int64)  # the keyframes' indices, as decord seeks by them
+        self.position = 0  # the frame decord decodes next
+
+    def open(self, path: Path, image_size: int) -> None:
+        """Read ``path`` at ``image_size`` from now on: the reader as it is if it already does, else a new one."""
+        st = path.stat()
+        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, image_size)
+        if key == self._key:
+            return
+        self.close()
+        self.vr, self.times = _decord_reader(path, image_size)
+        self.keys = np.asarray(self.vr.get_key_indices(), np.int64)
+        self.position, self._key = 0, key  # decord stands at the first frame once it has indexed the file
+
+    def read(self, frames: np.ndarray, image_size: int, chunk: int = 64) -> np.ndarray:
+        """The centre crops of ``frames`` (sorted, unique), uint8 ``(len(frames), S, S, 3)``, decoded in
+        :func:`read_order` from where the reader stands, ``chunk`` frames a ``get_batch`` (bounded memory)."""
+        order = read_order(frames, self.keys, self.position)
+        crops = np.empty((len(frames), image_size, image_size, 3), np.uint8)
+        row = np.searchsorted(frames, order)  # each frame read's row in crops; a bridging frame has none
+        mine = frames[np.minimum(row, len(frames) - 1)] == order
+        for a in range(0, len(order), chunk):
+            batch = centre_crop(self.vr.get_batch(order[a:a + chunk]).asnumpy(), image_size)
+            crops[row[a:a + chunk][mine[a:a + chunk]]] = batch[mine[a:a + chunk]]
+            self.position = int(order[min(a + chunk, len(order)) - 1]) + 1
+        return crops
+
+    def close(self) -> None:
+        self.vr, self._key, self.position = None, None, 0
+
+
+def read_order(frames: np.ndarray, keys: np.ndarray, position: int) -> np.ndarray:
+    """The frames to ask decord for, in order, to decode ``frames`` (sorted, unique) from ``position``, given the
+    keyframes ``keys``: ``frames``, and before each frame that lies in the group of pictures right after the one
+    decord stands in, that group's last frame before the keyframe. decord reaches a frame of its own group by
+    decoding forward (the frames between are not converted) but seeks to any frame of another group, back to
+    the start of the file and then to its keyframe; asked for the frame just before the keyframe, it decodes
+    on through it instead. A frame two or more groups ahead, or behind, is sought.
+
+    Example:
+        >>> read_order(np.array([2, 9, 30]), np.array([0, 8, 16, 24, 32]), 0).tolist()  # 9: next group; 30: far
+        [2, 7, 9, 30]
+    """
+    if not len(keys):  # decord then takes the file as one group of pictures: it never seeks forward
+        return np.asarray(frames, np.int64)
+    group = np.searchsorted(keys, np.asarray(frames), "right") - 1
+    out, at = [], int(position)
+    for f, there in zip((int(x) for x in frames), group.tolist()):
+        here = int(np.searchsorted(keys, at, "right")) - 1
+        if f > at and there == here + 1:
+            out.append(int(keys[there]) - 1)  # at or after `at`: decord stands in the group before
+        out.append(f)
+        at = f + 1
+    return np.asarray(out, np.int64)
 
 
 def _decord_reader(path: Path, image_size: int) -> tuple[Any, np.ndarray]:
@@ -171,10 +258,11 @@ def _decord_reader(path: Path, image_size: int) -> tuple[Any, np.ndarray]:
 
 
 def _moments_decord(path: Path, num_frames: int, image_size: int,
-                    clips: list[tuple[float | None, float | None]]) -> list[DecodedVideo | DecodeFailure]:
+                    clips: list[tuple[float | None, float | None]], reader: OpenFile) -> list[DecodedVideo | DecodeFailure]:
     """:func:`decode_moments`'s one open: what :func:`_read_decord` does for one clip, for all of them."""
     check_file(path)
-    vr, times = _decord_reader(path, image_size)
+    reader.open(path, image_size)
+    times = reader.times
     picks: list[np.ndarray | DecodeFailure] = []
     for start, end in clips:
         if start is not None and end is not None and end <= start:
@@ -187,10 +275,9 @@ def _moments_decord(path: Path, num_frames: int, image_size: int,
     wanted = np.unique(np.concatenate([p for p in picks if isinstance(p, np.ndarray)] or [np.zeros(0, np.int64)]))
     if not len(wanted):
         return picks  # no clip has a frame to decode: each is its failure or decoded alone
-    crops = centre_crop(vr.get_batch(wanted).asnumpy(), image_size)  # (k, S, S, 3), one sorted pass
-    at = {int(k): i for i, k in enumerate(wanted)}
+    crops = reader.read(wanted, image_size)  # (k, S, S, 3), in time order
     return [p if not isinstance(p, np.ndarray) else
-            assemble(crops[[at[int(k)] for k in p]], times[p], num_frames, "decord") for p in picks]
+            assemble(crops[np.searchsorted(wanted, p)], times[p], num_frames, "decord") for p in picks]
 
 
 def _read_alone(path: Path, num_frames: int, image_size: int, start: float | None, end: float | None,
@@ -260,7 +347,7 @@ def _read_pyav(
     """Sequential PyAV decode: index the packets (no decoding), then decode once, keeping only
     the sampled frames. If fewer frames decode than there are packets (a corrupt or truncated
     file), the sample is redrawn from the frames that did decode and the file decoded again."""
-    times = _pyav_packet_times(path)  # float64 (n,), presentation order
+    times = packet_times(path)  # float64 (n,), presentation order
     idx = pick_frames(times, num_frames, start_s, end_s, path, offsets)
     crops, decoded_times = _pyav_decode(path, idx, times, image_size)
     if crops is None:
@@ -276,7 +363,7 @@ def _read_pyav(
     return assemble(crops, times[idx], num_frames, "pyav")
 
 
-def _pyav_packet_times(path: Path) -> np.ndarray:
+def packet_times(path: Path) -> np.ndarray:
     """Presentation times (s) of the video stream's packets, sorted: float64 [n]."""
     import av
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from tvrpipe.errors import VideoError
 from tvrpipe.features.decode.failure import DecodeFailure, describe
-from tvrpipe.features.decode.readers import READERS, decode_moments, decode_with_readers
+from tvrpipe.features.decode.readers import READERS, OpenFile, decode_moments, decode_with_readers
 from tvrpipe.features.decode.sampling import DecodedVideo, check_sizes
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class DecodeWorker:
         """Several clips of one file decoded in the child from one open of it (:func:`decode_moments`), within
         ``timeout_s`` per clip; a child lost on the way (timeout, crash) gets each clip decoded alone by
         :meth:`decode`, with its own timeout and PyAV retry, so a hopeless file fails each clip as it would alone.
+        The child keeps the file open after the call: the next call of the same file decodes on from where this
+        one stopped (send a file's moments in time order).
 
         Returns:
             Each clip's frames or its :class:`DecodeFailure`, in the order of ``bounds``.
@@ -225,6 +227,9 @@ def _worker_main(fd: str, parent_pid: str) -> None:
         conn.send(("error", VideoError(f"the decoder process cannot import its readers: {describe(exc)}")))
         return
     conn.send(("ready", None))
+    # the file of the last moments request stays open: a long file's next moments decode on from where they
+    # stopped, without opening (indexing) the file again
+    reader = OpenFile()
     while True:
         try:
             request = conn.recv()
@@ -233,9 +238,13 @@ def _worker_main(fd: str, parent_pid: str) -> None:
         if request is None:
             return
         try:
-            reply: tuple[str, Any] = ("ok", decode_moments(*request[1:]) if request[0] == _MOMENTS
-                                      else decode_with_readers(*request))
+            if request[0] == _MOMENTS:
+                reply: tuple[str, Any] = ("ok", decode_moments(*request[1:], reader=reader))
+            else:
+                reader.close()  # another kind of request: the moments of that file are done
+                reply = ("ok", decode_with_readers(*request))
         except Exception as exc:  # every error goes back to the parent
+            reader.close()
             reply = ("error", exc if _picklable(exc) else VideoError(describe(exc)))
         conn.send(reply)
 
