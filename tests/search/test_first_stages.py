@@ -271,6 +271,37 @@ def test_ivfpq_recalls_the_exact_top_k_from_a_memory_mapped_index(tmp_path):
 
 
 @NEEDS_FAISS
+@pytest.mark.numerics
+def test_ivfpq_probes_a_share_of_its_lists_for_sentence_queries_across_the_modality_gap(tmp_path):
+    """Sentence queries against video lists, on the calibrated generated world (CLIP's modality gap: the queries
+    lie outside the videos' distribution, so the lists nearest to them hold few of their best videos): the
+    exact top 10 held in a shortlist of 100. Probing only the lists the average rule asks for (probe_share ~ 0)
+    (and a floor of one list) keeps much less of it than the default share of 0.3, and probing every list keeps
+    all of it."""
+    from dataclasses import replace
+
+    from tvrpipe.bench.search import collection_spec
+    from tvrpipe.features.genstore import generate_store
+    from tvrpipe.search.index import pooled_rows
+
+    store = open_store(generate_store(tmp_path / "s", replace(collection_spec(6000, 64), frames=4, max_words=4)))
+    pooled, _ = pooled_rows(store)
+    q = store.read("texts/sentence", np.arange(0, 6000, 60)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    exact = argsort_top(pooled, q, 10)
+    cls = first_stage_class("faiss-ivfpq")
+    index = cls.build(pooled, stage_config("faiss-ivfpq", {"ivf_from": 2000}))
+    assert "nprobe=max(32, 0.3 x nlist, lists holding 2 x refine x k)" in index.describe()
+
+    def kept(**settings):
+        index.config = stage_config("faiss-ivfpq", {"ivf_from": 2000, **settings})
+        return overlap(index.top(q, 100)[0], exact)
+
+    rule, default, every = kept(nprobe=1, probe_share=0.001), kept(), kept(probe_share=1.0)
+    assert every >= 0.99 and default >= rule + 0.1, (rule, default, every)
+
+
+@NEEDS_FAISS
 def test_ivfpq_checks_its_settings_and_is_flat_below_ivf_from():
     cls = first_stage_class("faiss-ivfpq")
     emb = unit(500, 12, 6)
@@ -293,5 +324,5 @@ def test_an_ivfpq_export_is_searched_with_its_search_settings_only(store, tmp_pa
     q = unit(4, 32, 8)
     for a, b in zip(stage.top(q, 5), first_stage(store, "exact", cache=False).top(q, 5)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
-    with pytest.raises(ConfigError, match="nlist is a build setting of faiss-ivfpq; set only nprobe, refine"):
+    with pytest.raises(ConfigError, match="nlist is a build setting of faiss-ivfpq; set only nprobe, probe_share, refine"):
         exported_stage(out, store, ["nlist=3"])
