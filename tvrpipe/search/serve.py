@@ -15,6 +15,11 @@ as ``tvrpipe search`` does). Routes (:func:`make_app`):
   looked up in the store; a path never comes from the request. The file is the store's path under the video root,
   resolved (symlinks followed), and served only if it is a file inside the resolved root: anything else is 404.
 
+**The query encoder** is the searcher's CLIP (:meth:`~tvrpipe.search.engine.Searcher.encode`) unless
+:func:`open_server` is given another (``encode``): ``tvrpipe bench serve`` serves a generated store, which has no
+CLIP, with a lookup of its captions' stored embeddings, so that everything else a request does is what
+``tvrpipe serve`` does.
+
 **A store updated while serving.** Each search first checks, at most once a second (:meth:`Server.refresh`), a
 cheap signature of the store's folder (:func:`store_signature`: ``stat`` of its metadata, tables and shard
 markers' folder). When it changed, and the store is complete and no writer holds its lock (an extract still
@@ -53,6 +58,7 @@ from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
 if TYPE_CHECKING:  # the engine imports torch: `tvrpipe serve --help` reads this module's defaults without it
+    from tvrpipe.heads.base import TextBatch
     from tvrpipe.search.engine import Found, Searcher
     from tvrpipe.search.index import FirstStage
 
@@ -139,6 +145,9 @@ class Server:
         candidates: K, the shortlist the head re-ranks; None: the head scores every video.
         min_score: the cut of a request that gives none (``--min-score``); None: no cut.
         reopen: opens the store again (:meth:`refresh`); None: the server keeps ``current``.
+        encode: encodes sentence queries (a :class:`~tvrpipe.heads.base.TextBatch` as
+            :meth:`~tvrpipe.search.engine.Searcher.encode` returns, raising ConfigError for a query it cannot
+            encode); None: the searcher's CLIP.
         check_seconds: the least time between two checks of the store's signature.
     """
 
@@ -146,6 +155,7 @@ class Server:
     candidates: int | None = None
     min_score: float | None = None
     reopen: Callable[[Served], Served] | None = field(default=None, repr=False)
+    encode: Callable[[Sequence[str]], TextBatch] | None = field(default=None, repr=False)
     check_seconds: float = 1.0  # choice: a few stat calls a second at most, under any request rate
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _reloading: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -225,7 +235,7 @@ class Server:
             check_min_score(s, min_score)
         check_top_k(k, len(stage), s.store)
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
-            texts = s.encode_images(queries) if images else s.encode(queries)
+            texts = s.encode_images(queries) if images else (self.encode or s.encode)(queries)
             try:
                 if self.candidates is None or self.candidates >= len(stage):
                     ranked = exhaustive(s.head, texts, s.store, stage.rows, k, s.device)
@@ -258,8 +268,12 @@ class Server:
 def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", candidates: int | None = None,
-                first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None) -> Server:
+                first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None,
+                encode: Callable[[Sequence[str]], TextBatch] | None = None) -> Server:
     """Load once what every request uses: the store, the head, the query CLIP and the first stage.
+
+    ``encode`` replaces the query CLIP (:attr:`Server.encode`): none is then loaded, and a store of no CLIP (a
+    generated one) is served.
 
     Raises:
         StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
@@ -273,25 +287,27 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
 
     def reopen(old: Served | None) -> Served:
         sig = store_signature(features)
-        served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old)
+        served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old,
+                             warm_up=encode is None)
         if min_score is not None:
             check_min_score(served.searcher, min_score)
         return dataclasses.replace(served, signature=sig)
 
-    return Server(reopen(None), candidates, min_score, reopen)
+    return Server(reopen(None), candidates, min_score, reopen, encode)
 
 
 def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
-                old: Served | None = None) -> Served:
+                old: Served | None = None, warm_up: bool = True) -> Served:
     """One opening of the store (:class:`Served`); the query CLIP of ``old`` is kept where the store records the
-    same one (a reopen after an extract), else loaded and tried on a warm-up query."""
+    same one (a reopen after an extract), else loaded and tried on a warm-up query (``warm_up`` False: not loaded,
+    for a server given another encoder)."""
     from tvrpipe.search.engine import open_searcher
     from tvrpipe.search.index import first_stage as make_stage
 
     searcher = open_searcher(features, run, device, pretrained, video_root)
-    if old is None or not searcher.share_clip(old.searcher):
+    if warm_up and (old is None or not searcher.share_clip(old.searcher)):
         searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
     stage = make_stage(searcher.store, first_stage, settings=first_stage_settings)
     videos = searcher.store.videos
