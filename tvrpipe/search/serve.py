@@ -5,7 +5,8 @@ Everything a search needs is loaded once, when the server starts (:func:`open_se
 query and ranks with them (:func:`~tvrpipe.search.engine.exhaustive` or :func:`~tvrpipe.search.engine.two_stage`,
 as ``tvrpipe search`` does). Routes (:func:`make_app`):
 
-- ``GET /``: a page with a query box and a picture field; with ``?q=...`` (or a picture POSTed to ``/``), the hits
+- ``GET /``: a page with a query box, a minimum score field and a picture field; with ``?q=...`` (or a picture
+  POSTed to ``/``), the hits
   with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`), score and uncertainty with
   what they mean (the head's words), and a ``<video>`` of the file at the hit's moment (``/media/ID#t=start,end``).
 - ``GET /search?q=...&k=...&min_score=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form
@@ -401,14 +402,18 @@ def make_app(server: Server) -> Any:
     async def page(request: Request) -> Response:
         q = request.query_params.get("q", "")
         k_text = request.query_params.get("k")
+        score_text = request.query_params.get("min_score", "")
         hits, note, error, busy, query, heading = None, None, None, False, q, "Query"
         try:
             k = _k(k_text)
-            min_score = _min_score(request.query_params.get("min_score"))
+            min_score = _min_score(score_text)
             if request.method == "POST":
                 got = await read_picture(request)
                 if got is None:
                     raise ConfigError("no picture: choose or drop a picture file")
+                form_score = (await request.form()).get("min_score")  # the form is parsed once, then kept
+                if isinstance(form_score, str) and form_score:  # the picture form's field, over the address's
+                    score_text, min_score = form_score, _min_score(form_score)
                 query, heading = got[0], "Picture"
                 hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
             elif q.strip():
@@ -416,7 +421,7 @@ def make_app(server: Server) -> Any:
         except (ConfigError, StoreBusy) as e:
             error, busy = str(e), isinstance(e, StoreBusy)
         body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
-                               error, heading, query, note)
+                               error, heading, query, note, score_text)
         return HTMLResponse(body, status_code=(503 if busy else 400) if error else 200)
 
     async def search_json(request: Request) -> Response:
@@ -459,20 +464,25 @@ async def _threaded(fn: Any, *args: Any) -> Any:
 
 
 def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: str | None, heading: str = "Query",
-                query: str = "", note: str | None = None) -> str:
-    """The search page: the query box and picture field, and the hits where there are some (``note``: what the
-    minimum score cut)."""
+                query: str = "", note: str | None = None, min_score: str = "") -> str:
+    """The search page: the query box, the minimum score field (``min_score``: as the request gave it) and the
+    picture field, and the hits where there are some (``note``: what the minimum score cut)."""
     from tvrpipe.search.html import csp_hash, decode_thumbnails
 
     e = html.escape
     s = server.searcher
+    # one field in each form: the picture's form posts its own, as the query's form sends its own in the address
+    score = (f' min score <input type="number" name="min_score" step="any" value="{e(min_score)}" '
+             f'placeholder="{"none" if server.min_score is None else f"{server.min_score:g}"}" '
+             'title="cut the hits scoring below it, on the ranking head\'s own scale (a value outside its scores is '
+             'refused)">')
     parts = [f"<p>{e(s.label)} over {e(str(s.store.dir))}: {len(server.stage):,} searchable videos.</p>",
              f'<form method="get" action="/"><input type="text" name="q" value="{e(q)}" placeholder="a sentence" '
              f'autofocus> hits <input type="number" name="k" min="1" value="{e(k or str(DEFAULT_TOP_K))}" '
-             'style="width:4em"> <button type="submit">Search</button></form>',
+             'style="width:4em">' + score + ' <button type="submit">Search</button></form>',
              '<form method="post" action="/" enctype="multipart/form-data">or a picture (choose or drop it here): '
-             '<input type="file" name="image" accept="image/*"> <button type="submit">Search with the picture'
-             "</button></form>"]
+             '<input type="file" name="image" accept="image/*">' + score + ' <button type="submit">Search with the '
+             "picture</button></form>"]
     if error:
         parts.append(f'<p class="error">error: {e(error)}</p>')
     legend = [("score", f"{s.head.meaning()}. {SCALE}")]
