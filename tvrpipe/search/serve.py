@@ -5,10 +5,10 @@ Everything a search needs is loaded once, when the server starts (:func:`open_se
 query and ranks with them (:func:`~tvrpipe.search.engine.exhaustive` or :func:`~tvrpipe.search.engine.two_stage`,
 as ``tvrpipe search`` does). Routes (:func:`make_app`):
 
-- ``GET /``: a page with a query box, a minimum score field and a picture field; with ``?q=...`` (or a picture
-  POSTed to ``/``), the hits
-  with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`), score and uncertainty with
-  what they mean (the head's words), and a ``<video>`` of the file at the hit's moment (``/media/ID#t=start,end``).
+- ``GET /``: a page with a query box and a picture field, each with a minimum score field; with ``?q=...`` (or a
+  picture POSTed to ``/``), the hits with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`),
+  score and uncertainty with what they mean (the head's words), and a ``<video>`` of the file at the hit's moment
+  (``/media/ID#t=start,end``).
 - ``GET /search?q=...&k=...&min_score=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form
   field). ``min_score`` (on ``/`` too) cuts the hits scoring below it, as ``tvrpipe search --min-score``; without it,
   the server's ``--min-score``, if any. The JSON's ``note`` says how many were cut.
