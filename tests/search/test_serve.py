@@ -1,6 +1,7 @@
 """``tvrpipe serve``: the JSON API against ``tvrpipe search``'s own ranking, the media route's safety (ids only,
 nothing outside the video root is read, Range requests), the host warning, and the page in a real headless
-Chromium driven by Playwright (a hit's player loads and seeks to the hit's moment)."""
+Chromium driven by Playwright (a hit's player loads and seeks to the hit's moment; a minimum score typed in its
+field cuts the hits shown, and one outside the head's scores is refused on the page)."""
 
 from __future__ import annotations
 
@@ -209,6 +210,9 @@ def _free_port() -> int:
 
 
 def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.search.engine import check_min_score
+
     if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
         pytest.skip(f"no Chromium at {CHROMIUM} or on PATH (apt-get install chromium; .ci/run installs it)")
     playwright = pytest.importorskip("playwright.sync_api", reason="the playwright package (the 'dev' extra)")
@@ -230,7 +234,8 @@ def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
             try:
                 page = browser.new_page()
                 page.goto(f"http://127.0.0.1:{port}/", timeout=15000)
-                page.fill("input[name=q]", "a dog runs on a beach")
+                q = "a dog runs on a beach"
+                page.fill("input[name=q]", q)
                 page.click("form[method=get] button")
                 page.wait_for_selector("tr.hit", timeout=15000)
                 assert page.locator("tr.hit").count() == DEFAULT_TOP_K
@@ -244,6 +249,27 @@ def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
                                        arg=[video.element_handle(), start], timeout=15000)
                 assert video.evaluate("v => v.duration") == pytest.approx(4.0, abs=0.2)
                 assert page.evaluate("Array.from(document.images).every(i => i.complete && i.naturalWidth > 0)")
+
+                # a minimum score typed in the page's field cuts the hits below it, as search --min-score does
+                scores = [h.score for h in server.search([q], DEFAULT_TOP_K).hits]
+                x = (scores[1] + scores[2]) / 2  # the top 2 kept
+                page.fill("form[method=get] input[name=min_score]", f"{x:.10g}")
+                page.click("form[method=get] button")
+                page.wait_for_selector("p.note", timeout=15000)
+                assert page.locator("tr.hit").count() == 2
+                shown = [float(c) for c in page.locator("tr.hit td.num:nth-child(4)").all_inner_texts()]
+                assert shown == pytest.approx(scores[:2], abs=1e-4) and min(shown) >= x - 1e-4
+                assert page.locator("p.note").inner_text() == (f"{DEFAULT_TOP_K - 2} of the top {DEFAULT_TOP_K} "
+                                                               f"hits scored below --min-score {x:.10g} and were cut")
+                assert page.input_value("form[method=get] input[name=min_score]") == f"{x:.10g}"  # kept for the next
+                # one outside the head's scores: the page says why, with the message search prints
+                with pytest.raises(ConfigError) as want:
+                    check_min_score(server.searcher, 2.0)
+                page.fill("form[method=get] input[name=min_score]", "2")
+                page.click("form[method=get] button")
+                page.wait_for_selector("p.error", timeout=15000)
+                assert page.locator("p.error").inner_text() == f"error: {want.value}"
+                assert page.locator("tr.hit").count() == 0
             finally:
                 browser.close()
     finally:
@@ -259,6 +285,14 @@ def test_a_picture_posted_to_the_page_shows_its_hits(client, tmp_path):
     r = client.post("/", params={"k": 2}, files={"image": ("blue.png", pic.read_bytes(), "image/png")})
     assert r.status_code == 200 and r.text.count('<tr class="hit">') == 2 and "Picture: &ldquo;blue.png" in r.text
     assert client.post("/").status_code == 400
+    # the picture form's own min score field cuts as the query form's does
+    scores = [h["score"] for h in client.post("/search", params={"k": 2}, files={
+        "image": ("blue.png", pic.read_bytes(), "image/png")}).json()["hits"]]
+    cut = client.post("/", params={"k": 2}, data={"min_score": f"{(scores[0] + scores[1]) / 2:.10g}"},
+                      files={"image": ("blue.png", pic.read_bytes(), "image/png")})
+    assert cut.status_code == 200 and cut.text.count('<tr class="hit">') == 1 and "1 of the top 2 hits" in cut.text
+    bad = client.post("/", data={"min_score": "2"}, files={"image": ("blue.png", pic.read_bytes(), "image/png")})
+    assert bad.status_code == 400 and "--min-score 2 is outside the scores" in bad.text
 
 
 # ------------------------------------------------------------------------------------------------ min_score

@@ -14,6 +14,7 @@ from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
 from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
 from tvrpipe.bench.moments import bench_moments
 from tvrpipe.bench.search import bench_search
+from tvrpipe.bench.serve import bench_serve
 from tvrpipe.bench.streamed import bench_streamed
 from tvrpipe.bench.worlds import bench_worlds
 from tvrpipe.cli.app import BENCHMARKS, app, console, defaults_of, finite_float, new_app, refuse_unused
@@ -24,6 +25,7 @@ BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), default
                               defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator),
                               defaults_of(bench_search))
 BW, BM, BO = defaults_of(bench_worlds), defaults_of(bench_streamed), defaults_of(bench_moments)
+BR = defaults_of(bench_serve)
 
 
 def _json_target(path: Optional[Path]) -> Optional[Path]:
@@ -416,4 +418,53 @@ def bench_search_cmd(
     console.print("* the smallest K measured whose recall@10 reaches 0.95", highlight=False)
     for line in r.lines():
         console.print(line, highlight=False)
+    _write_json(json_out, r.record())
+
+
+@bench_app.command("serve")
+def bench_serve_cmd(
+    out: Annotated[Path, typer.Option(
+        callback=_work_dir, help="Working directory, bench search's: its generated stores (4.5 GB at 100,000 videos) "
+                                 "and trained runs are reused, or made once; serve/results.json, serve/hits.json.")
+    ] = Path("bench/search"),
+    videos: Annotated[int, typer.Option(help="Videos of the served collection.")] = BR.videos,
+    queries: Annotated[int, typer.Option(help="Held-out captions sent, one request each, one at a time.")] = BR.queries,
+    method: Annotated[Optional[list[str]], typer.Option(
+        help=f"Trained heads served beside zero-shot CLIP (repeatable; default: {', '.join(BR.methods)}).")] = None,
+    candidates: Annotated[int, typer.Option(
+        help="K, the first stage's shortlist that each arm's head re-ranks (tvrpipe serve --candidates).")
+    ] = BR.candidates,
+    first_stage: Annotated[str, typer.Option(
+        help=f"The first stage, as tvrpipe serve's. {first_stage_help()}.")] = BR.first_stage,
+    first_stage_set: Annotated[Optional[list[str]], typer.Option(
+        metavar="KEY=VALUE", help="A setting of the first stage, as tvrpipe serve's --first-stage-set (repeatable).",
+        show_default=False)] = None,
+    train_videos: Annotated[int, typer.Option(
+        help="Captioned train videos of the benchmark the heads train on (same generated world).")] = BR.train_videos,
+    train_epochs: Annotated[Optional[int], typer.Option(
+        help="Epochs each head trains (warmup, then cosine). Default: until validation stops improving, as "
+             "train-head trains by default.")] = BR.train_epochs,
+    dim: Annotated[int, typer.Option(help="Embedding width D (ViT-B/32: 512).")] = BR.dim,
+    text_model: Annotated[str, typer.Option(
+        help="The open_clip architecture whose text tower is timed encoding one query (random weights).")
+    ] = BR.text_model,
+    json_out: JsonOut = None,
+) -> None:
+    """The latency of tvrpipe serve on a generated collection: per arm (zero-shot CLIP, each trained head), p50,
+    p95 and mean of GET /search over a real socket, one query at a time, and with a CLIP text tower's time added."""
+    from rich.table import Table
+    from rich.text import Text
+
+    r = bench_serve(out, videos, queries, tuple(method or BR.methods), candidates, first_stage,
+                    tuple(first_stage_set or ()), train_videos, train_epochs, dim, text_model)
+    table = Table(title=f"GET /search over {r.videos:,} videos, {r.queries} requests one at a time, K = "
+                        f"{r.candidates} (first stage: {r.first_stage}); ms")
+    for col in ("arm", "p50", "p95", "mean", "max", "with CLIP p50", "with CLIP p95", "start s"):
+        table.add_column(col, justify="right")
+    for a in r.arms:
+        table.add_row(Text(a.arm), f"{a.p50_ms:.1f}", f"{a.p95_ms:.1f}", f"{a.mean_ms:.1f}", f"{a.max_ms:.1f}",
+                      f"{a.clip_p50_ms:.1f}", f"{a.clip_p95_ms:.1f}", f"{a.start_seconds:.1f}")
+    console.print(table)
+    for line in r.lines():
+        console.print(line, highlight=False, markup=False)
     _write_json(json_out, r.record())

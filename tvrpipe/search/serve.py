@@ -5,15 +5,21 @@ Everything a search needs is loaded once, when the server starts (:func:`open_se
 query and ranks with them (:func:`~tvrpipe.search.engine.exhaustive` or :func:`~tvrpipe.search.engine.two_stage`,
 as ``tvrpipe search`` does). Routes (:func:`make_app`):
 
-- ``GET /``: a page with a query box and a picture field; with ``?q=...`` (or a picture POSTed to ``/``), the hits
-  with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`), score and uncertainty with
-  what they mean (the head's words), and a ``<video>`` of the file at the hit's moment (``/media/ID#t=start,end``).
+- ``GET /``: a page with a query box and a picture field, each with a minimum score field; with ``?q=...`` (or a
+  picture POSTed to ``/``), the hits with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`),
+  score and uncertainty with what they mean (the head's words), and a ``<video>`` of the file at the hit's moment
+  (``/media/ID#t=start,end``).
 - ``GET /search?q=...&k=...&min_score=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form
   field). ``min_score`` (on ``/`` too) cuts the hits scoring below it, as ``tvrpipe search --min-score``; without it,
   the server's ``--min-score``, if any. The JSON's ``note`` says how many were cut.
 - ``GET /media/ID``: the file of the store's video ``ID``, with HTTP Range requests (the player seeks). The id is
   looked up in the store; a path never comes from the request. The file is the store's path under the video root,
   resolved (symlinks followed), and served only if it is a file inside the resolved root: anything else is 404.
+
+**The query encoder** is the searcher's CLIP (:meth:`~tvrpipe.search.engine.Searcher.encode`) unless
+:func:`open_server` is given another (``encode``): ``tvrpipe bench serve`` serves a generated store, which has no
+CLIP, with a lookup of its captions' stored embeddings, so that everything else a request does is what
+``tvrpipe serve`` does.
 
 **A store updated while serving.** Each search first checks, at most once a second (:meth:`Server.refresh`), a
 cheap signature of the store's folder (:func:`store_signature`: ``stat`` of its metadata, tables and shard
@@ -53,6 +59,7 @@ from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
 if TYPE_CHECKING:  # the engine imports torch: `tvrpipe serve --help` reads this module's defaults without it
+    from tvrpipe.heads.base import TextBatch
     from tvrpipe.search.engine import Found, Searcher, Shortlister
 
 log = logging.getLogger(__name__)
@@ -139,6 +146,9 @@ class Server:
         candidates: K, the shortlist the head re-ranks; None: the head scores every video.
         min_score: the cut of a request that gives none (``--min-score``); None: no cut.
         reopen: opens the store again (:meth:`refresh`); None: the server keeps ``current``.
+        encode: encodes sentence queries (a :class:`~tvrpipe.heads.base.TextBatch` as
+            :meth:`~tvrpipe.search.engine.Searcher.encode` returns, raising ConfigError for a query it cannot
+            encode); None: the searcher's CLIP.
         check_seconds: the least time between two checks of the store's signature.
     """
 
@@ -146,6 +156,7 @@ class Server:
     candidates: int | None = None
     min_score: float | None = None
     reopen: Callable[[Served], Served] | None = field(default=None, repr=False)
+    encode: Callable[[Sequence[str]], TextBatch] | None = field(default=None, repr=False)
     check_seconds: float = 1.0  # choice: a few stat calls a second at most, under any request rate
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _reloading: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -225,7 +236,7 @@ class Server:
             check_min_score(s, min_score)
         check_top_k(k, len(stage), s.store)
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
-            texts = s.encode_images(queries) if images else s.encode(queries)
+            texts = s.encode_images(queries) if images else (self.encode or s.encode)(queries)
             try:
                 if self.candidates is None or self.candidates >= len(stage):
                     ranked = exhaustive(s.head, texts, s.store, stage.rows, k, s.device)
@@ -259,9 +270,13 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", candidates: int | None = None,
                 first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None,
-                shards: int | None = None, address: str | None = None) -> Server:
+                shards: int | None = None, address: str | None = None,
+                encode: Callable[[Sequence[str]], TextBatch] | None = None) -> Server:
     """Load once what every request uses: the store, the head, the query CLIP and the first stage (with
     ``shards``, split over that many Ray actors on the cluster at ``address``, as ``tvrpipe search --shards``).
+
+    ``encode`` replaces the query CLIP (:attr:`Server.encode`): none is then loaded, and a store of no CLIP (a
+    generated one) is served.
 
     Raises:
         StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
@@ -279,28 +294,29 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
     def reopen(old: Served | None) -> Served:
         sig = store_signature(features)
         served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old,
-                             shards, address, candidates)
+                             shards, address, candidates, warm_up=encode is None)
         if min_score is not None:
             check_min_score(served.searcher, min_score)
         return dataclasses.replace(served, signature=sig)
 
-    return Server(reopen(None), candidates, min_score, reopen)
+    return Server(reopen(None), candidates, min_score, reopen, encode)
 
 
 def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
                 old: Served | None = None, shards: int | None = None, address: str | None = None,
-                candidates: int | None = None) -> Served:
+                candidates: int | None = None, warm_up: bool = True) -> Served:
     """One opening of the store (:class:`Served`); the query CLIP of ``old`` is kept where the store records the
-    same one (a reopen after an extract), else loaded and tried on a warm-up query. With ``shards``, the first
-    stage is new Ray actors (``old``'s end when its last request drops them)."""
+    same one (a reopen after an extract), else loaded and tried on a warm-up query (``warm_up`` False: not loaded,
+    for a server given another encoder). With ``shards``, the first stage is new Ray actors (``old``'s end when
+    its last request drops them)."""
     from tvrpipe.search.engine import open_searcher
     from tvrpipe.search.index import first_stage as make_stage
     from tvrpipe.search.shards import sharded_first_stage
 
     searcher = open_searcher(features, run, device, pretrained, video_root)
-    if old is None or not searcher.share_clip(old.searcher):
+    if warm_up and (old is None or not searcher.share_clip(old.searcher)):
         searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
     stage = (make_stage(searcher.store, first_stage, settings=first_stage_settings) if shards is None else
              sharded_first_stage(searcher.store, first_stage, first_stage_settings, shards, address, candidates))
@@ -395,14 +411,18 @@ def make_app(server: Server) -> Any:
     async def page(request: Request) -> Response:
         q = request.query_params.get("q", "")
         k_text = request.query_params.get("k")
+        score_text = request.query_params.get("min_score", "")
         hits, note, error, busy, query, heading = None, None, None, False, q, "Query"
         try:
             k = _k(k_text)
-            min_score = _min_score(request.query_params.get("min_score"))
+            min_score = _min_score(score_text)
             if request.method == "POST":
                 got = await read_picture(request)
                 if got is None:
                     raise ConfigError("no picture: choose or drop a picture file")
+                form_score = (await request.form()).get("min_score")  # the form is parsed once, then kept
+                if isinstance(form_score, str) and form_score:  # the picture form's field, over the address's
+                    score_text, min_score = form_score, _min_score(form_score)
                 query, heading = got[0], "Picture"
                 hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
             elif q.strip():
@@ -410,7 +430,7 @@ def make_app(server: Server) -> Any:
         except (ConfigError, StoreBusy) as e:
             error, busy = str(e), isinstance(e, StoreBusy)
         body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
-                               error, heading, query, note)
+                               error, heading, query, note, score_text)
         return HTMLResponse(body, status_code=(503 if busy else 400) if error else 200)
 
     async def search_json(request: Request) -> Response:
@@ -454,20 +474,25 @@ async def _threaded(fn: Any, *args: Any) -> Any:
 
 
 def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: str | None, heading: str = "Query",
-                query: str = "", note: str | None = None) -> str:
-    """The search page: the query box and picture field, and the hits where there are some (``note``: what the
-    minimum score cut)."""
+                query: str = "", note: str | None = None, min_score: str = "") -> str:
+    """The search page: the query box, the minimum score field (``min_score``: as the request gave it) and the
+    picture field, and the hits where there are some (``note``: what the minimum score cut)."""
     from tvrpipe.search.html import csp_hash, decode_thumbnails
 
     e = html.escape
     s = server.searcher
+    # one field in each form: the picture's form posts its own, as the query's form sends its own in the address
+    score = (f' min score <input type="number" name="min_score" step="any" value="{e(min_score)}" '
+             f'placeholder="{"none" if server.min_score is None else f"{server.min_score:g}"}" '
+             'title="cut the hits scoring below it, on the ranking head\'s own scale (a value outside its scores is '
+             'refused)">')
     parts = [f"<p>{e(s.label)} over {e(str(s.store.dir))}: {len(server.stage):,} searchable videos.</p>",
              f'<form method="get" action="/"><input type="text" name="q" value="{e(q)}" placeholder="a sentence" '
              f'autofocus> hits <input type="number" name="k" min="1" value="{e(k or str(DEFAULT_TOP_K))}" '
-             'style="width:4em"> <button type="submit">Search</button></form>',
+             'style="width:4em">' + score + ' <button type="submit">Search</button></form>',
              '<form method="post" action="/" enctype="multipart/form-data">or a picture (choose or drop it here): '
-             '<input type="file" name="image" accept="image/*"> <button type="submit">Search with the picture'
-             "</button></form>"]
+             '<input type="file" name="image" accept="image/*">' + score + ' <button type="submit">Search with the '
+             "picture</button></form>"]
     if error:
         parts.append(f'<p class="error">error: {e(error)}</p>')
     legend = [("score", f"{s.head.meaning()}. {SCALE}")]
