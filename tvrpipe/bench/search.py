@@ -335,7 +335,7 @@ def _build(job: _Build) -> dict:
 # ------------------------------------------------------------------------------------------ training
 
 
-def _trained(store_dir: Path, method: str, run_dir: Path, epochs: int | None) -> dict:
+def trained_run(store_dir: Path, method: str, run_dir: Path, epochs: int | None) -> dict:
     """Train ``method`` on the benchmark (``epochs`` None: until validation stops improving, as train-head;
     a finished run with the same settings is reused); its record."""
     from tvrpipe.rundir import RunResults, read_config, read_metrics
@@ -500,7 +500,7 @@ def bench_search(
             bar.update(task, description=f"{method}: training on the benchmark")
             run_dir = out / "runs" / bench_dir.name / (f"{method}-open" if train_epochs is None else
                                                         f"{method}-{train_epochs}ep")
-            bench.trained[method] = _trained(bench_dir, method, run_dir, train_epochs)
+            bench.trained[method] = trained_run(bench_dir, method, run_dir, train_epochs)
             bar.advance(task)
             full = None
             for k in (None, *ks):

@@ -360,7 +360,7 @@ def bench_serve(
         >>> bench.arm("zero-shot").p50_ms  # doctest: +SKIP
     """
     from tvrpipe.bench.extract import in_fresh_process
-    from tvrpipe.bench.search import WORDS, _trained, benchmark_spec, collection_spec
+    from tvrpipe.bench.search import WORDS, benchmark_spec, collection_spec, trained_run
     from tvrpipe.features.genstore import generate_store
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import head_class
@@ -410,7 +410,7 @@ def bench_serve(
                 bar.update(task, description=f"{arm}: training on the benchmark")
                 run_dir = out / "runs" / bench_dir.name / (f"{arm}-open" if train_epochs is None else
                                                            f"{arm}-{train_epochs}ep")
-                bench.trained[arm] = _trained(bench_dir, arm, run_dir, train_epochs)
+                bench.trained[arm] = trained_run(bench_dir, arm, run_dir, train_epochs)
                 run = str(run_dir)
                 bar.advance(task)
             bar.update(task, description=f"{arm}: served, {queries} requests")
