@@ -188,6 +188,35 @@ def test_a_short_list_keeps_only_first_stage_candidates_and_more_candidates_reca
     assert recall[0] <= recall[1] <= recall[2] == 1.0
 
 
+def test_meanpool_keeps_the_first_stages_ranking_and_reads_no_frame(store, captions):
+    """meanpool's score is the first stage's cosine: the two stages keep the first stage's top k, which is what
+    the head's own scores of the shortlist rank, and no frame of the store is read."""
+    texts, _ = captions
+    head = _head("meanpool")
+    stage = first_stage(store, "exact", cache=False)
+    read = []
+
+    class Recording:  # the store, recording what is read
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def read(self, name, rows):
+            read.append(name)
+            return store.read(name, rows)
+
+    fast = two_stage(head, texts, Recording(), stage, 5, 20)
+    assert read == [] and fast.candidates == 20 and np.isnan(fast.uncertainty).all()
+    pos, _ = stage.top(texts.sentence.numpy(), 20)
+    with torch.inference_mode():  # the head's own scores of each query's shortlist, from the store's frames
+        sim = head.similarity(head.encode_texts(texts), head.encode_videos(_all_videos(store))).float().numpy()
+    for q in range(len(texts)):
+        short = stage.rows[pos[q]]
+        want = sorted(short, key=lambda r: (-sim[q, r], r))[:5]
+        np.testing.assert_allclose(fast.scores[q], sim[q, want], rtol=1e-5, atol=1e-6)
+        assert set(fast.rows[q]) <= set(short)
+        np.testing.assert_allclose(sim[q, fast.rows[q]], sim[q, want], rtol=1e-5, atol=1e-6)  # equal up to ties
+
+
 def test_zero_shot_search_ranks_the_captioned_video_above_chance(store, captions):
     """The generated store's captions share concepts with their videos: zero-shot cosine finds them."""
     texts, truth = captions

@@ -306,6 +306,8 @@ def _arm(job: _Arm) -> dict:
     peak = _peak_bytes()
     if stage is None:
         encoded = len(job.rows)
+    elif head.ranks_as_first_stage:  # the two stages keep the first stage's cosines: no video is encoded
+        encoded = 0
     else:
         encoded = len(np.unique(stage.top(texts.sentence.numpy(), ranked.candidates)[0]))
     return {"seconds": seconds, "peak": peak, "extra": None if before is None else peak - before,

@@ -186,6 +186,10 @@ class Head(nn.Module):
     # The bounds of the raw score, (low, high), None for an unbounded side: a cosine's (-1, 1). `tvrpipe search`
     # refuses a --min-score outside them (it would cut every hit, or none).
     score_range: ClassVar[tuple[float | None, float | None]] = (None, None)
+    # True where the head's score is the search's first stage's own (the cosine of the sentence and the
+    # L2-normalised mean of the L2-normalised frames, :mod:`tvrpipe.search.index`): a two-stage search then
+    # keeps the first stage's order and cosines instead of reading the shortlist's frames to score them again.
+    ranks_as_first_stage: ClassVar[bool] = False
 
     def init_from_clip(self, clip: nn.Module) -> Copied:
         """Initialise modules from the live CLIP where the head's paper does (finetune ``--init-from-clip``;

@@ -60,6 +60,7 @@ class MeanPool(Head):
     score_range = (-1.0, 1.0)  # a cosine, or an average of cosines
 
     uses_tokens = False  # reads the sentence embedding only
+    ranks_as_first_stage = True  # its similarity is the first stage's cosine (no weight enters it)
 
     Config = Config
 

@@ -425,13 +425,19 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
               device: str = "cpu") -> Ranked:
     """The first stage's ``candidates`` best videos per query, re-ranked by the head; the ``k`` best per query.
 
-    The head scores every query against the union of the queries' shortlists, block by block as the
+    A head whose score is the first stage's own cosine (meanpool, zero-shot CLIP: ``ranks_as_first_stage``) keeps
+    the first stage's order and cosines, and no frame is read. Another head scores every query against the union
+    of the queries' shortlists, block by block as the
     exhaustive search scores every video, and each query keeps its own shortlist's scores: a head's
     per-video work (X-Pool's Gram matrices, a transformer over frames) is done once per shortlisted video
     however many queries shortlist it, and the work is never more than the exhaustive search's.
     """
     K = min(candidates, len(stage))
-    pos, _ = stage.top(texts.sentence.cpu().numpy(), K)  # (Q, K) positions into stage.rows
+    pos, first = stage.top(texts.sentence.cpu().numpy(), K)  # (Q, K) positions into stage.rows
+    if head.ranks_as_first_stage:  # the head's scores are these cosines: its ranking of the K is theirs
+        top = min(k, K)
+        return Ranked(stage.rows[pos[:, :top]], first[:, :top].astype(np.float32),
+                      np.full((len(texts), top), np.nan, np.float32), K)
     union, inverse = np.unique(pos, return_inverse=True)
     inverse = inverse.reshape(pos.shape)
     urows = stage.rows[union]
