@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from tiny_clip import as_tiny_clip_store
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import open_store
@@ -387,21 +388,6 @@ def test_a_run_of_quickgelu_weights_from_their_tag_shares_the_stores_architectur
 # ------------------------------------------------------------------ the CLI on stores of a (tiny) CLIP
 
 
-def _as_tiny_clip_store(path, seed: int = 0):
-    """A generated store relabelled as extracted with the tiny CLIP of random weights ``seed``: its queries
-    can be encoded (the weights' sha256 is the store's), without a Ray extraction."""
-    import zarr
-
-    from tvrpipe.features.clip import TINY_MODEL, load_clip
-
-    sha = load_clip(TINY_MODEL, "none", device="cpu", seed=seed).weights_sha256
-    attrs = zarr.open_group(str(path / "features.zarr"), mode="a").attrs
-    attrs.update({"model": TINY_MODEL, "pretrained": "none", "seed": seed, "weights_sha256": sha,
-                  "frame_sampling": "uniform", "made_by": "tvrpipe extract"})
-    del attrs["generator"]
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A store of the tiny CLIP's width (D = 64): 24 train and 16 test videos, 4 frames, 8 words."""
@@ -410,7 +396,7 @@ def tiny(tmp_path_factory):
     spec = GenSpec(train_videos=24, test_videos=16, captions_per_train_video=1, frames=4, max_words=8,
                    embed_dim=64, seed=5)
     out = generate_store(tmp_path_factory.mktemp("tiny") / "store", spec, video_shard=8, text_shard=16)
-    return _as_tiny_clip_store(out)
+    return as_tiny_clip_store(out)
 
 
 @pytest.fixture
@@ -568,7 +554,7 @@ def test_a_run_of_another_clip_is_told_where_its_clip_is_and_how_to_extract_with
     from tvrpipe.features.genstore import GenSpec, generate_store
 
     spec = GenSpec(train_videos=8, test_videos=4, frames=4, max_words=8, embed_dim=64, seed=2)
-    own = _as_tiny_clip_store(generate_store(tmp_path / "own", spec), seed=1)
+    own = as_tiny_clip_store(generate_store(tmp_path / "own", spec), seed=1)
     run = _run_on(own, tmp_path / "run")
     r = cli("search", "a dog", "--run", run, "--features", tiny)
     assert r.exit_code == 1, r.output

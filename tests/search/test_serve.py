@@ -19,6 +19,7 @@ pytest.importorskip("starlette", reason="tvrpipe serve needs the 'serve' extra (
 pytest.importorskip("httpx", reason="Starlette's TestClient needs httpx (the 'dev' extra)")
 
 from starlette.testclient import TestClient  # noqa: E402
+from tiny_clip import as_tiny_clip_store  # noqa: E402
 
 from tvrpipe.search import serve as serve_mod  # noqa: E402
 from tvrpipe.search.engine import DEFAULT_TOP_K, open_searcher, search  # noqa: E402
@@ -41,21 +42,12 @@ def _mp4(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
 
 
 def _tiny_clip_store(path: Path, seed: int) -> Path:
-    """A generated store of the tiny CLIP's width, relabelled as extracted with it (as test_search does)."""
-    import zarr
-
-    from tvrpipe.features.clip import TINY_MODEL, load_clip
+    """A generated store of the tiny CLIP's width (the world of ``seed``), relabelled as extracted with it."""
     from tvrpipe.features.genstore import GenSpec, generate_store
 
     spec = GenSpec(train_videos=8, test_videos=4, captions_per_train_video=1, frames=4, max_words=8, embed_dim=64,
                    seed=seed)
-    store = generate_store(path, spec, video_shard=8, text_shard=16)
-    attrs = zarr.open_group(str(store / "features.zarr"), mode="a").attrs
-    attrs.update({"model": TINY_MODEL, "pretrained": "none", "seed": 0, "frame_sampling": "uniform",
-                  "weights_sha256": load_clip(TINY_MODEL, "none", device="cpu", seed=0).weights_sha256,
-                  "made_by": "tvrpipe extract"})
-    del attrs["generator"]
-    return store
+    return as_tiny_clip_store(generate_store(path, spec, video_shard=8, text_shard=16))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import socket
 
 import numpy as np
 import pytest
+from tiny_clip import as_tiny_clip_store
 
 from tvrpipe.search.first_stages.base import normalised
 from tvrpipe.search.first_stages.exact import exact_top
@@ -51,20 +52,12 @@ def ray_local():
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A store of the tiny CLIP's width (D = 64), relabelled as extracted with it: 40 videos, 4 frames."""
-    import zarr
-
-    from tvrpipe.features.clip import TINY_MODEL, load_clip
     from tvrpipe.features.genstore import GenSpec, generate_store
 
     spec = GenSpec(train_videos=24, test_videos=16, captions_per_train_video=1, frames=4, max_words=8,
                    embed_dim=64, seed=11)
-    out = generate_store(tmp_path_factory.mktemp("shards") / "store", spec, video_shard=8, text_shard=16)
-    attrs = zarr.open_group(str(out / "features.zarr"), mode="a").attrs
-    attrs.update({"model": TINY_MODEL, "pretrained": "none", "seed": 0, "frame_sampling": "uniform",
-                  "weights_sha256": load_clip(TINY_MODEL, "none", device="cpu", seed=0).weights_sha256,
-                  "made_by": "tvrpipe extract"})
-    del attrs["generator"]
-    return out
+    return as_tiny_clip_store(generate_store(tmp_path_factory.mktemp("shards") / "store", spec, video_shard=8,
+                                             text_shard=16))
 
 
 @pytest.fixture(scope="module")

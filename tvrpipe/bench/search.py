@@ -363,6 +363,22 @@ def trained_run(store_dir: Path, method: str, run_dir: Path, epochs: int | None)
 # ------------------------------------------------------------------------------------------ the bench
 
 
+def check_training(train_videos: int, train_epochs: int | None, dim: int) -> None:
+    """The options of the generated benchmark the heads train on (``--train-videos``, ``--train-epochs``,
+    ``--dim``), as the search benches share them.
+
+    Raises:
+        ConfigError: naming the option.
+    """
+    if train_videos < 16:
+        raise ConfigError(f"--train-videos {train_videos}: at least 16 (a validation set is carved from them)")
+    if train_epochs is not None and train_epochs < 1:
+        raise ConfigError(f"--train-epochs {train_epochs}: at least 1 (leave it out to train until validation stops "
+                          f"improving)")
+    if dim < 1:
+        raise ConfigError(f"--dim {dim}: at least 1")
+
+
 def _check(videos: int, queries: int, candidates: Sequence[int], train_videos: int, train_epochs: int | None,
            dim: int, exhaustive_queries: int | None = None, latency_queries: int = 0) -> list[int]:
     if videos < TOP:
@@ -379,13 +395,7 @@ def _check(videos: int, queries: int, candidates: Sequence[int], train_videos: i
     if ks[0] < TOP or ks[-1] > videos:
         raise ConfigError(f"--candidates {ks[0] if ks[0] < TOP else ks[-1]}: each K must be between {TOP} (the hits "
                           f"compared) and --videos ({videos})")
-    if train_videos < 16:
-        raise ConfigError(f"--train-videos {train_videos}: at least 16 (a validation set is carved from them)")
-    if train_epochs is not None and train_epochs < 1:
-        raise ConfigError(f"--train-epochs {train_epochs}: at least 1 (leave it out to train until validation stops "
-                          f"improving)")
-    if dim < 1:
-        raise ConfigError(f"--dim {dim}: at least 1")
+    check_training(train_videos, train_epochs, dim)
     return ks
 
 

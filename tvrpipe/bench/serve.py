@@ -284,6 +284,7 @@ def _text_tower(job: _Tower) -> list[float]:
 
 def _check(videos: int, queries: int, candidates: int, train_videos: int, train_epochs: int | None,
            dim: int) -> None:
+    from tvrpipe.bench.search import check_training
     from tvrpipe.search.serve import DEFAULT_TOP_K
 
     if videos < DEFAULT_TOP_K:
@@ -293,13 +294,7 @@ def _check(videos: int, queries: int, candidates: int, train_videos: int, train_
         raise ConfigError(f"--queries {queries}: between 1 and --videos ({videos}) less the {WARMUP} warm-up queries")
     if candidates < 1:
         raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
-    if train_videos < 16:
-        raise ConfigError(f"--train-videos {train_videos}: at least 16 (a validation set is carved from them)")
-    if train_epochs is not None and train_epochs < 1:
-        raise ConfigError(f"--train-epochs {train_epochs}: at least 1 (leave it out to train until validation stops "
-                          f"improving)")
-    if dim < 1:
-        raise ConfigError(f"--dim {dim}: at least 1")
+    check_training(train_videos, train_epochs, dim)
 
 
 def _check_text_model(name: str) -> None:
