@@ -3,9 +3,12 @@ put between the file's markers (a test checks that the file holds what this writ
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling doc_tables, also where a test loads it
+
+import doc_tables  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reproduce.md"
 BEGIN = "<!-- recipe tables: written by `python scripts/recipe_tables.py --write` -->"
@@ -50,23 +53,11 @@ def tables() -> str:
 
 def document(text: str) -> str:
     """``text`` (docs/reproduce.md) with its tables replaced by :func:`tables`."""
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise SystemExit(f"{DOC}: the markers {BEGIN!r} and {END!r} are missing")
-    return f"{head}{BEGIN}\n\n{tables()}\n{END}{tail}"
+    return doc_tables.between_markers(text, DOC, BEGIN, END, tables())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", action="store_true", help=f"write the tables into {DOC}")
-    args = parser.parse_args(argv)
-    if args.write:
-        DOC.write_text(document(DOC.read_text()))
-        print(f"wrote the recipe tables of {DOC}")
-    else:
-        sys.stdout.write(tables())
-    return 0
+    return doc_tables.main(argv, __doc__, DOC, "recipe tables", document, tables)
 
 
 if __name__ == "__main__":

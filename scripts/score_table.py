@@ -4,38 +4,31 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling doc_tables, also where a test loads it
+
+import doc_tables  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "search.md"
 BEGIN = "<!-- score table: written by `python scripts/score_table.py --write` -->"
 END = "<!-- end of the score table -->"
 
 
-def document(text: str) -> str:
-    """``text`` (docs/search.md) with its table replaced by the heads' words now."""
+def _table() -> str:
     from tvrpipe.search.meanings import markdown_table
 
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise SystemExit(f"{DOC}: the markers {BEGIN!r} and {END!r} are missing")
-    return f"{head}{BEGIN}\n\n{markdown_table()}\n{END}{tail}"
+    return markdown_table()
+
+
+def document(text: str) -> str:
+    """``text`` (docs/search.md) with its table replaced by the heads' words now."""
+    return doc_tables.between_markers(text, DOC, BEGIN, END, _table())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", action="store_true", help=f"write the table into {DOC}")
-    args = parser.parse_args(argv)
-    if args.write:
-        DOC.write_text(document(DOC.read_text()))
-        print(f"wrote the score table of {DOC}")
-    else:
-        from tvrpipe.search.meanings import markdown_table
-
-        sys.stdout.write(markdown_table())
-    return 0
+    return doc_tables.main(argv, __doc__, DOC, "score table", document, _table)
 
 
 if __name__ == "__main__":
