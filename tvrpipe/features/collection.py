@@ -47,6 +47,7 @@ import logging
 import os
 import shlex
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -586,12 +587,7 @@ def _moments(root: Path, paths: list[str], known: dict[str, float], cutting: Cut
         except DecodeFailure as e:  # it decoded a moment ago: changed since
             return f"{e.kind}: {e.detail}"
 
-    todo = [p for p in paths if p not in known]
-    found = dict(zip(todo, _probe_all([root / p for p in todo], duration, progress, "probing durations")))
-    bad = [(p, d) for p, d in found.items() if isinstance(d, str)]
-    if bad:
-        raise ManifestError(f"{root / bad[0][0]}: its duration cannot be read ({bad[0][1]}); it changed while the "
-                            "folder was read? build the manifest again")
+    found = _probe_new(root, paths, known, duration, progress, "probing durations")
     rows = []
     for p in paths:
         for start, end in cutting.bounds(known[p] if p in known else found[p]):
@@ -620,12 +616,7 @@ def _shot_moments(root: Path, paths: list[str], kept: dict[str, list[tuple[float
             return [], duration, f"shot detection failed ({e.detail}): the whole file is one shot"
         return cuts, duration, None if cuts else "no shot boundary found: the whole file is one shot"
 
-    todo = [p for p in paths if p not in kept]
-    found = dict(zip(todo, _probe_all([root / p for p in todo], cut, progress, "finding shots")))
-    bad = [(p, d) for p, d in found.items() if isinstance(d, str)]
-    if bad:
-        raise ManifestError(f"{root / bad[0][0]}: its duration cannot be read ({bad[0][1]}); it changed while the "
-                            "folder was read? build the manifest again")
+    found = _probe_new(root, paths, kept, cut, progress, "finding shots")
     rows, one_shot = [], []
     for p in paths:
         if p in kept:
@@ -638,6 +629,23 @@ def _shot_moments(root: Path, paths: list[str], kept: dict[str, list[tuple[float
         rows += [{"video_id": moment_id(p, a, b), "path": p, "split": SPLIT, "start_s": a, "end_s": b}
                  for a, b in bounds]
     return rows, one_shot
+
+
+def _probe_new(root: Path, paths: list[str], known: Mapping[str, Any], probe, progress: bool,
+               what: str) -> dict[str, Any]:
+    """``probe(root / p)`` of each of ``paths`` not in ``known`` (the last build's), by path; a probe that returns a
+    string is a file whose duration cannot be read, though it decoded a moment ago.
+
+    Raises:
+        ManifestError: naming the first such file.
+    """
+    todo = [p for p in paths if p not in known]
+    found = dict(zip(todo, _probe_all([root / p for p in todo], probe, progress, what)))
+    bad = [(p, d) for p, d in found.items() if isinstance(d, str)]
+    if bad:
+        raise ManifestError(f"{root / bad[0][0]}: its duration cannot be read ({bad[0][1]}); it changed while the "
+                            "folder was read? build the manifest again")
+    return found
 
 
 def _probe_all(paths: list[Path], probe, progress: bool, what: str = "probing videos") -> list[Any]:
