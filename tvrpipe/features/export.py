@@ -104,10 +104,12 @@ def pooled_blocks(store, rows: int = 4096,
         yield part, mean_video(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(m)).numpy(), m.any(axis=1)
 
 
-def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None,
+                      out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every video's embedding as the meanpool head computes it (:func:`pooled_blocks`), read ``rows`` videos
     at a time; ``which``: only these store rows (sorted), in that order (one shard of a search's first stage
-    reads its own rows alone).
+    reads its own rows alone); ``out``: the ``(N, D)`` float32 array to fill (a memory map of a file, so that the
+    embeddings are never all in RAM), else a new one.
 
     Returns:
         ``(embeddings (N, D) float32, has_frames (N,) bool)``, N the store's videos (or ``which``'s); a video
@@ -115,7 +117,8 @@ def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None) 
     """
     n, _, d = store.array("videos/frames").shape
     size = n if which is None else len(which)
-    out, has = np.zeros((size, d), np.float32), np.zeros(size, bool)
+    out = np.zeros((size, d), np.float32) if out is None else out
+    has = np.zeros(size, bool)
     at = 0
     for part, emb, h in pooled_blocks(store, rows, which):
         out[at : at + len(part)], has[at : at + len(part)] = emb, h

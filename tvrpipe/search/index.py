@@ -104,22 +104,17 @@ def pooled_rows(store: FeatureStore, out: Path | None = None) -> tuple[np.ndarra
     """The pooled embeddings of the videos with a decoded frame, and their store rows. With ``out``, the
     embeddings are written there as a ``.npy`` file and returned memory-mapped, so memory holds one block of
     frames whatever the store's size (a million videos' embeddings are 2 GB at D = 512); else in RAM."""
-    from tvrpipe.features.export import pooled_blocks
+    from tvrpipe.features.export import pooled_embeddings
 
-    n, _, d = store.array("videos/frames").shape
+    d = store.array("videos/frames").shape[2]
     rows = searchable_rows(store)  # first: the output's size
     if out is None:
-        pooled = np.empty((len(rows), d), np.float32)
-    else:
-        pooled = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(len(rows), d))
-    at = np.searchsorted(rows, np.arange(n))  # a row with a frame: its position among them
-    for part, emb, h in pooled_blocks(store):
-        pooled[at[part[h]]] = emb[h]
-    if out is not None:
-        pooled.flush()
-        del pooled
-        pooled = np.load(out, mmap_mode="r")
-    return pooled, rows
+        return pooled_embeddings(store, which=rows)[0], rows
+    pooled = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(len(rows), d))
+    pooled_embeddings(store, which=rows, out=pooled)
+    pooled.flush()
+    del pooled
+    return np.load(out, mmap_mode="r"), rows
 
 
 def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
