@@ -31,11 +31,9 @@ def _flat(text: str) -> str:
 @pytest.fixture(scope="module")
 def odd(tmp_path_factory):
     """(root, folder, manifest, store): the three oddly named videos as a collection, and its store."""
-    import ray
     from typer.testing import CliRunner
 
     from tvrpipe.cli.main import app
-    from tvrpipe.cluster import ray_init
 
     root = tmp_path_factory.mktemp("odd [root]")
     synthesize(root / "synth", 3, seed=5, progress=False)
@@ -46,13 +44,10 @@ def odd(tmp_path_factory):
     runner = CliRunner()
     r = runner.invoke(app, ["manifest", "build", "--videos", str(folder), "--out", str(root / "man [m]")])
     assert r.exit_code == 0, r.output
-    ray_init(None, num_cpus=2)
-    try:  # through the CLI, as a user extracts
-        r = runner.invoke(app, ["extract", "--manifest", str(root / "man [m]"), "--video-root", str(folder), "--out",
-                                str(root / "store [s]"), "--model", TINY_MODEL, "--pretrained", "none", "--frames", "4",
-                                "--video-shard", "2"])
-    finally:
-        ray.shutdown()
+    # through the CLI, as a user extracts
+    r = runner.invoke(app, ["extract", "--manifest", str(root / "man [m]"), "--video-root", str(folder), "--out",
+                            str(root / "store [s]"), "--model", TINY_MODEL, "--pretrained", "none", "--frames", "4",
+                            "--video-shard", "2"])
     out = _flat(r.output)
     assert r.exit_code == 0 and "3 extracted, 0 already done, 0 failed" in out, r.output
     return root, folder, root / "man [m]", root / "store [s]"

@@ -1,5 +1,6 @@
-"""What the extraction tests share: one Ray session per test module (its start-up is the slow part) and
-the comparison of two stores' rows."""
+"""What the extraction tests share: one Ray session per test module, for the tests of the Ray executor and the
+cluster checks (its start-up is the slow part; extraction itself runs without Ray by default), and the
+comparison of two stores' rows."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A collection without captions: a folder of videos as a manifest (nested folders, stable ids, files that
 do not decode left out), its video-only store, and the incremental update that encodes only new and
-changed files and equals a store extracted at once. Generated videos and the tiny CLIP; one Ray session
-for the module."""
+changed files and equals a store extracted at once. Generated videos and the tiny CLIP, extracted on this
+machine (the local executor)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError, ManifestError
 from tvrpipe.features.clip import TINY_MODEL
 from tvrpipe.features.collection import build_collection
-from tvrpipe.features.extract import ExtractConfig, actors, driver, extract
+from tvrpipe.features.extract import ExtractConfig, driver, executor, extract
 from tvrpipe.features.store import PREVIOUS, StoreError, open_store
 
 VIDEO_ARRAYS = ("videos/frames", "videos/frame_mask", "videos/timestamps")
@@ -52,7 +52,7 @@ def _folder(root: Path, files: dict[str, int], synth: list[Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def collection(ray_session, synth_videos, tmp_path_factory) -> tuple[Path, Path, Path]:
+def collection(synth_videos, tmp_path_factory) -> tuple[Path, Path, Path]:
     """(folder, manifest, store) of the five videos of BEFORE."""
     d = tmp_path_factory.mktemp("coll")
     folder = _folder(d / "videos", BEFORE, synth_videos)
@@ -292,16 +292,16 @@ def _interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
 
-def test_an_interrupted_move_is_finished_and_copies_start_no_ray(collection, tmp_path, monkeypatch):
+def test_an_interrupted_move_is_finished_and_copies_start_no_worker(collection, tmp_path, monkeypatch):
     """The store's files were being moved aside (into the staging folder) when the process died: the next
-    update finishes the move and copies every row from there; with nothing to encode, Ray never starts."""
+    update finishes the move and copies every row from there; with nothing to encode, no worker starts."""
     _, manifest, src_store = collection
     out = tmp_path / "store"
     shutil.copytree(src_store, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
     (out / ".previous.tmp").mkdir()
     for name in ("features.zarr", "videos.parquet"):  # the rest is still in out
         (out / name).rename(out / ".previous.tmp" / name)
-    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(driver, "start_executor", lambda *a, **kw: pytest.fail("workers started"))
     s = extract(manifest, collection[0], out, _cfg())
     assert (s.reused, s.videos_done, s.videos_skipped) == (5, 0, 0)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src_store.iterdir())
@@ -324,14 +324,14 @@ def test_an_update_in_another_precision_is_refused_before_anything_moves(collect
     assert not list(out.glob(".previous*")) and open_store(out).provenance["n_videos"] == 5
 
 
-def test_a_folder_changed_since_its_manifest_is_refused_before_ray(collection, tmp_path, monkeypatch, caplog):
+def test_a_folder_changed_since_its_manifest_is_refused_before_any_worker(collection, tmp_path, monkeypatch, caplog):
     """A file changed or removed since the manifest was built: one line naming them and the rebuild, and no
     Ray. A file added since: a warning, and the store is left as it is."""
     src_folder, manifest, store_dir = collection
     folder, out = tmp_path / "videos", tmp_path / "store"
     shutil.copytree(src_folder, folder)
     shutil.copytree(store_dir, out, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
-    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(driver, "start_executor", lambda *a, **kw: pytest.fail("workers started"))
     shutil.copyfile(folder / "a" / "k1.mp4", folder / "extra.mp4")
     with caplog.at_level(logging.WARNING, logger="tvrpipe.features.collection"):
         s = extract(manifest, folder, out, _cfg())  # complete: nothing to do
@@ -436,7 +436,7 @@ def test_an_update_that_only_copies_takes_no_fact_from_an_edited_cache(collectio
     folder, manifest, out = _removed_one(collection, tmp_path)
     true_scale = open_store(out).provenance["logit_scale"]
     entry = _cache_entry(tmp_path, monkeypatch, logit_scale=true_scale + 1.5)
-    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(driver, "start_executor", lambda *a, **kw: pytest.fail("workers started"))
     s = extract(manifest, folder, out, _cfg())
     assert (s.reused, s.videos_done) == (4, 0)
     assert open_store(out).provenance["logit_scale"] == true_scale
@@ -475,7 +475,7 @@ def test_an_unusable_cache_entry_is_one_warning_and_a_load(collection, tmp_path,
         entry.write_text(json.dumps({k: v for k, v in good.items() if k != "preprocessing"}))
     else:  # an entry copied under another name
         entry.write_text(json.dumps({**good, "key": "ab" * 32}))
-    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: pytest.fail("Ray started"))
+    monkeypatch.setattr(driver, "start_executor", lambda *a, **kw: pytest.fail("workers started"))
     with caplog.at_level(logging.WARNING, logger="tvrpipe.features.weights"):
         s = extract(manifest, collection[0], out, _cfg())  # complete: nothing to do but learn the facts
     assert (s.videos_done, s.videos_skipped) == (0, 5)
@@ -528,8 +528,8 @@ def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_ray(collection
     monkeypatch.setattr(hf, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
     for name in ("https_proxy", "HTTPS_PROXY", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(actors, "ray_init", lambda *a, **kw: None)
-    monkeypatch.setattr(actors, "cluster_cpus", lambda: pytest.fail("workers started"))
+    encoders = []
+    monkeypatch.setattr(executor, "_local_encoder", lambda *a: encoders.append(a))
     t0 = time.perf_counter()
     with pytest.raises(DownloadError, match=r"^--pretrained openai: the weights of ViT-B-32 openai are not in this "
                                             r"machine's open_clip or Hugging Face cache and cannot be downloaded "
@@ -537,7 +537,7 @@ def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_ray(collection
                                             r"without network, download them elsewhere and pass the file: "
                                             r"--pretrained /path/to/file\.safetensors \(or \.pt\)$"):
         extract(manifest, folder, tmp_path / "store", _cfg(model="ViT-B-32", pretrained="openai"))
-    assert time.perf_counter() - t0 < 30
+    assert time.perf_counter() - t0 < 30 and not encoders
     assert not (tmp_path / "store" / "features.zarr").exists()
 
 
@@ -662,7 +662,7 @@ def test_moments_decode_together_as_each_alone(tmp_path):
     assert isinstance(together[5], DecodeFailure) and together[5].kind == "no_frames"
 
 
-def test_a_collection_of_moments_is_extracted_and_updated_file_by_file(ray_session, tmp_path, same_rows, monkeypatch):
+def test_a_collection_of_moments_is_extracted_and_updated_file_by_file(tmp_path, same_rows, monkeypatch):
     """A file's moments are decoded in one call (the store equals one whose moments are decoded one by one),
     and an update re-encodes only the moments of a changed file, copying the others'."""
     from tvrpipe.features.extract import pipeline
@@ -673,9 +673,9 @@ def test_a_collection_of_moments_is_extracted_and_updated_file_by_file(ray_sessi
     build_collection(folder, tmp_path / "m", progress=False, cutting=__import__(
         "tvrpipe.features.collection", fromlist=["Cutting"]).Cutting(4.0, 2.0))
     calls = []
-    real = pipeline.send_decode
-    for module in (pipeline, actors):  # the pipeline's calls, and those sent while the weights load
-        monkeypatch.setattr(module, "send_decode", lambda d, g, *a: calls.append(len(g)) or real(d, g, *a))
+    real = executor.LocalExecutor.decode  # the pipeline's calls, and those sent while the weights load
+    monkeypatch.setattr(executor.LocalExecutor, "decode",
+                        lambda self, k, g, *a: calls.append(len(g)) or real(self, k, g, *a))
     s = extract(tmp_path / "m", folder, tmp_path / "s", _cfg(frames=4))
     assert (s.videos_done, s.failed) == (8, 0), s.lines()
     assert sorted(calls) == [3, 5]  # b: 0-4 2-6 4-7; a: 0-4 ... 8-12, one decoder call each
@@ -683,8 +683,7 @@ def test_a_collection_of_moments_is_extracted_and_updated_file_by_file(ray_sessi
     assert list(got.videos.video_id) == ["a.mp4#t=0,4", "a.mp4#t=2,6", "a.mp4#t=4,8", "a.mp4#t=6,10", "a.mp4#t=8,12",
                                          "b.mp4#t=0,4", "b.mp4#t=2,6", "b.mp4#t=4,7"]
 
-    for module in (pipeline, actors):
-        monkeypatch.setattr(module, "decode_groups", lambda items, by_file: [[i] for i in items])
+    monkeypatch.setattr(pipeline, "decode_groups", lambda items, by_file: [[i] for i in items])
     s = extract(tmp_path / "m", folder, tmp_path / "alone", _cfg(frames=4))
     alone = open_store(tmp_path / "alone")
     for name in VIDEO_ARRAYS:

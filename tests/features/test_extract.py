@@ -64,7 +64,7 @@ def _cfg(**kw) -> ExtractConfig:
 
 
 @pytest.fixture(scope="module")
-def store_dir(ray_session, data, tmp_path_factory) -> Path:
+def store_dir(data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("feat")
     summary = extract(data / "manifest", data / "videos", out, _cfg())
     assert (summary.videos_done, summary.videos_skipped, summary.failed) == (N_VIDEOS, 0, 2)
@@ -148,14 +148,14 @@ def test_a_rerun_with_nothing_to_do_starts_neither_ray_nor_a_model(store_dir, da
     returns without Ray or torch's model; with the cache gone it loads the weights here, once, still without
     Ray. Other weights (another seed) are still refused."""
     import tvrpipe.features.clip as clip
-    from tvrpipe.features.extract import actors
+    from tvrpipe.features.extract import driver
 
     def forbidden(*a, **kw):
         raise AssertionError("started for a store with nothing to do")
 
     done = tmp_path / "done"
     shutil.copytree(store_dir, done, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
-    monkeypatch.setattr(actors, "ray_init", forbidden)
+    monkeypatch.setattr(driver, "start_executor", forbidden)
     real_load = clip.load_clip
     monkeypatch.setattr(clip, "load_clip", forbidden)
     s = extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False))
@@ -172,7 +172,7 @@ def test_a_rerun_with_nothing_to_do_starts_neither_ray_nor_a_model(store_dir, da
         extract(data / "manifest", data / "videos", done, _cfg(retry_failed=False, seed=7))
 
 
-def test_what_only_the_weights_can_tell_is_refused_before_the_store_is_created(ray_session, data, tmp_path):
+def test_what_only_the_weights_can_tell_is_refused_before_the_store_is_created(data, tmp_path):
     """An unknown tag and --max-words beyond the context length are found by the encoder that loads the
     weights (the driver loads none), and raised with their messages before anything is written."""
     out = tmp_path / "f"
@@ -224,9 +224,9 @@ def test_decodes_sent_before_the_weights_load_are_dropped_when_the_size_was_wron
     """A new store's first videos are decoded while the encoders load the weights, at the size the
     architecture's file gives; were that not the model's (a wrong guess), they are decoded again at the
     model's size: the store equals one extracted without the head start."""
-    from tvrpipe.features.extract import actors
+    from tvrpipe.features.extract import pipeline
 
-    monkeypatch.setattr(actors, "guess_image_size", lambda model: 32)  # the tiny model's is 64
+    monkeypatch.setattr(pipeline, "guess_image_size", lambda model: 32)  # the tiny model's is 64
     out = tmp_path / "f"
     # calls sized in frames: --encode-frames 71 at F = 12 is 5 videos a call
     s = extract(data / "manifest", data / "videos", out, _cfg(batch_size=None, encode_frames=71))
@@ -428,15 +428,15 @@ def test_damaged_shards_are_re_extracted_exactly(store_dir, data, tmp_path, same
 
 
 def test_invalid_options_are_checked_before_anything(data, tmp_path, monkeypatch):
-    """Invalid values never become defaults, and nothing (no Ray, no model, no directory) starts."""
+    """Invalid values never become defaults, and nothing (no decoder, no model, no directory) starts."""
     from tvrpipe.errors import ConfigError, ManifestError
     from tvrpipe.features import clip
-    from tvrpipe.features.extract import actors
+    from tvrpipe.features.extract import driver
 
     def forbidden(*a, **kw):
         raise AssertionError("started before the options were checked")
 
-    monkeypatch.setattr(actors, "ray_init", forbidden)
+    monkeypatch.setattr(driver, "start_executor", forbidden)
     monkeypatch.setattr(clip, "load_clip", forbidden)
     out = tmp_path / "f"
     for kw, message in [({"frames": -1}, "--frames must be >= 1, got -1"), ({"frames": 0}, "--frames must be >= 1"),

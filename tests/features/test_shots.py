@@ -176,7 +176,7 @@ def test_cutting_of_shots():
         Cutting(10.0, threshold=20.0)
 
 
-def test_a_collection_of_shots_is_extracted_with_each_shots_frames(ray_session, folder, tmp_path):
+def test_a_collection_of_shots_is_extracted_with_each_shots_frames(folder, tmp_path):
     from tvrpipe.features.clip import TINY_MODEL
     from tvrpipe.features.extract import ExtractConfig, extract
     from tvrpipe.features.store import open_store

@@ -94,8 +94,9 @@ def bench_extract_cmd(
         show_default=False)] = None,
     json_out: JsonOut = None,
 ) -> None:
-    """Measure extraction against its bound (decode-only, encode-only), a naive loop and the loop a user
-    would write instead (open_clip + PyAV), with each one's start-up; with --long-video, a long file's moments
+    """Measure extraction under each executor (this machine without Ray; Ray, where installed) against its
+    bound (decode-only, encode-only), a naive loop and the loop a user would write instead (open_clip + PyAV),
+    with each one's start-up; with --long-video, a long file's moments
     against one decode pass of it."""
     if long_video is not None:
         refuse_unused(ctx, ("videos", "width", "height", "seconds", "fps", "model", "device", "batch_size", "precision"),
@@ -111,8 +112,7 @@ def bench_extract_cmd(
                       model=model, device=device, batch_size=batch_size, precision=precision)
     for line in r.lines():
         console.print(line)
-    _write_json(json_out, {**asdict(r), "vs_bound": r.vs_bound, "vs_naive": r.vs_naive, "ceiling": r.ceiling,
-                           "vs_peer": r.vs_peer, "vs_peer_end_to_end": r.vs_peer_end_to_end})
+    _write_json(json_out, r.record())
 
 
 @bench_app.command("train-head")

@@ -58,7 +58,10 @@ def extract_cmd(
              f"{ENCODE_MEMORY_SHARE:.0%} of the free memory, at most {ENCODE_FRAMES_CAP:,} frames), on cpu "
              f"{DEFAULT_VIDEOS_PER_CALL} videos. Not with --batch-size.")] = str(EX.encode_frames),
     address: Annotated[
-        Optional[str], typer.Option(help="Ray cluster address ('auto' or host:port); default: RAY_ADDRESS or a local instance.")
+        Optional[str], typer.Option(
+            help="Run on Ray: a cluster's address ('auto' or host:port), or 'local' for a private Ray instance on "
+                 "this machine. Default: RAY_ADDRESS if set, else no Ray: decoder processes (one per core) and the "
+                 "encoders in this process (docs/extraction.md, \"Where it runs\").")
     ] = EX.address,
     device: Annotated[str, typer.Option(help="Encoder device: cpu or cuda (one GPU per encoder).")] = EX.device,
     precision: Annotated[str, typer.Option(
@@ -66,8 +69,11 @@ def extract_cmd(
              "the weights in bf16, 3-4x faster than fp32 where the CPU has AVX-512 BF16 or AMX; cosine >= 0.9999 "
              "to fp32, docs/performance.md), fp16 (cuda). Recorded in the store; a store is resumed in its own.")
     ] = EX.precision,
-    decoders: Annotated[Optional[int], typer.Option(help="Decode actors (default: one per CPU).")] = EX.decoders,
-    encoders: Annotated[int, typer.Option(help="Encode actors (one per GPU on a GPU cluster).")] = EX.encoders,
+    decoders: Annotated[Optional[int], typer.Option(
+        help="Decoder processes (default: one per CPU of this machine, or of the Ray cluster).")] = EX.decoders,
+    encoders: Annotated[int, typer.Option(
+        help="CLIP encoders, each loading the weights once (with --device cuda: one GPU each; without --address, "
+             "this machine's cuda:0, cuda:1, ...).")] = EX.encoders,
     timeout: Annotated[float, typer.Option(
         parser=finite_float, help="Per-video decode timeout in seconds (at most 2,000,000).")] = EX.timeout_s,
     seed: Annotated[int, typer.Option(help="Seed of the random weights for --pretrained none.")] = EX.seed,
@@ -85,7 +91,7 @@ def extract_cmd(
                                  "fraction of the videos failed.")
     ] = EX.max_failed_fraction,
 ) -> None:
-    """Extract CLIP frame and text features of a manifest into a Zarr feature store (Ray).
+    """Extract CLIP frame and text features of a manifest into a Zarr feature store (on this machine; on Ray with --address).
 
     Rerun the same command to resume an interrupted run, re-extract damaged shards and retry failed videos.
     """

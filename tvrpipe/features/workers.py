@@ -1,4 +1,5 @@
-"""The work that extraction's Ray processes run (:mod:`tvrpipe.features.extract` drives them).
+"""The work of extraction's decoders and encoders, wherever they run: threads of ``tvrpipe extract``'s own
+process, or Ray actors (:mod:`tvrpipe.features.extract.executor` drives them).
 
 Imported by every decode and encode worker, so this module imports nothing heavy at load time:
 decord, PyAV, torch and open_clip load inside the workers that use them.
@@ -6,12 +7,16 @@ decord, PyAV, torch and open_clip load inside the workers that use them.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import numpy as np
 
-from tvrpipe.errors import TvrpipeError
+from tvrpipe.errors import ConfigError, TvrpipeError
 from tvrpipe.features.arrays import nonfinite_rows
+
+log = logging.getLogger(__name__)
 
 # --encode-frames auto on a GPU (fit_frames): at most this many frames per encoder call (choice: beyond a few
 # thousand images one forward keeps a GPU busy, and a larger call only holds more decoded frames in Ray's object
@@ -56,8 +61,9 @@ def device_memory(device: Any, encode: Any, image_size: int, probe: int = PROBE_
 
 class Decoder:
     """Decodes videos, one per call, in a killable child process (:class:`~tvrpipe.features.decode.DecodeWorker`:
-    a per-video wall-clock timeout and a PyAV fallback). ``tvrpipe extract`` starts one per core as a
-    Ray actor, at the same time as the encoders, so both are ready together.
+    a per-video wall-clock timeout and a PyAV fallback). ``tvrpipe extract`` starts one per core (a thread of
+    its own process, or a Ray actor with ``--address``) at the same time as the encoders, so both are ready
+    together.
 
     Args:
         timeout_s: the longest one decode may take, in seconds.
@@ -67,6 +73,15 @@ class Decoder:
         from tvrpipe.features.decode import DecodeWorker
 
         self.worker = DecodeWorker(timeout_s=timeout_s)
+
+    def start(self) -> None:
+        """Start the decoder process now, while the encoders load the weights (else it starts with the first
+        video)."""
+        self.worker.start()
+
+    def stop(self) -> None:
+        """Kill the decoder process; a decode in flight ends at once (:meth:`DecodeWorker.stop`)."""
+        self.worker.stop()
 
     def decode(self, item: dict[str, Any], frames: int, image_size: int) -> dict[str, Any]:
         """``item`` (row, path, start_s, end_s; NaN for no bound) -> its F frames ``(F, S, S, 3)`` uint8,
@@ -83,6 +98,7 @@ class Decoder:
             out.update(frames=d.frames, mask=d.mask, timestamps=d.timestamps)
         except DecodeFailure as e:
             out["error"] = f"{e.kind}: {e.detail}"
+        out["decoded_at"] = time.time()  # when its frames were ready: the driver's start-up figures
         return out
 
     def decode_moments(self, items: list[dict[str, Any]], frames: int, image_size: int) -> tuple[dict[str, Any], ...]:
@@ -102,6 +118,7 @@ class Decoder:
                 out["error"] = f"{d.kind}: {d.detail}"
             else:
                 out.update(frames=d.frames, mask=d.mask, timestamps=d.timestamps)
+            out["decoded_at"] = time.time()
             outs.append(out)
         return tuple(outs)
 
@@ -109,8 +126,8 @@ class Decoder:
 class ClipEncoder:
     """One CLIP, loaded once, that encodes both caption shards and batches of decoded frames.
 
-    ``tvrpipe extract`` starts ``--encoders`` of them as Ray actors (each on a GPU with ``--device
-    cuda``), and both stages send their work to the same ones: the weights load once per encoder,
+    ``tvrpipe extract`` starts ``--encoders`` of them (threads of its own process, or Ray actors with
+    ``--address``; each on a GPU with ``--device cuda``), and both stages send their work to the same ones: the weights load once per encoder,
     and captions are encoded while the first videos decode. :meth:`facts` reports what the store's
     provenance takes from the weights, so the driver never loads them itself.
 
@@ -131,6 +148,8 @@ class ClipEncoder:
         if device == "cpu":
             torch.set_num_threads(max(1, threads))
         self.bundle, self.error, self.precision = None, None, precision
+        self.max_frames: int | None = None  # after a GPU out-of-memory error: the frames a call is split into
+        self.oom_splits = 0  # calls split after an out-of-memory error
         try:
             self.bundle = load_clip(model, pretrained, device=device, seed=seed)
         except TvrpipeError as e:  # an unknown tag or a bad checkpoint: the driver raises it with its own text
@@ -166,12 +185,14 @@ class ClipEncoder:
         """Word tokens ``(n, L, D)``, token mask and EOS sentence ``(n, D)`` of ``texts``, float16."""
         from tvrpipe.features.clip import encode_text_tokens, tokenize
 
+        t0 = time.perf_counter()
         ids, mask = tokenize(self.bundle, [str(t) for t in texts], max_words)
         with self._precision():
             tokens, sentence = encode_text_tokens(self.bundle, ids, autocast=False)
         return {"tokens": tokens.numpy().astype(np.float16), "token_mask": mask.numpy(),
                 "sentence": sentence.numpy().astype(np.float16),
-                "weights": np.full(len(texts), self.bundle.weights_sha256, dtype=object)}
+                "weights": np.full(len(texts), self.bundle.weights_sha256, dtype=object),
+                "encode_s": time.perf_counter() - t0}
 
     def fitted_frames(self, frames: int, cap: int = ENCODE_FRAMES_CAP) -> int:
         """Frames per :meth:`encode_videos` call that fit this encoder's GPU (``--encode-frames auto``):
@@ -180,16 +201,40 @@ class ClipEncoder:
         return fit_frames(free, frame_bytes, frames, cap)
 
     def _encode(self, frames: np.ndarray) -> np.ndarray:
-        """Projected [CLS] embeddings ``(n, D)`` float16 of uint8 frames ``(n, S, S, 3)``, in :attr:`precision`."""
+        """Projected [CLS] embeddings ``(n, D)`` float16 of uint8 frames ``(n, S, S, 3)``, in :attr:`precision`.
+
+        A call the GPU has no memory for (other processes on it, a fragmented allocator, a frame cost above
+        the probe's) is split in two halves, each encoded apart, and later calls are split to the size that
+        fitted (:attr:`max_frames`): the run goes on, a warning says so, and only a single frame that does
+        not fit is an error."""
+        import torch
+
         from tvrpipe.features.clip import encode_frames
 
-        with self._precision():
-            return encode_frames(self.bundle, frames, autocast=False).numpy().astype(np.float16)
+        if self.max_frames is not None and len(frames) > self.max_frames:
+            return np.concatenate([self._encode(frames[i : i + self.max_frames])
+                                   for i in range(0, len(frames), self.max_frames)])
+        try:
+            with self._precision():
+                return encode_frames(self.bundle, frames, autocast=False).numpy().astype(np.float16)
+        except torch.cuda.OutOfMemoryError:
+            if self.bundle.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(frames) < 2:
+                raise ConfigError(f"the GPU ({self.bundle.device}) has no memory left for one frame of "
+                                 f"{self.bundle.image_size} px: free it (other processes on it: nvidia-smi), or use "
+                                 "--device cpu") from None
+            half = (len(frames) + 1) // 2
+            self.max_frames, self.oom_splits = half, self.oom_splits + 1
+            log.warning("the GPU ran out of memory encoding %d frames: encoding in calls of at most %d from now on "
+                        "(set --encode-frames %d to start there)", len(frames), half, half)
+            return np.concatenate([self._encode(frames[:half]), self._encode(frames[half:])])
 
     def encode_videos(self, *videos: dict[str, Any]) -> dict[str, np.ndarray]:
         """The valid frames of decoded videos (:meth:`Decoder.decode`'s results) encoded in one batch:
         ``emb`` ``(B, F, D)`` float16 with the rows, masks, timestamps and errors stacked; a video
         whose features are not finite becomes a failure."""
+        t0 = time.perf_counter()
         mask = np.stack([v["mask"] for v in videos])  # (B, F)
         B, F = mask.shape
         out = np.zeros((B, F, self.bundle.embed_dim), np.float16)
@@ -203,4 +248,6 @@ class ClipEncoder:
                 error[bad] = "nonfinite: the encoder returned NaN or infinity for this video's frames"
         return {"row": np.array([v["row"] for v in videos]), "emb": out, "mask": mask,
                 "timestamps": np.stack([v["timestamps"] for v in videos]), "error": error,
-                "weights": np.full(B, self.bundle.weights_sha256, dtype=object)}
+                "decoded_at": np.array([v.get("decoded_at", np.nan) for v in videos], np.float64),
+                "weights": np.full(B, self.bundle.weights_sha256, dtype=object),
+                "encode_s": time.perf_counter() - t0}  # the encoder's busy time, for the summary

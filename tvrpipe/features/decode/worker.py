@@ -61,6 +61,7 @@ class DecodeWorker:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None  # our end of the socket pair
         self._finalizer: weakref.finalize | None = None
+        self._stopped = False  # set by stop(): no child is started again
 
     @property
     def pid(self) -> int | None:
@@ -124,6 +125,19 @@ class DecodeWorker:
                 out.append(failure)
         return out
 
+    def start(self) -> None:
+        """Start the child process now rather than at the first decode (it imports its readers meanwhile)."""
+        self._ensure_started()
+
+    def stop(self) -> None:
+        """Kill the child at once and start no other: safe while another thread waits on a decode here, which
+        then ends at once (its video failed with :class:`~tvrpipe.errors.VideoError`, its retry refused)."""
+        self._stopped = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.kill()  # the waiting thread sees the socket close and reaps the child itself
+
     def close(self) -> None:
         """Stop the child process (politely, then by force). The worker stays usable."""
         if self._finalizer is not None:
@@ -170,6 +184,8 @@ class DecodeWorker:
         if self._proc is not None and self._proc.poll() is None:
             return self._conn
         self._kill()
+        if self._stopped:
+            raise VideoError("the decoder was stopped")
         ours, theirs = socket.socketpair()
         with theirs:
             # The child imports tvrpipe from wherever this process does.
@@ -196,6 +212,9 @@ class DecodeWorker:
                 raise VideoError(f"the decoder process exited while starting (exit code {code})") from None
             raise
         self._proc, self._conn, self._finalizer = proc, conn, finalizer  # only a ready child
+        if self._stopped:  # stopped while this child started
+            self._kill()
+            raise VideoError("the decoder was stopped")
         return conn
 
     def _kill(self) -> int | None:

@@ -41,10 +41,11 @@ class ExtractConfig:
     # auto: fp16 autocast on cuda, fp32 on cpu; bf16: weights in bf16 on cpu (3.4-3.9x faster with
     # AVX-512 BF16, cosine >= 0.9999 to fp32, docs/performance.md), autocast on cuda
     precision: str = one_of(("auto", "fp32", "bf16", "fp16"), "auto", option="--precision")
+    # a Ray cluster ("auto", host:port; "local": a private Ray instance here); None: RAY_ADDRESS, else no Ray
     address: str | None = None
-    # decode actors; default: one per CPU of the (local) cluster
+    # decoders; default: one per CPU (of this machine, or of the Ray cluster)
     decoders: int | None = at_least(1, None, option="--decoders")
-    encoders: int = at_least(1, 1, option="--encoders")  # encode actors (one per GPU on a GPU cluster)
+    encoders: int = at_least(1, 1, option="--encoders")  # encoders (one GPU each with --device cuda)
     # per-video decode wall clock (an infinity is refused by the maximum below, with its own message)
     timeout_s: float = above(0, 60.0, option="--timeout", infinite=True)
     video_shard: int = at_least(1, 64, option="--video-shard")
@@ -128,9 +129,20 @@ class ExtractSummary:
     repaired: int = 0  # damaged shards re-extracted (videos and texts)
     failure_kinds: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    # when each step of the start ended, in seconds from the call: "checks" (options, manifest), "ray" (Ray
-    # up, encoders started), "weights" (an encoder has loaded them), "first_batch" (the first videos encoded)
+    # when each step of the start ended, in seconds from the call: "checks" (options, manifest), "workers" (the
+    # decoders and encoders started: with Ray, once Ray is up), "weights" (an encoder has loaded them),
+    # "first_decode" (the first video's frames decoded), "first_batch" (the first videos encoded)
     phases: dict[str, float] = field(default_factory=dict)
+    executor: str = ""  # where the decoders and encoders ran: "local" (this machine, no Ray) or "ray"; "": none ran
+    encoders: int = 0  # the encoders that ran
+    encode_seconds: float = 0.0  # the encoders' time inside their calls, summed over encoders
+
+    @property
+    def encoder_busy(self) -> float:
+        """The share of the time from the weights' load to the end that the encoders spent encoding (NaN where no
+        encoder ran): near 1, the encoder is the bottleneck; well below, the decoders are."""
+        span = self.encoders * (self.seconds - self.phases.get("weights", 0.0))
+        return self.encode_seconds / span if self.encoders and span > 0 else float("nan")
     first_videos: int = 0  # how many videos the first encoded batch held
     videos_per_call: int = 0  # decoded videos per encoder call (0: no video encoded)
     fitted_frames: int = 0  # --encode-frames auto on cuda: the frames per call that fit the GPU (0: not measured)
@@ -147,11 +159,16 @@ class ExtractSummary:
             f"{self.texts_skipped} already done ({self.texts_total} in all){repaired}",
             f"{self.seconds:.1f} s, {rate:.2f} videos/s, {self.frames_done / max(self.seconds, 1e-9):.1f} frames/s",
         ]
-        if "ray" in self.phases:
-            names = {"checks": "checks", "ray": "Ray up", "weights": "weights loaded",
+        if "workers" in self.phases:
+            names = {"checks": "checks", "workers": "Ray up, workers started" if self.executor == "ray" else
+                     "workers started", "weights": "weights loaded", "first_decode": "first video decoded",
                      "first_batch": "first videos encoded"}
-            out.append("start-up, seconds from the start: " + ", ".join(
-                f"{names[k]} {v:.1f}" for k, v in self.phases.items()))
+            where = {"ray": "Ray", "local": "this machine, without Ray"}.get(self.executor, self.executor)
+            out.append(f"start-up ({where}), seconds from the start: " + ", ".join(
+                f"{names[k]} {v:.1f}" for k, v in sorted(self.phases.items(), key=lambda kv: kv[1])))
+        if self.encoders and self.encode_seconds:
+            out.append(f"encoders busy {self.encoder_busy:.0%} of the time after the weights loaded "
+                       f"({self.encode_seconds:.1f} s encoding in {self.encoders} encoder{'s' if self.encoders > 1 else ''})")
         if self.fitted_frames:
             out.append(f"encoder calls: up to {self.videos_per_call} videos ({self.fitted_frames} frames fit the "
                        "GPU's free memory, --encode-frames auto)")

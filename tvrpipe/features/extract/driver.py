@@ -15,8 +15,6 @@ import numpy as np
 import pandas as pd
 
 from tvrpipe.data.manifest import COLLECTION, check_max_words, open_manifest
-from tvrpipe.errors import TvrpipeError
-from tvrpipe.features.extract.actors import Early, Workers, decode_early, fitted_frames, start_workers
 from tvrpipe.features.extract.config import (
     ExtractConfig,
     ExtractionError,
@@ -24,7 +22,8 @@ from tvrpipe.features.extract.config import (
     check_precision,
     too_many_failures,
 )
-from tvrpipe.features.extract.pipeline import Pipeline
+from tvrpipe.features.extract.executor import Executor, start_executor
+from tvrpipe.features.extract.pipeline import Early, Pipeline, decode_early
 from tvrpipe.features.extract.plan import plan_run, write_copied
 from tvrpipe.features.outputs import check_store_out
 from tvrpipe.features.store import (
@@ -112,17 +111,10 @@ def rebuild_command(store: FeatureStore, video_root: str | os.PathLike[str] | No
     return extract_command(prov, store.dir, shards)
 
 
-def _reported_facts(encoder, key: str) -> dict[str, Any]:
+def _reported_facts(executor: Executor, key: str) -> dict[str, Any]:
     """The weights' facts from the encoder that loaded them (cached for a later rerun), or the error it
     met loading them (an unknown tag, a checkpoint of another architecture), raised here."""
-    import ray
-
-    from tvrpipe import errors
-
-    facts = ray.get(encoder.facts.remote())
-    if "error" in facts:
-        name, message = facts["error"]
-        raise getattr(errors, name, TvrpipeError)(message)
+    facts = executor.facts()
     remember_facts(key, facts)
     return facts
 
@@ -168,7 +160,8 @@ def extract(
 
     Raises:
         ConfigError: an invalid option, video root or output directory, an unreachable ``address``,
-            or ``device="cuda"`` without a GPU (all before anything is created); weights that cannot be
+            or ``device="cuda"`` without a GPU (here, or in the Ray cluster of ``address``; all before anything
+            is created); weights that cannot be
             loaded, or an encoder that loaded other weights than the store records (before anything is
             written).
         ManifestError: an invalid manifest (before Ray starts).
@@ -182,8 +175,8 @@ def extract(
         ...         ExtractConfig(model="ViT-B-32", pretrained="openai", device="cuda"))  # doctest: +SKIP
     """
     cfg = config or ExtractConfig()
-    t0 = time.perf_counter()
-    # Everything that can be checked without the weights is checked before Ray starts (cfg checked itself)
+    t0, started = time.perf_counter(), time.time()
+    # Everything that can be checked without the weights is checked before a decoder starts (cfg checked itself)
     manifest, root, F, L = open_manifest(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words)
     check_store_out(out_dir, {"--manifest": manifest_dir, "--video-root": root})
     if manifest.is_collection:
@@ -209,19 +202,19 @@ def extract(
     ]
     summary = ExtractSummary(out=out, videos_total=len(videos), texts_total=len(texts))
     reached("checks")
-    workers: Workers | None = None
+    executor: Executor | None = None
     early: Early | None = None
     try:
-        # a rerun may have nothing to do, an interrupted update nothing but copies: no encoder, no Ray yet
+        # a rerun may have nothing to do, an interrupted update nothing but copies: no encoder, no decoder yet
         if not cfg.overwrite and (_complete(out) or manifest.is_collection and update_interrupted(out)):
             # cached facts only where the store resumed or replaced records the same: a new store's facts
             # come from that store or from the weights, never from the cache alone
             facts = confirmed_facts(cached_facts(key), _recorded(out)) or _loaded_facts(cfg, key)
         else:  # the encoders that do the work report the weights' facts; the driver loads no model
-            workers = start_workers(cfg)
-            reached("ray")
-            early = decode_early(workers, cfg, out, videos, root, F, by_file=manifest.is_collection)
-            facts = _reported_facts(workers.encoders[0], key)
+            executor = start_executor(cfg)
+            reached("workers")
+            early = decode_early(executor, cfg, out, videos, root, F, by_file=manifest.is_collection)
+            facts = _reported_facts(executor, key)
             reached("weights")
             if early and early.image_size != facts["image_size"]:  # the architecture file was not the model's
                 early = None
@@ -255,16 +248,18 @@ def extract(
             processed = 0
             if plan.jobs or plan.texts:
                 check_precision(writer, cfg)
-                if workers is None:  # a complete store whose failed videos are retried
-                    workers = start_workers(cfg)
-                    reached("ray")
+                if executor is None:  # a complete store whose failed videos are retried
+                    executor = start_executor(cfg)
+                    reached("workers")
+                summary.executor, summary.encoders = executor.name, executor.encoders
                 if plan.jobs and cfg.fits_device:  # the encoders measure what fits their GPUs
-                    summary.fitted_frames = fitted_frames(workers, F)
+                    summary.fitted_frames = executor.fitted_frames(F)
                 per_call = cfg.videos_per_call(F, summary.fitted_frames or None)
                 summary.videos_per_call = per_call if plan.jobs else 0
-                pipeline = Pipeline(writer, workers, summary, videos, texts, root, frames=F, max_words=L,
+                pipeline = Pipeline(writer, executor, summary, videos, texts, root, frames=F, max_words=L,
                                     image_size=facts["image_size"], videos_per_call=per_call,
-                                    first=lambda: reached("first_batch"), by_file=manifest.is_collection)
+                                    first=lambda: reached("first_batch"), by_file=manifest.is_collection,
+                                    started=started)
                 processed = pipeline.run(plan, early, cfg.progress)
             failures = writer.failures()
             failed_now = set(failures["video_id"])
@@ -280,8 +275,8 @@ def extract(
             reason = too_many_failures(failures, videos, root, out, cfg)
             writer.finalize(incomplete_reason=reason)
     finally:
-        if workers is not None:
-            workers.stop()
+        if executor is not None:
+            executor.stop()
     summary.seconds = time.perf_counter() - t0
     if reason:
         raise ExtractionError(reason, summary)

@@ -151,10 +151,3 @@ def decode_groups(items: list[dict[str, Any]], by_file: bool) -> list[list[dict[
         group.sort(key=lambda i: (i["start_s"], i["end_s"]))
         out += [group[k : k + MOMENTS_PER_DECODE] for k in range(0, len(group), MOMENTS_PER_DECODE)]
     return out
-
-
-def send_decode(decoder, group: list[dict[str, Any]], frames: int, image_size: int) -> list:
-    """Start one decoder call of a :func:`decode_groups` group: one ref per item, in its order."""
-    if len(group) == 1:
-        return [decoder.decode.remote(group[0], frames, image_size)]
-    return list(decoder.decode_moments.options(num_returns=len(group)).remote(group, frames, image_size))

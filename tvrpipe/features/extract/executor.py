@@ -1,0 +1,234 @@
+"""Where an extraction's decoders and encoders run: the :class:`Executor` interface that
+:class:`~tvrpipe.features.extract.pipeline.Pipeline` drives, its implementation for one machine
+(:class:`LocalExecutor`), and the choice between it and Ray's (:func:`start_executor`).
+
+Without ``--address`` (and without ``RAY_ADDRESS``) an extraction runs here without Ray, as the tools
+researchers already use do by default (video2dataset, clip-retrieval, img2dataset): each decoder is a
+:class:`~tvrpipe.features.decode.DecodeWorker` child process (per-video timeout, kill, PyAV fallback)
+driven by a thread of this process, and each encoder is a thread of this process holding one CLIP (on
+``cuda:k`` for the k-th encoder with ``--device cuda``). Ray is never imported. With ``--address`` the
+same pipeline drives Ray actors instead (:class:`~tvrpipe.features.extract.actors.RayExecutor`).
+
+Both hand out handles for work in flight: the pipeline sends work, waits for the first handle to finish
+and reads its result, and never asks which executor it holds. The calls an encoder gets are decided by
+the pipeline alone (:mod:`~tvrpipe.features.extract.pipeline`), so both executors write the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from tvrpipe import errors
+from tvrpipe.errors import ConfigError, TvrpipeError
+from tvrpipe.features.extract.config import ExtractConfig
+from tvrpipe.features.weights import check_download
+from tvrpipe.features.workers import ClipEncoder, Decoder
+
+log = logging.getLogger(__name__)
+
+LOCAL = "local"  # the executor names, as the summary and bench extract print them
+RAY = "ray"
+
+
+class Executor(ABC):
+    """The decoders and encoders of one extraction, wherever they run.
+
+    ``decoders`` and ``encoders`` are counts; work goes to one of them by index. A handle is whatever
+    the implementation returns for work in flight (a Ray ref, a :class:`~concurrent.futures.Future`):
+    hashable, and finished once :meth:`wait` returned it.
+    """
+
+    name: str
+    decoders: int
+    encoders: int
+
+    @abstractmethod
+    def decode(self, k: int, group: list[dict[str, Any]], frames: int, image_size: int) -> list:
+        """Decode one call's items (:func:`~tvrpipe.features.extract.plan.decode_groups`) on decoder ``k``:
+        a handle per item, in its order, all finished together; each result is
+        :meth:`~tvrpipe.features.workers.Decoder.decode`'s."""
+
+    @abstractmethod
+    def encode_videos(self, k: int, decoded: list) -> Any:
+        """Encode finished decode handles' videos on encoder ``k`` as one call
+        (:meth:`~tvrpipe.features.workers.ClipEncoder.encode_videos`)."""
+
+    @abstractmethod
+    def encode_texts(self, k: int, texts: list[str], max_words: int) -> Any:
+        """Encode captions on encoder ``k`` (:meth:`~tvrpipe.features.workers.ClipEncoder.encode_texts`)."""
+
+    @abstractmethod
+    def wait(self, handles: list) -> list:
+        """Block until at least one of ``handles`` has finished; the finished ones."""
+
+    @abstractmethod
+    def result(self, handle: Any) -> Any:
+        """A finished handle's value (its error raised)."""
+
+    @abstractmethod
+    def _facts(self) -> dict[str, Any]:
+        """The first encoder's :meth:`~tvrpipe.features.workers.ClipEncoder.facts` (waits for its weights)."""
+
+    @abstractmethod
+    def fitted_frames(self, frames: int) -> int:
+        """Frames per encoder call that fit every encoder's GPU (``--encode-frames auto`` on cuda): the smallest."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """End every decoder and encoder now (their memory and GPUs freed); work in flight is dropped."""
+
+    def facts(self) -> dict[str, Any]:
+        """The weights' facts the first encoder reports once it holds them; the error it met loading them (an
+        unknown tag, a checkpoint of another architecture, no GPU) raised here, with its own class and text."""
+        facts = self._facts()
+        if "error" in facts:
+            name, message = facts["error"]
+            raise getattr(errors, name, TvrpipeError)(message)
+        return facts
+
+
+def uses_ray(cfg: ExtractConfig) -> bool:
+    """Whether ``cfg`` runs on Ray: an ``--address`` (``local`` too: a private Ray instance on this machine) or
+    ``RAY_ADDRESS``; otherwise the :class:`LocalExecutor`."""
+    return bool(cfg.address or os.environ.get("RAY_ADDRESS"))
+
+
+def start_executor(cfg: ExtractConfig) -> Executor:
+    """The executor of ``cfg`` (:func:`uses_ray`), its decoders and encoders all starting at once (the encoders
+    load the weights while the decoders start); a missing GPU or an unreachable ``--address`` fails first."""
+    if uses_ray(cfg):
+        from tvrpipe.features.extract.actors import RayExecutor
+
+        return RayExecutor(cfg)
+    return LocalExecutor(cfg)
+
+
+def local_cpus() -> int:
+    """The cores this process may use (its affinity: a container's or ``taskset``'s share, not the host's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def check_local_gpus(encoders: int) -> None:
+    """``--device cuda`` without ``--address``: each encoder needs a GPU of this machine that torch can use."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no CUDA GPU that torch can use "
+                          "(torch.cuda.is_available() is False); use --device cpu, or --address of a Ray "
+                          "cluster with GPUs")
+    have = torch.cuda.device_count()
+    if have < encoders:
+        raise ConfigError(f"--encoders {encoders} with --device cuda: one GPU each, and this machine has {have}; "
+                          f"use --encoders {have}, or --address of a Ray cluster with more GPUs")
+
+
+class LocalExecutor(Executor):
+    """Decoders and encoders on this machine, without Ray.
+
+    Decoder ``k`` is a single thread of this process that sends its calls, one at a time, to its own
+    :class:`~tvrpipe.features.workers.Decoder`'s child process (a crash or a hang there is killed and the
+    video recorded, as under Ray); encoder ``k`` is a single thread that loads one CLIP, then runs its
+    calls in the order they were sent. Torch runs its own threads inside each call, on every core of a
+    CPU (the decoders' processes share them, as Ray's CPU encoders do).
+    """
+
+    name = LOCAL
+
+    def __init__(self, cfg: ExtractConfig) -> None:
+        cpus = local_cpus()
+        gpu = cfg.device == "cuda"
+        self.decoders = cfg.decoders if cfg.decoders is not None else cpus
+        self.encoders = cfg.encoders
+        self._decoders = [Decoder(cfg.timeout_s) for _ in range(self.decoders)]
+        self._decode_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"tvrpipe-decoder-{k}")
+                                for k in range(self.decoders)]
+        self._encode_threads: list[ThreadPoolExecutor] = []
+        self._clip: list[Future] = []
+        for decoder, thread in zip(self._decoders, self._decode_threads):
+            thread.submit(decoder.start)  # the child processes start while the weights load
+        try:
+            # a tag's weights that cannot be downloaded fail in seconds, before an encoder starts (open_clip would
+            # retry for minutes in its thread)
+            check_download(cfg.model, cfg.pretrained)
+        except BaseException:
+            self.stop()
+            raise
+        self._encode_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"tvrpipe-encoder-{k}")
+                                for k in range(self.encoders)]
+        self._clip = [thread.submit(_local_encoder, cfg, f"cuda:{k}" if gpu else "cpu", 1 if gpu else cpus)
+                      for k, thread in enumerate(self._encode_threads)]
+
+    def decode(self, k: int, group: list[dict[str, Any]], frames: int, image_size: int) -> list[Future]:
+        decoder = self._decoders[k]
+        if len(group) == 1:
+            return [self._decode_threads[k].submit(decoder.decode, group[0], frames, image_size)]
+        parts = [Future() for _ in group]  # one handle per moment, as Ray's num_returns gives
+
+        def moments() -> None:
+            try:
+                outs = decoder.decode_moments(group, frames, image_size)
+            except BaseException as e:  # noqa: BLE001 - the pipeline raises it where it reads a result
+                for part in parts:
+                    part.set_exception(e)
+            else:
+                for part, out in zip(parts, outs):
+                    part.set_result(out)
+
+        for part in parts:
+            part.set_running_or_notify_cancel()
+        self._decode_threads[k].submit(moments)
+        return parts
+
+    def encode_videos(self, k: int, decoded: list[Future]) -> Future:
+        clip = self._clip[k]
+        videos = [d.result() for d in decoded]  # finished: the pipeline sends only decoded videos
+        return self._encode_threads[k].submit(lambda: clip.result().encode_videos(*videos))
+
+    def encode_texts(self, k: int, texts: list[str], max_words: int) -> Future:
+        clip = self._clip[k]
+        return self._encode_threads[k].submit(lambda: clip.result().encode_texts(texts, max_words))
+
+    def wait(self, handles: list[Future]) -> list[Future]:
+        done, _ = wait(handles, return_when=FIRST_COMPLETED)
+        return list(done)
+
+    def result(self, handle: Future) -> Any:
+        return handle.result()
+
+    def _facts(self) -> dict[str, Any]:
+        return self._clip[0].result().facts()
+
+    def fitted_frames(self, frames: int) -> int:
+        calls = [thread.submit(lambda clip=clip: clip.result().fitted_frames(frames))
+                 for clip, thread in zip(self._clip, self._encode_threads)]
+        return min(call.result() for call in calls)
+
+    def stop(self) -> None:
+        for decoder in self._decoders:
+            decoder.stop()  # a decode in flight ends at once: its thread finds the child gone
+        for thread in self._decode_threads + self._encode_threads:
+            thread.shutdown(wait=False, cancel_futures=True)
+        for clip in self._clip:
+            clip.cancel()
+        self._clip = [_dropped() for _ in self._clip]  # the weights (and the GPU's memory) go with the threads
+
+
+def _dropped() -> Future:
+    f: Future = Future()
+    f.set_exception(ConfigError("the extraction's encoders were stopped"))
+    return f
+
+
+def _local_encoder(cfg: ExtractConfig, device: str, threads: int) -> ClipEncoder:
+    """An encoder thread's first call: one CLIP on ``device``; a missing GPU is raised where :meth:`facts` reads
+    it, before the store is created."""
+    if cfg.device == "cuda":
+        check_local_gpus(cfg.encoders)
+    return ClipEncoder(cfg.model, cfg.pretrained, device, cfg.seed, threads, cfg.encode_precision)
