@@ -6,13 +6,17 @@ From the repository root, with ``wheelhouse/`` beside it (``make wheelhouse`` on
    machine's own torch is left alone); without a wheelhouse it uses what this Python has;
 2. checks that every module the suite imports is there, naming the missing ones;
 3. runs ``pytest -m gpu`` (skipped, with the reason, where CUDA is not available);
-4. where CUDA is available, runs ``tvrpipe bench eval --device cuda`` (every head at the 1k x 1k size)
-   and ``tvrpipe bench finetune --device cuda --precision fp16`` (ViT-B-32 at batch 32 and 128);
+4. where CUDA is available, runs the GPU benchmarks, in this order (:func:`benches`):
+   ``tvrpipe bench eval --device cuda`` (every head at the 1k x 1k size),
+   ``tvrpipe bench finetune --device cuda --precision fp16`` (ViT-B-32 at batch 32 and 128), and
+   ``tvrpipe bench extract --device cuda --precision fp16`` (``--extract-videos`` generated 720p videos, 64 by
+   default: extraction, without Ray, against its bound, a naive loop and the open_clip + PyAV loop);
 5. writes everything into one folder to copy back (default ``gpu-check-results/``): summary.txt, the
    pytest output and JUnit XML, the benchmarks' JSON, the figures the tests measured (figures.jsonl),
    ``nvidia-smi``'s line and the versions.
 
-Exit status: 1 when a test failed or a module is missing, else 0. Nothing here starts Ray or downloads.
+Exit status: 1 when a test failed, a benchmark failed or a module is missing, else 0. Nothing here starts Ray
+(``RAY_ADDRESS`` is left out of the steps' environment, so extraction runs without it) or downloads.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# what the gpu suite and the two benchmarks import (Ray is not among them)
+# what the gpu suite and the benchmarks import (Ray is not among them)
 MODULES = ("torch", "torchvision", "numpy", "pandas", "pyarrow", "yaml", "safetensors", "typer", "rich",
            "matplotlib", "pytest", "packaging", "open_clip", "decord", "av", "zarr", "numcodecs")
 # --timeout's maximum, tvrpipe's own decode --timeout's (tvrpipe.features.decode.MAX_TIMEOUT_S, which this script
 # does not import: it runs before the wheelhouse is installed)
 MAX_TIMEOUT_S = 2_000_000
+# --extract-videos' minimum: bench extract needs at least 2 x its --batch-size (4) videos, to time a marginal rate
+# after the first batch
+MIN_EXTRACT_VIDEOS = 8
 
 
 def run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> int:
@@ -103,11 +110,39 @@ def positive_seconds(text: str) -> float:
     return x
 
 
+def video_count(text: str) -> int:
+    """``--extract-videos``, for argparse: a whole number of videos, at least :data:`MIN_EXTRACT_VIDEOS`
+    (refused before anything runs, not after the suite has spent its hour)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < MIN_EXTRACT_VIDEOS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least {MIN_EXTRACT_VIDEOS} videos are needed (2 x bench "
+                                         "extract's batch of 4)")
+    return n
+
+
+def benches(work: Path, extract_videos: int) -> list[tuple[str, list[str]]]:
+    """The GPU benchmarks, in the order they run: each one's name (its ``NAME.json`` and ``NAME.txt`` in the
+    results) and its ``tvrpipe`` arguments. ``work`` holds what they generate (the finetune and extract
+    benchmarks' videos and weights)."""
+    steps = [("bench_eval", ["bench", "eval", "--device", "cuda", "--size", "msrvtt1k"])]
+    steps += [(f"bench_finetune_b{b}", ["bench", "finetune", "--out", str(work / "finetune"), "--device", "cuda",
+                                        "--precision", "fp16", "--batch-size", str(b)]) for b in (32, 128)]
+    steps.append(("bench_extract", ["bench", "extract", "--out", str(work / "extract"), "--device", "cuda",
+                                    "--precision", "fp16", "--videos", str(extract_videos), "--width", "1280",
+                                    "--height", "720"]))
+    return steps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "gpu-check-results", help="the results folder")
     ap.add_argument("--wheelhouse", type=Path, default=REPO / "wheelhouse")
     ap.add_argument("--timeout", type=positive_seconds, default=3600.0, help="seconds for each step at most")
+    ap.add_argument("--extract-videos", type=video_count, default=64,
+                    help=f"generated 720p videos of the extract benchmark (at least {MIN_EXTRACT_VIDEOS})")
     a = ap.parse_args(argv)
     out = a.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -118,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site) if site.is_dir() else "", str(REPO),
                                                                    os.environ.get("PYTHONPATH", "")) if p),
            "TVRPIPE_GPU_RESULTS": str(out), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("RAY_ADDRESS", None)  # extract and finetune would join that cluster instead of running here
     found, missing = versions(env)
     import torch  # the machine's own
 
@@ -142,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"pytest -m gpu: exit {code}; {tail[0] if tail else ''}")
         status = 1 if code not in (0, 5) else 0  # 5: nothing collected
         if cuda:
-            benches = [("bench_eval", ["bench", "eval", "--device", "cuda", "--size", "msrvtt1k"])]
-            benches += [(f"bench_finetune_b{b}", ["bench", "finetune", "--out", str(REPO / ".gpu-check" / "finetune"),
-                                                  "--device", "cuda", "--precision", "fp16", "--batch-size", str(b)])
-                        for b in (32, 128)]
-            for name, args in benches:
+            for name, args in benches(REPO / ".gpu-check", a.extract_videos):
                 code = run([sys.executable, "-m", "tvrpipe", *args, "--json", str(out / f"{name}.json")],
                            out / f"{name}.txt", env, a.timeout)
                 lines.append(f"tvrpipe {' '.join(args)}: exit {code}")

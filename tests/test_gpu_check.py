@@ -92,6 +92,65 @@ def test_gpu_check_takes_the_timeout_bounds_and_shares_tvrpipes_maximum():
     assert gpu_check.positive_seconds("1") == 1.0 and gpu_check.positive_seconds("2e6") == 2_000_000.0
 
 
+@pytest.mark.parametrize("value", ["7", "0", "-64", "8.5", "nan", "many"])
+def test_gpu_check_refuses_too_few_extract_videos_before_it_runs(value, tmp_path):
+    """bench extract needs 2 x its batch of 4 videos: fewer would fail after the suite and the other benchmarks
+    had spent their hour."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "o"),
+                        f"--extract-videos={value}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and not (tmp_path / "o").exists(), r.stderr
+    why = (f"'{value}' is not a whole number" if value in ("8.5", "nan", "many")
+           else f"'{value}': at least 8 videos are needed (2 x bench extract's batch of 4)")
+    assert r.stderr.strip().splitlines()[-1] == f"gpu_check.py: error: argument --extract-videos: {why}"
+
+
+def test_gpu_check_takes_eight_extract_videos_or_more():
+    import gpu_check
+
+    assert gpu_check.MIN_EXTRACT_VIDEOS == 8
+    assert gpu_check.video_count("8") == 8 and gpu_check.video_count("64") == 64
+
+
+@pytest.mark.parametrize("argv, videos", [([], "64"), (["--extract-videos", "8"], "8")])
+def test_with_cuda_the_extract_benchmark_runs_last_at_720p_and_its_exit_is_in_the_summary(argv, videos, tmp_path,
+                                                                                         monkeypatch):
+    """main with CUDA said to be there and each step recorded instead of run: pytest, then bench eval, bench
+    finetune at batch 32 and 128, then bench extract (fp16, 720p, --extract-videos videos), each with its JSON in
+    the results; a failed extract benchmark is named in the summary and fails the check; RAY_ADDRESS never
+    reaches a step (extraction would join that cluster)."""
+    import gpu_check
+
+    ran = []
+
+    def fake_run(cmd, log, env, timeout):
+        ran.append((cmd, log, env))
+        log.write_text("1 passed\n")
+        return 3 if "extract" in cmd else 0
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    out = tmp_path / "results"
+    assert gpu_check.main(["--out", str(out), "--wheelhouse", str(tmp_path / "no-wheelhouse"), *argv]) == 1
+    assert [log.name for _, log, _ in ran] == ["pytest.txt", "bench_eval.txt", "bench_finetune_b32.txt",
+                                               "bench_finetune_b128.txt", "bench_extract.txt"]
+    assert all("RAY_ADDRESS" not in env for _, _, env in ran)
+    cmd = ran[-1][0]
+    work = REPO / ".gpu-check" / "extract"
+    assert cmd == [sys.executable, "-m", "tvrpipe", "bench", "extract", "--out", str(work), "--device", "cuda",
+                   "--precision", "fp16", "--videos", videos, "--width", "1280", "--height", "720",
+                   "--json", str(out.resolve() / "bench_extract.json")]
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [ln for ln in summary if ln.startswith("tvrpipe bench")] == [
+        "tvrpipe bench eval --device cuda --size msrvtt1k: exit 0",
+        *(f"tvrpipe bench finetune --out {REPO / '.gpu-check' / 'finetune'} --device cuda --precision fp16 "
+          f"--batch-size {b}: exit 0" for b in (32, 128)),
+        f"tvrpipe bench extract --out {work} --device cuda --precision fp16 --videos {videos} --width 1280 "
+        "--height 720: exit 3"]
+    assert [name for name, _ in gpu_check.benches(REPO / ".gpu-check", 8)] == [log.stem for _, log, _ in ran[1:]]
+    assert "``tvrpipe bench extract --device cuda --precision fp16``" in gpu_check.__doc__
+
+
 @no_cuda
 def test_pytest_m_gpu_collects_every_gpu_test_and_skips_each_with_its_reason():
     collect = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
