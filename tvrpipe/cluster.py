@@ -47,7 +47,7 @@ def ray_init(address: str | None, num_cpus: int | None = None, data: bool = True
         else:
             # "local": a private instance even when a cluster started with `ray start` runs on this
             # machine (plain ray.init() would join that one instead)
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+            ray.init(address="local", num_cpus=num_cpus or local_cpus(), include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
     for name in ("ray", "ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.ERROR if quiet else logging.INFO)
@@ -163,6 +163,16 @@ def stderr_held(hold: bool):
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+def local_cpus() -> int:
+    """The cores this process may use (its affinity: a container's or ``taskset``'s share, not the host's): a
+    local Ray instance's CPUs, and extraction's decoders and CPU encoder threads without Ray, so that both count
+    the same cores (and a CPU encoder runs its matrix products on as many threads under either)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def cluster_cpus() -> int:

@@ -37,3 +37,4 @@ def same_rows():
     """``same_rows(a, b, name)``: assert that the open stores ``a`` and ``b`` hold the same rows of the array
     ``name`` (masks and timestamps exactly, embeddings to one float16 ulp)."""
     return _assert_same_rows
+

@@ -513,9 +513,9 @@ def test_a_relative_checkpoint_is_recorded_by_its_absolute_path(collection, tmp_
     assert (s.videos_done, s.videos_skipped) == (0, 5)
 
 
-def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_ray(collection, tmp_path, monkeypatch):
+def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_a_model_loads(collection, tmp_path, monkeypatch):
     """ViT-B-32 openai, in no local cache, and a host that refuses: one line naming the model, the tag, the
-    host and --pretrained with a file, before any encoder starts."""
+    host and --pretrained with a file, before any model loads (and before the store is created)."""
     import time
 
     import huggingface_hub.constants as hf
@@ -529,7 +529,7 @@ def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_ray(collection
     for name in ("https_proxy", "HTTPS_PROXY", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
     encoders = []
-    monkeypatch.setattr(executor, "_local_encoder", lambda *a: encoders.append(a))
+    monkeypatch.setattr(executor, "ClipEncoder", lambda *a: encoders.append(a))
     t0 = time.perf_counter()
     with pytest.raises(DownloadError, match=r"^--pretrained openai: the weights of ViT-B-32 openai are not in this "
                                             r"machine's open_clip or Hugging Face cache and cannot be downloaded "

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from broken_videos import synth_with_broken_videos
 
 from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
-from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.clip import TINY_MODEL
 from tvrpipe.features.collection import Cutting, build_collection
@@ -53,19 +53,7 @@ def assert_same_bytes(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """Synthetic videos, a zero-byte and a corrupt one (recorded as failed)."""
-    d = tmp_path_factory.mktemp("data")
-    synthesize(d, 10, seed=3, progress=False)
-    root = d / "videos"
-    (root / "zero.mp4").write_bytes(b"")
-    good = sorted(root.glob("synth_*.mp4"))[0].read_bytes()
-    (root / "corrupt.mp4").write_bytes(good[:200] + bytes(range(256)) * 4)
-    m = read_manifest(d / "manifest")
-    extra_v = [{"video_id": v, "path": f"{v}.mp4", "split": "test"} for v in ("zero", "corrupt")]
-    extra_c = [{"caption_id": f"{v}#0", "video_id": v, "text": f"a broken {v} video", "split": "test"}
-               for v in ("zero", "corrupt")]
-    v, c = make_tables(m.videos.to_dict("records") + extra_v, m.captions.to_dict("records") + extra_c)
-    write_manifest(d / "manifest", v, c, m.meta)
-    return d
+    return synth_with_broken_videos(tmp_path_factory.mktemp("data"), 10, seed=3)
 
 
 @pytest.fixture(scope="module")

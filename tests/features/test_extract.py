@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from broken_videos import synth_with_broken_videos
 
-from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
-from tvrpipe.data.synth import synthesize
+from tvrpipe.data.manifest import read_manifest
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.clip import TINY_MODEL, encode_frames, encode_text_tokens, load_clip, tokenize
 from tvrpipe.features.decode import decode_video
@@ -41,19 +41,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """Synthetic videos plus a corrupt and a zero-byte video in the manifest."""
-    d = tmp_path_factory.mktemp("data")
-    synthesize(d, N_VIDEOS, seed=5, progress=False)
-    root = d / "videos"
-    (root / "zero.mp4").write_bytes(b"")
-    good = sorted(root.glob("synth_*.mp4"))[0].read_bytes()
-    (root / "corrupt.mp4").write_bytes(good[:200] + bytes(range(256)) * 4)  # header, then garbage
-    m = read_manifest(d / "manifest")
-    extra_v = [{"video_id": v, "path": f"{v}.mp4", "split": "test"} for v in ("zero", "corrupt")]
-    extra_c = [{"caption_id": f"{v}#0", "video_id": v, "text": f"a broken {v} video", "split": "test"}
-               for v in ("zero", "corrupt")]
-    v, c = make_tables(m.videos.to_dict("records") + extra_v, m.captions.to_dict("records") + extra_c)
-    write_manifest(d / "manifest", v, c, m.meta)
-    return d
+    return synth_with_broken_videos(tmp_path_factory.mktemp("data"), N_VIDEOS, seed=5)
 
 
 def _cfg(**kw) -> ExtractConfig:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from abc import ABC, abstractmethod
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from tvrpipe import errors
+from tvrpipe.cluster import local_cpus
 from tvrpipe.errors import ConfigError, TvrpipeError
 from tvrpipe.features.extract.config import ExtractConfig
 from tvrpipe.features.weights import check_download
@@ -107,14 +109,6 @@ def start_executor(cfg: ExtractConfig) -> Executor:
     return LocalExecutor(cfg)
 
 
-def local_cpus() -> int:
-    """The cores this process may use (its affinity: a container's or ``taskset``'s share, not the host's)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def check_local_gpus(encoders: int) -> None:
     """``--device cuda`` without ``--address``: each encoder needs a GPU of this machine that torch can use."""
     import torch
@@ -144,24 +138,21 @@ class LocalExecutor(Executor):
     def __init__(self, cfg: ExtractConfig) -> None:
         cpus = local_cpus()
         gpu = cfg.device == "cuda"
+        if not gpu and "torch" not in sys.modules:
+            # a CPU encoder's OpenMP threads share the cores with the decoder processes: spinning between parallel
+            # regions (OpenMP's default) takes the decoders' time slices, sleeping gives them back (16 x 720p on 2
+            # cores: 15.1 s against 16.0 s, docs/performance.md). Read once, when torch starts OpenMP: in a process
+            # that imported torch before (the quickstart), its setting stays.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.decoders = cfg.decoders if cfg.decoders is not None else cpus
         self.encoders = cfg.encoders
         self._decoders = [Decoder(cfg.timeout_s) for _ in range(self.decoders)]
         self._decode_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"tvrpipe-decoder-{k}")
                                 for k in range(self.decoders)]
-        self._encode_threads: list[ThreadPoolExecutor] = []
-        self._clip: list[Future] = []
-        for decoder, thread in zip(self._decoders, self._decode_threads):
-            thread.submit(decoder.start)  # the child processes start while the weights load
-        try:
-            # a tag's weights that cannot be downloaded fail in seconds, before an encoder starts (open_clip would
-            # retry for minutes in its thread)
-            check_download(cfg.model, cfg.pretrained)
-        except BaseException:
-            self.stop()
-            raise
         self._encode_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"tvrpipe-encoder-{k}")
                                 for k in range(self.encoders)]
+        for decoder, thread in zip(self._decoders, self._decode_threads):
+            thread.submit(decoder.start)  # the child processes start while the weights load
         self._clip = [thread.submit(_local_encoder, cfg, f"cuda:{k}" if gpu else "cpu", 1 if gpu else cpus)
                       for k, thread in enumerate(self._encode_threads)]
 
@@ -227,8 +218,11 @@ def _dropped() -> Future:
 
 
 def _local_encoder(cfg: ExtractConfig, device: str, threads: int) -> ClipEncoder:
-    """An encoder thread's first call: one CLIP on ``device``; a missing GPU is raised where :meth:`facts` reads
-    it, before the store is created."""
+    """An encoder thread's first call: one CLIP on ``device``. A missing GPU, or a tag's weights that cannot be
+    downloaded (found in seconds: open_clip would retry for minutes), is raised where :meth:`facts` reads it,
+    before the store is created; both are checked here, in the encoder's thread, so that the decoders start
+    without waiting for the imports they need (torch, open_clip)."""
     if cfg.device == "cuda":
         check_local_gpus(cfg.encoders)
+    check_download(cfg.model, cfg.pretrained)
     return ClipEncoder(cfg.model, cfg.pretrained, device, cfg.seed, threads, cfg.encode_precision)

@@ -156,9 +156,12 @@ def decode_early(executor: Executor, cfg: ExtractConfig, out: Path, videos: pd.D
     # as many as the first calls hold: the cores a loading encoder leaves idle decode them
     n = min(len(videos), max(2 * executor.decoders, 2 * cfg.videos_per_call(F) * executor.encoders))
     groups = decode_groups(video_items(videos.iloc[:n].assign(row=np.arange(n)), root), by_file)
+    # a CPU encoder imports torch and loads the weights on one core: one decoder fewer leaves it that core (on 2
+    # cores its load took 1.5x longer beside two busy decoders), and the decoders still decode on the others
+    share = executor.decoders - 1 if cfg.device == "cpu" and executor.decoders > 1 else executor.decoders
     refs = {}
     for i, group in enumerate(groups):  # by_file: a file's moments as one call, as the pipeline sends them
-        k = i % executor.decoders
+        k = i % share
         sent = executor.decode(k, group, F, size)
         refs[sent[0]] = (k, tuple(item["row"] for item in group), sent)
     return Early(size, refs)
