@@ -104,48 +104,82 @@ def test_a_collection_cut_into_moments_and_updated_gives_the_same_bytes(ray_sess
     assert cfg.frames == 4
 
 
-def _cli(data: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tvrpipe", "extract", "--manifest", str(data / "manifest"), "--video-root",
-            str(data / "videos"), "--out", str(out), "--model", TINY_MODEL, "--pretrained", "none", "--video-shard",
-            "4", "--text-shard", "16", "--batch-size", "3", "--max-failed-fraction", "0.5", *extra]
+def _cli(manifest: Path, videos: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tvrpipe", "extract", "--manifest", str(manifest), "--video-root", str(videos),
+            "--out", str(out), "--model", TINY_MODEL, "--pretrained", "none", "--video-shard", "4", "--text-shard",
+            "16", "--batch-size", "3", "--max-failed-fraction", "0.5", *extra]
 
 
-def _when_first_shard_lands(proc: subprocess.Popen, out: Path) -> int:
+@pytest.fixture
+def stuck(data, tmp_path) -> tuple[Path, Path, Path]:
+    """(manifest, videos, FIFO): ``data`` with a FIFO without a writer among the second shard's rows.
+    A decoder that opens it waits until it is killed, so a run with a long --timeout cannot finish, however
+    fast the machine; once the FIFO is replaced by a video, a rerun can."""
+    videos = tmp_path / "videos"
+    shutil.copytree(data / "videos", videos)
+    os.mkfifo(videos / "stuck.mp4")
+    m = read_manifest(data / "manifest")
+    rows = m.videos.to_dict("records")
+    rows.insert(5, {"video_id": "synth_00005a", "path": "stuck.mp4", "split": "train"})
+    captions = [*m.captions.to_dict("records"), {"caption_id": "stuck#0", "video_id": "synth_00005a",
+                                                   "text": "a video", "split": "train"}]
+    v, c = make_tables(rows, captions)
+    write_manifest(tmp_path / "m", v, c, m.meta)
+    stuck_row = list(read_manifest(tmp_path / "m").videos.video_id).index("synth_00005a")
+    assert 4 <= stuck_row < 8  # the second shard's
+    return tmp_path / "m", videos, videos / "stuck.mp4"
+
+
+def _unstick(fifo: Path, data: Path) -> None:
+    fifo.unlink()
+    shutil.copyfile(sorted((data / "videos").glob("synth_*.mp4"))[1], fifo)
+
+
+def _when_first_shard_lands(proc: subprocess.Popen, out: Path) -> None:
     markers = out / "_progress" / "videos"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if markers.is_dir() and any(markers.iterdir()):
-            return len(list(markers.iterdir()))
-        time.sleep(0.01)
+            return
+        time.sleep(0.02)
     raise AssertionError(f"no shard was written (exit code {proc.poll()})")
 
 
-def test_a_resume_after_kill_9_in_a_shard_gives_the_same_bytes(data, local_store, tmp_path):
-    """kill -9 once the first shard is written (the next ones half encoded): the rerun redoes the unfinished
+def test_a_resume_after_kill_9_in_a_shard_gives_the_same_bytes(stuck, data, tmp_path):
+    """kill -9 while the second shard is half decoded (one of its rows never finishes): the rerun redoes the unfinished
     shards whole, and the store equals one extracted at once, byte for byte."""
+    manifest, videos, fifo = stuck
     out = tmp_path / "k"
-    proc = subprocess.Popen(_cli(data, out, "--decoders", "1"), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cli(manifest, videos, out, "--decoders", "1", "--timeout", "600"),
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _when_first_shard_lands(proc, out)
+    time.sleep(0.5)  # the second shard's other rows decoded meanwhile, never written: it waits for the FIFO
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    written = len(list((out / "_progress" / "videos").iterdir()))
-    assert 0 < written < 3, written
+    assert sorted(p.name for p in (out / "_progress" / "videos").iterdir()) == ["000000.json"]
     with pytest.raises(StoreError, match="has not finished"):
         open_store(out)
-    r = subprocess.run(_cli(data, out), capture_output=True, text=True, timeout=300)
+    _unstick(fifo, data)
+    r = subprocess.run(_cli(manifest, videos, out), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert_same_bytes(local_store, out)
+    assert "4 already done" in " ".join(r.stdout.split()), r.stdout
+    s = extract(manifest, videos, tmp_path / "at-once", _cfg())
+    assert (s.videos_done, s.failed) == (11, 2)
+    assert_same_bytes(tmp_path / "at-once", out)
 
 
-def test_ctrl_c_leaves_nothing_half_written_and_a_rerun_resumes(data, local_store, tmp_path):
-    """SIGINT in the middle: one line, exit 130, the decoder processes gone with it, every shard written is whole
-    (its checksums hold); the same command finishes the store, equal to one extracted at once."""
+def test_ctrl_c_leaves_nothing_half_written_and_a_rerun_resumes(stuck, data, tmp_path):
+    """SIGINT in the middle (a decoder waiting on a video that never finishes): one line, exit 130, the decoder
+    process gone with it, every shard written whole (its checksums hold); the same command finishes the store,
+    equal to one extracted at once."""
+    manifest, videos, fifo = stuck
     out = tmp_path / "c"
-    proc = subprocess.Popen(_cli(data, out, "--decoders", "1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(_cli(manifest, videos, out, "--decoders", "1", "--timeout", "600"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _when_first_shard_lands(proc, out)
+    time.sleep(0.5)
     children = _children(proc.pid)
+    assert children  # the decoder process, waiting on the FIFO
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in output, output
@@ -156,9 +190,11 @@ def test_ctrl_c_leaves_nothing_half_written_and_a_rerun_resumes(data, local_stor
     assert not any(_alive(pid) for pid in children)
     report = verify_store(out)
     assert not report.damage and not report.complete
-    r = subprocess.run(_cli(data, out), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "already done" in " ".join(r.stdout.split()), r.stdout + r.stderr[-2000:]
-    assert_same_bytes(local_store, out)
+    _unstick(fifo, data)
+    r = subprocess.run(_cli(manifest, videos, out), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "4 already done" in " ".join(r.stdout.split()), r.stdout + r.stderr[-2000:]
+    extract(manifest, videos, tmp_path / "at-once", _cfg())
+    assert_same_bytes(tmp_path / "at-once", out)
 
 
 def _children(pid: int) -> list[int]:
@@ -187,8 +223,8 @@ def test_no_ray_without_an_address(data, tmp_path):
             "r = CliRunner().invoke(app, sys.argv[1:])\nassert r.exit_code == 0, r.output\n"
             "assert 'ray' not in sys.modules, 'ray imported'\nprint('no ray')")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    r = subprocess.run([sys.executable, "-c", code, *_cli(data, tmp_path / "s")[3:]], capture_output=True, text=True,
-                       timeout=300, env=env)
+    args = _cli(data / "manifest", data / "videos", tmp_path / "s")[3:]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "no ray" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
@@ -223,14 +259,14 @@ def test_a_hung_and_a_crashed_decoder_are_killed_and_recorded_and_the_run_goes_o
     killer = threading.Thread(target=crash_its_decoder, daemon=True)
     killer.start()
     try:
-        s = extract(tmp_path / "m", root, tmp_path / "s", _cfg(timeout_s=1.0))
+        s = extract(tmp_path / "m", root, tmp_path / "s", _cfg(timeout_s=2.0))
     finally:
         stop.set()
         os.close(os.open(crash, os.O_RDONLY | os.O_NONBLOCK))  # the killer's open returns
         killer.join(10)
     assert (s.videos_done, s.failed) == (10, 4), s.lines()
     failures = open_store(tmp_path / "s").failures.set_index("video_id")["error"]
-    assert failures["hang"].startswith("timeout: no result within 1 s")
+    assert failures["hang"].startswith("timeout: no result within 2 s")
     assert failures["crash"].startswith(f"unreadable: decoder process died (exit code {-signal.SIGSEGV})")
 
 
