@@ -333,3 +333,26 @@ def test_encoder_calls_are_fixed_by_the_plan():
     jobs = [(Shard("videos", 0, 0, 4), None), (Shard("videos", 1, 4, 8), np.array([7, 5])), (Shard("videos", 2, 8, 9), None)]
     assert [c.tolist() for c in encode_calls(jobs, 3)] == [[0, 1, 2], [3], [5, 7], [8]]
     assert [c.tolist() for c in encode_calls(jobs, 10)] == [[0, 1, 2, 3], [5, 7], [8]]
+
+
+def test_a_lane_runs_its_calls_in_order_and_a_stop_cancels_what_waits():
+    """The local executor's threads: calls in the order sent, errors raised where the result is read; a stop
+    cancels the calls that wait and ends the thread after the one it runs, and a stopped lane takes no call."""
+    from tvrpipe.features.extract.executor import Lane
+
+    lane, order, started, release = Lane("test"), [], threading.Event(), threading.Event()
+    first = lane.submit(lambda: started.set() or release.wait(10) and order.append(1))
+    second = lane.submit(order.append, 2)
+    failing = lane.submit(lambda: 1 / 0)
+    assert started.wait(10) and not first.done()
+    lane.stop()
+    release.set()
+    assert lane.join(10)
+    assert first.result() is None and order == [1]  # the running call finished; the waiting ones never ran
+    assert second.cancelled() and failing.cancelled() and lane.submit(order.append, 3).cancelled()
+    other = Lane("test2")
+    with pytest.raises(ZeroDivisionError):
+        other.submit(lambda: 1 / 0).result(10)
+    assert [other.submit(order.append, k).result(10) for k in (4, 5)] == [None, None] and order == [1, 4, 5]
+    other.stop()
+    assert other.join(10)

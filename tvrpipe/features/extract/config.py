@@ -137,15 +137,16 @@ class ExtractSummary:
     encoders: int = 0  # the encoders that ran
     encode_seconds: float = 0.0  # the encoders' time inside their calls, summed over encoders
 
+    first_videos: int = 0  # how many videos the first encoded batch held
+    videos_per_call: int = 0  # decoded videos per encoder call (0: no video encoded)
+    fitted_frames: int = 0  # --encode-frames auto on cuda: the frames per call that fit the GPU (0: not measured)
+
     @property
     def encoder_busy(self) -> float:
         """The share of the time from the weights' load to the end that the encoders spent encoding (NaN where no
         encoder ran): near 1, the encoder is the bottleneck; well below, the decoders are."""
         span = self.encoders * (self.seconds - self.phases.get("weights", 0.0))
         return self.encode_seconds / span if self.encoders and span > 0 else float("nan")
-    first_videos: int = 0  # how many videos the first encoded batch held
-    videos_per_call: int = 0  # decoded videos per encoder call (0: no video encoded)
-    fitted_frames: int = 0  # --encode-frames auto on cuda: the frames per call that fit the GPU (0: not measured)
 
     def lines(self) -> list[str]:
         """A short human-readable summary."""

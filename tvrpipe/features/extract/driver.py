@@ -160,11 +160,10 @@ def extract(
 
     Raises:
         ConfigError: an invalid option, video root or output directory, an unreachable ``address``,
-            or ``device="cuda"`` without a GPU (here, or in the Ray cluster of ``address``; all before anything
-            is created); weights that cannot be
-            loaded, or an encoder that loaded other weights than the store records (before anything is
-            written).
-        ManifestError: an invalid manifest (before Ray starts).
+            or ``device="cuda"`` without a GPU (here, or in the Ray cluster of ``address``; all before
+            anything is created); weights that cannot be loaded, or an encoder that loaded other weights
+            than the store records (before anything is written).
+        ManifestError: an invalid manifest (before any decoder or encoder starts).
         LockError: another process is writing ``out_dir``.
         StoreError: ``out_dir`` holds a store made with other settings (pass ``overwrite``).
         ExtractionError: more than ``max_failed_fraction`` of the videos failed; the store is kept,

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import sys
+import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from tvrpipe import errors
@@ -31,6 +33,11 @@ from tvrpipe.features.weights import check_download
 from tvrpipe.features.workers import ClipEncoder, Decoder
 
 log = logging.getLogger(__name__)
+
+# how long a stopped local executor waits for its threads (choice: a decoder's process is killed, so it ends at
+# once; an encoder ends after its call in flight, seconds even for thousands of frames on a CPU)
+DECODER_STOP_S = 10.0
+ENCODER_STOP_S = 120.0
 
 LOCAL = "local"  # the executor names, as the summary and bench extract print them
 RAY = "ray"
@@ -123,6 +130,65 @@ def check_local_gpus(encoders: int) -> None:
                           f"use --encoders {have}, or --address of a Ray cluster with more GPUs")
 
 
+class Lane:
+    """One daemon thread that runs its calls in the order they came, each answered through a
+    :class:`~concurrent.futures.Future`: a decoder's or an encoder's. Not a ``ThreadPoolExecutor``, whose threads
+    the interpreter joins at exit, without a limit: a process interrupted while a call runs waited for it, or
+    forever where the interruption left a lock held. A stopped lane cancels what waits, ends after the call it
+    runs, and is waited for only up to a limit (its thread must end before the interpreter does: torch's threads
+    abort a process whose thread that used them is still alive at exit).
+
+    Example:
+        >>> lane = Lane("example")
+        >>> lane.submit(sum, [1, 2]).result()
+        3
+        >>> lane.stop()
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args: Any) -> Future:
+        future: Future = Future()
+        if self._stopped:
+            future.cancel()
+        else:
+            self._calls.put((future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        """Cancel the calls that wait, and end the thread after the call it runs."""
+        self._stopped = True
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a stopped lane's thread to end; whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - raised where the caller reads the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+
 class LocalExecutor(Executor):
     """Decoders and encoders on this machine, without Ray.
 
@@ -147,19 +213,17 @@ class LocalExecutor(Executor):
         self.decoders = cfg.decoders if cfg.decoders is not None else cpus
         self.encoders = cfg.encoders
         self._decoders = [Decoder(cfg.timeout_s) for _ in range(self.decoders)]
-        self._decode_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"tvrpipe-decoder-{k}")
-                                for k in range(self.decoders)]
-        self._encode_threads = [ThreadPoolExecutor(1, thread_name_prefix=f"tvrpipe-encoder-{k}")
-                                for k in range(self.encoders)]
-        for decoder, thread in zip(self._decoders, self._decode_threads):
+        self._decode_lanes = [Lane(f"tvrpipe-decoder-{k}") for k in range(self.decoders)]
+        self._encode_lanes = [Lane(f"tvrpipe-encoder-{k}") for k in range(self.encoders)]
+        for decoder, thread in zip(self._decoders, self._decode_lanes):
             thread.submit(decoder.start)  # the child processes start while the weights load
         self._clip = [thread.submit(_local_encoder, cfg, f"cuda:{k}" if gpu else "cpu", 1 if gpu else cpus)
-                      for k, thread in enumerate(self._encode_threads)]
+                      for k, thread in enumerate(self._encode_lanes)]
 
     def decode(self, k: int, group: list[dict[str, Any]], frames: int, image_size: int) -> list[Future]:
         decoder = self._decoders[k]
         if len(group) == 1:
-            return [self._decode_threads[k].submit(decoder.decode, group[0], frames, image_size)]
+            return [self._decode_lanes[k].submit(decoder.decode, group[0], frames, image_size)]
         parts = [Future() for _ in group]  # one handle per moment, as Ray's num_returns gives
 
         def moments() -> None:
@@ -174,17 +238,17 @@ class LocalExecutor(Executor):
 
         for part in parts:
             part.set_running_or_notify_cancel()
-        self._decode_threads[k].submit(moments)
+        self._decode_lanes[k].submit(moments)
         return parts
 
     def encode_videos(self, k: int, decoded: list[Future]) -> Future:
         clip = self._clip[k]
         videos = [d.result() for d in decoded]  # finished: the pipeline sends only decoded videos
-        return self._encode_threads[k].submit(lambda: clip.result().encode_videos(*videos))
+        return self._encode_lanes[k].submit(lambda: clip.result().encode_videos(*videos))
 
     def encode_texts(self, k: int, texts: list[str], max_words: int) -> Future:
         clip = self._clip[k]
-        return self._encode_threads[k].submit(lambda: clip.result().encode_texts(texts, max_words))
+        return self._encode_lanes[k].submit(lambda: clip.result().encode_texts(texts, max_words))
 
     def wait(self, handles: list[Future]) -> list[Future]:
         done, _ = wait(handles, return_when=FIRST_COMPLETED)
@@ -198,14 +262,20 @@ class LocalExecutor(Executor):
 
     def fitted_frames(self, frames: int) -> int:
         calls = [thread.submit(lambda clip=clip: clip.result().fitted_frames(frames))
-                 for clip, thread in zip(self._clip, self._encode_threads)]
+                 for clip, thread in zip(self._clip, self._encode_lanes)]
         return min(call.result() for call in calls)
 
     def stop(self) -> None:
         for decoder in self._decoders:
             decoder.stop()  # a decode in flight ends at once: its thread finds the child gone
-        for thread in self._decode_threads + self._encode_threads:
-            thread.shutdown(wait=False, cancel_futures=True)
+        for lane in self._decode_lanes + self._encode_lanes:
+            lane.stop()
+        # a decode in flight ends at once (its process is gone); an encoder finishes its call (seconds at most)
+        for lanes, limit in ((self._decode_lanes, DECODER_STOP_S), (self._encode_lanes, ENCODER_STOP_S)):
+            for lane in lanes:
+                if not lane.join(limit):
+                    log.warning("a %s thread did not end within %g s of the stop; exiting without it",
+                                "decoder" if lanes is self._decode_lanes else "encoder", limit)
         for clip in self._clip:
             clip.cancel()
         self._clip = [_dropped() for _ in self._clip]  # the weights (and the GPU's memory) go with the threads
