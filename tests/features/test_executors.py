@@ -174,8 +174,11 @@ def test_ctrl_c_leaves_nothing_half_written_and_a_rerun_resumes(stuck, data, tmp
     equal to one extracted at once."""
     manifest, videos, fifo = stuck
     out = tmp_path / "c"
+    # SIGINT as a terminal delivers it: a suite started in the background by a non-interactive shell has SIGINT
+    # ignored, and its children inherit that
     proc = subprocess.Popen(_cli(manifest, videos, out, "--decoders", "1", "--timeout", "600"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _when_first_shard_lands(proc, out)
     time.sleep(0.5)
     children = _children(proc.pid)
