@@ -88,48 +88,49 @@ class Decoder:
         mask, timestamps and ``error`` ("" or ``"kind: detail"``; a failed video has an all-False mask)."""
         from tvrpipe.features.decode import DecodeFailure
 
-        F, S = frames, image_size
-        out = {"row": item["row"], "frames": np.zeros((F, S, S, 3), np.uint8), "mask": np.zeros(F, bool),
-               "timestamps": np.full(F, np.nan, np.float32), "error": ""}
-        start, end = item["start_s"], item["end_s"]
         try:
-            d = self.worker.decode(item["path"], F, S, None if np.isnan(start) else float(start),
-                                   None if np.isnan(end) else float(end))
-            out.update(frames=d.frames, mask=d.mask, timestamps=d.timestamps)
+            d = self.worker.decode(item["path"], frames, image_size, *_bounds(item))
         except DecodeFailure as e:
-            out["error"] = f"{e.kind}: {e.detail}"
-        out["decoded_at"] = time.time()  # when its frames were ready: the driver's start-up figures
-        return out
+            d = e
+        return _decoded(item, frames, image_size, d)
 
     def decode_moments(self, items: list[dict[str, Any]], frames: int, image_size: int) -> tuple[dict[str, Any], ...]:
         """Moments of one file (items of one path, with bounds) from one open of it
         (:meth:`~tvrpipe.features.decode.DecodeWorker.decode_moments`): one result per item, as :meth:`decode`
         gives; called with ``num_returns=len(items)``, so that each is its own object for the encoders."""
-        from tvrpipe.features.decode import DecodeFailure
+        decoded = self.worker.decode_moments(items[0]["path"], frames, image_size, [_bounds(i) for i in items])
+        return tuple(_decoded(item, frames, image_size, d) for item, d in zip(items, decoded))
 
-        F, S = frames, image_size
-        bounds = [(None if np.isnan(i["start_s"]) else float(i["start_s"]),
-                   None if np.isnan(i["end_s"]) else float(i["end_s"])) for i in items]
-        outs = []
-        for item, d in zip(items, self.worker.decode_moments(items[0]["path"], F, S, bounds)):
-            out = {"row": item["row"], "frames": np.zeros((F, S, S, 3), np.uint8), "mask": np.zeros(F, bool),
-                   "timestamps": np.full(F, np.nan, np.float32), "error": ""}
-            if isinstance(d, DecodeFailure):
-                out["error"] = f"{d.kind}: {d.detail}"
-            else:
-                out.update(frames=d.frames, mask=d.mask, timestamps=d.timestamps)
-            out["decoded_at"] = time.time()
-            outs.append(out)
-        return tuple(outs)
+
+def _bounds(item: dict[str, Any]) -> tuple[float | None, float | None]:
+    """An item's clip bounds as the decoder takes them (None for NaN: no bound)."""
+    return tuple(None if np.isnan(item[k]) else float(item[k]) for k in ("start_s", "end_s"))
+
+
+def _decoded(item: dict[str, Any], frames: int, image_size: int, d: Any) -> dict[str, Any]:
+    """:meth:`Decoder.decode`'s result for ``item`` from ``d``, a decoded video or the ``DecodeFailure`` it met
+    (black frames, an all-False mask and the error), stamped with when it was ready (the driver's start-up
+    figures)."""
+    from tvrpipe.features.decode import DecodeFailure
+
+    F, S = frames, image_size
+    out = {"row": item["row"], "frames": np.zeros((F, S, S, 3), np.uint8), "mask": np.zeros(F, bool),
+           "timestamps": np.full(F, np.nan, np.float32), "error": ""}
+    if isinstance(d, DecodeFailure):
+        out["error"] = f"{d.kind}: {d.detail}"
+    else:
+        out.update(frames=d.frames, mask=d.mask, timestamps=d.timestamps)
+    out["decoded_at"] = time.time()
+    return out
 
 
 class ClipEncoder:
     """One CLIP, loaded once, that encodes both caption shards and batches of decoded frames.
 
     ``tvrpipe extract`` starts ``--encoders`` of them (threads of its own process, or Ray actors with
-    ``--address``; each on a GPU with ``--device cuda``), and both stages send their work to the same ones: the weights load once per encoder,
-    and captions are encoded while the first videos decode. :meth:`facts` reports what the store's
-    provenance takes from the weights, so the driver never loads them itself.
+    ``--address``; each on a GPU with ``--device cuda``), and both stages send their work to the same ones:
+    the weights load once per encoder, and captions are encoded while the first videos decode. :meth:`facts`
+    reports what the store's provenance takes from the weights, so the driver never loads them itself.
 
     Args:
         model, pretrained, seed: the weights, as :func:`~tvrpipe.features.clip.load_clip` takes them.

@@ -136,7 +136,6 @@ class ExtractSummary:
     executor: str = ""  # where the decoders and encoders ran: "local" (this machine, no Ray) or "ray"; "": none ran
     encoders: int = 0  # the encoders that ran
     encode_seconds: float = 0.0  # the encoders' time inside their calls, summed over encoders
-
     first_videos: int = 0  # how many videos the first encoded batch held
     videos_per_call: int = 0  # decoded videos per encoder call (0: no video encoded)
     fitted_frames: int = 0  # --encode-frames auto on cuda: the frames per call that fit the GPU (0: not measured)
