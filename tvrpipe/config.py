@@ -132,14 +132,14 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def parse_value(cls: type, key: str, raw: str, owner: str) -> Any:
+def parse_value(cls: type, key: str, raw: str, owner: str, option: str = "--set") -> Any:
     """``raw`` typed as the field ``key`` of the dataclass ``cls``: bool, int, float and str as
     such (an optional number also takes ``none`` or ``null``), anything else as JSON (e.g. a list).
     NaN is refused everywhere, an infinity unless the field's metadata allows it (:data:`INFINITE_OK`).
 
     Raises:
         ConfigError: ``key`` is not a field of ``cls`` (naming ``owner`` and the valid keys), or
-            ``raw`` is not a value of its type, or not finite.
+            ``raw`` is not a value of its type, or not finite (naming ``option``, the option the user typed).
     """
     hints = field_types(cls)
     if key not in hints:
@@ -156,8 +156,8 @@ def parse_value(cls: type, key: str, raw: str, owner: str) -> Any:
         else:
             value = kind(raw) if kind in (int, float, str) else json.loads(raw)
     except ValueError as e:
-        raise ConfigError(f"--set {key}={raw}: not a valid {getattr(kind, '__name__', kind)}") from e
-    check_finite(value, f"--set {key}={raw}", infinite_ok(cls, key) if dataclasses.is_dataclass(cls) else False)
+        raise ConfigError(f"{option} {key}={raw}: not a valid {getattr(kind, '__name__', kind)}") from e
+    check_finite(value, f"{option} {key}={raw}", infinite_ok(cls, key) if dataclasses.is_dataclass(cls) else False)
     return value
 
 
@@ -170,9 +170,9 @@ def split_item(item: str, option: str = "--set") -> tuple[str, str]:
     return key, raw
 
 
-def parse_fields(cls: type, items: list[str], owner: str) -> dict[str, Any]:
+def parse_fields(cls: type, items: list[str], owner: str, option: str = "--set") -> dict[str, Any]:
     """``["key=value", ...]`` -> values typed by the dataclass ``cls``'s fields (unknown keys fail,
-    naming ``owner``).
+    naming ``owner``; a malformed item or value names ``option``, the option the user typed).
 
     Example:
         >>> from tvrpipe.training.fit import TrainConfig
@@ -181,10 +181,10 @@ def parse_fields(cls: type, items: list[str], owner: str) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for item in items:
-        key, raw = split_item(item)
+        key, raw = split_item(item, option)
         if key in out:  # the last one would win silently
-            raise ConfigError(f"--set {key} is given twice ({key}={out[key]!r} and {item}); give each field once")
-        out[key] = parse_value(cls, key, raw, owner)
+            raise ConfigError(f"{option} {key} is given twice ({key}={out[key]!r} and {item}); give each field once")
+        out[key] = parse_value(cls, key, raw, owner, option)
     return out
 
 

@@ -307,7 +307,7 @@ def test_ivfpq_checks_its_settings_and_is_flat_below_ivf_from():
     emb = unit(500, 12, 6)
     with pytest.raises(ConfigError, match="m=5 does not divide D=12"):
         cls.build(emb, stage_config("faiss-ivfpq", ["ivf_from=100", "m=5"]))
-    with pytest.raises(ConfigError, match="faiss-ivfpq: nprobe must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match="--first-stage-set of faiss-ivfpq: nprobe must be >= 1, got 0"):
         stage_config("faiss-ivfpq", ["nprobe=0"])
     flat = cls.build(emb)
     assert flat.describe() == "faiss-ivfpq: IndexFlatIP (exact below 10,000 videos)"

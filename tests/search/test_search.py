@@ -529,6 +529,13 @@ def test_the_cli_searches_with_any_registered_first_stage_and_its_settings(tiny_
     assert meta["first_stage"]["name"] == "faiss-ivfpq" and meta["first_stage"]["settings"]["ivf_from"] == 2
     r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss", "--first-stage-set", "nprobe=4")
     assert r.exit_code == 1 and "first stage faiss-hnsw has no setting 'nprobe'; known: ef_construction" in _text(r)
+    # a value, an item or a repeat the parser refuses is blamed on the option typed, not on train-head's --set
+    for items, said in ((["nprobe=abc"], "--first-stage-set nprobe=abc: not a valid int"),
+                        (["nprobe"], "--first-stage-set expects key=value, got 'nprobe'"),
+                        (["nprobe=1", "nprobe=2"], "--first-stage-set nprobe is given twice")):
+        r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "faiss-ivfpq",
+                *[a for i in items for a in ("--first-stage-set", i)])
+        assert r.exit_code == 1 and said in _text(r) and "--set " not in _text(r), _text(r)
 
 
 def test_faiss_missing_advises_the_install_that_works(tiny_copy, cli, monkeypatch):

@@ -41,7 +41,7 @@ class StageConfig:
     owner: ClassVar[str] = "first stage"  # not a setting: the registered name, for messages
 
     def __post_init__(self) -> None:
-        check_fields(self, self.owner)
+        check_fields(self, f"--first-stage-set of {self.owner}")  # the only way a user sets these
 
 
 class FirstStageIndex(ABC):
@@ -226,7 +226,7 @@ def stage_settings(name: str, settings: Settings | None) -> dict[str, Any]:
     if unknown:  # said before parse_fields would, with the settings there are
         raise ConfigError(f"first stage {cls.name} has no setting {unknown[0]!r}; known: "
                           f"{', '.join(sorted(fields)) or 'none'}")
-    return dict(settings) if mapping else parse_fields(cls.Config, list(settings), cls.name)
+    return dict(settings) if mapping else parse_fields(cls.Config, list(settings), cls.name, "--first-stage-set")
 
 
 def stage_config(name: str, settings: Settings | None = None) -> StageConfig:
