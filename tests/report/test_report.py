@@ -153,8 +153,9 @@ def test_seeds_form_one_row_with_mean_and_sample_std(report, runs):
     assert _row(runs_table, "tmass")[2] == str(_metrics(runs / "tmass" / "seed0")["selected_epoch"])
     # the software each run was trained with, as its config.yaml records it
     from tvrpipe.environment import versions, versions_text
-    assert _row(runs_table, "tmass")[4] == versions_text(versions()).replace("|", "\\|")
-    assert rec["versions"] == versions_text(versions())
+    assert _row(runs_table, "tmass")[4] == "cpu, in memory"  # how it ran
+    assert _row(runs_table, "tmass")[5] == versions_text(versions()).replace("|", "\\|")
+    assert rec["versions"] == versions_text(versions()) and rec["ran with"] == "cpu, in memory"
 
 
 def test_raw_dsl_and_rerank_tables_apart(report, runs):
@@ -229,6 +230,47 @@ def test_variants_copies_incomplete_and_plots_without_readouts(runs, tmp_path):
     assert re.search(r"## Skipped\n\n- `[^`]*unfinished`: unfinished: no metrics.json", md)
     assert not (tmp_path / "rep" / "uncertainty.png").exists()  # xpool logs no readouts
     assert "uncertainty: no run logs uncertainty readouts" in md
+
+
+def test_execution_settings_never_split_a_row_and_show_in_the_runs_table(runs, tmp_path):
+    """Runs that differ only in how they ran (memory budget and the data mode it chose, device, prefetch, evaluation
+    batches; finetune's workers and GPU) are one row, and one configuration change still splits them."""
+    def copy(src: Path, name: str, edit) -> None:
+        dst = tmp_path / "runs" / name
+        shutil.copytree(src, dst)
+        cfg = yaml.safe_load((dst / "config.yaml").read_text())
+        edit(cfg)
+        (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+    def streamed(cfg):
+        cfg["train"]["memory_budget"] = 2_000_000
+        cfg["data"] = {**cfg["data"], "mode": "streamed", "budget": "0.00 GB (--memory-budget)"}
+
+    def elsewhere(cfg):
+        cfg["train"].update(prefetch=False, eval_batch=7, block_texts=5)
+
+    def other_lr(cfg):
+        cfg["train"]["weight_decay"] = 0.5
+
+    copy(runs / "xpool" / "seed0", "in-memory", lambda cfg: None)
+    copy(runs / "xpool" / "seed0", "streamed", streamed)
+    copy(runs / "xpool" / "seed1", "no-prefetch", elsewhere)
+    copy(runs / "xpool" / "seed1", "decayed", other_lr)
+    [section] = group_runs(find_runs([tmp_path / "runs"])[0])
+    assert [(r.label, len(r.runs)) for r in section.rows] == [("xpool (weight_decay=0.2)", 3),
+                                                               ("xpool (weight_decay=0.5)", 1)]
+    md = write_report([tmp_path / "runs"], tmp_path / "rep").read_text()
+    runs_table = [line for line in md.splitlines() if line.startswith("| xpool (weight_decay=0.2) |")
+                  and "config" not in line and "ran with" not in line]
+    ran_with = sorted(line.split("|")[5].strip() for line in runs_table if "/runs/" in line or "runs/" in line)
+    assert ran_with == ["cpu, in memory", "cpu, in memory, no prefetch", "cpu, streamed, memory_budget=2000000"], md
+    ft = {"end_to_end": True, "model": "ViT-B-32", "epochs": 5, "seed": 0}
+    for name, execution in (("ft-1", {"num_workers": 0, "use_gpu": False}),
+                            ("ft-2", {"num_workers": 2, "use_gpu": True, "eval_batch": 8})):
+        copy(runs / "xpool" / "seed0", name, lambda cfg, e=execution: (
+            cfg.pop("train"), cfg.update(finetune=dict(ft), execution=e, features=None)))
+    rows = group_runs(find_runs([tmp_path / "runs"])[0])[0].rows
+    assert [(r.label, len(r.runs)) for r in rows if "finetune" in r.label] == [("xpool (finetune end-to-end)", 2)]
 
 
 def test_finetune_run_shares_the_dataset_and_is_named_by_mode(runs, tmp_path):

@@ -18,7 +18,9 @@ from tvrpipe.environment import versions_text
 from tvrpipe.evaluation.metrics import bootstrap_recall, paired_recall_difference
 from tvrpipe.report.runs import DIRECTIONS, RunRecord, Skipped
 from tvrpipe.rundir import METRICS, ordered_variants
+from tvrpipe.training.finetune.config import EXECUTION as FINETUNE_EXECUTION
 from tvrpipe.training.recipes import Published
+from tvrpipe.training.settings import EXECUTION_FIELDS as TRAIN_EXECUTION
 
 HIGHER_IS_BETTER = {"R@1": True, "R@5": True, "R@10": True, "MdR": False, "MnR": False}
 # how each score variant is titled, and what it is; a variant not listed here is titled by its key
@@ -32,7 +34,9 @@ SCORE_TITLES = {
                                                "(`Head.rerank`, e.g. DUQ Eq. 16); not comparable with raw scores.")),
 }
 # settings that do not change what a run learns: runs differing only in these share a row
-_NOT_IDENTITY = frozenset({"seed", "device", "prefetch", "eval_batch", "block_texts"})
+# how a run executed, never what it learnt: runs that differ only in these share a row (and its paired tests), and
+# the runs table shows them; data (in memory or streamed) is a section of config.yaml of its own, outside identity
+_NOT_IDENTITY = frozenset({"seed", *TRAIN_EXECUTION, *FINETUNE_EXECUTION})
 _HASH = re.compile(r"^[0-9a-f]{32,}$")
 
 
@@ -351,12 +355,30 @@ def _link(path: Path, out: Path) -> str:
 
 
 def _runs_table(section: Section, out: Path) -> list[str]:
-    lines = ["| Method | seed | selected epoch | epochs run | versions | run |", "|---|---:|---:|---:|---|---|"]
+    lines = ["| Method | seed | selected epoch | epochs run | ran with | versions | run |",
+             "|---|---:|---:|---:|---|---|---|"]
     for row in section.rows:
         for r in row.runs:
             lines.append(f"| {row.label} | {r.seed} | {r.metrics.get('selected_epoch', '?')} | {len(r.epochs)} | "
-                         f"{_versions_cell(r.config)} | {_link(r.dir, out)} |")
+                         f"{execution_text(r.config)} | {_versions_cell(r.config)} | {_link(r.dir, out)} |")
     return lines
+
+
+def execution_text(config: dict) -> str:
+    """How a run executed, from its config.yaml: the execution settings that tell runs of one row apart (device,
+    memory budget, prefetch, workers...) and its data mode, e.g. ``cpu, in memory, memory_budget=2000000``."""
+    if "finetune" in config:
+        ex = dict(config.get("execution") or {})
+        parts = ["gpu" if ex.pop("use_gpu", False) else "cpu"]
+        parts += [f"{k}={_fmt_value(v)}" for k, v in ex.items() if k in ("num_workers", "address") and v]
+    else:
+        train = config.get("train") or {}
+        parts = [str(train.get("device", "cpu")), str((config.get("data") or {}).get("mode", "in memory"))]
+        if train.get("memory_budget") is not None:
+            parts.append(f"memory_budget={train['memory_budget']}")
+        if train.get("prefetch") is False:
+            parts.append("no prefetch")
+    return ", ".join(parts).replace("|", "\\|")
 
 
 def _versions_cell(config: dict) -> str:
@@ -388,11 +410,12 @@ def csv_rows(sections: list[Section]) -> list[dict]:
                     rec["R@1 95% low"], rec["R@1 95% high"] = interval if interval else (None, None)
                     rec["runs"] = " ".join(str(r.dir) for r in runs)
                     rec["versions"] = " / ".join(dict.fromkeys(_versions_cell(r.config) for r in runs))
+                    rec["ran with"] = " / ".join(dict.fromkeys(execution_text(r.config) for r in runs))
                     rows.append(rec)
                     published = row.published if variant == "raw" else None
                     line = {**{k: rec[k] for k in ("dataset", "split_set", "split", "direction", "method")},
                             "n_videos": None, "n_texts": None, "row": f"{row.label}: published", "seeds": 0,
-                            "seed_values": "", "versions": ""}
+                            "seed_values": "", "versions": "", "ran with": ""}
                     if published and published.left_out:  # said here too, not only in report.md
                         rows.append({**line, "scores": "published-left-out",
                                      **{k: None for m in METRICS for k in (m, f"{m} std")},

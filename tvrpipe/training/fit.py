@@ -69,7 +69,7 @@ from tvrpipe.training.core import (
 )
 from tvrpipe.training.data import SplitData, Splits, check_captioned, store_split_rows
 from tvrpipe.training.evaluate import evaluate_split
-from tvrpipe.training.settings import TrainConfig
+from tvrpipe.training.settings import EXECUTION_FIELDS, TrainConfig
 from tvrpipe.training.stream import (
     IN_MEMORY_ORDER,
     DataPlan,
@@ -82,11 +82,9 @@ from tvrpipe.training.stream import (
 log = logging.getLogger(__name__)
 
 
-# trainer settings that decide how a run executes, not what it learns: a resumed run may change them
-# (config.yaml keeps the first invocation's and lists the changes under resumed_execution)
-# (the memory budget only picks how the data is read, which the run records under data: mode, order, buffer)
-EXECUTION = ("train.device", "train.prefetch", "train.eval_batch", "train.block_texts", "train.memory_budget",
-             "data.budget", "data.needs")
+# config.yaml's keys that a resumed run may change (config.yaml keeps the first invocation's and lists the changes
+# under resumed_execution): the execution settings, and what the data plan measured of this machine
+EXECUTION = (*(f"train.{k}" for k in EXECUTION_FIELDS), "data.budget", "data.needs")
 
 
 def check_device(device: str) -> None:

@@ -13,6 +13,10 @@ from tvrpipe.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adam")
 EPOCH_PAIRS = ("captions", "videos")
+# TrainConfig's fields that decide how a run executes, not what it learns: a resumed run may change them, and
+# the report never tells runs apart by them (the memory budget only picks how the data is read, which the run
+# records under data: mode, order, buffer)
+EXECUTION_FIELDS = ("device", "prefetch", "eval_batch", "block_texts", "memory_budget")
 
 
 def check_lr_values(group_lr: Mapping[str, float]) -> None:
