@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tvrpipe.data.synth import synthesize
+from tvrpipe.errors import ConfigError
 from tvrpipe.features.clip import TINY_MODEL
 
 # [x], [/x] and [bold] in folder and file names: Rich would read each as markup (and [/x] as a closing tag
@@ -154,10 +155,27 @@ def test_search_outputs_are_all_checked_before_any_is_written(odd, cli, tmp_path
     blocker.write_text("x")
     for bad, why in ((blocker / "x.csv", f"{blocker} is a file, so the folder cannot be created"),
                      (tmp_path, "is a folder; give a file name"),
-                     (tmp_path / "ok.json", "name the same file")):
+                     (tmp_path / "ok.json", "name the same file"),
+                     # a folder that cannot be made although its parent exists, and which a permission check
+                     # (root passes them all) lets through: only making it tells
+                     *([(Path("/proc/x/hits.csv"), "--csv /proc/x: cannot write there (/proc/x")]
+                       if Path("/proc/self").exists() else [])):
         r = cli("search", "a dog", "--features", store, "--json", tmp_path / "ok.json", "--csv", bad)
         assert r.exit_code == 1 and why in _flat(r.output), r.output
         assert not (tmp_path / "ok.json").exists()  # the good output waits for the bad one: none is written
+
+
+def test_a_writable_check_makes_the_folder_for_real_and_leaves_nothing(tmp_path):
+    from tvrpipe.lock import check_writable
+
+    check_writable(tmp_path / "a" / "b" / "c", "--out")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "d").mkdir()
+    check_writable(tmp_path / "d", "--out")
+    assert list((tmp_path / "d").iterdir()) == []
+    with pytest.raises(ConfigError, match=f"--out {tmp_path / 'f' / 'x'}: .* is a file"):
+        (tmp_path / "f").write_text("")
+        check_writable(tmp_path / "f" / "x", "--out")
 
 
 def test_bench_json_creates_nothing_before_the_measurement_writes_it(cli, tmp_path):

@@ -15,11 +15,13 @@ and holds its own directory's lock only while it rereads and rewrites its tables
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -173,8 +175,9 @@ def nearest_existing(path: str | os.PathLike[str]) -> Path:
 def check_writable(path: str | os.PathLike[str], option: str = "--out") -> None:
     """Raise :class:`ConfigError` if the directory ``path`` could not be created or written.
 
-    Creates nothing: checks the nearest existing ancestor. (Root passes permission checks, so
-    :class:`DirLock` also turns a failed creation into the same one-line error.)
+    Tried for real, and nothing is left: the folders missing on the way are made, a hidden file is created in
+    ``path`` and removed, then the folders made are removed again. A permission check alone passes where
+    writing fails: root passes every one, on a read-only file system or under ``/proc`` too.
     """
     p = Path(path)
     if p.exists() and not p.is_dir():
@@ -184,3 +187,19 @@ def check_writable(path: str | os.PathLike[str], option: str = "--out") -> None:
         raise ConfigError(f"{option} {p}: {ancestor} is a file, so the directory cannot be created")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ConfigError(f"{option} {p}: cannot write there ({ancestor} is not writable); choose a writable directory")
+    made: list[Path] = []
+    try:
+        for folder in reversed([q for q in (p.absolute(), *p.absolute().parents) if q not in ancestor.parents
+                                and q != ancestor]):
+            folder.mkdir()
+            made.append(folder)
+        fd, probe = tempfile.mkstemp(prefix=".tvrpipe-write-check-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{option} {p}: cannot write there ({e.filename or p}: {e.strerror or e}); choose a "
+                          "writable directory") from None
+    finally:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
