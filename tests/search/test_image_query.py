@@ -107,6 +107,188 @@ def test_a_picture_is_turned_upright_by_its_exif_orientation_and_made_rgb(tmp_pa
     np.testing.assert_array_equal(np.asarray(open_image(tmp_path / "grey.png")), np.repeat(rgb[..., :1], 3, -1))
 
 
+def _png16(path: Path, values: np.ndarray, colour_type: int, transparent: int | None = None) -> Path:
+    """A 16-bit PNG written from the format's definition (zlib, CRCs), not by Pillow: ``colour_type`` 0 (grey,
+    values (H, W)) or 2 (RGB, values (H, W, 3)); ``transparent``: a grey value PNG's tRNS marks transparent."""
+    import struct
+    import zlib
+
+    h, w = values.shape[:2]
+    raw = b"".join(b"\0" + values[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    trns = chunk(b"tRNS", struct.pack(">H", transparent)) if transparent is not None else b""
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, colour_type, 0, 0, 0))
+                     + trns + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return path
+
+
+def _over_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """The definition of compositing over white, in floats: c a / 255 + 255 (1 - a / 255), rounded."""
+    a = alpha.astype(np.float64)[..., None] / 255
+    return np.rint(rgb.astype(np.float64) * a + 255 * (1 - a)).astype(np.uint8)
+
+
+def _grey3(grey: np.ndarray) -> np.ndarray:
+    return np.repeat(grey[..., None], 3, axis=-1).astype(np.uint8)
+
+
+def test_a_mid_grey_16_bit_png_is_mid_grey_not_white(tmp_path):
+    """Pillow's own convert("RGB") clips 16-bit values at 255: every grey above 255 of 65535 came out white."""
+    _png16(tmp_path / "grey16.png", np.full((8, 8), 32768, np.uint16), 0)
+    picture = open_image(tmp_path / "grey16.png")
+    assert picture.mode == "RGB"
+    np.testing.assert_array_equal(np.asarray(picture), np.full((8, 8, 3), 128, np.uint8))  # round(32768 / 257)
+    np.testing.assert_array_equal(frame_of_image(picture, S), np.full((S, S, 3), 128, np.uint8))
+
+
+def _pictures(tmp_path: Path) -> list[tuple[str, Path, np.ndarray, int]]:
+    """``(case, file, RGB the definition gives, tolerance)`` for a picture of each mode Pillow opens. Tolerance 0
+    where the definition is integer arithmetic; 1 for Pillow's fixed-point conversions (YCbCr, CMYK) and the
+    rounding of a premultiplied alpha divided out; 2 for CIELAB through LittleCMS (8-bit, D50 adapted to sRGB's
+    D65: white comes out (254, 255, 254))."""
+    rng = np.random.default_rng(7)
+    shape = (6, 10)
+    v16 = rng.integers(0, 65536, shape).astype(np.uint16)
+    v16[0, :4] = [0, 32768, 65535, 128]  # black, mid-grey, white, a value Pillow's clip kept as 128
+    ref16 = _grey3(np.rint(v16 / 257))
+    out = [("16-bit grey PNG (I;16)", _png16(tmp_path / "grey16.png", v16, 0), ref16, 0)]
+    masked = v16.copy()
+    masked[1, 1] = 1234
+    grey = np.rint(masked / 257)
+    grey[masked == 1234] = 255
+    out.append(("16-bit grey PNG, a value transparent (tRNS)", _png16(tmp_path / "trns16.png", masked, 0, 1234),
+                _grey3(grey), 0))
+    rgb16 = rng.integers(0, 65536, (*shape, 3)).astype(np.uint16)
+    out.append(("16-bit RGB PNG (Pillow keeps each high byte)", _png16(tmp_path / "rgb16.png", rgb16, 2),
+                np.rint(rgb16 / 257).astype(np.uint8), 1))
+    Image.frombytes("I;16B", shape[::-1], v16.astype(">u2").tobytes()).save(tmp_path / "big.tif")
+    out.append(("16-bit big-endian TIFF (I;16B)", tmp_path / "big.tif", ref16, 0))
+    Image.fromarray(v16.astype(np.int32)).save(tmp_path / "int.tif")
+    out.append(("32-bit integer TIFF of 16-bit values (I)", tmp_path / "int.tif", ref16, 0))
+    (tmp_path / "grey16.pgm").write_bytes(f"P5 {shape[1]} {shape[0]} 65535\n".encode() + v16.astype(">u2").tobytes())
+    out.append(("16-bit PGM (I)", tmp_path / "grey16.pgm", ref16, 0))
+    f = rng.random(shape).astype(np.float32)
+    f[0, :2] = [0.0, 1.0]
+    Image.fromarray(f).save(tmp_path / "float.tif")
+    out.append(("32-bit float TIFF on [0, 1] (F)", tmp_path / "float.tif", _grey3(np.rint(f.astype(np.float64) * 255)),
+                0))
+    bits = rng.random(shape) < 0.5
+    Image.fromarray(bits).save(tmp_path / "bits.png")
+    out.append(("1-bit PNG (1)", tmp_path / "bits.png", _grey3(bits * 255), 0))
+    palette = rng.integers(0, 256, (256, 3), dtype=np.uint8)
+    index = rng.integers(0, 256, shape).astype(np.uint8)
+    p = Image.frombytes("P", shape[::-1], index.tobytes())
+    p.putpalette(palette.tobytes())
+    p.save(tmp_path / "palette.png")
+    out.append(("palette PNG (P)", tmp_path / "palette.png", palette[index], 0))
+    entry_alpha = rng.integers(0, 256, 256).astype(np.uint8)
+    p.save(tmp_path / "palette-alpha.png", transparency=entry_alpha.tobytes())
+    out.append(("palette PNG, an alpha per entry (P, tRNS)", tmp_path / "palette-alpha.png",
+                _over_white(palette[index], entry_alpha[index]), 0))
+    p.save(tmp_path / "palette.gif", transparency=int(index[0, 0]))
+    gif = palette[index].copy()
+    gif[index == index[0, 0]] = 255
+    out.append(("GIF, a palette entry transparent (P)", tmp_path / "palette.gif", gif, 0))
+    pa = Image.frombytes("PA", shape[::-1], np.stack([index, entry_alpha[index]], -1).tobytes())
+    pa.putpalette(palette.tobytes())
+    pa.save(tmp_path / "pa.tif")
+    out.append(("palette and alpha TIFF (PA)", tmp_path / "pa.tif", _over_white(palette[index], entry_alpha[index]), 0))
+    la = rng.integers(0, 256, (*shape, 2), dtype=np.uint8)
+    Image.fromarray(la).save(tmp_path / "la.png")
+    out.append(("grey and alpha PNG (LA)", tmp_path / "la.png", _over_white(_grey3(la[..., 0]), la[..., 1]), 0))
+    rgba = rng.integers(0, 256, (*shape, 4), dtype=np.uint8)
+    rgba[0, :3, 3] = [0, 255, 128]  # transparent, opaque, half
+    Image.fromarray(rgba).save(tmp_path / "rgba.png")
+    out.append(("RGBA PNG", tmp_path / "rgba.png", _over_white(rgba[..., :3], rgba[..., 3]), 0))
+    cmyk = rng.integers(0, 256, (*shape, 4), dtype=np.uint8)
+    cmyk[0, :4] = [[0, 0, 0, 0], [255, 0, 0, 0], [0, 255, 255, 0], [0, 0, 0, 255]]  # white, cyan, red, black
+    Image.frombytes("CMYK", shape[::-1], cmyk.tobytes()).save(tmp_path / "cmyk.tif")
+    c = cmyk.astype(np.float64)
+    out.append(("CMYK TIFF", tmp_path / "cmyk.tif",
+                np.rint((255 - c[..., :3]) * (255 - c[..., 3:]) / 255).astype(np.uint8), 1))
+    ycc = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    ycc[0, :2] = [[76, 85, 255], [128, 128, 128]]  # red, mid-grey
+    Image.frombytes("YCbCr", shape[::-1], ycc.tobytes()).save(tmp_path / "ycc.tif")
+    y, cb, cr = (ycc[..., k].astype(np.float64) for k in range(3))
+    jfif = np.stack([y + 1.402 * (cr - 128), y - 0.344136 * (cb - 128) - 0.714136 * (cr - 128),
+                     y + 1.772 * (cb - 128)], -1)
+    out.append(("YCbCr TIFF (JFIF's formula)", tmp_path / "ycc.tif", np.rint(np.clip(jfif, 0, 255)).astype(np.uint8), 1))
+    lightness = np.arange(60, dtype=np.uint8).reshape(shape) * 4 + 10  # neutral greys: a = b = 0
+    Image.frombytes("LAB", shape[::-1], np.stack([lightness, 0 * lightness, 0 * lightness], -1).tobytes()).save(
+        tmp_path / "lab.tif")
+    star = lightness.astype(np.float64) * 100 / 255  # L*, then CIE's Y and sRGB's transfer function
+    lum = np.where(star > 8, ((star + 16) / 116) ** 3, star / 903.3)
+    srgb = np.where(lum <= 0.0031308, 12.92 * lum, 1.055 * lum ** (1 / 2.4) - 0.055)
+    out.append(("CIELAB TIFF, greys (LAB)", tmp_path / "lab.tif", _grey3(np.rint(srgb * 255)), 2))
+    return out
+
+
+def test_every_mode_pillow_opens_is_made_rgb_as_its_definition_says(tmp_path):
+    for case, path, want, tolerance in _pictures(tmp_path):
+        got = open_image(path)
+        assert got.mode == "RGB" and got.size == want.shape[1::-1], case
+        diff = np.abs(np.asarray(got).astype(int) - want.astype(int))
+        assert diff.max() <= tolerance, (case, diff.max())
+        with Image.open(path) as raw:  # a caller holding the picture in its own mode gets the same frame
+            np.testing.assert_array_equal(frame_of_image(raw, S), frame_of_image(got, S))
+
+
+def test_modes_only_made_in_memory_are_made_rgb_too():
+    """Premultiplied alpha (La, RGBa), HSV and RGBX: no file format opens as them, a caller of as_rgb may hold them."""
+    from tvrpipe.features.images import as_rgb
+
+    rng = np.random.default_rng(3)
+    shape = (4, 8)
+    alpha = rng.integers(1, 256, shape).astype(np.uint8)
+    straight = rng.integers(0, 256, (*shape, 3)).astype(np.uint8)
+    premult = np.rint(straight * (alpha[..., None] / 255)).astype(np.uint8)
+    rgba = Image.frombytes("RGBa", shape[::-1], np.concatenate([premult, alpha[..., None]], -1).tobytes())
+    la = Image.frombytes("La", shape[::-1], np.stack([premult[..., 0], alpha], -1).tobytes())
+    # over white, premultiplied: c' + 255 - a; Pillow divides the alpha out first, rounding to 8 bits: 1 level
+    want = np.rint(premult.astype(np.float64) + 255 - alpha[..., None]).astype(int)
+    assert np.abs(np.asarray(as_rgb(rgba)).astype(int) - want).max() <= 1
+    assert np.abs(np.asarray(as_rgb(la)).astype(int) - want[..., :1]).max() <= 1
+    hsv = rng.integers(0, 256, (*shape, 3)).astype(np.uint8)
+    hsv[0, :3] = [[0, 255, 255], [85, 255, 255], [0, 0, 128]]  # red, green, mid-grey
+    import colorsys
+
+    ref = np.array([[colorsys.hsv_to_rgb(*(px / 255)) for px in row] for row in hsv.astype(np.float64)]) * 255
+    got = np.asarray(as_rgb(Image.frombytes("HSV", shape[::-1], hsv.tobytes()))).astype(int)
+    assert np.abs(got - np.rint(ref)).max() <= 1
+    assert got[0, :3].tolist() == [[255, 0, 0], [0, 255, 0], [128, 128, 128]]
+    rgbx = rng.integers(0, 256, (*shape, 4)).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(as_rgb(Image.frombytes("RGBX", shape[::-1], rgbx.tobytes()))),
+                                  rgbx[..., :3])
+
+
+def test_values_with_no_known_white_and_unknown_modes_are_refused_naming_the_file_and_mode(tmp_path):
+    from types import SimpleNamespace
+
+    from tvrpipe.features.images import as_rgb
+
+    Image.fromarray(np.array([[0, 70000]], np.int32)).save(tmp_path / "int32.tif")
+    Image.fromarray(np.array([[0.0, 2.5]], np.float32)).save(tmp_path / "hdr.tif")
+    Image.fromarray(np.array([[0.5, np.nan]], np.float32)).save(tmp_path / "nan.tif")
+    Image.fromarray(np.array([[-1, 5]], np.int32)).save(tmp_path / "negative.tif")
+    for name, message in [
+        ("int32.tif", "a 32-bit integer picture (Pillow mode 'I') whose values span 0 to 70000, beyond 16 bits, so "
+                      "its white is unknown; save it as an 8-bit RGB PNG or JPEG, or a 16-bit PNG"),
+        ("negative.tif", "(Pillow mode 'I') whose values span -1 to 5, beyond 16 bits"),
+        ("hdr.tif", "a 32-bit float picture (Pillow mode 'F') whose values span 0 to 2.5: tvrpipe reads a float "
+                    "picture on [0, 1] (0 black, 1 white); save it as an 8-bit RGB PNG or JPEG"),
+        ("nan.tif", "(Pillow mode 'F') whose values span 0.5 to 0.5, some NaN or infinite: tvrpipe reads"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            open_image(tmp_path / name)
+        assert str(e.value).startswith(f"{tmp_path / name}: ") and message in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=r"^odd.raw: a picture in Pillow mode 'BGR;24', which tvrpipe does not "
+                                          r"convert to RGB; save it as an 8-bit RGB PNG or JPEG$"):
+        as_rgb(SimpleNamespace(mode="BGR;24", has_transparency_data=False), "odd.raw")
+
+
 # ----------------------------------------------------------------------------- the query embedding
 
 
@@ -213,6 +395,7 @@ def test_bad_pictures_and_mixed_queries_are_one_line_naming_them_and_nothing_is_
     Image.fromarray(noise).save(tmp_path / "whole.png")
     (tmp_path / "half.png").write_bytes((tmp_path / "whole.png").read_bytes()[:4000])  # a PNG cut short
     (tmp_path / "q.txt").write_text("a dog\n")
+    Image.fromarray(np.full((64, 64), 4.0, np.float32)).save(tmp_path / "hdr.tif")
     out = tmp_path / "hits.json"
     for args, message in [
         (["--image", tmp_path / "missing.png"], f"error: --image {tmp_path / 'missing.png'}: no such file"),
@@ -222,6 +405,9 @@ def test_bad_pictures_and_mixed_queries_are_one_line_naming_them_and_nothing_is_
         (["--image", tmp_path / "empty.png"], f"error: --image {tmp_path / 'empty.png'} is not a picture"),
         (["--image", tmp_path / "ok.png", "--image", tmp_path / "half.png"],
          f"error: --image {tmp_path / 'half.png'}: the picture cannot be read (OSError: "),
+        (["--image", tmp_path / "hdr.tif"], f"error: --image {tmp_path / 'hdr.tif'}: a 32-bit float picture (Pillow "
+                                            "mode 'F') whose values span 4 to 4: tvrpipe reads a float picture on "
+                                            "[0, 1]"),
         (["a dog", "--image", tmp_path / "ok.png"], f"error: --image {tmp_path / 'ok.png'} and a text query ('a dog') "
                                                     "were both given: search with pictures or with sentences, in "
                                                     "separate searches"),

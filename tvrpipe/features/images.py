@@ -6,13 +6,35 @@ short side to S with FFmpeg's swscale **bilinear** filter and the long side to `
 (:func:`~tvrpipe.features.decode.sampling.resize_dims`, torchvision's ``Resize(S)`` rounding), and takes the
 centre crop S x S (:func:`~tvrpipe.features.decode.sampling.centre_crop`, torchvision's);
 :func:`~tvrpipe.features.clip.encode_frames` then scales it to [0, 1] and normalises it. A picture gets the same
-steps: turned upright by its EXIF orientation, converted to RGB (an alpha channel is dropped), resized by
-swscale's bilinear filter through PyAV (the call and filter of decode's PyAV reader) and cropped by decode's own
-centre crop. So a frame as extraction decoded it (S x S), saved without loss, gives exactly extraction's pixels,
-and CLIP's embedding of them is the stored one to the store's float16 rounding (an encoder call over another
-number of frames may change the last bit of a float32 sum). A larger picture of a frame comes close but not to
-the pixel: a video's frame is scaled from its YUV planes while they are converted to RGB, a picture's RGB pixels
-are scaled as they are.
+steps: turned upright by its EXIF orientation, made 8-bit RGB (:func:`as_rgb`), resized by swscale's bilinear
+filter through PyAV (the call and filter of decode's PyAV reader) and cropped by decode's own centre crop. So a
+frame as extraction decoded it (S x S), saved without loss, gives exactly extraction's pixels, and CLIP's
+embedding of them is the stored one to the store's float16 rounding (an encoder call over another number of
+frames may change the last bit of a float32 sum). A larger picture of a frame comes close but not to the pixel: a
+video's frame is scaled from its YUV planes while they are converted to RGB, a picture's RGB pixels are scaled as
+they are.
+
+Making a picture 8-bit RGB (Pillow's modes; Pillow's own ``convert("RGB")`` clips 16-bit and float values at
+255, so a mid-grey 16-bit PNG would come out white):
+
+- 8-bit colour and grey (``RGB``, ``RGBX``, ``L``, ``1``, ``P``, ``CMYK``, ``YCbCr``, ``LAB``, ``HSV``): Pillow's
+  conversion (CMYK by its formula ``R = (255 - C)(255 - K) / 255``, without a colour profile; YCbCr by JFIF's).
+- 16-bit grey (``I;16``, ``I;16B``, ``I;16L``, ``I;16N``, as Pillow 13 opens a 16-bit grey PNG or TIFF, and ``I``,
+  as it opens a 16-bit PGM and older versions opened a 16-bit PNG): each value v becomes ``round(v / 257)``, so
+  65535 is 255 and 32768 is 128. A mode ``I`` picture holding a value outside 0-65535 (a 32-bit TIFF) has no white
+  tvrpipe could know: refused.
+  Pillow itself opens 16-bit colour PNGs as 8-bit, keeping each value's high byte (``v >> 8``, within one level of
+  ``v / 257``).
+- 32-bit float grey (``F``): read as the usual [0, 1] scale, v becoming ``round(255 v)``; a picture with a value
+  outside [0, 1] or not a number is refused rather than rescaled by its own range, which would brighten a dark
+  picture into another one.
+- Transparency (an alpha channel: ``RGBA``, ``LA``, ``PA``, the premultiplied ``RGBa`` and ``La``; a palette's or
+  a colour's transparency): composited over white, ``round((c a + 255 (255 - a)) / 255)``. choice: dropping the
+  alpha would show whatever colour a transparent pixel happens to store (often black, or a leftover of an edit),
+  which no viewer shows; white is what a page or a document shows behind a cut-out picture, where such pictures
+  come from. An opaque pixel keeps its colour exactly, so a frame saved with an alpha channel still gives
+  extraction's pixels.
+- Any other mode is refused, naming the file and the mode: never a picture silently read wrong.
 """
 
 from __future__ import annotations
@@ -25,12 +47,19 @@ import numpy as np
 
 from tvrpipe.errors import ConfigError
 
+BACKGROUND = 255  # choice: a transparent pixel is composited over white (module docstring)
+_PILLOW_RGB = frozenset({"RGB", "RGBX", "L", "1", "P", "CMYK", "YCbCr", "LAB", "HSV"})
+_ALPHA = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+_SIXTEEN_BIT = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})
+_SAVE_AS = "save it as an 8-bit RGB PNG or JPEG"
+
 
 def open_image(path: str | os.PathLike[str]) -> Any:
-    """The picture at ``path`` as an upright RGB PIL image, decoded in full.
+    """The picture at ``path`` as an upright 8-bit RGB PIL image (:func:`as_rgb`), decoded in full.
 
     Raises:
-        ConfigError: the file is missing, is a folder, or is not a picture Pillow reads (naming it and why).
+        ConfigError: the file is missing, is a folder, is not a picture Pillow reads, or holds values tvrpipe
+            cannot map to 8-bit RGB (naming it and why).
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -43,7 +72,7 @@ def open_image(path: str | os.PathLike[str]) -> Any:
         with Image.open(p) as im:
             im.load()
             upright = ImageOps.exif_transpose(im)  # as decode turns a phone video upright
-            return upright.convert("RGB")
+            return as_rgb(upright, p)
     except UnidentifiedImageError:
         raise ConfigError(f"{p} is not a picture (Pillow recognises no image format in it; give a JPEG, PNG, "
                           "WebP, ... file)") from None
@@ -51,8 +80,62 @@ def open_image(path: str | os.PathLike[str]) -> Any:
         raise ConfigError(f"{p}: the picture cannot be read ({type(e).__name__}: {e})") from None
 
 
+def as_rgb(image: Any, name: str | os.PathLike[str] = "the picture") -> Any:
+    """A PIL image of any mode Pillow opens as an 8-bit RGB PIL image, its values mapped as the module docstring
+    says (16-bit scaled, float read on [0, 1], transparency over white).
+
+    Raises:
+        ConfigError: a mode tvrpipe does not convert, or values outside the mode's range (naming ``name``).
+
+    Example:
+        >>> from PIL import Image
+        >>> as_rgb(Image.new("I;16", (1, 1), 32768)).getpixel((0, 0))
+        (128, 128, 128)
+    """
+    from PIL import Image
+
+    mode = image.mode
+    if mode in _SIXTEEN_BIT or mode == "F":
+        return Image.fromarray(np.repeat(_grey8(image, name)[..., None], 3, axis=-1))
+    if mode in _ALPHA or (mode in _PILLOW_RGB and image.has_transparency_data):
+        if mode == "La":  # premultiplied: Pillow divides the alpha out only on the way to LA
+            image = image.convert("LA")
+        rgba = np.asarray(image.convert("RGBA"), dtype=np.uint32)  # (H, W, 4); a palette's transparency as alpha
+        a = rgba[..., 3:]
+        rgb = (rgba[..., :3] * a + BACKGROUND * (255 - a) + 127) // 255  # round((c a + 255 (255 - a)) / 255)
+        return Image.fromarray(rgb.astype(np.uint8))
+    if mode in _PILLOW_RGB:
+        return image.convert("RGB")
+    raise ConfigError(f"{name}: a picture in Pillow mode {mode!r}, which tvrpipe does not convert to RGB; {_SAVE_AS}")
+
+
+def _grey8(image: Any, name: str | os.PathLike[str]) -> np.ndarray:
+    """A 16-bit or float grey picture's values as uint8 (H, W), a transparent value (PNG's tRNS) white."""
+    values = np.asarray(image)
+    mode = image.mode
+    if mode == "F":
+        v = values.astype(np.float64)
+        finite = v[np.isfinite(v)]
+        if finite.size < v.size or (v.size and (finite.min() < 0 or finite.max() > 1)):
+            span = (f"span {finite.min():g} to {finite.max():g}" if finite.size else "are none of them numbers") + (
+                ", some NaN or infinite" if 0 < finite.size < v.size else "")
+            raise ConfigError(f"{name}: a 32-bit float picture (Pillow mode 'F') whose values {span}: tvrpipe reads "
+                              f"a float picture on [0, 1] (0 black, 1 white); {_SAVE_AS}")
+        grey = np.rint(v * 255)
+    else:
+        v = values.astype(np.int64)
+        if v.size and (v.min() < 0 or v.max() > 65535):
+            raise ConfigError(f"{name}: a 32-bit integer picture (Pillow mode {mode!r}) whose values span {v.min()} "
+                              f"to {v.max()}, beyond 16 bits, so its white is unknown; {_SAVE_AS}, or a 16-bit PNG")
+        grey = np.rint(v / 257)  # 65535 -> 255; no ties: v / 257 is never a half
+        if isinstance(image.info.get("transparency"), int):
+            grey[v == image.info["transparency"]] = BACKGROUND
+    return grey.astype(np.uint8)
+
+
 def frame_of_image(image: Any, image_size: int) -> np.ndarray:
-    """An RGB PIL image as extraction's frame: uint8 ``(S, S, 3)``, S = ``image_size`` (see the module docstring).
+    """A PIL image as extraction's frame: uint8 ``(S, S, 3)``, S = ``image_size`` (see the module docstring);
+    a picture in another mode than RGB is made RGB by :func:`as_rgb` first.
 
     Example:
         >>> from PIL import Image
@@ -63,7 +146,7 @@ def frame_of_image(image: Any, image_size: int) -> np.ndarray:
 
     from tvrpipe.features.decode.sampling import centre_crop, resize_dims
 
-    rgb = np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))  # (H, W, 3)
+    rgb = np.ascontiguousarray(np.asarray(as_rgb(image), dtype=np.uint8))  # (H, W, 3)
     new_w, new_h = resize_dims(rgb.shape[1], rgb.shape[0], image_size)
     frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
     resized = frame.reformat(width=new_w, height=new_h, format="rgb24", interpolation="BILINEAR").to_ndarray()
