@@ -33,6 +33,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.features.genstore import CALIBRATED, ONE_SCENE, GenSpec, generate_store
 from tvrpipe.lock import DirLock
@@ -153,6 +154,9 @@ def bench_convergence(
     methods = methods or list_heads()
     for method in methods:  # an unknown head fails here, before hours of store generation
         head_class(method)
+    check_room("bench convergence", out, stores_needs({out / "stores" / size: spec for size, spec in sizes.items()})
+               + Needs(memory=max(spec.store_bytes() for spec in sizes.values()),
+                       memory_what="the largest store's features, trained in memory"), "--size")
     with DirLock(out, wait=True):  # the tables are shared with benches of other heads in the same --out
         done = _load(out)  # runs of an earlier, interrupted bench in the same directory are reused
     runs: list[Run] = []

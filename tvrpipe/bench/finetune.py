@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tvrpipe.bench.extract import BenchVideos, make_bench_videos
+from tvrpipe.bench.room import check_room, videos_needs
 from tvrpipe.errors import ConfigError
 from tvrpipe.rundir import read_epochs
 
@@ -117,6 +118,8 @@ def bench_finetune(
     out = Path(out)
     train = batch_size * steps
     spec = BenchVideos(**{**asdict(videos), "count": train + 4})
+    check_room("bench finetune", out, videos_needs(spec.count, spec.width, spec.height, spec.seconds, spec.fps,
+                                                   os.cpu_count() or 1), "--steps, --batch-size or the videos' size")
     manifest = _manifest(out, spec, train)
     run = out / "run"
     shutil.rmtree(run, ignore_errors=True)  # a bench measures a fresh run, never a resumed one

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from tvrpipe.bench.extract import in_fresh_process
+from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.features.genstore import GenSpec, generate_store
 
 MSRVTT_9K = GenSpec(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20,
@@ -103,6 +104,8 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
     for method in methods or []:
         head_class(method)  # an unknown head fails before the scale store is generated
     out = Path(out_dir)
+    check_room("bench train-head", out, stores_needs({out / "store": spec}) + Needs(
+        memory=spec.store_bytes(), memory_what="the store's features, trained in memory"), "the store's size")
     store = generate_store(out / "store", spec, progress=True, made_by="tvrpipe bench train-head")
     results = []
     for method in methods or list_heads():
@@ -160,6 +163,13 @@ def _random_features(n_t: int, n_v: int, frames: int, words: int, dim: int, toke
         "frame_mask": np.arange(frames) < n_frames[:, None],
         "text_video": (np.arange(n_t) * n_v) // n_t,  # captions grouped by video, every video captioned
     }
+
+
+def _eval_bytes(n_t: int, n_v: int, frames: int, words: int, dim: int) -> int:
+    """What :func:`_random_features` and the evaluation hold: the float16 features with their masks, the float32
+    score matrix, and the encoded float32 sides (twice the features, over)."""
+    features = n_t * (dim * 2 + words * (dim * 2 + 1)) + n_v * frames * (dim * 2 + 1)
+    return 3 * features + n_t * n_v * 4
 
 
 def _text_batch(x: dict, rows: slice):
@@ -239,6 +249,9 @@ def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None,
     unknown = [s for s in sizes if s not in EVAL_SIZES]
     if unknown:
         raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(EVAL_SIZES)}")
+    largest = max(_eval_bytes(*EVAL_SIZES[size], frames, words, dim) for size in sizes)
+    check_room("bench eval", None, Needs(memory=largest, memory_what="the largest size's features and scores"),
+               "--size, --dim, --frames or --words")
     rows = []
     for size in sizes:
         n_t, n_v = EVAL_SIZES[size]
@@ -301,6 +314,10 @@ def bench_allocator(methods: list[str] | None = None, steps: int = 3, batch_size
     """
     from tvrpipe.heads.base import list_heads
 
+    # the pairwise terms of a batch (text x video x frames or words, or x D for pooled videos), a few copies each
+    check_room("bench allocator", None, Needs(memory=16 * batch_size**2 * (frames * words + dim),
+                                              memory_what=f"a batch of {batch_size}'s pairwise activations"),
+               "--batch-size or --dim")
     rows = []
     for method in methods or list_heads():
         pair = {}

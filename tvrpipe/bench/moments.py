@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tvrpipe.bench.extract import in_fresh_process
+from tvrpipe.bench.room import check_room, videos_needs
 
 GROUP = 32  # moments of one file a decoder call takes (extraction's)
 WIDTH, HEIGHT, FPS = 320, 240, 8
@@ -147,6 +148,8 @@ def bench_moments(out_dir: str | os.PathLike[str], seconds: float = 3600.0, wind
     if not seconds > 0:
         raise ConfigError(f"--long-video {seconds}: a positive number of seconds")
     cutting = Cutting(float(window), float(stride if stride is not None else window))  # checks window and stride
+    check_room("bench extract --long-video", out_dir, videos_needs(1, WIDTH, HEIGHT, seconds, FPS),
+               "--long-video's seconds")
     path = long_video(Path(out_dir) / f"long-{seconds:g}s.mp4", seconds)
     bounds = cutting.bounds(float(seconds))
     together = in_fresh_process(_moments, (str(path), bounds, frames, image_size), "moments decoded together")

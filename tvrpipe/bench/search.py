@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.features.genstore import CALIBRATED, GenSpec, generate_store
 
@@ -363,6 +364,18 @@ def trained_run(store_dir: Path, method: str, run_dir: Path, epochs: int | None)
 # ------------------------------------------------------------------------------------------ the bench
 
 
+def search_needs(out: Path, coll_spec: GenSpec, bench_spec: GenSpec | None, stores: tuple[str, str]) -> Needs:
+    """The search benches' plan: the collection and the benchmark (``stores``: their folder names under
+    ``out/stores``; no benchmark spec: none), the first stage's files beside the collection (float32 mean-pooled
+    embeddings, an index of the same size, its graph or lists), and in memory the embeddings, the index and a
+    copy being built, or a store's generation."""
+    videos, dim = coll_spec.train_videos + coll_spec.val_videos + coll_spec.test_videos, coll_spec.embed_dim
+    specs = {out / "stores" / stores[0]: coll_spec, **({out / "stores" / stores[1]: bench_spec} if bench_spec else {})}
+    index = videos * (dim * 4 * 2 + 256)
+    return stores_needs(specs) + Needs(disk=index, memory=3 * videos * dim * 4, disk_what="the first stage's index",
+                                       memory_what="the collection's embeddings and its index")
+
+
 def check_training(train_videos: int, train_epochs: int | None, dim: int) -> None:
     """The options of the generated benchmark the heads train on (``--train-videos``, ``--train-epochs``,
     ``--dim``), as the search benches share them.
@@ -467,9 +480,12 @@ def bench_search(
     out = Path(out_dir)
     coll_spec = collection_spec(videos, dim, seed=seed)
     bench_spec = benchmark_spec(coll_spec, train_videos)
-    coll_dir = generate_store(out / "stores" / f"collection-{videos}-d{dim}-s{seed}", coll_spec, progress=progress,
+    names = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
+    check_room("bench search", out, search_needs(out, coll_spec, bench_spec, names),
+               "--videos, --train-videos or --dim")
+    coll_dir = generate_store(out / "stores" / names[0], coll_spec, progress=progress,
                               wait=True, made_by="tvrpipe bench search")
-    bench_dir = generate_store(out / "stores" / f"benchmark-{train_videos}-d{dim}-s{seed}", bench_spec,
+    bench_dir = generate_store(out / "stores" / names[1], bench_spec,
                                progress=progress, wait=True, made_by="tvrpipe bench search")
 
     # the first stage, built afresh in a process of its own (timed, its peak measured) and kept beside the

@@ -190,7 +190,6 @@ def _served(job: _Arm) -> dict:
     """One arm in this (fresh) process: the server as ``tvrpipe serve`` builds it, behind uvicorn on a socket of
     127.0.0.1, and each query sent once, one at a time, over one keep-alive connection."""
     import http.client
-    import socket
     import threading
     from urllib.parse import urlencode
 
@@ -198,7 +197,7 @@ def _served(job: _Arm) -> dict:
     import uvicorn
 
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
-    from tvrpipe.search.serve import make_app, open_server
+    from tvrpipe.search.serve import listen, make_app, open_server
 
     lookup = StoredCaptions(job.store)
     t = time.perf_counter()
@@ -209,11 +208,10 @@ def _served(job: _Arm) -> dict:
         s = server.current.searcher
         server.current = replace(server.current, searcher=replace(s, head=head, label=f"{job.method} ({job.run})"))
     start = time.perf_counter() - t
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # a free port, held from here: no other process can take it before uvicorn
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(make_app(server), host="127.0.0.1", port=port, log_level="warning",
-                                       access_log=False))
+    listener = listen("127.0.0.1", 0)  # a free port, held from here: no other process can take it before uvicorn
+    sock, port = listener.sock, listener.port
+    uv = uvicorn.Server(uvicorn.Config(make_app(server, listener.hosts()), host="127.0.0.1", port=port,
+                                       log_level="warning", access_log=False))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -355,7 +353,8 @@ def bench_serve(
         >>> bench.arm("zero-shot").p50_ms  # doctest: +SKIP
     """
     from tvrpipe.bench.extract import in_fresh_process
-    from tvrpipe.bench.search import WORDS, benchmark_spec, collection_spec, trained_run
+    from tvrpipe.bench.room import check_room
+    from tvrpipe.bench.search import WORDS, benchmark_spec, collection_spec, search_needs, trained_run
     from tvrpipe.features.genstore import generate_store
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import head_class
@@ -373,16 +372,19 @@ def bench_serve(
     out = Path(out_dir)
 
     _check_text_model(text_model)
+    coll_spec = collection_spec(videos, dim, seed=seed)
+    stores = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
+    check_room("bench serve", out, search_needs(out, coll_spec, benchmark_spec(coll_spec, train_videos) if methods
+                                                else None, stores), "--videos, --train-videos or --dim")
     names = tuple(f"query {i}" for i in range(queries + WARMUP))  # L positions whatever the words
     tower = in_fresh_process(_text_tower, _Tower(text_model, WORDS, names[WARMUP:], names[:WARMUP]),
                              f"{text_model} text tower")
 
-    coll_spec = collection_spec(videos, dim, seed=seed)
-    coll_dir = generate_store(out / "stores" / f"collection-{videos}-d{dim}-s{seed}", coll_spec, progress=progress,
+    coll_dir = generate_store(out / "stores" / stores[0], coll_spec, progress=progress,
                               wait=True, made_by="tvrpipe bench serve")
     bench_dir = None
     if methods:
-        bench_dir = generate_store(out / "stores" / f"benchmark-{train_videos}-d{dim}-s{seed}",
+        bench_dir = generate_store(out / "stores" / stores[1],
                                    benchmark_spec(coll_spec, train_videos), progress=progress, wait=True,
                                    made_by="tvrpipe bench serve")
     ids = open_store(coll_dir).texts["caption_id"].astype(str).to_numpy()

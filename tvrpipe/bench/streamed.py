@@ -27,7 +27,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tvrpipe.bench.extract import in_fresh_process
+from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.progress import progress_bar
+
+COMMAND = "bench train-head --streamed"
+COMMAND_NAME = f"tvrpipe {COMMAND}"
 
 
 def _fit_one(args: tuple[str, str, str, int, int, int | None, int]) -> dict:
@@ -169,10 +174,17 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
     each = frames * dim * 2 + frames + dim * 2 + (words * (dim * 2 + 1) if uses_tokens else 0)
     large_videos = math.ceil(factor * budget / each * 1.02) + 1500  # + the carved validation and test videos
     small_videos = max(4 * batch_size, int(budget / 4 / each))
-    large = generate_store(out / f"large-{large_videos}", _spec(large_videos, frames, words, dim, seed),
-                           progress=progress, made_by="tvrpipe bench train-head --streamed")
-    small = generate_store(out / f"small-{small_videos}", _spec(small_videos, frames, words, dim, seed),
-                           progress=progress, made_by="tvrpipe bench train-head --streamed")
+    specs = {f"large-{large_videos}": _spec(large_videos, frames, words, dim, seed),
+             f"small-{small_videos}": _spec(small_videos, frames, words, dim, seed),
+             # the model alone's store: its validation set is carved from the large one's, up to 1,000 videos
+             "model-*": _spec(2 * batch_size, frames, words, dim, seed, val=1000)}
+    budget_needs = Needs(memory=budget, memory_what="the --memory-budget")
+    check_room(COMMAND, out, stores_needs({out / name: spec for name, spec in specs.items()}) + budget_needs,
+               "--memory-budget or --store-factor")
+    large = generate_store(out / f"large-{large_videos}", specs[f"large-{large_videos}"],
+                           progress=progress, made_by=COMMAND_NAME)
+    small = generate_store(out / f"small-{small_videos}", specs[f"small-{small_videos}"],
+                           progress=progress, made_by=COMMAND_NAME)
     large_needs, streamed = _needs(large, method, batch_size, budget)
     if not streamed:
         raise ConfigError(f"the large store ({large_needs:,} bytes) fits the budget: nothing to stream")
@@ -180,17 +192,26 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
     # the model alone: the large run's validation (carved: up to 1,000 videos) and test sets, two batches of training
     val = len(store_split_rows(open_store(large)).val_videos)
     alone = generate_store(out / f"model-{val}", _spec(2 * batch_size, frames, words, dim, seed, val=val),
-                           progress=False, made_by="tvrpipe bench train-head --streamed")
-    model = in_fresh_process(_fit_one, (str(alone), method, str(out / "runs" / "model"), epochs, batch_size, None,
-                                        seed), f"{method}: the model alone")["peak_rss"]
-    alone_stream = in_fresh_process(_stream_alone, (str(large), method, batch_size, budget),
-                                    f"{method}: the streamed epoch alone")["added"]
-    big = in_fresh_process(_fit_one, (str(large), method, str(out / "runs" / "large-streamed"), epochs, batch_size,
-                                      budget, seed), f"{method}: streamed, larger than the budget")
-    mem = in_fresh_process(_fit_one, (str(small), method, str(out / "runs" / "small-memory"), epochs, batch_size,
-                                      None, seed), f"{method}: in memory")
-    stream = in_fresh_process(_fit_one, (str(small), method, str(out / "runs" / "small-streamed"), epochs, batch_size,
-                                         small_needs // 3, seed), f"{method}: streamed, a store that fits")
+                           progress=False, made_by=COMMAND_NAME)
+    runs = {  # each in a process of its own, minutes each: a bar of the stages, with the time they take
+        "model": (_fit_one, (str(alone), method, str(out / "runs" / "model"), epochs, batch_size, None, seed),
+                  f"{method}: the model alone"),
+        "alone": (_stream_alone, (str(large), method, batch_size, budget), f"{method}: the streamed epoch alone"),
+        "big": (_fit_one, (str(large), method, str(out / "runs" / "large-streamed"), epochs, batch_size, budget,
+                           seed), f"{method}: streamed, larger than the budget"),
+        "mem": (_fit_one, (str(small), method, str(out / "runs" / "small-memory"), epochs, batch_size, None, seed),
+                f"{method}: in memory"),
+        "stream": (_fit_one, (str(small), method, str(out / "runs" / "small-streamed"), epochs, batch_size,
+                              small_needs // 3, seed), f"{method}: streamed, a store that fits")}
+    done = {}
+    with progress_bar(elapsed=True, enabled=progress) as bar:
+        task = bar.add_task("", total=len(runs))
+        for key, (fn, args, what) in runs.items():
+            bar.update(task, description=what)
+            done[key] = in_fresh_process(fn, args, what)
+            bar.advance(task)
+    model, alone_stream = done["model"]["peak_rss"], done["alone"]["added"]
+    big, mem, stream = done["big"], done["mem"], done["stream"]
     if mem["data"]["mode"] != "in memory" or stream["data"]["mode"] != "streamed" or big["data"]["mode"] != "streamed":
         raise RuntimeError(f"the runs read their data otherwise than planned: {mem['data']}, {stream['data']}, "
                            f"{big['data']}")

@@ -19,6 +19,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.genstore import CALIBRATED, ONE_SCENE, GenSpec, generate_store
 
@@ -91,6 +92,10 @@ def bench_worlds(out_dir: str | os.PathLike[str], worlds: list[str] | None = Non
     for method in methods:
         head_class(method)
     out = Path(out_dir)
+    specs = {out / "stores" / world: world_spec(world, train_videos, dim, seed) for world in worlds}
+    check_room("bench worlds", out, stores_needs(specs) + Needs(
+        memory=max(spec.store_bytes() for spec in specs.values()),
+        memory_what="the largest world's features, trained in memory"), "--train-videos or --dim")
     rows: list[Row] = []
     for world in worlds:
         store = generate_store(out / "stores" / world, world_spec(world, train_videos, dim, seed), progress=progress,

@@ -197,6 +197,28 @@ class GenSpec:
         if self.concepts < 2 and self.near_duplicates > 0:
             raise ConfigError("GenSpec: near_duplicates need at least 2 concepts")
 
+    @property
+    def n_texts(self) -> int:
+        """The captions the store holds: ``captions_per_train_video`` a training video, ``captions_per_test_video``
+        a validation or test one."""
+        return (self.train_videos * self.captions_per_train_video
+                + (self.val_videos + self.test_videos) * self.captions_per_test_video)
+
+    def store_bytes(self) -> int:
+        """The bytes :func:`generate_store` writes for this spec, a little over: the float16 frames, sentences and
+        word tokens, their masks and timestamps, and the tables and latents (a few hundred bytes a row, measured:
+        97-334), plus the metadata."""
+        videos = self.train_videos + self.val_videos + self.test_videos
+        D, F, L, T = self.embed_dim, self.frames, self.max_words, self.n_texts
+        return videos * F * (2 * D + 5) + T * (2 * D + L * (2 * D + 1)) + 400 * (videos + T) + 2**20
+
+    def memory_bytes(self) -> int:
+        """The resident memory :func:`generate_store` reaches for this spec, a little over: its tables and latents,
+        about 1 kB a video or caption (measured: 2.0 kB for a video and its caption), and a shard at a time."""
+        videos = self.train_videos + self.val_videos + self.test_videos
+        shard = 64 * self.frames * self.embed_dim * 4 * 4 + 256 * self.max_words * self.embed_dim * 4 * 2
+        return 1200 * (videos + self.n_texts) + shard + 200 * 2**20
+
     def to_dict(self) -> dict:
         """The spec as a JSON-ready dict."""
         return dataclasses.asdict(self)

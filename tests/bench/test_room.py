@@ -1,0 +1,87 @@
+"""Every bench sizes its plan and refuses one that does not fit the disk or the memory, in one line, before it
+makes anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from tvrpipe.bench import room
+from tvrpipe.bench.room import Needs, check_room, still_to_write, stores_needs
+from tvrpipe.errors import ConfigError
+from tvrpipe.features.genstore import GenSpec, generate_store
+
+FREE = 10 * 2**30  # the disk each test pretends to have
+
+
+@pytest.fixture
+def small_disk(monkeypatch):
+    monkeypatch.setattr(room, "free_disk", lambda path: FREE)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("spec", [
+    GenSpec(train_videos=300, test_videos=50, frames=6, max_words=8, embed_dim=32),
+    GenSpec(train_videos=120, val_videos=30, test_videos=40, captions_per_train_video=3, captions_per_test_video=2,
+            frames=12, max_words=16, embed_dim=64, scenes=2),
+])
+def test_a_stores_estimate_covers_what_it_writes_and_not_much_more(spec, tmp_path):
+    generate_store(tmp_path / "s", spec)
+    written = room.folder_bytes(tmp_path / "s")
+    assert written <= spec.store_bytes() <= 1.5 * written + 2**20, (written, spec.store_bytes())
+    # a store already there is not written again; a missing one is written whole
+    assert still_to_write([(tmp_path / "s", spec.store_bytes())]) == spec.store_bytes() - written
+    assert still_to_write([(tmp_path / "none", 123)]) == 123
+
+
+def test_check_room_refuses_disk_and_memory_naming_the_options(small_disk, monkeypatch, tmp_path):
+    check_room("bench x", tmp_path / "out", Needs(disk=FREE - 2 * 2**30, memory=2**20), "--videos")
+    with pytest.raises(ConfigError, match=r"bench x: its plan writes 10.74 GB \(2 stores\) and the disk of .* has "
+                                          r"10.74 GB free; lower --videos, or give an --out on a larger disk"):
+        check_room("bench x", tmp_path / "out", Needs(disk=FREE, disk_what="2 stores"), "--videos")
+    monkeypatch.setattr("tvrpipe.training.stream.memory_limit", lambda: (4 * 10**9, "cgroup limit (/sys/x)"))
+    with pytest.raises(ConfigError, match=r"bench x: its plan holds 5.00 GB in memory \(the budget\) and this process "
+                                          r"may use 4.00 GB \(the cgroup limit \(/sys/x\)\); lower --budget"):
+        check_room("bench x", None, Needs(memory=5 * 10**9, memory_what="the budget"), "--budget")
+    assert not (tmp_path / "out").exists()
+
+
+def test_parts_of_a_plan_add_their_disk_and_take_the_larger_memory():
+    a, b = Needs(10, 5, "videos", "decoding"), Needs(3, 7, "a store", "training")
+    assert a + b == Needs(13, 7, "videos and a store", "training")
+    specs = {"x": GenSpec(train_videos=10), "y": GenSpec(train_videos=1000)}
+    n = stores_needs(specs)
+    assert n.disk == sum(s.store_bytes() for s in specs.values()) and n.memory == specs["y"].memory_bytes()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["train-head", "--streamed", "--memory-budget", "1TB"], "bench train-head --streamed: its plan writes"),
+    (["search", "--videos", "100000000", "--method", "xpool"], "bench search: its plan writes"),
+    (["serve", "--videos", "100000000", "--method", "xpool"], "bench serve: its plan writes"),
+    (["worlds", "--train-videos", "50000000"], "bench worlds: its plan writes"),
+    (["extract", "--videos", "100000", "--seconds", "600"], "bench extract: its plan writes"),
+    (["extract", "--long-video", "100000000"], "bench extract --long-video: its plan writes"),
+    (["finetune", "--steps", "100000"], "bench finetune: its plan writes"),
+    (["eval", "--dim", "100000"], "bench eval: its plan holds"),
+    (["allocator", "--batch-size", "100000"], "bench allocator: its plan holds"),
+])
+def test_every_bench_refuses_a_plan_too_large_before_making_anything(cli, small_disk, tmp_path, args, said):
+    out = tmp_path / "out"
+    with_out = args if args[0] in ("eval", "allocator") else [*args, "--out", out]
+    r = cli("bench", *with_out)
+    assert r.exit_code == 1 and _flat(r.output).startswith(f"error: {said}"), r.output
+    assert len(r.output.strip().splitlines()) <= 3 and "Traceback" not in r.output  # one line, wrapped at most
+    assert not out.exists()
+
+
+def test_a_plan_that_fits_runs(cli, tmp_path):
+    """The check lets an ordinary plan through, and counts a store already made as written."""
+    r = cli("bench", "worlds", "--out", tmp_path / "w", "--world", "onescene", "--method", "meanpool",
+            "--train-videos", "40", "--dim", "16", "--max-epochs", "1")
+    assert r.exit_code == 0, r.output
+    store = tmp_path / "w" / "stores" / "onescene"
+    assert room.folder_bytes(store) > 0
+    from tvrpipe.bench.worlds import world_spec
+    assert stores_needs({store: world_spec("onescene", 40, 16)}).disk == 0
