@@ -84,7 +84,7 @@ def test_a_server_given_stored_captions_serves_a_generated_store(tmp_path):
     store = generate_store(tmp_path / "c", collection_spec(60, 16, frames=4, words=8))
     lookup = StoredCaptions(store)
     server = open_server(store, candidates=20, encode=lookup)
-    client = TestClient(make_app(server))
+    client = TestClient(make_app(server), base_url="http://127.0.0.1:8000")  # a Host the app answers by default
     r = client.get("/search", params={"q": "gv_00007#0", "k": 3})
     assert r.status_code == 200, r.text
     assert [h["video_id"] for h in r.json()["hits"]] == _ids(_search_hits(store, None, ["gv_00007#0"], 3, 20)[0])

@@ -190,6 +190,30 @@ def test_without_a_video_root_every_hit_gets_a_placeholder(store, tmp_path):
     assert "uncertainty" not in page.plain  # no hit has one
 
 
+def test_a_path_leading_out_of_the_video_root_is_never_opened(store, data, tmp_path, monkeypatch):
+    """The store's paths are data: ``../``, an absolute path or a symlink out of the root get a placeholder that
+    says so, and no file outside the root is decoded (the rule of tvrpipe serve's /media)."""
+    root = tmp_path / "videos"
+    shutil.copytree(data / "videos", root)
+    outside = tmp_path / "outside.mp4"
+    shutil.copy(root / store.videos.path[0], outside)  # a real video: decoded if it were ever opened
+    (root / "link.mp4").symlink_to(outside)
+    (root / "loop.mp4").symlink_to(root / "loop.mp4")
+    opened = []
+    monkeypatch.setattr(search_html, "frames_at", lambda path, *a: opened.append(Path(path)) or frames_at(path, *a))
+    hits = (hits_for(store, "q", [0]) + hits_for(store, "q", [1], path="../outside.mp4")
+            + hits_for(store, "q", [2], path="link.mp4") + hits_for(store, "q", [3], path=str(outside))
+            + hits_for(store, "q", [4], path="loop.mp4") + hits_for(store, "q", [5], path="."))
+    page = Page(write_html(tmp_path / "p.html", hits, store, root, thumbs=1).read_text())
+    assert opened == [(root / store.videos.path[0]).resolve()]
+    assert page.plain.count("no thumbnails: outside the video root") == 3
+    assert "no thumbnails: cannot resolve the path" in page.plain and "no thumbnails: not a file" in page.plain
+    assert [decoded_size(im["src"])[0] for im in page.images] == ["JPEG"] + ["SVG"] * 5
+    assert search_html.file_inside(root, "../outside.mp4") == (None, "outside the video root")
+    assert search_html.file_inside(tmp_path / "nowhere", "a.mp4") == (None, "video root missing")
+    assert search_html.file_inside(root, "no-such.mp4") == (None, "file missing")
+
+
 def test_text_is_escaped(store, data, tmp_path):
     query = '<script>alert("q")</script> & <b>bold</b>'
     path = '<img src="http://example.com/x.png">.mp4'

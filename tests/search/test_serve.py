@@ -1,7 +1,9 @@
 """``tvrpipe serve``: the JSON API against ``tvrpipe search``'s own ranking, the media route's safety (ids only,
-nothing outside the video root is read, Range requests), the host warning, and the page in a real headless
-Chromium driven by Playwright (a hit's player loads and seeks to the hit's moment; a minimum score typed in its
-field cuts the hits shown, and one outside the head's scores is refused on the page)."""
+nothing outside the video root is read, Range requests), what a client sends that is refused (a Host of another
+site, a picture over the cap while it streams in, a picture with a sentence) and what it can never make (a path
+from an upload's name), the host warning and the socket bound before anything loads, and the page in a real
+headless Chromium driven by Playwright (a hit's player loads and seeks to the hit's moment; a minimum score typed
+in its field cuts the hits shown, and one outside the head's scores is refused on the page)."""
 
 from __future__ import annotations
 
@@ -21,11 +23,20 @@ pytest.importorskip("httpx", reason="Starlette's TestClient needs httpx (the 'de
 from starlette.testclient import TestClient  # noqa: E402
 from tiny_clip import as_tiny_clip_store  # noqa: E402
 
+from tvrpipe.errors import ConfigError  # noqa: E402
 from tvrpipe.search import serve as serve_mod  # noqa: E402
 from tvrpipe.search.engine import DEFAULT_TOP_K, open_searcher, search  # noqa: E402
-from tvrpipe.search.serve import exposure_warning, make_app, open_server  # noqa: E402
+from tvrpipe.search.serve import (  # noqa: E402
+    allowed_hosts,
+    check_allowed_hosts,
+    exposure_warning,
+    listen,
+    make_app,
+    open_server,
+)
 
 CHROMIUM = "/usr/bin/chromium"
+BASE = "http://127.0.0.1:8000"  # the address make_app's server answers by default (the CLI's default --host, --port)
 N_FILES = 3
 SECRET = b"outside the video root: never served"
 
@@ -41,12 +52,12 @@ def _mp4(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
     write_mp4(path, frames, fps)
 
 
-def _tiny_clip_store(path: Path, seed: int) -> Path:
+def _tiny_clip_store(path: Path, seed: int, train: int = 8, test: int = 4) -> Path:
     """A generated store of the tiny CLIP's width (the world of ``seed``), relabelled as extracted with it."""
     from tvrpipe.features.genstore import GenSpec, generate_store
 
-    spec = GenSpec(train_videos=8, test_videos=4, captions_per_train_video=1, frames=4, max_words=8, embed_dim=64,
-                   seed=seed)
+    spec = GenSpec(train_videos=train, test_videos=test, captions_per_train_video=1, frames=4, max_words=8,
+                   embed_dim=64, seed=seed)
     return as_tiny_clip_store(generate_store(path, spec, video_shard=8, text_shard=16))
 
 
@@ -82,7 +93,7 @@ def server(site):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return TestClient(make_app(server))
+    return TestClient(make_app(server), base_url=BASE)
 
 
 def test_the_defaults_agree_with_the_engines():
@@ -184,21 +195,23 @@ def test_loopback_binds_quietly_and_another_address_is_warned_about():
 def test_the_cli_warns_for_another_host_and_serves_what_it_loaded(site, cli, monkeypatch):
     store, root, _ = site
     called = {}
-    monkeypatch.setattr(serve_mod, "serve", lambda server, host, port: called.update(host=host, port=port))
-    r = cli("serve", "--features", store, "--video-root", root, "--host", "0.0.0.0", "--port", "8123")
+
+    def serve(server, listener, allow):
+        called.update(host=listener.host, port=listener.port, allow=allow, hosts=listener.hosts(allow))
+
+    monkeypatch.setattr(serve_mod, "serve", serve)
+    r = cli("serve", "--features", store, "--video-root", root, "--host", "0.0.0.0", "--port", "0",
+            "--allow-host", "MyBox.lan", "--allow-host", "[::1]")
     assert r.exit_code == 0, r.output
-    assert "anyone who can reach" in r.output and called == {"host": "0.0.0.0", "port": 8123}
-    r = cli("serve", "--features", store, "--video-root", root)
+    assert "anyone who can reach" in r.output and "--allow-host" in r.output
+    # port 0: the free port the system chose, printed and served
+    assert called["host"] == "0.0.0.0" and 0 < called["port"] and f"http://0.0.0.0:{called['port']}/" in r.output
+    assert called["allow"] == ("mybox.lan", "::1") and called["hosts"].refusal([f"mybox.lan:{called['port']}"]) is None
+    r = cli("serve", "--features", store, "--video-root", root, "--port", "0")
     assert r.exit_code == 0 and "warning" not in r.output and called["host"] == "127.0.0.1"
 
 
 # ------------------------------------------------------------------------------------------ a real browser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
@@ -210,9 +223,11 @@ def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
     playwright = pytest.importorskip("playwright.sync_api", reason="the playwright package (the 'dev' extra)")
     import uvicorn
 
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(make_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
+    listener = listen("127.0.0.1", 0)
+    port = listener.port
+    uv = uvicorn.Server(uvicorn.Config(make_app(server, listener.hosts()), host="127.0.0.1", port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [listener.sock]}, daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 20
@@ -267,6 +282,7 @@ def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
     finally:
         uv.should_exit = True
         thread.join(10)
+        listener.close()
 
 
 def test_a_picture_posted_to_the_page_shows_its_hits(client, tmp_path):
@@ -322,12 +338,12 @@ def test_a_min_score_outside_the_heads_scores_is_400_with_searchs_message(site, 
 def test_serve_min_score_is_the_default_cut_and_is_checked_at_start(site, cli, monkeypatch):
     store, root, _ = site
     got = {}
-    monkeypatch.setattr(serve_mod, "serve", lambda server, host, port: got.update(server=server))
-    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "0.01")
+    monkeypatch.setattr(serve_mod, "serve", lambda server, listener, allow: got.update(server=server))
+    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "0.01", "--port", "0")
     assert r.exit_code == 0, r.output
     found = got["server"].search(["a dog"], 5)
     assert found.min_score == 0.01 and all(h.score >= 0.01 for h in found.hits)
-    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "5")
+    r = cli("serve", "--features", store, "--video-root", root, "--min-score", "5", "--port", "0")
     assert r.exit_code == 1 and "--min-score 5 is outside the scores" in r.output
 
 
@@ -358,7 +374,7 @@ def test_a_store_written_again_is_served_once_complete_and_unlocked(tmp_path, ca
     store = _tiny_clip_store(tmp_path / "store", seed=3)
     server = open_server(store)
     server.check_seconds = 0.0
-    client = TestClient(make_app(server))
+    client = TestClient(make_app(server), base_url=BASE)
     old = _want(store)
     assert _ids(client) == old
     first = server.current
@@ -403,7 +419,260 @@ def test_the_store_is_checked_at_most_once_per_interval(tmp_path, monkeypatch):
     server = open_server(store)
     calls = []
     monkeypatch.setattr(serve_mod, "store_signature", lambda d: calls.append(d) or server.current.signature)
-    client = TestClient(make_app(server))
+    client = TestClient(make_app(server), base_url=BASE)
     for _ in range(5):
         _ids(client)
     assert len(calls) <= 1
+
+
+# ------------------------------------------------------------------------------- pages of other sites (Host)
+
+
+def test_a_host_of_another_site_is_refused_on_every_route(site, server, client):
+    """A page that points its own name at 127.0.0.1 (DNS rebinding) sends that name as the Host: the page, the
+    JSON, the pictures' POST and the media files are all refused, and no byte of a hit or a video goes back."""
+    _, root, videos = site
+    vid = videos.video_id[0]
+    video = (root / "v0.mp4").read_bytes()
+    evil = TestClient(make_app(server), base_url="http://evil.example:8000")
+    for r in (evil.get("/"), evil.get("/", params={"q": "a dog"}), evil.get("/search", params={"q": "a dog"}),
+              evil.get(f"/media/{vid}"), evil.get(f"/media/{vid}", headers={"Range": "bytes=0-99"}),
+              evil.head(f"/media/{vid}"), evil.post("/search", files={"image": ("x.png", b"x", "image/png")}),
+              evil.get("/no-such-route")):
+        assert r.status_code == 421, r.request.url
+        assert vid not in r.text and video[:100] not in r.content
+    assert "evil.example:8000" in evil.get("/").text and "--allow-host" in evil.get("/").text
+    for host in ("evil.example", "EVIL.EXAMPLE:8000", "127.0.0.1.evil.example:8000", "localhost.evil.example",
+                 "127.0.0.1:9999", "localhost:80", "[::1]:8001", "0.0.0.0:8000", "192.168.1.5:8000"):
+        assert client.get(f"/media/{vid}", headers={"host": host}).status_code == 421, host
+    for host in ("", "[::1", "127.0.0.1:80:80", "127.0.0.1:x", "::1", "a b", "127.0.0.1:8000/x"):
+        assert client.get(f"/media/{vid}", headers={"host": host}).status_code == 400, host
+    # the loopback names of a server on 127.0.0.1, in any case, with its port or none
+    for host in ("127.0.0.1:8000", "LOCALHOST:8000", "localhost", "[::1]:8000", "[0:0::1]:8000", "127.0.0.1"):
+        r = client.get(f"/media/{vid}", headers={"host": host})
+        assert r.status_code == 200 and r.content == video, host
+
+
+def test_a_name_the_user_allows_is_answered():
+    """A server on 0.0.0.0 answers its addresses (a rebinding page always sends a name) and the loopback names;
+    a name only where --allow-host allows it. One on a LAN address answers that address and the names allowed."""
+    wild = allowed_hosts("0.0.0.0", 8000, check_allowed_hosts(["MyBox.lan"]))
+    for ok in ("192.168.1.5:8000", "10.1.2.3", "[fe80::1]:8000", "localhost:8000", "mybox.lan:8000", "MYBOX.LAN"):
+        assert wild.refusal([ok]) is None, ok
+    for bad in ("evil.example:8000", "mybox:8000", "mybox.lan.evil.example", "192.168.1.5:8001"):
+        assert wild.refusal([bad])[0] == 421, bad
+    lan = allowed_hosts("192.168.1.5", 8080, ["mybox.lan"])
+    assert lan.refusal(["192.168.1.5:8080"]) is None and lan.refusal(["mybox.lan:8080"]) is None
+    for bad in ("localhost:8080", "127.0.0.1:8080", "10.1.2.3:8080", "evil.example:8080"):
+        assert lan.refusal([bad])[0] == 421, bad
+    assert allowed_hosts("::1", 8000).refusal(["[::1]:8000"]) is None
+    assert allowed_hosts("127.0.0.1", 8000).refusal([])[0] == 400
+    assert allowed_hosts("127.0.0.1", 8000).refusal(["127.0.0.1:8000", "evil.example"])[0] == 400
+    for bad in ("mybox.lan:8080", "http://mybox.lan", "*", "*.lan", "a/b", "", "mybox.lan."):
+        with pytest.raises(ConfigError, match="--allow-host"):
+            check_allowed_hosts([bad])
+
+
+def test_an_allowed_name_reaches_every_route(site, server):
+    _, root, videos = site
+    app = make_app(server, allowed_hosts("127.0.0.1", 8000, check_allowed_hosts(["mybox.lan"])))
+    mine = TestClient(app, base_url="http://mybox.lan:8000")
+    assert mine.get("/search", params={"q": "a dog", "k": 2}).status_code == 200
+    assert mine.get(f"/media/{videos.video_id[0]}").content == (root / "v0.mp4").read_bytes()
+    assert TestClient(app, base_url="http://other.lan:8000").get("/").status_code == 421
+
+
+# ------------------------------------------------------------------------------------------------ uploads
+
+
+def _png(colour=(20, 30, 200)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_uploads_name_never_becomes_a_path(client, monkeypatch):
+    """Names a client may send (``..``, a path, 300 characters, markup): each searched as the picture it
+    is, written to the same fixed name, and shown as escaped text (a long one cut)."""
+    written = []
+    real = Path.write_bytes
+    monkeypatch.setattr(Path, "write_bytes", lambda self, data: written.append(self) or real(self, data))
+    long = "a" * 300 + ".png"
+    for name in ("..", ".", "../../etc/passwd", "/tmp/x.png", long, '<img src=x onerror="alert(1)">.png'):
+        r = client.post("/", params={"k": 2}, files={"image": (name, _png(), "image/png")})
+        assert r.status_code == 200, (name, r.text[-500:])
+        assert r.text.count('<tr class="hit">') == 2
+        assert "<img src=x" not in r.text
+        j = client.post("/search", params={"k": 2}, files={"image": (name, _png(), "image/png")})
+        assert j.status_code == 200, (name, j.text)
+        shown = {h["query"] for h in j.json()["hits"]}
+        assert len(shown) == 1 and len(shown.pop()) <= serve_mod.NAME_CHARS
+    assert {p.name for p in written} == {"picture"} and all(p.parent.name.startswith("tvrpipe-serve-")
+                                                            for p in written)
+    page = client.post("/", files={"image": (long, _png(), "image/png")}).text
+    assert "a" * (serve_mod.NAME_CHARS - 1) + "\u2026" in page and "a" * 300 not in page
+    page = client.post("/", files={"image": ("<b>x</b>.png", _png(), "image/png")}).text
+    assert "&lt;b&gt;x&lt;/b&gt;.png" in page
+    # an unreadable upload is named by its name, not by the server's temporary file
+    bad = client.post("/search", files={"image": ("notes.png", b"not a picture", "image/png")})
+    assert bad.status_code == 400 and "'notes.png'" in bad.json()["error"] and "tvrpipe-serve-" not in bad.text
+
+
+def test_a_picture_and_a_sentence_together_are_refused(client):
+    pic = {"image": ("blue.png", _png(), "image/png")}
+    for route in ("/", "/search"):
+        for r in (client.post(route, params={"q": "a dog"}, files=pic),
+                  client.post(route, data={"q": "a dog"}, files=pic),
+                  client.post(route, params={"q": ""}, files=pic)):
+            assert r.status_code == 400, route
+            assert "a picture and a sentence (q) were both given" in r.text
+
+
+# -------------------------------------------------------------------------------------- the upload's size cap
+
+
+def _asgi(app, headers: list[tuple[bytes, bytes]], chunks: list[bytes], path: str = "/search"):
+    """POST ``chunks`` to ``app`` as a server would stream them in; (status, body, chunks read)."""
+    import asyncio
+
+    read, sent = [0], []
+
+    async def receive():
+        if read[0] < len(chunks):
+            read[0] += 1
+            return {"type": "http.request", "body": chunks[read[0] - 1], "more_body": read[0] < len(chunks)}
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"k=2", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), *headers], "client": ("127.0.0.1", 5000),
+             "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, body, read[0]
+
+
+def _multipart(data: bytes, boundary: str = "b0undary") -> tuple[bytes, bytes]:
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"big.png\"\r\n"
+            f"Content-Type: image/png\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    return f"multipart/form-data; boundary={boundary}".encode(), body
+
+
+def test_a_picture_over_the_cap_is_refused_while_it_streams_in(server, client, monkeypatch):
+    monkeypatch.setattr(serve_mod, "MAX_IMAGE_BYTES", 4096)
+    monkeypatch.setattr(serve_mod, "FORM_BYTES", 1024)
+    cap = 4096 + 1024
+    app = make_app(server)
+    kind, body = _multipart(b"\x89PNG" + bytes(64 * 1024))
+    chunks = [body[i:i + 1000] for i in range(0, len(body), 1000)]
+    # with a Content-Length over the cap: 413 before a byte is read
+    status, said, read = _asgi(app, [(b"content-type", kind), (b"content-length", str(len(body)).encode())], chunks)
+    assert (status, read) == (413, 0) and b"the picture is over 4,096 bytes" in said
+    # chunked, no Content-Length: read up to the cap, then 413, the rest never read
+    for route in ("/search", "/"):
+        status, said, read = _asgi(app, [(b"content-type", kind)], chunks, route)
+        assert status == 413 and cap <= read * 1000 < cap + 1000 < len(body), route
+        assert b"the picture is over 4,096 bytes" in said
+    # a Content-Length that lies low: still stopped at the cap
+    status, _, read = _asgi(app, [(b"content-type", kind), (b"content-length", b"100")], chunks)
+    assert status == 413 and read * 1000 < cap + 1000
+    # a file over the cap inside a body under it (the form's room): 413 too, as for the client's own requests
+    small_kind, small = _multipart(_png() + bytes(4096 - len(_png()) + 1))
+    assert len(small) < cap
+    status, _, _ = _asgi(app, [(b"content-type", small_kind), (b"content-length", str(len(small)).encode())],
+                         [small])
+    assert status == 413
+    r = client.post("/search", files={"image": ("big.png", bytes(100_000), "image/png")})
+    assert r.status_code == 413 and "over 4,096 bytes" in r.json()["error"]
+    r = client.post("/", files={"image": ("big.png", bytes(100_000), "image/png")})
+    assert r.status_code == 413 and "over 4,096 bytes" in r.text
+    # at the cap: searched
+    r = client.post("/search", params={"k": 2}, files={"image": ("ok.png", _png() + bytes(4096 - len(_png())),
+                                                                 "image/png")})
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------------------------- thumbnails, k, listening
+
+
+def test_the_pages_thumbnails_never_read_outside_the_root(site, server, client, monkeypatch):
+    """A hit whose store path leaves the root (a symlink out of it, ``../``) gets a placeholder saying so, and
+    its file is never opened, as /media never serves it."""
+    from tvrpipe.search import html as search_html
+
+    _, root, videos = site
+    opened = []
+    real = search_html.frames_at
+    monkeypatch.setattr(search_html, "frames_at", lambda path, *a: opened.append(Path(path)) or real(path, *a))
+    r = client.get("/", params={"q": "a dog", "k": len(server.stage)})
+    assert r.status_code == 200 and r.text.count('<tr class="hit">') == len(videos)
+    assert opened and all(p.is_relative_to(root.resolve()) and p.name != "link.mp4" for p in opened)
+    assert r.text.count("no thumbnails: outside the video root") == 2
+
+
+def test_without_k_a_small_store_answers_as_search_does(tmp_path):
+    """No k: every video of a store smaller than the default, as tvrpipe search without --top-k; a k over the
+    store: refused with search --top-k's own message."""
+    from tvrpipe.errors import ConfigError
+
+    store = _tiny_clip_store(tmp_path / "small", seed=5, train=2, test=1)
+    client = TestClient(make_app(open_server(store)), base_url=BASE)
+    q = "a dog runs on a beach"
+    r = client.get("/search", params={"q": q})
+    assert r.status_code == 200, r.text
+    want = search(open_searcher(store), [q]).hits
+    assert [h["video_id"] for h in r.json()["hits"]] == [h.video_id for h in want] and len(want) == 3
+    page = client.get("/", params={"q": q})
+    assert page.status_code == 200 and page.text.count('<tr class="hit">') == 3 and 'value="3"' in page.text
+    for k in (4, 10, 0):
+        with pytest.raises(ConfigError) as said:
+            search(open_searcher(store), [q], k)
+        r = client.get("/search", params={"q": q, "k": k})
+        assert r.status_code == 400 and r.json()["error"] == str(said.value), k
+    assert client.get("/search", params={"q": q, "k": 3}).status_code == 200
+
+
+def test_a_port_in_use_or_a_host_that_cannot_be_bound_fails_before_anything_loads(site, cli, monkeypatch):
+    store, root, _ = site
+    opened = []
+    monkeypatch.setattr(serve_mod, "open_server", lambda *a, **kw: opened.append(a))
+    monkeypatch.setattr(serve_mod, "serve", lambda *a: pytest.fail("served"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = cli("serve", "--features", store, "--port", port)
+    assert r.exit_code == 1 and f"--port {port}: already in use on 127.0.0.1" in r.output
+    assert "Traceback" not in r.output and "serving" not in r.output
+    r = cli("serve", "--features", store, "--host", "192.0.2.1", "--port", "0")  # TEST-NET: no machine's own
+    assert r.exit_code == 1 and "--host 192.0.2.1: not an address of this machine" in r.output
+    for port in ("70000", "-1"):
+        r = cli("serve", "--features", store, "--port", port)
+        assert r.exit_code == 1 and f"--port {port}: a port from 1 to 65535" in r.output
+    r = cli("serve", "--features", store, "--allow-host", "mybox:8000")
+    assert r.exit_code == 1 and "--allow-host 'mybox:8000'" in r.output
+
+    def unresolved(*a, **kw):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    r = cli("serve", "--features", store, "--host", "no-such-host.invalid")
+    assert r.exit_code == 1 and "--host no-such-host.invalid: not an address this machine can listen on" in r.output
+    assert opened == []
+
+
+def test_listen_holds_the_port_it_reports():
+    with listen("127.0.0.1", 0) as held:
+        assert held.port > 0 and held.address == "127.0.0.1" and held.url == f"http://127.0.0.1:{held.port}/"
+        with pytest.raises(ConfigError, match=f"--port {held.port}: already in use"):
+            listen("127.0.0.1", held.port)
+        assert held.hosts().refusal([f"localhost:{held.port}"]) is None
+        assert held.hosts().refusal(["localhost:8000"])[0] == 421

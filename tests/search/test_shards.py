@@ -124,9 +124,10 @@ def test_serve_with_two_shards_answers_the_hits_of_one_index(ray_local, store, r
 
     from tvrpipe.search.serve import make_app, open_server
 
-    one = TestClient(make_app(open_server(store, run, first_stage="exact", candidates=10)))
+    base = "http://127.0.0.1:8000"  # a Host the app answers by default: tvrpipe serve's default address
+    one = TestClient(make_app(open_server(store, run, first_stage="exact", candidates=10)), base_url=base)
     two = TestClient(make_app(open_server(store, run, first_stage="exact", candidates=10, shards=2,
-                                          address="local")))
+                                          address="local")), base_url=base)
     for q in QUERIES:
         a, b = (c.get("/search", params={"q": q, "k": 5}).json() for c in (one, two))
         assert [h["video_id"] for h in b["hits"]] == [h["video_id"] for h in a["hits"]]

@@ -23,7 +23,14 @@ def serve_cmd(
         help="The address to listen on. The default serves this machine only; any other address lets anyone "
              "who can reach it search the store and read its collection's video files (a warning says so).")
     ] = DEFAULT_HOST,
-    port: Annotated[int, typer.Option(help="The port to listen on.")] = DEFAULT_PORT,
+    port: Annotated[int, typer.Option(help="The port to listen on (0: a free one, printed at start).")
+    ] = DEFAULT_PORT,
+    allow_host: Annotated[Optional[list[str]], typer.Option(
+        metavar="NAME", help="A host name the server also answers to (repeatable), e.g. this machine's name on "
+        "the network, or a proxy's. Requests naming any other host are refused (421), so that a web page cannot "
+        "read the server through your browser by pointing its own name at this machine; the address it listens "
+        "on (and, on a loopback or 0.0.0.0, localhost, 127.0.0.1 and ::1) is always answered.",
+        show_default=False)] = None,
     candidates: Annotated[Optional[int], typer.Option(
         help="K: the shortlist of the first stage that the run's head re-ranks; default: the head scores every "
              "video.")] = None,
@@ -55,18 +62,19 @@ def serve_cmd(
     first stage are loaded once. GET / is the page (a sentence, or a picture chosen or dropped; hits with
     thumbnails, score, uncertainty and a player at the hit's moment), GET /search?q=...&k=...&min_score=... the
     same hits as JSON, GET /media/ID a video file by its id in the store (Range requests for seeking)."""
-    from tvrpipe.search.serve import exposure_warning, open_server, serve
+    from tvrpipe.search.serve import check_allowed_hosts, exposure_warning, listen, open_server, serve
 
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose cpu or cuda")
-    if not 0 < port < 65536:
-        raise ConfigError(f"--port {port}: a port from 1 to 65535 is needed")
-    warning = exposure_warning(host)
-    if warning:
-        err_console.print(f"warning: {warning}", style="yellow")
-    server = open_server(features, run, device, pretrained, video_root, first_stage, candidates,
-                         first_stage_set or (), min_score, shards, address)
-    where = f" (first stage: {server.stage.describe()}, at {address})" if shards else ""
-    console.print(f"{server.searcher.label} over {server.searcher.store.dir}: {len(server.stage):,} searchable "
-                  f"videos{where}; serving http://{host if ':' not in host else f'[{host}]'}:{port}/ (Ctrl-C stops)")
-    serve(server, host, port)
+    allow = check_allowed_hosts(allow_host or ())
+    # the port is bound before anything loads: one in use, or a host that cannot be bound, fails in a second
+    with listen(host, port) as listener:
+        warning = exposure_warning(host)
+        if warning:
+            err_console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
+        server = open_server(features, run, device, pretrained, video_root, first_stage, candidates,
+                             first_stage_set or (), min_score, shards, address)
+        where = f" (first stage: {server.stage.describe()}, at {address})" if shards else ""
+        console.print(f"{server.searcher.label} over {server.searcher.store.dir}: {len(server.stage):,} searchable "
+                      f"videos{where}; serving {listener.url} (Ctrl-C stops)", markup=False, highlight=False)
+        serve(server, listener, allow)

@@ -6,7 +6,8 @@ spreads its frames (:func:`tvrpipe.features.decode.sample_indices`), decoded aga
 file with PyAV, scaled to :data:`THUMB_HEIGHT` px high and embedded as JPEG ``data:`` URIs. The page
 loads nothing else (no CSS, script, font or image from anywhere, and its Content-Security-Policy
 forbids it), so it can be mailed or opened offline. A video that cannot be shown (no video root
-given, file missing, undecodable, no frame recorded) gets an inline SVG placeholder naming the
+given, file missing, undecodable, no frame recorded, a path or symlink leading out of the video
+root, which is never opened: :func:`file_inside`) gets an inline SVG placeholder naming the
 reason, also written beside it as text; one bad video never fails the page.
 
 The page's one inline script counts, on ``load``, the images that rendered, and writes
@@ -187,15 +188,49 @@ def _thumbnails(video_root: Path | None, path: str, times: np.ndarray) -> Thumbs
         return _placeholder("no video root given")
     if len(times) == 0:
         return _placeholder("no frame recorded in the store")
+    # the store's path is data, as a request is: a file outside the collection's folder is never opened
+    file, why = file_inside(video_root, path)
+    if file is None:
+        return _placeholder(str(why))
     try:
-        frames = frames_at(video_root / path, times, THUMB_HEIGHT)
+        frames = frames_at(file, times, THUMB_HEIGHT)
     except DecodeFailure as failure:
         log.warning("%s", failure)
         return _placeholder(_REASONS.get(failure.kind, failure.kind))
     except Exception as exc:  # one bad video never fails the page
-        log.warning("%s: cannot make thumbnails: %s: %s", video_root / path, type(exc).__name__, exc)
+        log.warning("%s: cannot make thumbnails: %s: %s", file, type(exc).__name__, exc)
         return _placeholder("cannot decode the file")
     return Thumbs(tuple((_jpeg_uri(f), f"{s:.2f} s", float(s)) for f, s in zip(frames, times)))
+
+
+def file_inside(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> tuple[Path | None, str | None]:
+    """The file ``path`` (relative to ``root``) names, resolved with its symlinks, if it is a regular file inside
+    the resolved ``root``; else None and why not. Nothing is opened: ``path`` comes from a store or a request, and
+    a ``..``, an absolute path or a symlink leading out of the root must not reach a file there.
+
+    Returns:
+        ``(file, None)``, or ``(None, why)``: ``video root missing``, ``file missing``, ``outside the video root``,
+        ``not a file`` or why the path cannot be resolved (a symlink loop).
+
+    Example:
+        >>> file_inside("data/videos", "../secret.mp4")  # doctest: +SKIP
+        (None, 'outside the video root')
+    """
+    try:
+        base = Path(root).resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None, "video root missing"
+    try:
+        file = (base / path).resolve(strict=True)
+    except FileNotFoundError:
+        return None, "file missing"
+    except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13), a name too long
+        return None, f"cannot resolve the path ({getattr(e, 'strerror', None) or e})"
+    if not file.is_relative_to(base):
+        return None, "outside the video root"
+    if not file.is_file():
+        return None, "not a file"
+    return file, None
 
 
 def _jpeg_uri(frame: np.ndarray) -> str:

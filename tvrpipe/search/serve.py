@@ -11,10 +11,29 @@ as ``tvrpipe search`` does). Routes (:func:`make_app`):
   (``/media/ID#t=start,end``).
 - ``GET /search?q=...&k=...&min_score=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form
   field). ``min_score`` (on ``/`` too) cuts the hits scoring below it, as ``tvrpipe search --min-score``; without it,
-  the server's ``--min-score``, if any. The JSON's ``note`` says how many were cut.
+  the server's ``--min-score``, if any. The JSON's ``note`` says how many were cut. Without ``k``, the hits of
+  ``tvrpipe search`` without ``--top-k``: :data:`DEFAULT_TOP_K`, or every video of a smaller store; a ``k`` out of
+  range is refused with its message. A picture with a sentence (``q`` in the address or the form) is refused, as
+  ``search --image`` with a sentence is.
 - ``GET /media/ID``: the file of the store's video ``ID``, with HTTP Range requests (the player seeks). The id is
   looked up in the store; a path never comes from the request. The file is the store's path under the video root,
-  resolved (symlinks followed), and served only if it is a file inside the resolved root: anything else is 404.
+  resolved (symlinks followed), and served only if it is a file inside the resolved root
+  (:func:`~tvrpipe.search.html.file_inside`, the rule of the page's thumbnails too): anything else is 404.
+
+**Pages of other sites.** A browser on this machine reaches the server for any page it shows, and a page that
+points its own name at 127.0.0.1 (DNS rebinding) could read the answers as its own. Such a request carries the
+page's name in its ``Host`` header: every route answers only a Host naming the address the server listens on
+(for a loopback or wildcard address, also ``localhost``, ``127.0.0.1`` and ``::1``; for a wildcard one, any
+address literal, since a rebinding page always sends a name) or a name of ``--allow-host``, and the listening port
+or none (:class:`Hosts`); others get 421 (a malformed or missing Host 400). Nothing a client sends becomes a path:
+a POSTed picture is written to a fixed name in a temporary folder, and its file name is shown only as text
+(:func:`upload_name`). Its body is counted as it streams in: past :data:`MAX_IMAGE_BYTES` (and room for the form
+around it) it is refused with 413, before reading where its Content-Length says so, else at the byte that passes
+the cap, with or without a Content-Length.
+
+**Listening.** :func:`listen` binds the socket before the store is loaded (a port in use, or a host that cannot
+be bound, fails at once with one line) and hands it to uvicorn, so nothing can take the port in between;
+``--port 0`` takes a free one, printed at start.
 
 **The query encoder** is the searcher's CLIP (:meth:`~tvrpipe.search.engine.Searcher.encode`) unless
 :func:`open_server` is given another (``encode``): ``tvrpipe bench serve`` serves a generated store, which has no
@@ -40,11 +59,14 @@ pydantic (and its compiled core) for validation these routes do in a line each.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import html
 import ipaddress
 import logging
 import math
 import os
+import re
+import socket
 import tempfile
 import threading
 import time
@@ -68,6 +90,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_TOP_K = 10  # tvrpipe.search.engine.DEFAULT_TOP_K (a test checks they agree)
 MAX_IMAGE_BYTES = 32 * 2**20  # choice: a phone's photo is a few MB; anything larger is refused (413)
+FORM_BYTES = 64 * 2**10  # choice: room in a picture's POST for the multipart framing, its name and small fields
+NAME_CHARS = 120  # choice: an uploaded picture's name as shown, at most (a name longer than a line is cut)
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # answered by a server on a loopback or wildcard address
 THUMBS = 4  # thumbnails per hit, as search --html's default
 INSTALL = "the server needs the 'serve' extra: pip install 'tvrpipe[serve]' (Starlette, uvicorn, python-multipart)"
 
@@ -85,6 +110,10 @@ dt { font-weight: bold; float: left; width: 7em; } dd { margin: 0 0 4px 7em; }""
 
 class StoreBusy(TvrpipeError):
     """A search failed while an extract was rewriting the store under the server (answered 503: retry)."""
+
+
+class TooLarge(TvrpipeError):
+    """A POSTed picture over :data:`MAX_IMAGE_BYTES` (answered 413), refused as its body streams in."""
 
 
 def store_signature(features_dir: str | os.PathLike[str]) -> tuple:
@@ -208,14 +237,16 @@ class Server:
         finally:
             self._reloading.release()
 
-    def search(self, queries: Sequence[str], k: int = DEFAULT_TOP_K, images: bool = False,
+    def search(self, queries: Sequence[str], k: int | None = None, images: bool = False,
                min_score: float | None = None) -> Found:
         """The ``k`` best videos for each query (sentences, or pictures' paths with ``images``), as ``tvrpipe
         search`` ranks them with the same store, head and first stage, those scoring below ``min_score`` (None:
-        the server's :attr:`min_score`) cut.
+        the server's :attr:`min_score`) cut. ``k`` None: :data:`DEFAULT_TOP_K`, or every video of a smaller store,
+        as ``tvrpipe search`` without ``--top-k``.
 
         Raises:
-            ConfigError: an empty query, ``k`` out of range, a ``min_score`` outside the head's scores
+            ConfigError: an empty query, ``k`` out of range (refused with ``tvrpipe search --top-k``'s message),
+                a ``min_score`` outside the head's scores
                 (:func:`~tvrpipe.search.engine.check_min_score`), a picture that cannot be read or that the head
                 cannot take.
         """
@@ -234,6 +265,9 @@ class Server:
         min_score = self.min_score if min_score is None else min_score
         if min_score is not None:
             check_min_score(s, min_score)
+        if k is not None:  # the checks of tvrpipe search, in its order: the store's videos, then the searchable
+            check_top_k(k, int(s.store.provenance.get("n_videos", len(s.store.videos))), s.store, "videos")
+        k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
         check_top_k(k, len(stage), s.store)
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
             texts = s.encode_images(queries) if images else (self.encode or s.encode)(queries)
@@ -251,19 +285,15 @@ class Server:
 
     def media_file(self, video_id: str) -> Path | None:
         """The file of the store's video ``video_id``, resolved, if it is a file inside the resolved video root;
-        None otherwise (an unknown id, no video root, a path or symlink leading out of the root, a missing file).
+        None otherwise (an unknown id, no video root, a path or symlink leading out of the root, a missing file):
+        the rule of the page's thumbnails (:func:`~tvrpipe.search.html.file_inside`).
         """
+        from tvrpipe.search.html import file_inside
+
         rel, root = self.files.get(video_id), self.searcher.video_root
         if rel is None or root is None:
             return None
-        try:
-            root = root.resolve(strict=True)
-            path = (root / rel).resolve(strict=True)
-        except (OSError, RuntimeError):  # missing, or a symlink loop
-            return None
-        if not path.is_relative_to(root) or not path.is_file():
-            return None
-        return path
+        return file_inside(root, rel)[0]
 
 
 def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
@@ -329,13 +359,225 @@ def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
 def exposure_warning(host: str) -> str | None:
     """What binding ``host`` exposes, for a host other than this machine's loopback; None for loopback."""
     try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
-        loopback = False
-    if loopback:
+        address = None
+    if host == "localhost" or (address is not None and address.is_loopback):
         return None
-    return (f"--host {host}: anyone who can reach this address can search the store and read its collection's "
-            "video files; bind 127.0.0.1 (the default) to keep them on this machine")
+    warning = (f"--host {host}: anyone who can reach this address can search the store and read its collection's "
+               "video files; bind 127.0.0.1 (the default) to keep them on this machine")
+    if address is not None and address.is_unspecified:
+        warning += ("; requests naming this machine by an address are answered, by a name (its host name) only "
+                    "where --allow-host NAME allows it")
+    return warning
+
+
+# ------------------------------------------------------------------------------------- who may ask, and where
+
+# a DNS name as a Host header carries it: dot-separated labels, lower case (checked after lowering)
+_NAME = re.compile(r"(?:[a-z0-9_-]+\.)*[a-z0-9_-]+")
+
+
+def host_name(value: str) -> str | None:
+    """``value`` (a host as a Host header or ``--allow-host`` gives it, without a port) as the server compares it:
+    lower case, an IPv6 address without its brackets, an address in its canonical form; None where it is neither
+    a DNS name nor an address."""
+    v = value.strip().lower()
+    if v.startswith("[") and v.endswith("]"):
+        try:
+            return ipaddress.IPv6Address(v[1:-1]).compressed
+        except ValueError:
+            return None
+    try:
+        return ipaddress.ip_address(v).compressed
+    except ValueError:
+        return v if _NAME.fullmatch(v) else None
+
+
+def check_allowed_hosts(names: Sequence[str]) -> tuple[str, ...]:
+    """The names of ``--allow-host``, as :func:`host_name` compares them.
+
+    Raises:
+        ConfigError: a value that is not a host name or an address (a port, a scheme, a path, a wildcard).
+    """
+    out = []
+    for name in names:
+        n = host_name(name)
+        if n is None:
+            raise ConfigError(f"--allow-host {name!r}: give a host name or address as a browser's address bar "
+                              "shows it, without scheme, port or path (e.g. mybox.lan, 192.168.1.5 or ::1)")
+        out.append(n)
+    return tuple(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The ``Host`` headers a server answers: a page on another site that points its own name at this machine
+    (DNS rebinding) sends that name, and is refused, whatever the route.
+
+    Attributes:
+        names: the host names and addresses answered (:func:`host_name`'s form).
+        port: the port the server listens on; a Host naming another one is refused (one naming none, as clients
+            do for port 80 and a proxy may, is answered).
+        any_address: a wildcard bind (0.0.0.0, ::): every address literal is answered too, since a rebinding
+            page always sends a name, and the machine's own addresses are more than it can list.
+    """
+
+    names: frozenset[str]
+    port: int
+    any_address: bool = False
+
+    def refusal(self, headers: Sequence[str]) -> tuple[int, str] | None:
+        """None where ``headers`` (the request's Host headers) are answered, else the status and why not: 400
+        for no Host, several, or one that is not ``NAME[:PORT]``; 421 for a name or port of another server."""
+        if len(headers) != 1:
+            return 400, f"{'no' if not headers else 'more than one'} Host header: one naming this server is needed"
+        value = headers[0]
+        shown = value if len(value) <= 100 else value[:99] + "\u2026"
+        name, port = _split_host(value)
+        if name is None:
+            return 400, f"the Host header {shown!r} is not HOST[:PORT]"
+        if port is not None and port != self.port:
+            return 421, f"the Host header {shown!r} names port {port}, but this server listens on port {self.port}"
+        if name in self.names:
+            return None
+        if self.any_address:
+            try:
+                ipaddress.ip_address(name)
+                return None
+            except ValueError:
+                pass
+        answered = ", ".join(sorted(self.names)) + (" and any address of this machine" if self.any_address else "")
+        return 421, (f"the Host header {shown!r} names neither this server ({answered}) nor a name allowed with "
+                     "tvrpipe serve --allow-host NAME: a page of another site may not read it through your browser")
+
+
+def _split_host(value: str) -> tuple[str | None, int | None]:
+    """A Host header's name (:func:`host_name`'s form) and port; a None name where it is malformed."""
+    v = value.strip()
+    if v.startswith("["):
+        end = v.find("]")
+        name, rest = (v[:end + 1], v[end + 1:]) if end > 0 else (None, "")
+    else:
+        name, sep, rest = v.partition(":")
+        rest = sep + rest
+    port = None
+    if rest:
+        digits = rest[1:]
+        if not (rest[0] == ":" and digits.isascii() and digits.isdigit() and len(digits) <= 5):
+            return None, None
+        port = int(digits)
+    return (None if name is None else host_name(name)), port
+
+
+def allowed_hosts(host: str, port: int, allow: Sequence[str] = (), address: str | None = None) -> Hosts:
+    """The Host headers a server bound to ``address`` (``host`` as the user gave it: an address or a name) on
+    ``port`` answers: ``host`` and ``address`` themselves; for a loopback address or a wildcard one, also
+    ``localhost``, ``127.0.0.1`` and ``::1`` (an attacker controls none of them); for a wildcard one, any address
+    literal; and the names of ``allow`` (``--allow-host``).
+
+    Raises:
+        ConfigError: a name of ``allow`` that is not a host name or address.
+
+    Example:
+        >>> allowed_hosts("127.0.0.1", 8000).refusal(["evil.example:8000"])[0]
+        421
+    """
+    names = {n for n in (host_name(host), host_name(address or host)) if n is not None}
+    names.update(check_allowed_hosts(allow))
+    try:
+        bound = ipaddress.ip_address(host_name(address or host) or "")
+    except ValueError:
+        bound = None
+    anywhere = bound is not None and bound.is_unspecified
+    if host == "localhost" or anywhere or (bound is not None and bound.is_loopback):
+        names.update(LOOPBACK_NAMES)
+    return Hosts(frozenset(names), port, anywhere)
+
+
+@dataclass
+class Listener:
+    """A socket bound and listening (:func:`listen`), handed to uvicorn: the port is held from the start, so a
+    port in use is refused before the store is loaded and no other process can take it meanwhile.
+
+    Attributes:
+        sock: the listening socket.
+        host: the ``--host`` it was asked for (an address or a name).
+        address: the address bound.
+        port: the port bound (the free one the system chose, for ``--port 0``).
+    """
+
+    sock: socket.socket = field(repr=False)
+    host: str
+    address: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host if ':' not in self.host else f'[{self.host}]'}:{self.port}/"
+
+    def hosts(self, allow: Sequence[str] = ()) -> Hosts:
+        """The Host headers a server on this socket answers (:func:`allowed_hosts`)."""
+        return allowed_hosts(self.host, self.port, allow, self.address)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def listen(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> Listener:
+    """A socket bound to ``host`` (the first of its addresses that binds) and ``port`` (0: a free one), listening.
+
+    Raises:
+        ConfigError: ``port`` outside 0-65535; ``host`` that does not resolve or is not an address of this
+            machine; ``port`` in use, or one this user may not bind (each naming the option to change).
+
+    Example:
+        >>> with listen("127.0.0.1", 0) as listener:  # doctest: +SKIP
+        ...     serve(open_server("features/msrvtt"), listener)
+    """
+    if not 0 <= port < 65536:
+        raise ConfigError(f"--port {port}: a port from 1 to 65535 is needed (or 0: a free one)")
+    if not host:
+        raise ConfigError("--host: an address to listen on is needed, e.g. 127.0.0.1 (this machine only)")
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host {host}: not an address this machine can listen on ({e}); e.g. 127.0.0.1 (this "
+                          "machine only) or 0.0.0.0 (every network)") from None
+    first: OSError | None = None
+    for family, kind, proto, _, addr in found:
+        sock = socket.socket(family, kind, proto)
+        try:
+            # a port left in TIME_WAIT by a server just stopped binds again; one another socket listens on does not
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(2048)  # uvicorn's backlog; listening now holds the port until uvicorn serves it
+        except OSError as e:
+            sock.close()
+            first = first or e
+            continue
+        return Listener(sock, host, str(sock.getsockname()[0]), int(sock.getsockname()[1]))
+    raise _bind_error(first, host, port)
+
+
+def _bind_error(e: OSError | None, host: str, port: int) -> ConfigError:
+    why = (e.strerror if e is not None else None) or str(e)
+    if e is not None and e.errno == errno.EADDRINUSE:
+        return ConfigError(f"--port {port}: already in use on {host} (another server listens there); stop it, or "
+                           "choose another --port (0: a free one)")
+    if e is not None and e.errno == errno.EACCES:
+        return ConfigError(f"--port {port}: this user may not listen on it on {host} ({why}); ports below 1024 "
+                           "need privileges: choose another --port")
+    if e is not None and e.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(f"--host {host}: not an address of this machine ({why}); e.g. 127.0.0.1 (this machine "
+                           "only) or 0.0.0.0 (every network)")
+    return ConfigError(f"--host {host} --port {port}: cannot listen there ({why})")
 
 
 # ------------------------------------------------------------------------------------------------ the app
@@ -363,48 +605,131 @@ def _min_score(value: str | None) -> float | None:
         raise ConfigError(f"min_score={value!r}: a number is needed") from None
 
 
-def _k(value: str | None) -> int:
+def _k(value: str | None) -> int | None:
     if value is None or value == "":
-        return DEFAULT_TOP_K
+        return None  # tvrpipe search's default: DEFAULT_TOP_K, or every video of a smaller store
     try:
         return int(value)
     except ValueError:
         raise ConfigError(f"k={value!r}: a whole number of hits is needed") from None
 
 
-def make_app(server: Server) -> Any:
-    """The Starlette app serving ``server``'s searches, pages and media files.
+def upload_name(name: str | None) -> str:
+    """What the page and the JSON call a POSTed picture: the client's file name as text (never a path), cut to
+    :data:`NAME_CHARS`; ``picture`` where it gave none."""
+    name = name or "picture"
+    return name if len(name) <= NAME_CHARS else name[:NAME_CHARS - 1] + "\u2026"
+
+
+def _status(e: TvrpipeError) -> int:
+    return 413 if isinstance(e, TooLarge) else 503 if isinstance(e, StoreBusy) else 400
+
+
+def _too_large() -> TooLarge:
+    cap = MAX_IMAGE_BYTES
+    size = f"{cap / 2**20:g} MiB" if cap >= 2**20 else f"{cap:,} bytes"
+    return TooLarge(f"the picture is over {size}, the most this server takes: send a smaller one")
+
+
+def _capped(receive: Callable[[], Any], cap: int) -> Callable[[], Any]:
+    """``receive`` (ASGI) raising :class:`TooLarge` once the request's body passes ``cap`` bytes: a body is
+    refused while it streams in, with or without a Content-Length, before it is written anywhere whole."""
+    seen = 0
+
+    async def counted() -> Any:
+        nonlocal seen
+        message = await receive()
+        if message.get("type") == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > cap:
+                raise _too_large()
+        return message
+
+    return counted
+
+
+_BOTH = ("a picture and a sentence (q) were both given: search with a picture or with a sentence, in separate "
+         "requests")
+
+
+def make_app(server: Server, hosts: Hosts | None = None) -> Any:
+    """The Starlette app serving ``server``'s searches, pages and media files, to requests whose Host ``hosts``
+    answers (None: those of a server on the default address, :func:`allowed_hosts` of 127.0.0.1:8000).
 
     Raises:
         ConfigError: Starlette is not installed (naming the extra).
     """
     try:
         from starlette.applications import Starlette
+        from starlette.datastructures import Headers
+        from starlette.exceptions import HTTPException
+        from starlette.middleware import Middleware
         from starlette.requests import Request
         from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
         from starlette.routing import Route
     except ImportError:
         raise ConfigError(INSTALL) from None
 
-    async def read_picture(request: Request) -> tuple[str, bytes] | None:
-        form = await request.form(max_files=1, max_fields=8, max_part_size=MAX_IMAGE_BYTES)
-        upload = form.get("image")
-        if upload is None or isinstance(upload, str):
-            return None
-        data = await upload.read(MAX_IMAGE_BYTES + 1)
-        if len(data) > MAX_IMAGE_BYTES:
-            raise ConfigError(f"the picture is over {MAX_IMAGE_BYTES // 2**20} MiB")
-        return (upload.filename or "picture"), data
+    hosts = allowed_hosts(DEFAULT_HOST, DEFAULT_PORT) if hosts is None else hosts
 
-    def search_picture(name: str, data: bytes, k: int, min_score: float | None) -> tuple[list[Hit], str | None]:
+    class HostCheck:
+        """Every route answers only the Host headers ``hosts`` allows: a page that rebinds its own name to this
+        machine reaches the server through the user's browser, with that name in its Host header."""
+
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                refused = hosts.refusal(Headers(scope=scope).getlist("host"))
+                if refused is not None:
+                    # the Host is echoed: as text that no browser reads as a page
+                    await PlainTextResponse(refused[1], status_code=refused[0],
+                                            headers={"X-Content-Type-Options": "nosniff"})(scope, receive, send)
+                    return
+            await self.app(scope, receive, send)
+
+    async def read_picture(request: Request, missing: str) -> tuple[str, bytes, str | None]:
+        """The POSTed picture's name (:func:`upload_name`) and bytes, and the form's ``min_score``. Starlette caps
+        a form's fields but not its files, so the body is counted here, refused past the cap before it is read
+        (Content-Length) or as it streams in (chunked)."""
+        cap = MAX_IMAGE_BYTES + FORM_BYTES
+        length = request.headers.get("content-length", "")
+        if length.isascii() and length.isdigit() and int(length) > cap:
+            raise _too_large()
+        try:
+            form = await Request(request.scope, _capped(request.receive, cap)).form(
+                max_files=1, max_fields=8, max_part_size=FORM_BYTES)
+        except HTTPException as e:  # a body Starlette cannot parse as a form (malformed, too many fields)
+            raise ConfigError(f"the form cannot be read: {e.detail}") from None
+        try:
+            upload = form.get("image")
+            if upload is None or isinstance(upload, str):
+                raise ConfigError(missing)
+            if "q" in request.query_params or "q" in form:
+                raise ConfigError(_BOTH)
+            data = await upload.read(MAX_IMAGE_BYTES + 1)
+            if len(data) > MAX_IMAGE_BYTES:
+                raise _too_large()
+            score = form.get("min_score")
+            return upload_name(upload.filename), data, score if isinstance(score, str) and score else None
+        finally:
+            await form.close()
+
+    def search_picture(name: str, data: bytes, k: int | None,
+                       min_score: float | None) -> tuple[list[Hit], str | None]:
         with tempfile.TemporaryDirectory(prefix="tvrpipe-serve-") as d:
-            path = Path(d) / (Path(name).name or "picture")
-            path.write_bytes(data)
-            found = server.search([str(path)], k, images=True, min_score=min_score)
-        # the upload's name, not the temporary path
-        return [dataclasses.replace(h, query=name) for h in found.hits], found.note(str(path))
+            # a fixed name: the client's never becomes a path (Pillow reads the format from the bytes)
+            path = os.path.join(d, "picture")
+            Path(path).write_bytes(data)
+            try:
+                found = server.search([path], k, images=True, min_score=min_score)
+            except ConfigError as e:  # the upload's name, not the temporary file's
+                raise ConfigError(str(e).replace(f"--image {path}", f"the picture {name!r}")
+                                  .replace(path, repr(name))) from None
+        return [dataclasses.replace(h, query=name) for h in found.hits], found.note(path)
 
-    def search_text(q: str, k: int, min_score: float | None) -> tuple[list[Hit], str | None]:
+    def search_text(q: str, k: int | None, min_score: float | None) -> tuple[list[Hit], str | None]:
         found = server.search([q], k, min_score=min_score)
         return found.hits, found.note(q)
 
@@ -412,42 +737,38 @@ def make_app(server: Server) -> Any:
         q = request.query_params.get("q", "")
         k_text = request.query_params.get("k")
         score_text = request.query_params.get("min_score", "")
-        hits, note, error, busy, query, heading = None, None, None, False, q, "Query"
+        hits, note, error, status, query, heading = None, None, None, 200, q, "Query"
         try:
             k = _k(k_text)
             min_score = _min_score(score_text)
             if request.method == "POST":
-                got = await read_picture(request)
-                if got is None:
-                    raise ConfigError("no picture: choose or drop a picture file")
-                form_score = (await request.form()).get("min_score")  # the form is parsed once, then kept
-                if isinstance(form_score, str) and form_score:  # the picture form's field, over the address's
+                name, data, form_score = await read_picture(request, "no picture: choose or drop a picture file")
+                if form_score is not None:  # the picture form's field, over the address's
                     score_text, min_score = form_score, _min_score(form_score)
-                query, heading = got[0], "Picture"
-                hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
+                query, heading = name, "Picture"
+                hits, note = await _threaded(search_picture, name, data, k, min_score)
             elif q.strip():
                 hits, note = await _threaded(search_text, q, k, min_score)
-        except (ConfigError, StoreBusy) as e:
-            error, busy = str(e), isinstance(e, StoreBusy)
+        except (ConfigError, StoreBusy, TooLarge) as e:
+            error, status = str(e), _status(e)
         body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
                                error, heading, query, note, score_text)
-        return HTMLResponse(body, status_code=(503 if busy else 400) if error else 200)
+        return HTMLResponse(body, status_code=status)
 
     async def search_json(request: Request) -> Response:
         try:
             k = _k(request.query_params.get("k"))
             min_score = _min_score(request.query_params.get("min_score"))
             if request.method == "POST":
-                got = await read_picture(request)
-                if got is None:
-                    raise ConfigError("no picture: POST one as the form field 'image'")
-                hits, note = await _threaded(search_picture, got[0], got[1], k, min_score)
+                name, data, form_score = await read_picture(request, "no picture: POST one as the form field "
+                                                                     "'image' (a sentence: GET /search?q=...)")
+                if form_score is not None:
+                    min_score = _min_score(form_score)
+                hits, note = await _threaded(search_picture, name, data, k, min_score)
             else:
                 hits, note = await _threaded(search_text, request.query_params.get("q", ""), k, min_score)
-        except ConfigError as e:
-            return JSONResponse({"error": str(e)}, status_code=400)
-        except StoreBusy as e:
-            return JSONResponse({"error": str(e)}, status_code=503)
+        except (ConfigError, StoreBusy, TooLarge) as e:
+            return JSONResponse({"error": str(e)}, status_code=_status(e))
         head = server.searcher.head
         return JSONResponse({"ranked_by": server.searcher.label, "score": head.meaning(),
                              "uncertainty": head.uncertainty_text(), "note": note,
@@ -464,7 +785,7 @@ def make_app(server: Server) -> Any:
         Route("/", page, methods=["GET", "POST"]),
         Route("/search", search_json, methods=["GET", "POST"]),
         Route("/media/{video_id:path}", media, methods=["GET", "HEAD"]),
-    ])
+    ], middleware=[Middleware(HostCheck)])
 
 
 async def _threaded(fn: Any, *args: Any) -> Any:
@@ -488,7 +809,8 @@ def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: s
              'refused)">')
     parts = [f"<p>{e(s.label)} over {e(str(s.store.dir))}: {len(server.stage):,} searchable videos.</p>",
              f'<form method="get" action="/"><input type="text" name="q" value="{e(q)}" placeholder="a sentence" '
-             f'autofocus> hits <input type="number" name="k" min="1" value="{e(k or str(DEFAULT_TOP_K))}" '
+             f'autofocus> hits <input type="number" name="k" min="1" '
+             f'value="{e(k or str(min(DEFAULT_TOP_K, len(server.stage))))}" '
              'style="width:4em">' + score + ' <button type="submit">Search</button></form>',
              '<form method="post" action="/" enctype="multipart/form-data">or a picture (choose or drop it here): '
              '<input type="file" name="image" accept="image/*">' + score + ' <button type="submit">Search with the '
@@ -559,14 +881,17 @@ def page_url(q: str, k: int | None = None) -> str:
     return "/?" + urlencode({"q": q, **({"k": k} if k is not None else {})})
 
 
-def serve(server: Server, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
-    """Serve until interrupted (uvicorn; one process, searches one at a time).
+def serve(server: Server, listener: Listener, allow: Sequence[str] = ()) -> None:
+    """Serve on ``listener``'s socket until interrupted (uvicorn; one process, searches one at a time), to
+    requests naming its address or a name of ``allow`` (:meth:`Listener.hosts`).
 
     Raises:
-        ConfigError: uvicorn is not installed.
+        ConfigError: uvicorn is not installed; a name of ``allow`` that is not a host name or address.
     """
     try:
         import uvicorn
     except ImportError:
         raise ConfigError(INSTALL) from None
-    uvicorn.run(make_app(server), host=host, port=port, log_level="info")
+    app = make_app(server, listener.hosts(allow))
+    config = uvicorn.Config(app, host=listener.address, port=listener.port, log_level="info")
+    uvicorn.Server(config).run(sockets=[listener.sock])
