@@ -36,3 +36,22 @@ def test_track_yields_every_item_in_order_with_or_without_a_length(capsys):
     assert list(track((i * i for i in range(5)), "squares", total=5, enabled=False)) == [0, 1, 4, 9, 16]
     assert list(track(iter("ab"), "letters", enabled=False)) == ["a", "b"]  # no len, no total: a bar without an end
     assert capsys.readouterr().out == ""  # disabled: nothing printed
+
+
+def test_stages_name_the_one_running_and_count_the_ones_done(monkeypatch):
+    import tvrpipe.progress as progress
+
+    seen, bars = [], []
+    real = progress.progress_bar
+
+    def recording(**kw):
+        bars.append(real(**kw))
+        return bars[-1]
+
+    monkeypatch.setattr(progress, "progress_bar", recording)
+    for name in progress.stages(["model alone", "in memory", "streamed"], enabled=False):
+        [task] = bars[0].tasks
+        seen.append((name, task.description, task.completed, task.total))
+    assert seen == [("model alone", "model alone", 0, 3), ("in memory", "in memory", 1, 3),
+                    ("streamed", "streamed", 2, 3)]
+    assert bars[0].tasks[0].completed == 3 and "elapsed" in str([type(c).__name__ for c in bars[0].columns]).lower()

@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -68,4 +68,16 @@ def track(items: Iterable[T], description: str, total: int | None = None, enable
         task = bar.add_task(description, total=total)
         for item in items:
             yield item
+            bar.advance(task)
+
+
+def stages(names: Sequence[str], enabled: bool = True) -> Iterator[str]:
+    """``names``, one at a time, under a bar of :func:`progress_bar`'s look that names the stage running, done /
+    total and the time elapsed: for work of a few long steps that show nothing of their own (a benchmark's runs,
+    each a fresh process)."""
+    with progress_bar(elapsed=True, enabled=enabled) as bar:
+        task = bar.add_task(names[0] if names else "", total=len(names))
+        for name in names:
+            bar.update(task, description=name)
+            yield name
             bar.advance(task)

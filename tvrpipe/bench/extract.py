@@ -48,6 +48,7 @@ from tvrpipe.config import above, at_least, check_fields
 from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
 from tvrpipe.errors import ConfigError, WorkerDiedError
 from tvrpipe.files import atomic_write
+from tvrpipe.progress import stages, track
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ def make_bench_videos(out_dir: Path, spec: BenchVideos, seed: int = 0) -> Path:
     base = rng.integers(0, 256, size=(h // 8 + 2, w // 8 + 2, 3), dtype=np.uint8)
     base = np.kron(base, np.ones((8, 8, 1), np.uint8))
     rows = []
-    for k in range(spec.count):
+    for k in track(range(spec.count), "rendering the bench videos"):
         path = videos / f"bench_{k:04d}.mp4"
         atomic_write(path, lambda tmp, k=k: _encode_video(tmp, k, spec, base, n))
         rows.append(k)
@@ -481,23 +482,31 @@ def bench_extract(
     if precision == "bf16" and device == "cpu":  # as extract's encoders run it (the peer stays in fp32)
         bundle.model.to(torch.bfloat16)
     S = bundle.image_size
+    executors = [name for name in EXECUTORS if name != "ray" or ray_installed()]
+    if len(executors) < len(EXECUTORS):
+        log.warning("Ray is not installed here: only the local executor is measured")
+    steps = stages(["decoding alone", "encoding alone", "the naive loop", *(f"tvrpipe extract, {name} executor"
+                                                                           for name in executors), "the peer loop"])
+    next(steps)
     decode = _decode_only(paths, frames, S, cpus)
+    next(steps)
     encode = _encode_only(bundle, frames, batch_size, repeats=max(3, spec.count // batch_size))
+    next(steps)
     naive = _naive(bundle, paths, frames, out / "naive.zarr")
     del bundle
     bound = 1.0 / (1.0 / decode + 1.0 / encode) if device == "cpu" else min(decode, encode)
 
     pipelines = {}
-    for name in EXECUTORS:
-        if name == "ray" and not ray_installed():
-            log.warning("Ray is not installed here: only the local executor is measured")
-            continue
+    for name in executors:
+        next(steps)
         run_cfg = dataclasses.replace(cfg, address=None if name == "local" else "local")
         pipelines[name] = asdict(_pipeline_run(manifest, out, run_cfg, spec.count))
+    next(steps)
     started = time.time()
     peer_startup, ends = in_fresh_process(
         _peer_loop, (started, model, weights, paths, frames, out / "peer", cpus, device), "peer loop")
     peer_seconds = time.time() - started
+    next(steps, None)  # the last stage done: the bar ends
     peer_startup["first_video"] = ends[0]
     peer = _marginal(spec.count, batch_size, ends[batch_size - 1], ends[-1])
     r = ExtractBench(device=device, cpus=cpus, model=model, precision=cfg.encode_precision, frames=frames,

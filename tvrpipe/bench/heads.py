@@ -26,6 +26,7 @@ from pathlib import Path
 from tvrpipe.bench.extract import in_fresh_process
 from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.progress import stages
 
 MSRVTT_9K = GenSpec(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20,
                     captions_per_test_video=1, frames=12, max_words=32, embed_dim=512, seed=0)
@@ -108,7 +109,7 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
         memory=spec.store_bytes(), memory_what="the store's features, trained in memory"), "the store's size")
     store = generate_store(out / "store", spec, progress=True, made_by="tvrpipe bench train-head")
     results = []
-    for method in methods or list_heads():
+    for method in stages(methods or list_heads()):
         row = in_fresh_process(_one_method, (str(store), method, steps, batch_size, str(out / "runs" / method),
                                              prefetch), method)
         results.append({**row, **_official(method)})  # its test split is the 1k-A size
@@ -253,12 +254,13 @@ def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None,
     check_room("bench eval", None, Needs(memory=largest, memory_what="the largest size's features and scores"),
                "--size, --dim, --frames or --words")
     rows = []
-    for size in sizes:
+    plan = {f"{method} at {size} size ({EVAL_SIZES[size][0]:,} x {EVAL_SIZES[size][1]:,})": (method, size)
+            for size in sizes for method in methods or list_heads()}
+    for what in stages(list(plan)):
+        method, size = plan[what]
         n_t, n_v = EVAL_SIZES[size]
-        for method in methods or list_heads():
-            row = in_fresh_process(_eval_one, (method, n_t, n_v, frames, words, dim, block_texts, device),
-                                   f"{method} at {size} size ({n_t:,} x {n_v:,})")
-            rows.append({"size": size, **row, **_official(method if size == "msrvtt1k" else None)})
+        row = in_fresh_process(_eval_one, (method, n_t, n_v, frames, words, dim, block_texts, device), what)
+        rows.append({"size": size, **row, **_official(method if size == "msrvtt1k" else None)})
     return rows
 
 
@@ -319,7 +321,7 @@ def bench_allocator(methods: list[str] | None = None, steps: int = 3, batch_size
                                               memory_what=f"a batch of {batch_size}'s pairwise activations"),
                "--batch-size or --dim")
     rows = []
-    for method in methods or list_heads():
+    for method in stages(methods or list_heads()):
         pair = {}
         for tuned in (True, False):
             pair[tuned] = in_fresh_process(_steps_one, (method, tuned, steps, batch_size, frames, words, dim),

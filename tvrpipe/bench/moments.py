@@ -25,6 +25,7 @@ import numpy as np
 
 from tvrpipe.bench.extract import in_fresh_process
 from tvrpipe.bench.room import check_room, videos_needs
+from tvrpipe.progress import stages, track
 
 GROUP = 32  # moments of one file a decoder call takes (extraction's)
 WIDTH, HEIGHT, FPS = 320, 240, 8
@@ -48,7 +49,7 @@ def long_video(path: Path, seconds: float, fps: int = FPS, width: int = WIDTH, h
             stream = container.add_stream("libx264", rate=fps)
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
             stream.codec_context.gop_size = fps
-            for i in range(n):
+            for i in track(range(n), f"rendering a {seconds:g} s video"):
                 rgb = ((x * 3 + y * 2 + i * np.array([5, 11, 17])) % 256).astype(np.uint8)
                 for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
                     container.mux(packet)
@@ -152,9 +153,10 @@ def bench_moments(out_dir: str | os.PathLike[str], seconds: float = 3600.0, wind
                "--long-video's seconds")
     path = long_video(Path(out_dir) / f"long-{seconds:g}s.mp4", seconds)
     bounds = cutting.bounds(float(seconds))
-    together = in_fresh_process(_moments, (str(path), bounds, frames, image_size), "moments decoded together")
-    one = in_fresh_process(_one_pass, (str(path), image_size), "one decode pass")
-    alone = in_fresh_process(_alone, (str(path), bounds[:GROUP], frames, image_size), "moments decoded alone")
+    runs = {"moments decoded together": (_moments, (str(path), bounds, frames, image_size)),
+            "one decode pass": (_one_pass, (str(path), image_size)),
+            "moments decoded alone": (_alone, (str(path), bounds[:GROUP], frames, image_size))}
+    together, one, alone = (in_fresh_process(*runs[what], what) for what in stages(list(runs)))
     if together["decoded"] != len(bounds):
         raise RuntimeError(f"{len(bounds) - together['decoded']} of {len(bounds)} moments of {path} did not decode")
     return MomentsBench(seconds=float(seconds), window=cutting.window_s, stride=cutting.stride_s, moments=len(bounds),

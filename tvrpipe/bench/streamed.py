@@ -29,7 +29,7 @@ from pathlib import Path
 from tvrpipe.bench.extract import in_fresh_process
 from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.features.genstore import GenSpec, generate_store
-from tvrpipe.progress import progress_bar
+from tvrpipe.progress import stages
 
 COMMAND = "bench train-head --streamed"
 COMMAND_NAME = f"tvrpipe {COMMAND}"
@@ -203,13 +203,8 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
                 f"{method}: in memory"),
         "stream": (_fit_one, (str(small), method, str(out / "runs" / "small-streamed"), epochs, batch_size,
                               small_needs // 3, seed), f"{method}: streamed, a store that fits")}
-    done = {}
-    with progress_bar(elapsed=True, enabled=progress) as bar:
-        task = bar.add_task("", total=len(runs))
-        for key, (fn, args, what) in runs.items():
-            bar.update(task, description=what)
-            done[key] = in_fresh_process(fn, args, what)
-            bar.advance(task)
+    named = {what: key for key, (_, _, what) in runs.items()}
+    done = {named[what]: in_fresh_process(*runs[named[what]]) for what in stages(list(named), progress)}
     model, alone_stream = done["model"]["peak_rss"], done["alone"]["added"]
     big, mem, stream = done["big"], done["mem"], done["stream"]
     if mem["data"]["mode"] != "in memory" or stream["data"]["mode"] != "streamed" or big["data"]["mode"] != "streamed":

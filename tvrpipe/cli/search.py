@@ -132,7 +132,7 @@ def search_cmd(
     try:
         found = search(searcher, texts, top_k, candidates, first_stage, index,
                        first_stage_settings=first_stage_set or (), min_score=min_score, images=bool(image),
-                       per_video=per_video, shards=shards, address=address)
+                       per_video=per_video, shards=shards, address=address, progress=True)
     finally:
         if ours:
             stop_ray()

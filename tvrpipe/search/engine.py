@@ -545,7 +545,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
            texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
            min_score: float | None = None, images: bool = False, per_video: int | None = None,
-           shards: int | None = None, address: str | None = None) -> Found:
+           shards: int | None = None, address: str | None = None, progress: bool = False) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -570,6 +570,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             part of the store's searchable videos; the head re-ranks their merged shortlist here. Needs
             ``address`` and ``candidates``; None: one index in this process.
         address: the Ray cluster of ``shards`` (``auto``, ``HOST:PORT``, or ``local``: a Ray started here).
+        progress: a bar while the first stage's index is built (it is kept beside the store: built once).
 
     Returns:
         The hits (one per query and rank, queries in order, best first), how many videos were scored, and how
@@ -612,7 +613,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         stage = sharded_first_stage(store, first_stage, first_stage_settings, shards, address, candidates)
     else:
         stage = (exported_stage(index, store, first_stage_settings) if index is not None
-                 else make_stage(store, first_stage, settings=first_stage_settings))
+                 else make_stage(store, first_stage, settings=first_stage_settings, progress=progress))
     k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
     check_top_k(k, len(stage), store)
     _check_candidates(candidates, k)

@@ -118,11 +118,12 @@ def pooled_rows(store: FeatureStore, out: Path | None = None) -> tuple[np.ndarra
 
 
 def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
-                settings: Settings | None = None) -> FirstStage:
+                settings: Settings | None = None, progress: bool = False) -> FirstStage:
     """The store's first stage ``kind`` (a registered name, an alias, or ``auto``) with ``settings`` over its
     Config's defaults, from ``<store>/search-index/`` when it was built from this very store (the index too,
     when built by this first stage with these build settings), else computed (and kept there when the folder
-    is writable and ``cache``).
+    is writable and ``cache``). ``progress``: a bar with the time elapsed while it is built (minutes at a
+    million videos).
 
     Raises:
         ConfigError: no video of the store has a decoded frame; ``kind`` is unknown or its library missing;
@@ -148,19 +149,23 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
         log.info("%s was built from an earlier state of the store; building it again", folder)
     if cache:  # what a search killed while it kept its index left beside the store
         remove_staged(store.dir, (INDEX_DIR,))
-    if (pooled is None or rows is None) and cache:
-        kept = _build_in_place(store, folder, key, cls, config)
-        if kept is not None:
-            return kept
-        cache = False  # it could not be kept: built in memory, and not tried again
-    if pooled is None or rows is None:
-        pooled, rows = pooled_rows(store)
-        index = None
-    _check_searchable(store, rows)
-    built = False
-    if index is None:
-        index = cls.build(pooled, config)
-        built = bool(cls.files)  # a first stage without files costs nothing to build, and is not worth a rewrite
+    from tvrpipe.progress import progress_bar
+
+    with progress_bar(elapsed=True, enabled=progress and (index is None or pooled is None), transient=True) as bar:
+        bar.add_task(f"building the search index ({cls.name}) of {store.dir}", total=None)
+        if (pooled is None or rows is None) and cache:
+            kept = _build_in_place(store, folder, key, cls, config)
+            if kept is not None:
+                return kept
+            cache = False  # it could not be kept: built in memory, and not tried again
+        if pooled is None or rows is None:
+            pooled, rows = pooled_rows(store)
+            index = None
+        _check_searchable(store, rows)
+        built = False
+        if index is None:
+            index = cls.build(pooled, config)
+            built = bool(cls.files)  # a first stage without files costs nothing to build, and is not worth a rewrite
     if cache and (not fresh or built):
         if store_key(store) == key:
             _save(folder, key, pooled, rows, index)
