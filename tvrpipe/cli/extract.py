@@ -163,7 +163,7 @@ def export_cmd(
     from tvrpipe.features.export import POOLED_FORMATS, export_hdf5, export_pooled
 
     if format == "hdf5":
-        console.print(f"wrote {export_hdf5(features, out)}")
+        console.print(f"wrote {export_hdf5(features, out, progress=True)}")
         return
     if (first_stage is not None or first_stage_set) and format != "faiss":
         option = "--first-stage" if first_stage is not None else "--first-stage-set"
@@ -172,11 +172,11 @@ def export_cmd(
         from tvrpipe.search.index import export_faiss
 
         path, left_out = export_faiss(features, out, *([first_stage] if first_stage is not None else []),
-                                      settings=first_stage_set)
+                                      settings=first_stage_set, progress=True)
     elif format not in POOLED_FORMATS:
         raise ConfigError(f"--format {format!r} is not supported; use hdf5, {', '.join(POOLED_FORMATS)} or faiss")
     else:
-        path, left_out = export_pooled(features, out, format)
+        path, left_out = export_pooled(features, out, format, progress=True)
     console.print(f"wrote {path}" + (f" ({left_out} videos without a decoded frame left out)" if left_out else ""),
                   highlight=False)
 

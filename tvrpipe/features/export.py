@@ -24,12 +24,14 @@ from tvrpipe.features.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.features.store import open_store
 from tvrpipe.files import atomic_write
 from tvrpipe.lock import check_writable, nearest_existing
+from tvrpipe.progress import track
 
 ARRAYS = tuple(f"{kind}/{name}" for kind, names in STORE_ARRAYS.items() for name in names)
 
 
-def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
-    """Write the store's arrays, ids and provenance into ``out_file`` (written atomically).
+def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLike[str], progress: bool = False) -> Path:
+    """Write the store's arrays, ids and provenance into ``out_file`` (written atomically; ``progress``: a bar
+    over the arrays' chunks).
 
     The store is checked as it is opened (:func:`~tvrpipe.features.store.open_store`); a damaged
     store is refused before anything is written.
@@ -58,14 +60,15 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
         except OSError as e:
             raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}); choose a writable path") from None
         with h5:
+            chunks = [(name, a) for name in ARRAYS for a in range(0, store.array(name).shape[0],
+                                                                  store.array(name).chunks[0])]
             for name in ARRAYS:
                 src = store.array(name)
                 # HDF5 refuses chunks for an empty dataset (a collection's store has no captions)
-                dst = h5.create_dataset(name, shape=src.shape, dtype=src.dtype,
-                                        chunks=src.chunks if src.shape[0] else None)
-                step = src.chunks[0]
-                for a in range(0, src.shape[0], step):
-                    dst[a : a + step] = src[a : a + step]
+                h5.create_dataset(name, shape=src.shape, dtype=src.dtype, chunks=src.chunks if src.shape[0] else None)
+            for name, a in track(chunks, f"writing {out.name}", enabled=progress):
+                src, step = store.array(name), store.array(name).chunks[0]
+                h5[name][a : a + step] = src[a : a + step]
             strings = h5py.string_dtype()
             for table, cols in ((store.videos, ("video_id", "split", "path")),
                                 (store.texts, ("caption_id", "video_id", "split"))):
@@ -105,11 +108,11 @@ def pooled_blocks(store, rows: int = 4096,
 
 
 def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None,
-                      out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      out: np.ndarray | None = None, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Every video's embedding as the meanpool head computes it (:func:`pooled_blocks`), read ``rows`` videos
     at a time; ``which``: only these store rows (sorted), in that order (one shard of a search's first stage
     reads its own rows alone); ``out``: the ``(N, D)`` float32 array to fill (a memory map of a file, so that the
-    embeddings are never all in RAM), else a new one.
+    embeddings are never all in RAM), else a new one; ``progress``: a bar over the blocks.
 
     Returns:
         ``(embeddings (N, D) float32, has_frames (N,) bool)``, N the store's videos (or ``which``'s); a video
@@ -120,7 +123,9 @@ def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None,
     out = np.zeros((size, d), np.float32) if out is None else out
     has = np.zeros(size, bool)
     at = 0
-    for part, emb, h in pooled_blocks(store, rows, which):
+    blocks = track(pooled_blocks(store, rows, which), "mean-pooling the videos", total=-(-size // rows),
+                   enabled=progress)
+    for part, emb, h in blocks:
         out[at : at + len(part)], has[at : at + len(part)] = emb, h
         at += len(part)
     return out, has
@@ -142,7 +147,8 @@ def check_new_export(store, out: str | os.PathLike[str], kind: str) -> Path:
     return out
 
 
-def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str) -> tuple[Path, int]:
+def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str,
+                  progress: bool = False) -> tuple[Path, int]:
     """Write the store's pooled video embeddings (:func:`pooled_embeddings`) for other tools: the videos
     with at least one decoded frame, with their ids, splits and paths, and the store's provenance.
 
@@ -161,7 +167,7 @@ def export_pooled(features_dir: str | os.PathLike[str], out: str | os.PathLike[s
         raise ConfigError(f"--format {fmt!r}: pooled embeddings are written as {' or '.join(POOLED_FORMATS)}")
     store = open_store(features_dir)
     out = check_new_export(store, out, "folder" if fmt == "npy" else "file")
-    emb, has = pooled_embeddings(store)
+    emb, has = pooled_embeddings(store, progress=progress)
     if not has.any():
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")
     table = store.videos[["video_id", "split", "path"]].astype(str).reset_index(drop=True)[has]

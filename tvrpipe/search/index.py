@@ -100,7 +100,7 @@ def searchable_rows(store: FeatureStore) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-def pooled_rows(store: FeatureStore, out: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pooled_rows(store: FeatureStore, out: Path | None = None, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The pooled embeddings of the videos with a decoded frame, and their store rows. With ``out``, the
     embeddings are written there as a ``.npy`` file and returned memory-mapped, so memory holds one block of
     frames whatever the store's size (a million videos' embeddings are 2 GB at D = 512); else in RAM."""
@@ -109,9 +109,9 @@ def pooled_rows(store: FeatureStore, out: Path | None = None) -> tuple[np.ndarra
     d = store.array("videos/frames").shape[2]
     rows = searchable_rows(store)  # first: the output's size
     if out is None:
-        return pooled_embeddings(store, which=rows)[0], rows
+        return pooled_embeddings(store, which=rows, progress=progress)[0], rows
     pooled = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(len(rows), d))
-    pooled_embeddings(store, which=rows, out=pooled)
+    pooled_embeddings(store, which=rows, out=pooled, progress=progress)
     pooled.flush()
     del pooled
     return np.load(out, mmap_mode="r"), rows
@@ -301,13 +301,13 @@ def exported_stage(index_dir: str | os.PathLike[str], store: FeatureStore,
 
 
 def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[str], kind: str = EXPORTED,
-                 settings: Settings | None = None) -> tuple[Path, int]:
+                 settings: Settings | None = None, progress: bool = False) -> tuple[Path, int]:
     """Write a new folder ``out`` with the store's first-stage index ``kind`` (:func:`~tvrpipe.search.first_stages.exportable_first_stages`; by default
     FAISS HNSW, an inner product over L2-normalised pooled embeddings) for other tools and for ``tvrpipe search
     --index``: its files (``faiss.index`` for the FAISS ones), ``pooled.npy`` and ``rows.npy`` (the embeddings
     and their store rows), ``videos.csv`` (index position, video_id, split, path), ``provenance.json`` (the
     store's) and ``index.json`` (which state of the store it was built from, and which first stage).
-    Written under a temporary name, then renamed.
+    Written under a temporary name, then renamed; ``progress``: bars while the videos are pooled and the index built.
 
     Returns:
         ``(out, videos left out for having no decoded frame)``.
@@ -330,12 +330,17 @@ def export_faiss(features_dir: str | os.PathLike[str], out: str | os.PathLike[st
     store = open_store(features_dir)
     out = check_new_export(store, out, "folder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    pooled, rows = pooled_rows(store)
+    pooled, rows = pooled_rows(store, progress=progress)
     if not len(rows):
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to export")
     def write(tmp: Path) -> None:
+        from tvrpipe.progress import progress_bar
+
         tmp.mkdir()
-        write_index_files(tmp, store_key(store), pooled, rows, cls.build(pooled, config))
+        with progress_bar(elapsed=True, enabled=progress, transient=True) as bar:
+            bar.add_task(f"building the {cls.name} index", total=None)
+            index = cls.build(pooled, config)
+        write_index_files(tmp, store_key(store), pooled, rows, index)
         table = store.videos[["video_id", "split", "path"]].astype(str).iloc[rows].reset_index(drop=True)
         table.assign(row=np.arange(len(table)))[["row", "video_id", "split", "path"]].to_csv(
             tmp / "videos.csv", index=False)
