@@ -73,7 +73,7 @@ def serve_cmd(
         if warning:
             err_console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
         server = open_server(features, run, device, pretrained, video_root, first_stage, candidates,
-                             first_stage_set or (), min_score, shards, address)
+                             first_stage_set or (), min_score, shards, address, progress=True)
         where = f" (first stage: {server.stage.describe()}, at {address})" if shards else ""
         console.print(f"{server.searcher.label} over {server.searcher.store.dir}: {len(server.stage):,} searchable "
                       f"videos{where}; serving {listener.url} (Ctrl-C stops)", markup=False, highlight=False)

@@ -301,12 +301,13 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
                 first_stage: str = "auto", candidates: int | None = None,
                 first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None,
                 shards: int | None = None, address: str | None = None,
-                encode: Callable[[Sequence[str]], TextBatch] | None = None) -> Server:
+                encode: Callable[[Sequence[str]], TextBatch] | None = None, progress: bool = False) -> Server:
     """Load once what every request uses: the store, the head, the query CLIP and the first stage (with
     ``shards``, split over that many Ray actors on the cluster at ``address``, as ``tvrpipe search --shards``).
 
     ``encode`` replaces the query CLIP (:attr:`Server.encode`): none is then loaded, and a store of no CLIP (a
-    generated one) is served.
+    generated one) is served. ``progress``: a bar while the first opening builds the first stage's index (a
+    reopen while serving shows none).
 
     Raises:
         StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
@@ -324,7 +325,7 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
     def reopen(old: Served | None) -> Served:
         sig = store_signature(features)
         served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old,
-                             shards, address, candidates, warm_up=encode is None)
+                             shards, address, candidates, warm_up=encode is None, progress=progress and old is None)
         if min_score is not None:
             check_min_score(served.searcher, min_score)
         return dataclasses.replace(served, signature=sig)
@@ -336,7 +337,7 @@ def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
                 old: Served | None = None, shards: int | None = None, address: str | None = None,
-                candidates: int | None = None, warm_up: bool = True) -> Served:
+                candidates: int | None = None, warm_up: bool = True, progress: bool = False) -> Served:
     """One opening of the store (:class:`Served`); the query CLIP of ``old`` is kept where the store records the
     same one (a reopen after an extract), else loaded and tried on a warm-up query (``warm_up`` False: not loaded,
     for a server given another encoder). With ``shards``, the first stage is new Ray actors (``old``'s end when
@@ -348,7 +349,7 @@ def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
     searcher = open_searcher(features, run, device, pretrained, video_root)
     if warm_up and (old is None or not searcher.share_clip(old.searcher)):
         searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
-    stage = (make_stage(searcher.store, first_stage, settings=first_stage_settings) if shards is None else
+    stage = (make_stage(searcher.store, first_stage, settings=first_stage_settings, progress=progress) if shards is None else
              sharded_first_stage(searcher.store, first_stage, first_stage_settings, shards, address, candidates))
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
