@@ -308,6 +308,9 @@ def test_bad_input_is_one_line_naming_it(store, captions, tmp_path):
         ({"k": n + 1}, rf"--top-k {n + 1} is more than the {n} videos of"),
         ({"k": 0}, "--top-k 0: ask for at least 1"),
         ({"k": 5, "candidates": 3}, "--candidates 3 is fewer than --top-k 5"),
+        # no --top-k given: the default is named as the default, not as an option the user never typed
+        ({"candidates": 3}, f"--candidates 3 is fewer than the {min(10, n)} hits a query returns by default: give "
+                            rf"at least {min(10, n)} candidates, or ask for fewer hits \(--top-k N\)"),
         ({"first_stage": "ann"}, r"--first-stage 'ann': choose one of auto, exact, faiss-hnsw \(or faiss\)"),
         ({"index": tmp_path, "first_stage": "exact"}, "is the first stage; leave out --first-stage exact"),
     ]:

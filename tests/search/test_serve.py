@@ -117,7 +117,7 @@ def test_the_json_hits_are_tvrpipe_searchs(site, server, client):
 def test_bad_queries_are_400_with_the_reason(client):
     assert client.get("/search", params={"q": "  "}).status_code == 400
     r = client.get("/search", params={"q": "a cat", "k": 100000})
-    assert r.status_code == 400 and "--top-k 100000" in r.json()["error"]
+    assert r.status_code == 400 and r.json()["error"].startswith("k=100000 is more than the")  # what was typed
     assert client.get("/search", params={"q": "a cat", "k": "x"}).status_code == 400
     assert client.post("/search").status_code == 400
 
@@ -620,7 +620,7 @@ def test_the_pages_thumbnails_never_read_outside_the_root(site, server, client, 
 
 def test_without_k_a_small_store_answers_as_search_does(tmp_path):
     """No k: every video of a store smaller than the default, as tvrpipe search without --top-k; a k over the
-    store: refused with search --top-k's own message."""
+    store, or over the candidates: refused as search refuses its --top-k, naming the request's k."""
     from tvrpipe.errors import ConfigError
 
     store = _tiny_clip_store(tmp_path / "small", seed=5, train=2, test=1)
@@ -636,8 +636,18 @@ def test_without_k_a_small_store_answers_as_search_does(tmp_path):
         with pytest.raises(ConfigError) as said:
             search(open_searcher(store), [q], k)
         r = client.get("/search", params={"q": q, "k": k})
-        assert r.status_code == 400 and r.json()["error"] == str(said.value), k
+        assert r.status_code == 400 and r.json()["error"] == str(said.value).replace(f"--top-k {k}", f"k={k}"), k
     assert client.get("/search", params={"q": q, "k": 3}).status_code == 200
+    shortlist = TestClient(make_app(open_server(store, candidates=2)), base_url=BASE)
+    with pytest.raises(ConfigError) as said:
+        search(open_searcher(store), [q], 3, candidates=2)
+    r = shortlist.get("/search", params={"q": q, "k": 3})
+    assert r.status_code == 400 and r.json()["error"] == str(said.value).replace("--top-k 3", "k=3")
+    assert shortlist.get("/search", params={"q": q, "k": 2}).status_code == 200
+    r = shortlist.get("/search", params={"q": q})  # the default, not a k the user never gave, is named
+    assert r.status_code == 400 and r.json()["error"] == ("--candidates 2 is fewer than the 3 hits a query returns "
+                                                          "by default: give at least 3 candidates, or ask for fewer "
+                                                          "hits (k=N)")
 
 
 def test_a_port_in_use_or_a_host_that_cannot_be_bound_fails_before_anything_loads(site, cli, monkeypatch):

@@ -463,17 +463,46 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
     return Ranked(np.stack(rows), np.stack(top_scores), np.stack(top_unc), K)
 
 
-def check_top_k(k: int, n: int, store: FeatureStore, what: str = "searchable videos") -> None:
-    """``--top-k`` between 1 and ``n``, the store's searchable videos (or its videos, ``what``).
+def check_top_k(k: int, n: int, store: FeatureStore, what: str = "searchable videos", option: str = "--top-k") -> None:
+    """``--top-k`` between 1 and ``n``, the store's searchable videos (or its videos, ``what``); ``option``: how
+    the user gave k (``k=`` in a server's request).
 
     Raises:
         ConfigError: naming both numbers.
     """
     if k < 1:
-        raise ConfigError(f"--top-k {k}: ask for at least 1 hit")
+        raise ConfigError(f"{_given(option, k)}: ask for at least 1 hit")
     if k > n:
-        raise ConfigError(f"--top-k {k} is more than the {n} {what} of --features {store.dir}; "
+        raise ConfigError(f"{_given(option, k)} is more than the {n} {what} of --features {store.dir}; "
                           f"ask for at most {n}")
+
+
+def _given(option: str, k: int | str) -> str:
+    """``--top-k 20`` on the command line, ``k=20`` in a request's address."""
+    return f"{option} {k}" if option.startswith("-") else f"{option}={k}"
+
+
+def hits_asked(k: int | None, searchable: int, store: FeatureStore, candidates: int | None,
+               option: str = "--top-k") -> int:
+    """The hits a search returns for a query: ``k``, or :data:`DEFAULT_TOP_K` (every video of a smaller store)
+    when None; checked against the store's videos, its ``searchable`` videos and the ``candidates`` the head
+    re-ranks, in that order (``tvrpipe search`` and ``tvrpipe serve`` refuse alike; ``option``: how the user gave
+    k).
+
+    Raises:
+        ConfigError: k out of range, or more than the candidates.
+    """
+    if k is None:  # not asked: the default is said as such, not as an option the user never typed
+        k = min(DEFAULT_TOP_K, searchable)
+        if candidates is not None and candidates < k:
+            raise ConfigError(f"--candidates {candidates} is fewer than the {k} hits a query returns by default: "
+                              f"give at least {k} candidates, or ask for fewer hits ({_given(option, 'N')})")
+        return k
+    check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos", option)
+    check_candidates(candidates, k, option)
+    check_top_k(k, searchable, store, option=option)
+    check_candidates(candidates, k, option)
+    return k
 
 
 @dataclass(frozen=True)
@@ -604,7 +633,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         check_min_score(searcher, min_score)
     if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
         check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
-        _check_candidates(candidates, k)
+        check_candidates(candidates, k)
     # the queries first: a store whose sentences cannot be encoded (a generated one, a moved checkpoint) is refused
     # before its index is written
     if texts is None:
@@ -614,9 +643,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     else:
         stage = (exported_stage(index, store, first_stage_settings) if index is not None
                  else make_stage(store, first_stage, settings=first_stage_settings, progress=progress))
-    k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
-    check_top_k(k, len(stage), store)
-    _check_candidates(candidates, k)
+    k = hits_asked(k, len(stage), store, candidates)
     depth = ranking_depth(store.videos, k, per_video, len(stage) if candidates is None else min(candidates, len(stage)))
     if candidates is None or candidates >= len(stage):
         ranked = exhaustive(searcher.head, texts, store, stage.rows, depth, searcher.device)
@@ -664,9 +691,10 @@ def per_file(hits: list[Hit], per_video: int, k: int) -> list[Hit]:
     return out
 
 
-def _check_candidates(candidates: int | None, k: int) -> None:
+def check_candidates(candidates: int | None, k: int, option: str = "--top-k") -> None:
+    """Refuse a shortlist of ``candidates`` shorter than the ``k`` hits asked for (``option``: how k was given)."""
     if candidates is not None and candidates < k:
-        raise ConfigError(f"--candidates {candidates} is fewer than --top-k {k}: the head re-ranks the shortlist, "
+        raise ConfigError(f"--candidates {candidates} is fewer than {_given(option, k)}: the head re-ranks the shortlist, "
                           "so it must hold at least the hits asked for")
 
 

@@ -252,9 +252,9 @@ class Server:
         """
         from tvrpipe.search.engine import (
             check_min_score,
-            check_top_k,
             cut_below,
             exhaustive,
+            hits_asked,
             hits_of,
             two_stage,
         )
@@ -265,17 +265,14 @@ class Server:
         min_score = self.min_score if min_score is None else min_score
         if min_score is not None:
             check_min_score(s, min_score)
-        if k is not None:  # the checks of tvrpipe search, in its order: the store's videos, then the searchable
-            check_top_k(k, int(s.store.provenance.get("n_videos", len(s.store.videos))), s.store, "videos")
-        k = min(DEFAULT_TOP_K, len(stage)) if k is None else k
-        check_top_k(k, len(stage), s.store)
+        k = hits_asked(k, len(stage), s.store, self.candidates, "k")  # as tvrpipe search checks --top-k
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
             texts = s.encode_images(queries) if images else (self.encode or s.encode)(queries)
             try:
                 if self.candidates is None or self.candidates >= len(stage):
                     ranked = exhaustive(s.head, texts, s.store, stage.rows, k, s.device)
                 else:
-                    ranked = two_stage(s.head, texts, s.store, stage, k, max(self.candidates, k), s.device)
+                    ranked = two_stage(s.head, texts, s.store, stage, k, self.candidates, s.device)
             except Exception as e:
                 if self.reopen is None or store_signature(s.store.dir) == cur.signature:
                     raise
