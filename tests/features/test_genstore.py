@@ -218,7 +218,7 @@ def test_synth_features_only_cli_writes_a_generated_store(cli, tmp_path):
     (["--videos", "100"], "--videos sets rendered videos; with --features-only use --preset and --set"),
     (["--preset", "huge"], "--preset 'huge' is not one of: small, medium, msrvtt9k, onescene"),
     (["--set", "noize=1"], "unknown config key 'noize'"),
-    (["--set", "noise=-1"], "GenSpec.noise must be >= 0"),
+    (["--set", "noise=-1"], "--set noise must be >= 0"),  # the option typed, not the class behind it
 ])
 def test_synth_features_only_rejects_bad_options(cli, tmp_path, args, message):
     r = cli("synth", "--features-only", "--out", tmp_path / "g", *args)

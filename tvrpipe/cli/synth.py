@@ -106,7 +106,7 @@ def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrit
     if preset not in SIZES:
         raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(SIZES)}")
     spec = dataclasses.replace(SIZES[preset], seed=seed, **parse_fields(GenSpec, items, "the generator", "--set"))
-    spec.validate()
+    spec.validate("--set")
     generate_store(out, spec, progress=True, overwrite=overwrite)
     store = open_store(out)
     splits = store.videos["split"].value_counts()

@@ -162,8 +162,17 @@ class GenSpec:
     intrinsic_dim: int = 64
     seed: int = 0
 
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first invalid field."""
+    def validate(self, option: str | None = None) -> None:
+        """Raise :class:`ConfigError` naming the first invalid field (as ``GenSpec.FIELD``; with ``option``, as
+        the option the user typed: ``--set FIELD``)."""
+        try:
+            self._validate()
+        except ConfigError as e:
+            if option is None:
+                raise
+            raise ConfigError(str(e).replace("GenSpec.", f"{option} ").replace("GenSpec:", f"{option}:")) from None
+
+    def _validate(self) -> None:
         for name in ("train_videos", "val_videos", "test_videos"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"GenSpec.{name} must be >= 0, got {getattr(self, name)}")
