@@ -639,7 +639,10 @@ def test_bench_extract_long_video_times_its_moments_against_one_pass(cli, tmp_pa
     assert "cut into 7 moments (10 s every 5 s)" in " ".join(r.output.split())
     for args, said in ((("--long-video", "40", "--fps", "4"), "--fps: --long-video measures decoding alone"),
                        (("--stride", "5"), "--stride: they cut --long-video's file"),
-                       (("--long-video", "40", "--window", "10", "--stride", "20"), "--stride 20s is longer than")):
+                       (("--long-video", "40", "--window", "10", "--stride", "20"), "--stride 20s is longer than"),
+                       # the stride a lone --window gives is not blamed for it
+                       (("--long-video", "40", "--window", "0.1"), "error: --window 0.1s: a moment this short may hold "
+                                                                   "no frame")):
         r = cli("bench", "extract", "--out", tmp_path / "c", *args)
         assert r.exit_code == 1 and said in " ".join(r.output.split()), r.output
 

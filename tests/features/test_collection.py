@@ -19,7 +19,7 @@ from tvrpipe.data.manifest import read_manifest
 from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError, ManifestError
 from tvrpipe.features.clip import TINY_MODEL
-from tvrpipe.features.collection import build_collection
+from tvrpipe.features.collection import Cutting, build_collection
 from tvrpipe.features.extract import ExtractConfig, driver, executor, extract
 from tvrpipe.features.store import PREVIOUS, StoreError, open_store
 
@@ -586,6 +586,145 @@ def test_a_bad_window_or_stride_names_the_option(window, stride, message):
         cutting_of(window, stride)
 
 
+# Each message of the cutting options names the option the user typed, never one a default came from (a stride
+# taken from the window is not blamed for the window).
+_FLOOR = "a moment this short may hold no frame of a video (two frames of a video of 2 frames a second are 0.5s " \
+         "apart), and extract would fail it; give at least 0.5s"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "0.0001"], f"--window 0.0001s: {_FLOOR}"),
+    (["--window", "0.1"], f"--window 0.1s: {_FLOOR}"),
+    (["--window", "0.499"], f"--window 0.499s: {_FLOOR}"),
+    (["--window", "0.2", "--stride", "0.1"], f"--window 0.2s: {_FLOOR}"),
+    (["--window", "10s", "--stride", "0.1"], "--stride 0.1s: moments would start less than 0.5s apart, closer than two "
+                                             "frames of a video of 2 frames a second, so that neighbours could hold the "
+                                             "same frames; give at least 0.5s"),
+    (["--window", "10s", "--stride", "0.0001"], "--stride 0.0001s: moments would start less than 0.5s apart"),
+    (["--window", "0"], "--window 0: a window must last a positive number of seconds"),
+    (["--window", "-1m"], "--window -60: a window must last a positive number of seconds"),
+    (["--window", "nan"], "--window 'nan': give a duration such as 10s"),
+    (["--window", "1e999"], "--window inf: a window must last a positive number of seconds"),
+    (["--window", "10", "--stride", "0"], "--stride 0: a stride must be a positive number of seconds"),
+    (["--window", "10", "--stride", "20"], "--stride 20s is longer than --window 10s"),
+    (["--window", "abc"], "--window 'abc': give a duration such as 10s, 2.5m or 1h"),
+    (["--window", "10", "--stride", "x"], "--stride 'x': give a duration such as 10s"),
+    (["--stride", "0.1"], "--stride needs --window: give the window length too"),
+    (["--stride", "5s"], "--stride needs --window: give the window length too"),
+    (["--window", "whole", "--stride", "5"], "--stride with --window whole: whole files are not cut"),
+    (["--window", "whole", "--shots"], "--shots with --window whole: whole files are not cut into shots"),
+    (["--window", "whole", "--shot-threshold", "20"], "--shot-threshold with --window whole: whole files are not cut"),
+    (["--shot-threshold", "20"], "--shot-threshold needs --shots: it is the shot detector's threshold"),
+    (["--window", "10s", "--shot-threshold", "20"], "--shot-threshold needs --shots"),
+    (["--shots", "--window", "0.2"], f"--window 0.2s: with --shots, a shot longer than it is cut into windows of it, "
+                                     f"and {_FLOOR}"),
+    (["--shots", "--window", "0"], "--window 0: a window must last a positive number of seconds"),
+    (["--shots", "--stride", "5"], "--stride with --shots: shots are cut where the picture changes"),
+    (["--shots", "--shot-threshold", "nan"], "--shot-threshold nan: the detector's threshold is a mean change"),
+])
+def test_each_cutting_message_names_the_option_typed_in_one_line_before_anything_is_written(tmp_path, cli, args,
+                                                                                           message):
+    (tmp_path / "v").mkdir()
+    r = cli("manifest", "build", "--videos", tmp_path / "v", "--out", tmp_path / "m", *args)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and f"error: {message}" in text, r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    typed = {a for a in args if a.startswith("--")}
+    blamed = text.removeprefix("error: ").split()[0]
+    assert blamed in typed, (blamed, typed)
+    assert not (tmp_path / "m").exists()
+
+
+# --- no moment without a frame ------------------------------------------------------------------------------
+
+
+def _check_cut(bounds: list[tuple[float, float]], duration: float, window: float, stride: float | None) -> None:
+    """The rules of a cutting, checked on its output: the moments cover the file from 0 to its end without a gap;
+    each starts ``stride`` after the one before (to the millisecond); none is shorter than the floor unless it is
+    the whole file; none is longer than the window plus the tail."""
+    from tvrpipe.features.collection import MIN_MOMENT_S, TAIL_S
+
+    end = round(duration, 3)
+    assert bounds[0][0] == 0 and bounds[-1][1] == end
+    ms = [(round(a * 1000), round(b * 1000)) for a, b in bounds]
+    for (a, b), (c, d) in zip(ms, ms[1:]):
+        assert c <= b and c > a, bounds  # no gap, in order
+        if stride is not None:
+            assert abs((c - a) - stride * 1000) <= 1, bounds
+    for a, b in ms:
+        assert b - a >= round(min(MIN_MOMENT_S, window) * 1000) or (a, b) == (0, round(end * 1000)), bounds
+        assert b - a <= round((window + TAIL_S) * 1000) + 1 or len(bounds) == 1, bounds
+
+
+def test_no_moment_a_cutting_makes_is_shorter_than_the_floor():
+    """Windows, strides and durations over a grid and at random (to the millisecond): every moment spans at least
+    MIN_MOMENT_S (the tail rule included) unless it is the whole file, and the moments cover the file."""
+    from tvrpipe.features.collection import MIN_MOMENT_S, TAIL_S, Cutting
+
+    assert TAIL_S == MIN_MOMENT_S == 0.5
+    rng = np.random.default_rng(0)
+    cases = [(d, w, s) for d in (0.001, 0.3, 0.5, 0.8, 1.0, 1.001, 2.0, 7.3, 20.2, 20.499, 20.5, 20.501, 61.0)
+             for w in (0.5, 0.501, 0.7, 1.0, 2.5, 10.0) for s in (0.5, 0.6, w)]
+    for _ in range(2000):
+        w = round(float(rng.uniform(0.5, 12)), 3)
+        cases.append((round(float(rng.uniform(0.001, 80)), 3), w, round(float(rng.uniform(0.5, w)), 3)))
+    for duration, window, stride in cases:
+        if stride > window:
+            continue
+        _check_cut(Cutting(window, stride).bounds(duration), duration, window, stride)
+
+
+def test_a_shot_cut_by_the_window_cap_leaves_no_piece_under_the_floor():
+    from tvrpipe.features.collection import MIN_MOMENT_S, Cutting
+
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        duration = round(float(rng.uniform(1, 120)), 3)
+        cuts = sorted(round(float(c), 3) for c in rng.uniform(0, duration, rng.integers(0, 8)))
+        window = round(float(rng.uniform(0.5, 15)), 3)
+        bounds = Cutting(window, shots=True).shot_bounds(cuts, duration)
+        edges = [0.0, *sorted({c for c in cuts if 0 < c < duration}), duration]
+        assert bounds[0][0] == 0 and bounds[-1][1] == round(duration, 3)
+        assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:])), bounds  # end to end
+        for a, b in bounds:
+            shot = next((lo, hi) for lo, hi in zip(edges, edges[1:]) if lo <= a < hi)
+            # a piece is the whole shot, or at least the floor long (the cap's tail rule)
+            assert (a, b) == shot or round((b - a) * 1000) >= MIN_MOMENT_S * 1000, (a, b, shot, window)
+            assert round((b - a) * 1000) <= round((window + MIN_MOMENT_S) * 1000) + 1 or (a, b) == shot
+
+
+@pytest.mark.parametrize("fps, seconds, window, stride", [
+    (8, 23.0, 0.5, 0.5),
+    (8, 7.0, 0.5, None),
+    (2, 9.5, 0.5, 0.5),  # a frame every 0.5 s: the floor holds exactly one each
+    (2, 12.0, 0.7, 0.6),
+    (25, 4.0, 0.5, 0.5),
+])
+def test_every_moment_at_the_floor_holds_frames_when_decoded(tmp_path, fps, seconds, window, stride):
+    """A 0.1 s window of an 8 fps file held no frame in one moment of five (extract failed them as no_frames):
+    such a window is refused now, and every moment of the shortest windows and strides allowed decodes, at 2 fps
+    (one frame every floor) and above."""
+    from tvrpipe.features.collection import Cutting
+    from tvrpipe.features.decode import DecodedVideo, DecodeWorker, probe_duration
+
+    path = _long_video(tmp_path / "v.mp4", seconds, fps=fps)
+    cutting = Cutting(window, stride)
+    bounds = cutting.bounds(probe_duration(path))
+    with DecodeWorker(30) as w:
+        got = w.decode_moments(path, 4, 64, bounds)
+    failed = [(b, g.detail) for b, g in zip(bounds, got) if not isinstance(g, DecodedVideo)]
+    assert not failed, failed
+    assert all(bool(g.mask.any()) for g in got)
+
+
+def test_a_too_short_window_is_refused_before_the_folder_is_read(tmp_path, cli, monkeypatch):
+    _long_video(tmp_path / "v" / "a.mp4", 2.0)
+    monkeypatch.setattr("tvrpipe.features.decode.probe_video", lambda p: pytest.fail(f"probed {p}"))
+    r = cli("manifest", "build", "--videos", tmp_path / "v", "--out", tmp_path / "m", "--window", "0.1")
+    assert r.exit_code == 1 and "--window 0.1s: a moment this short may hold no frame" in " ".join(r.output.split())
+    assert not (tmp_path / "m").exists()
+
+
 def test_cutting_of_parses_units():
     from tvrpipe.features.collection import Cutting, cutting_of
 
@@ -629,6 +768,117 @@ def test_manifest_of_moments_rows_ids_and_a_rebuild_without_probing(synth_videos
     m = read_manifest(tmp_path / "m")
     assert list(m.videos.video_id) == ["short.mp4", "trips/long.mp4"] and "moments" not in m.meta
     assert m.videos[["start_s", "end_s"]].isna().all().all()
+
+
+# --- the recorded cutting: a damaged record is an error, not whole files -------------------------------------
+
+_NAME_IT = ("build the manifest again naming the cutting: --window DURATION (with --stride), --shots, or --window "
+            "whole for one row per file (every file is then probed again)")
+
+
+@pytest.mark.parametrize("record, why", [
+    (5, "it is a number, not an object"),
+    ("10s", "it is a string, not an object"),
+    (None, "it is null, not an object"),
+    ([10, 5], "it is a list, not an object"),
+    ({"window_s": "abc", "stride_s": 5.0}, 'window_s is "abc", not a number'),
+    ({"window_s": 10.0}, "stride_s is missing"),
+    ({"stride_s": 5.0}, "window_s is missing"),
+    ({"window_s": 10.0, "stride_s": True}, "stride_s is true, not a number"),
+    ({"window_s": None, "stride_s": 5.0}, "window_s is null, not a number"),
+    ({"window_s": 10.0, "stride_s": 20.0}, "--stride 20s is longer than --window 10s"),
+    ({"window_s": 0.1, "stride_s": 0.1}, "--window 0.1s: a moment this short may hold no frame"),
+    ({"window_s": -1, "stride_s": 5.0}, "--window -1: a window must last a positive number of seconds"),
+    ({"shots": "yes", "threshold": 27.0, "window_s": None}, 'shots is "yes", not true'),
+    ({"shots": False, "threshold": 27.0, "window_s": None}, "shots is false, not true"),
+    ({"shots": True, "window_s": None}, "threshold is missing"),
+    ({"shots": True, "threshold": "27", "window_s": None}, 'threshold is "27", not a number'),
+    ({"shots": True, "threshold": 27.0, "window_s": "10s"}, 'window_s is "10s", not a number'),
+    ({"shots": True, "threshold": 500.0, "window_s": None}, "--shot-threshold 500: the detector's threshold"),
+])
+def test_a_damaged_moments_record_is_an_error_naming_the_file(record, why):
+    from tvrpipe.features.collection import Cutting
+
+    with pytest.raises(ManifestError) as e:
+        Cutting.recorded({"kind": "collection", "moments": record}, "m/meta.json")
+    text = str(e.value)
+    assert text.startswith(f"m/meta.json: its moments record {json.dumps(record)} is damaged (") and why in text, text
+    assert text.endswith(f"so the last build's cutting is unknown; {_NAME_IT}"), text
+
+
+def test_a_recorded_cutting_is_read_back_and_no_record_is_whole_files():
+    from tvrpipe.features.collection import Cutting
+
+    for cutting in (Cutting(10.0, 5.0), Cutting(2.5), Cutting(shots=True), Cutting(30.0, shots=True, threshold=20.0)):
+        assert Cutting.recorded({"moments": cutting.record()}, "meta.json") == cutting
+    assert Cutting.recorded({"kind": "collection"}, "meta.json") == Cutting()
+    assert Cutting.recorded({"moments": {"window_s": 10, "stride_s": 5}}, "meta.json") == Cutting(10.0, 5.0)
+
+
+def _built(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    folder = tmp_path / "v"
+    _long_video(folder / "a.mp4", 23.0)
+    _long_video(folder / "b.mp4", 4.0, seed=1)
+    build_collection(folder, tmp_path / "m", progress=False, cutting=Cutting(10.0, 5.0))
+    return folder, tmp_path / "m", {n: (tmp_path / "m" / n).read_bytes() for n in ("videos.parquet", "files.parquet")}
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda meta: {**meta, "moments": {"window_s": "abc", "stride_s": 5.0}},
+     'its moments record {"window_s": "abc", "stride_s": 5.0} is damaged (window_s is "abc", not a number)'),
+    (lambda meta: {**meta, "moments": 5}, "its moments record 5 is damaged (it is a number, not an object)"),
+    (lambda meta: "{" + json.dumps(meta)[:40], "not valid JSON (Expecting"),
+    (lambda meta: "", "not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    (lambda meta: [meta], "it holds a list, not a JSON object"),
+    (lambda meta: b"\xff{}", "line 1: not UTF-8 text"),
+])
+def test_a_rebuild_over_a_damaged_meta_json_is_refused_naming_it_and_writes_nothing(tmp_path, cli, damage, message):
+    """A rebuild that keeps the last build's cutting cannot know it from a damaged meta.json: it stops, naming the
+    file, what is wrong and what to do, where it used to cut whole files and an update then reused them."""
+    folder, out, before = _built(tmp_path)
+    meta_path = out / "meta.json"
+    damaged = damage(json.loads(meta_path.read_text()))
+    if isinstance(damaged, bytes):
+        meta_path.write_bytes(damaged)
+    else:
+        meta_path.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    written = meta_path.read_bytes()
+    r = cli("manifest", "build", "--videos", folder, "--out", out)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 1 and text.startswith(f"error: {meta_path}") and message in text, r.output
+    assert _NAME_IT in text and len(r.output.strip().splitlines()) == 1, r.output
+    assert meta_path.read_bytes() == written
+    assert {n: (out / n).read_bytes() for n in before} == before
+
+
+def test_a_named_cutting_sets_a_damaged_meta_json_aside_and_probes_every_file(tmp_path, caplog):
+    folder, out, _ = _built(tmp_path)
+    (out / "meta.json").write_text("{ not json")
+    with caplog.at_level(logging.WARNING, logger="tvrpipe.features.collection"):
+        b = build_collection(folder, out, progress=False, cutting=Cutting(20.0))
+    assert (b.probed, b.known) == (2, 0) and b.cutting == Cutting(20.0)
+    assert f"{out / 'meta.json'} is damaged and set aside: the cutting given is used and every file is probed " \
+           "again" in caplog.text
+    m = read_manifest(out)
+    assert m.meta["moments"] == {"window_s": 20.0, "stride_s": 20.0}
+    assert list(m.videos.video_id) == ["a.mp4#t=0,20", "a.mp4#t=20,23", "b.mp4#t=0,4"]
+
+
+def test_damaged_tables_keep_the_recorded_cutting_and_damaged_probe_notes_are_probed_again(tmp_path):
+    """What the last build probed is a saving only: a damaged files.parquet or skipped list is probed again, while
+    the cutting still comes from meta.json."""
+    folder, out, _ = _built(tmp_path)
+    (out / "files.parquet").write_bytes(b"PAR1 cut short")
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "skipped": 5, "one_shot": "x"}))
+    b = build_collection(folder, out, progress=False)
+    assert (b.probed, b.known) == (2, 0) and b.cutting == Cutting(10.0, 5.0)
+    assert read_manifest(out).meta["moments"] == {"window_s": 10.0, "stride_s": 5.0}
+    (out / "meta.json").write_text(json.dumps({**json.loads((out / "meta.json").read_text()),
+                                               "skipped": [{"path": "x.mp4", "bytes": "abc", "mtime_ns": 1,
+                                                            "reason": "r"}]}))
+    b = build_collection(folder, out, progress=False)
+    assert (b.probed, b.known) == (0, 2)
 
 
 def test_window_without_videos_is_refused(tmp_path, cli):

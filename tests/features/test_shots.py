@@ -171,7 +171,7 @@ def test_without_scenedetect_the_error_names_the_extra(folder, tmp_path, cli, mo
 def test_cutting_of_shots():
     assert cutting_of(None, None, True) == Cutting(shots=True, threshold=27.0)
     assert cutting_of("1m", None, True, 20.0) == Cutting(60.0, None, True, 20.0)
-    assert Cutting.recorded({"moments": Cutting(5.0, shots=True).record()}) == Cutting(5.0, shots=True)
+    assert Cutting.recorded({"moments": Cutting(5.0, shots=True).record()}, "meta.json") == Cutting(5.0, shots=True)
     with pytest.raises(ConfigError, match="--shot-threshold needs --shots"):
         Cutting(10.0, threshold=20.0)
 

@@ -46,12 +46,13 @@ def build(
     window: Annotated[Optional[str], typer.Option(
         help="With --videos: cut each file into moments this long (10s, 2.5m, 1h; seconds without a unit), one row "
              "each, id 'path#t=START,END'; the last moment ends at the file's end, and a file shorter than a window "
-             "is one moment. 'whole' goes back to one row per file. With --shots: the longest a moment may be (a "
+             "is one moment. At least 0.5s (a shorter moment may hold no frame). 'whole' goes back to one row per "
+             "file. With --shots: the longest a moment may be (a "
              "longer shot is cut into windows of this length). Default: the last build's cutting into --out, "
              "else whole files.")] = None,
     stride: Annotated[Optional[str], typer.Option(
-        help="With --window: a moment starts every STRIDE (at most the window: overlapping or end to end). "
-             "Default: the window.")] = None,
+        help="With --window: a moment starts every STRIDE (at least 0.5s, at most the window: overlapping or end "
+             "to end). Default: the window.")] = None,
     shots: Annotated[bool, typer.Option(
         "--shots", help="With --videos: cut each file at its shot boundaries (PySceneDetect's ContentDetector, "
                         "the 'shots' extra: pip install 'tvrpipe[shots]'), a moment per shot, id 'path#t=START,END'; "
@@ -71,7 +72,7 @@ def build(
         if others:
             raise ConfigError(f"--videos builds a collection from a folder, without annotations; {', '.join(others)} "
                               "belong to a dataset's annotation files: give one or the other")
-        from tvrpipe.features.collection import Cutting, build_collection, cutting_of
+        from tvrpipe.features.collection import build_collection, cutting_of
         from tvrpipe.features.outputs import check_output_folder
 
         cutting = cutting_of(window, stride, shots, shot_threshold)
@@ -79,8 +80,8 @@ def build(
         b = build_collection(videos, out, cutting=cutting)
         skipped = b.manifest.meta["skipped"]
         n_files = b.manifest.videos["path"].nunique()
-        cut = Cutting.recorded(b.manifest.meta)
-        what = (f"{len(b.manifest.videos):,} moments of {n_files:,} videos ({cut.describe()})" if cut.moments
+        what = (f"{len(b.manifest.videos):,} moments of {n_files:,} videos ({b.cutting.describe()})"
+                if b.cutting.moments
                 else f"{len(b.manifest.videos):,} videos")
         console.print(Text(f"collection of {what}, no captions -> {out} "
                            f"({b.probed:,} files probed, {b.known:,} unchanged since the last build)"))

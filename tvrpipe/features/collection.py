@@ -23,13 +23,28 @@ moment: the same ``path``, the moment's bounds in ``start_s``/``end_s`` (the man
 row is a clip of a file, as a benchmark's clips are), and the id ``path#t=START,END`` (seconds, the W3C
 Media Fragments notation that players read in a URL). Windows start at 0, ``stride``, ``2 stride``, ... and
 are ``window`` long; the last one is the first that reaches the file's end (within :data:`TAIL_S`) and ends
-there, so it is between ``window - stride + TAIL_S`` and ``window + TAIL_S`` long, never a sliver without a
-frame; a file shorter than a window is one moment, the whole file. A file's duration is the end of its last
-video packet (:func:`~tvrpipe.features.decode.probe_duration`). A stride longer than the window is refused:
-the gaps would be parts of a video that no search can find. The cutting is recorded in ``meta.json``
-(``moments``) and kept by a rebuild that does not name one, so that the ``manifest build`` command other
-messages print keeps the moments; an unchanged file's bounds are taken from the last build (its last moment
-ends at its end), so it is not probed again.
+there, so it is between ``window - stride + TAIL_S`` and ``window + TAIL_S`` long; a file shorter than a window
+is one moment, the whole file. A file's duration is the end of its last video packet
+(:func:`~tvrpipe.features.decode.probe_duration`). A stride longer than the window is refused: the gaps would be
+parts of a video that no search can find. The cutting is recorded in ``meta.json`` (``moments``) and kept by a
+rebuild that does not name one, so that the ``manifest build`` command other messages print keeps the moments;
+an unchanged file's bounds are taken from the last build (its last moment ends at its end), so it is not probed
+again. A ``moments`` record that is not one this module writes is an error naming ``meta.json``
+(:meth:`Cutting.recorded`), never read as whole files.
+
+**No moment without a frame.** Extraction samples F frames of those whose time falls in a moment's
+``[start_s, end_s)`` (:func:`~tvrpipe.features.decode.sampling.pick_frames`): a moment shorter than the interval
+between two of the video's frames may hold none, and extract then fails it (``no_frames``; one 0.1 s window in
+five of an 8 fps video holds no frame). The frame interval is a property of each file, known only once
+it is read, while the options are checked before anything is: so no moment a cutting makes is shorter than
+:data:`MIN_MOMENT_S`, 0.5 s, the frame interval of a video of 2 frames a second. A ``--window`` or ``--stride``
+below it is refused in one line naming the option (choice: refused, not widened, because a widened window is
+another cutting than the one asked for, with other moment ids, and a printed notice of it is easily missed in a
+script; the user retypes it knowingly); the tail rule uses the same bound (:data:`TAIL_S` =
+:data:`MIN_MOMENT_S`), and a shot is cut by ``--window`` with the same rule, so its last piece is no shorter
+either. What is shorter is a whole file or a whole shot, which holds its frames by construction. A video slower
+than 2 frames a second (a time-lapse, a slide show, a screen recording with long still stretches) can still have
+a moment without a frame; extract lists it as failed (``no_frames``).
 
 **Shots.** With ``Cutting(shots=True)`` (``--shots``) a file is cut where PySceneDetect finds a cut
 (:func:`~tvrpipe.features.decode.shots.detect_cuts`), a moment per shot written as a window is; with ``window_s``
@@ -72,9 +87,11 @@ from tvrpipe.errors import ConfigError, ManifestError
 log = logging.getLogger(__name__)
 
 SPLIT = "test"  # a collection is searched, never trained on
-# choice: a tail shorter than this goes to the window before it, so that no moment is a sliver that may hold no
-# frame (a window starting in the last frame's period would hold none and fail extraction as no_frames)
-TAIL_S = 0.5
+# choice: the shortest moment a cutting makes, the frame interval of a video of 2 frames a second: a shorter moment
+# may hold no frame and fail extraction as no_frames (the module docstring, "No moment without a frame")
+MIN_MOMENT_S = 0.5
+# a tail shorter than the shortest moment goes to the window before it, so the last moment is no sliver either
+TAIL_S = MIN_MOMENT_S
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 WHOLE = "whole"  # --window whole: back to one row per file
 _SHOW = 3  # files an error message names
@@ -137,6 +154,8 @@ class Cutting:
         for name in ("window_s", "stride_s", "threshold"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
+        # each check names the option whose value fails it, and a stride is checked only where one was given: a
+        # stride taken from the window is never blamed for the window
         if not self.shots:
             if self.threshold is not None:
                 raise ConfigError("--shot-threshold needs --shots: it is the shot detector's threshold")
@@ -147,18 +166,20 @@ class Cutting:
             if self.stride_s is not None:
                 raise ConfigError("--stride needs --window: give the window length too, e.g. --window 10s --stride 5s")
             return
-        if not (np.isfinite(self.window_s) and self.window_s > 0):
-            raise ConfigError(f"--window {self.window_s:g}: a window must last a positive number of seconds")
+        _check_window(self.window_s, shots=False)
         if self.stride_s is None:
             object.__setattr__(self, "stride_s", self.window_s)
+            return
         if not (np.isfinite(self.stride_s) and self.stride_s > 0):
             raise ConfigError(f"--stride {self.stride_s:g}: a stride must be a positive number of seconds")
         if self.stride_s > self.window_s:
             raise ConfigError(f"--stride {self.stride_s:g}s is longer than --window {self.window_s:g}s: the gaps between "
                               "windows would be parts of the videos that no search finds; give a stride of at most "
                               "the window")
-        if self.stride_s < 0.001:
-            raise ConfigError(f"--stride {self.stride_s:g}s: bounds are kept to the millisecond; give at least 0.001s")
+        if self.stride_s < MIN_MOMENT_S:
+            raise ConfigError(f"--stride {self.stride_s:g}s: moments would start less than {MIN_MOMENT_S:g}s apart, "
+                              f"closer than two frames of a video of 2 frames a second, so that neighbours could "
+                              f"hold the same frames; give at least {MIN_MOMENT_S:g}s")
 
     def _check_shots(self) -> None:
         from tvrpipe.features.decode.shots import SHOT_THRESHOLD
@@ -166,8 +187,8 @@ class Cutting:
         if self.stride_s is not None:
             raise ConfigError("--stride with --shots: shots are cut where the picture changes, not every STRIDE; "
                               "--window with --shots caps a long shot (cut into windows of that length end to end)")
-        if self.window_s is not None and not (np.isfinite(self.window_s) and self.window_s > 0):
-            raise ConfigError(f"--window {self.window_s:g}: a window must last a positive number of seconds")
+        if self.window_s is not None:
+            _check_window(self.window_s, shots=True)
         if self.threshold is None:
             object.__setattr__(self, "threshold", SHOT_THRESHOLD)
         if not (np.isfinite(self.threshold) and 0 < self.threshold <= 255):
@@ -186,16 +207,36 @@ class Cutting:
         return {"window_s": self.window_s, "stride_s": self.stride_s} if self.moments else None
 
     @classmethod
-    def recorded(cls, meta: Any) -> Cutting:
-        """The cutting a manifest's ``meta.json`` records (whole files when it records none, or a damaged one)."""
-        rec = meta.get("moments") if isinstance(meta, dict) else None
-        try:
-            if rec.get("shots"):
-                window = rec.get("window_s")
-                return cls(None if window is None else float(window), shots=True, threshold=float(rec["threshold"]))
-            return cls(float(rec["window_s"]), float(rec["stride_s"]))
-        except Exception:
+    def recorded(cls, meta: Mapping[str, Any], source: str | os.PathLike[str]) -> Cutting:
+        """The cutting that a manifest's ``meta.json`` (the file ``source``, which errors name) records: whole files
+        when it has no ``moments`` (a whole-file build writes none).
+
+        Raises:
+            ManifestError: a ``moments`` record that is not one :meth:`record` writes (not an object, a key missing,
+                a value that is not a number, a cutting the options would refuse), naming ``source``, the record,
+                what is wrong with it and what to do.
+
+        Example:
+            >>> Cutting.recorded({"moments": {"window_s": 10.0, "stride_s": 5.0}}, "m/meta.json")
+            Cutting(window_s=10.0, stride_s=5.0, shots=False, threshold=None)
+        """
+        if "moments" not in meta:
             return cls()
+        rec = meta["moments"]
+        try:
+            if not isinstance(rec, dict):
+                raise ConfigError(f"it is {_json_type(rec)}, not an object")
+            if "shots" in rec:
+                if rec["shots"] is not True:
+                    raise ConfigError(f"shots is {json.dumps(rec['shots'], default=str)}, not true")
+                return cls(_recorded_number(rec, "window_s", may_be_null=True), shots=True,
+                           threshold=_recorded_number(rec, "threshold"))
+            return cls(_recorded_number(rec, "window_s"), _recorded_number(rec, "stride_s"))
+        except ConfigError as e:
+            shown = json.dumps(rec, default=str)
+            shown = shown if len(shown) <= 120 else shown[:117] + "..."
+            raise ManifestError(f"{source}: its moments record {shown} is damaged ({e}), so the last build's cutting "
+                                f"is unknown; {NAME_THE_CUTTING}") from None
 
     def describe(self) -> str:
         """``10s windows every 5s``, ``shots, threshold 27, at most 10s``: what the build printed says."""
@@ -220,18 +261,53 @@ class Cutting:
         return out
 
     def bounds(self, duration: float) -> list[tuple[float, float]]:
-        """The moments ``(start_s, end_s)`` of a file of ``duration`` seconds, in milliseconds (the docstring)."""
-        end = round(float(duration), 3)
+        """The moments ``(start_s, end_s)`` of a file of ``duration`` seconds, to the millisecond (the module
+        docstring): each ``window_s`` long but the last, which ends at the file's end and lasts at least
+        :data:`TAIL_S` unless it is the whole file."""
+        # whole milliseconds, so that the tail rule compares exactly what is written
+        end = round(float(duration) * 1000)
         if not self.moments or end <= 0:
-            return [(0.0, end)]
+            return [(0.0, end / 1000)]
+        window, tail = round(self.window_s * 1000), round(TAIL_S * 1000)
         out, k = [], 0
         while True:
-            start = round(k * self.stride_s, 3)
-            if start + self.window_s >= end - TAIL_S:
-                out.append((start, end))
+            start = round(k * self.stride_s * 1000)
+            if start + window >= end - tail:
+                out.append((start / 1000, end / 1000))
                 return out
-            out.append((start, round(start + self.window_s, 3)))
+            out.append((start / 1000, (start + window) / 1000))
             k += 1
+
+
+NAME_THE_CUTTING = ("build the manifest again naming the cutting: --window DURATION (with --stride), --shots, or "
+                    "--window whole for one row per file (every file is then probed again)")
+
+
+def _check_window(window: float, shots: bool) -> None:
+    if not (np.isfinite(window) and window > 0):
+        raise ConfigError(f"--window {window:g}: a window must last a positive number of seconds")
+    if window < MIN_MOMENT_S:
+        cap = "with --shots, a shot longer than it is cut into windows of it, and " if shots else ""
+        raise ConfigError(f"--window {window:g}s: {cap}a moment this short may hold no frame of a video (two frames "
+                          f"of a video of 2 frames a second are {MIN_MOMENT_S:g}s apart), and extract would fail it; "
+                          f"give at least {MIN_MOMENT_S:g}s")
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _recorded_number(rec: dict[str, Any], key: str, may_be_null: bool = False) -> float | None:
+    """``rec[key]``, a number in a ``moments`` record (None where it may be null)."""
+    if key not in rec:
+        raise ConfigError(f"{key} is missing")
+    value = rec[key]
+    if value is None and may_be_null:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} is {json.dumps(value, default=str)[:40]}, not a number")
+    return float(value)
 
 
 def parse_seconds(text: str, option: str) -> float:
@@ -269,8 +345,9 @@ def cutting_of(window: str | None, stride: str | None, shots: bool = False,
         if stride is not None:
             raise ConfigError("--stride with --window whole: whole files are not cut; leave --stride out")
         if shots or threshold is not None:
-            raise ConfigError("--shots with --window whole: whole files are not cut; with --shots, --window is the "
-                              "longest a moment may be (a duration)")
+            typed = "--shots" if shots else "--shot-threshold"
+            raise ConfigError(f"{typed} with --window whole: whole files are not cut into shots; with --shots, "
+                              "--window is the longest a moment may be (a duration)")
         return Cutting()
     if shots or threshold is not None:
         return Cutting(None if window is None else parse_seconds(window, "--window"),
@@ -410,6 +487,7 @@ class CollectionBuild:
             and video paths a manifest refuses).
         hidden: files and folders left out because their name starts with a dot (listed in ``skipped``, a
             hidden folder as one entry).
+        cutting: how the files were cut (the one given, else the last build's).
     """
 
     manifest: Manifest
@@ -419,45 +497,84 @@ class CollectionBuild:
     not_videos: int
     unusable: int = 0
     hidden: int = 0
+    cutting: Cutting = field(default_factory=Cutting)
 
 
 @dataclass(frozen=True)
 class _Previous:
-    """What the last build into the same ``--out`` from the same folder found (empty when there is none, or its
-    files cannot be read: then everything is probed again)."""
+    """What the last build into the same ``--out`` from the same folder found (empty when there is none; its probes
+    alone when its tables cannot be read: then every file is probed again)."""
 
     known: dict[str, tuple[int, int, str | None]] = field(default_factory=dict)  # path -> bytes, mtime_ns, reason
     durations: dict[str, float] = field(default_factory=dict)  # path -> duration, where it was cut into moments
     bounds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # path -> its moments, in order
     one_shot: dict[str, str] = field(default_factory=dict)  # path -> why --shots left it one moment
     cutting: Cutting = field(default_factory=Cutting)
+    damaged: str | None = None  # why its meta.json cannot be read: its cutting is unknown, nothing of it is used
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """A manifest's ``meta.json`` (at ``path``), which must be a JSON object.
+
+    Raises:
+        ManifestError: it cannot be read, is not text, not valid JSON, or not an object (naming it).
+    """
+    from tvrpipe.data.manifest import read_text_file
+
+    text = read_text_file(path)
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ManifestError(f"{path}: it holds {_json_type(meta)}, not a JSON object")
+    return meta
 
 
 def _previous(out: Path, root: str) -> _Previous:
     """What the last build into ``out`` found for each video file of the same folder: its fingerprint and None if
     it decoded, else the reason; its duration and its moments where that build cut it into moments (its last
-    moment ends at its end); and that build's cutting."""
+    moment ends at its end); and that build's cutting. A ``meta.json`` that cannot be read, or whose cutting is
+    damaged, gives ``damaged`` (why) and nothing else: the build refuses to guess the cutting from it."""
+    path = out / META_FILE
+    if not path.is_file():
+        return _Previous()
     try:
-        meta = json.loads((out / META_FILE).read_text())
-        if meta.get("kind") != COLLECTION or meta.get("video_root") != root:
-            return _Previous()
+        meta = _read_meta(path)
+    except ManifestError as e:
+        return _Previous(damaged=f"{e}; the last build's cutting is unknown: {NAME_THE_CUTTING}")
+    if meta.get("kind") != COLLECTION or meta.get("video_root") != root:
+        return _Previous()
+    try:
+        cutting = Cutting.recorded(meta, path)
+    except ManifestError as e:
+        return _Previous(damaged=str(e))
+    # the rest is what the last build probed, a saving only: whatever of it is damaged is probed again
+    try:
         videos = pq.read_table(out / VIDEOS_FILE, columns=["video_id", "path", "start_s", "end_s"]).to_pandas()
         files = pq.read_table(out / FILES_FILE).to_pandas().merge(videos, on="video_id")
-    except Exception:  # missing or damaged: probe everything again
-        return _Previous()
-    known: dict[str, tuple[int, int, str | None]] = {
-        str(p): (int(b), int(m), None) for p, b, m in zip(files["path"], files["bytes"], files["mtime_ns"])}
-    cut = files.dropna(subset=["start_s", "end_s"]).sort_values(["path", "start_s", "end_s"])
-    durations = {str(p): float(e) for p, e in cut.groupby("path")["end_s"].max().items()}
-    bounds: dict[str, list[tuple[float, float]]] = {}
-    for p, a, b in zip(cut["path"], cut["start_s"], cut["end_s"]):
-        bounds.setdefault(str(p), []).append((float(a), float(b)))
-    for s in meta.get("skipped") or []:
-        if isinstance(s, dict) and {"path", "bytes", "mtime_ns", "reason"} <= set(s):
+        known: dict[str, tuple[int, int, str | None]] = {
+            str(p): (int(b), int(m), None) for p, b, m in zip(files["path"], files["bytes"], files["mtime_ns"])}
+        cut = files.dropna(subset=["start_s", "end_s"]).sort_values(["path", "start_s", "end_s"])
+        durations = {str(p): float(e) for p, e in cut.groupby("path")["end_s"].max().items()}
+        bounds: dict[str, list[tuple[float, float]]] = {}
+        for p, a, b in zip(cut["path"], cut["start_s"], cut["end_s"]):
+            bounds.setdefault(str(p), []).append((float(a), float(b)))
+    except Exception:  # missing or damaged tables
+        return _Previous(cutting=cutting)
+    for s in _entries(meta, "skipped", ("path", "bytes", "mtime_ns", "reason")):
+        try:
             known[str(s["path"])] = (int(s["bytes"]), int(s["mtime_ns"]), str(s["reason"]))
-    one_shot = {str(s["path"]): str(s["reason"]) for s in meta.get("one_shot") or []
-                if isinstance(s, dict) and {"path", "reason"} <= set(s)}
-    return _Previous(known, durations, bounds, one_shot, Cutting.recorded(meta))
+        except (TypeError, ValueError):
+            continue
+    one_shot = {str(s["path"]): str(s["reason"]) for s in _entries(meta, "one_shot", ("path", "reason"))}
+    return _Previous(known, durations, bounds, one_shot, cutting)
+
+
+def _entries(meta: dict[str, Any], key: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The entries of ``meta[key]``, a list of objects, that have ``fields`` (a damaged one is probed again)."""
+    entries = meta.get(key)
+    return [s for s in entries if isinstance(s, dict) and set(fields) <= set(s)] if isinstance(entries, list) else []
 
 
 def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
@@ -484,7 +601,8 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
             cutting of the last build into ``out_dir`` (whole files when there is none).
 
     Raises:
-        ManifestError: ``videos_dir`` is not a folder, holds no video file, or none that decodes
+        ManifestError: ``videos_dir`` is not a folder, holds no video file, or none that decodes; or no
+            ``cutting`` is given and the last build's ``meta.json`` cannot be read or records a damaged one
             (nothing is written then).
 
     Example:
@@ -511,6 +629,11 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
                      else "it holds no file (hidden files and folders are skipped)")
         raise ManifestError(f"no video file ({', '.join(sorted(VIDEO_EXTENSIONS))}) under {root}: {held_text}")
     previous = _previous(out, root_abs)
+    if previous.damaged is not None:
+        if cutting is None:  # the cutting to keep is unknown: never guessed as whole files
+            raise ManifestError(previous.damaged)
+        log.warning("%s is damaged and set aside: the cutting given is used and every file is probed again",
+                    out / META_FILE)
     before, durations = previous.known, previous.durations
     cutting = previous.cutting if cutting is None else cutting
     if cutting.shots:
@@ -572,7 +695,7 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     if skipped:
         log.info("%d files under %s were left out (the reasons are in %s)", len(skipped), root, out / META_FILE)
     return CollectionBuild(m, probed=len(to_probe), known=known, undecodable=len(bad), not_videos=len(scan.others),
-                           unusable=len(unusable), hidden=len(scan.hidden))
+                           unusable=len(unusable), hidden=len(scan.hidden), cutting=cutting)
 
 
 def _moments(root: Path, paths: list[str], known: dict[str, float], cutting: Cutting,
