@@ -377,3 +377,18 @@ def test_video_root_resolves_extensions_and_reports_missing(ann_copy, tmp_path):
     (root / "v2@N00_2_b.m4v.mp4").write_bytes(b"x")
     m = build_manifest("didemo", ann, tmp_path / "m2", video_root=root)
     assert list(m.videos.path) == ["sub/v1@N00_1_a.mp4", "v2@N00_2_b.m4v.mp4"]
+
+
+@pytest.mark.parametrize("text, said", [
+    ("[]", "it holds a list, not a JSON object"),
+    ("5", "it holds a number, not a JSON object"),
+    ('"msrvtt"', "it holds a string, not a JSON object"),
+    ('{"dataset": ', "not valid JSON"),
+])
+def test_a_damaged_meta_json_is_an_error_naming_it(tmp_path, text, said):
+    v, c = make_tables([{"video_id": "v0", "path": "v0.mp4", "split": "test"}],
+                       [{"caption_id": "v0#0", "video_id": "v0", "text": "a dog", "split": "test"}])
+    write_manifest(tmp_path / "m", v, c, {"dataset": "x"})
+    (tmp_path / "m" / "meta.json").write_text(text)
+    with pytest.raises(ManifestError, match=f"{tmp_path / 'm' / 'meta.json'}: {said}"):
+        read_manifest(tmp_path / "m")

@@ -405,6 +405,28 @@ def write_manifest(
     return Manifest(videos, captions, meta, files)
 
 
+def json_type(value: Any) -> str:
+    """What a JSON value is, for messages: ``an object``, ``a list``, ``a number``..."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A manifest's ``meta.json`` (at ``path``), which must be a JSON object.
+
+    Raises:
+        ManifestError: it cannot be read, is not text, not valid JSON, or not an object (naming it).
+    """
+    text = read_text_file(path)
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ManifestError(f"{path}: it holds {json_type(meta)}, not a JSON object")
+    return meta
+
+
 def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:
     """Read and validate a manifest written by :func:`write_manifest`.
 
@@ -423,13 +445,7 @@ def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:
         captions = pq.read_table(cp).to_pandas()
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"{d}: cannot read manifest tables: {e}") from e
-    meta: dict[str, Any] = {}
-    mp = d / META_FILE
-    if mp.is_file():
-        try:
-            meta = json.loads(read_text_file(mp))
-        except json.JSONDecodeError as e:
-            raise ManifestError(f"{mp}: not valid JSON ({e})") from e
+    meta = read_meta(d / META_FILE) if (d / META_FILE).is_file() else {}
     collection = meta.get("kind") == COLLECTION
     validate(videos, captions, str(d), collection=collection)
     files = None

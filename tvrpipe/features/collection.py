@@ -78,8 +78,10 @@ from tvrpipe.data.manifest import (
     META_FILE,
     VIDEOS_FILE,
     Manifest,
+    json_type,
     make_tables,
     outside_root,
+    read_meta,
     write_manifest,
 )
 from tvrpipe.errors import ConfigError, ManifestError
@@ -225,7 +227,7 @@ class Cutting:
         rec = meta["moments"]
         try:
             if not isinstance(rec, dict):
-                raise ConfigError(f"it is {_json_type(rec)}, not an object")
+                raise ConfigError(f"it is {json_type(rec)}, not an object")
             if "shots" in rec:
                 if rec["shots"] is not True:
                     raise ConfigError(f"shots is {json.dumps(rec['shots'], default=str)}, not true")
@@ -291,11 +293,6 @@ def _check_window(window: float, shots: bool) -> None:
         raise ConfigError(f"--window {window:g}s: {cap}a moment this short may hold no frame of a video (two frames "
                           f"of a video of 2 frames a second are {MIN_MOMENT_S:g}s apart), and extract would fail it; "
                           f"give at least {MIN_MOMENT_S:g}s")
-
-
-def _json_type(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}.get(
-        type(value), "a number")
 
 
 def _recorded_number(rec: dict[str, Any], key: str, may_be_null: bool = False) -> float | None:
@@ -513,24 +510,6 @@ class _Previous:
     damaged: str | None = None  # why its meta.json cannot be read: its cutting is unknown, nothing of it is used
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    """A manifest's ``meta.json`` (at ``path``), which must be a JSON object.
-
-    Raises:
-        ManifestError: it cannot be read, is not text, not valid JSON, or not an object (naming it).
-    """
-    from tvrpipe.data.manifest import read_text_file
-
-    text = read_text_file(path)
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise ManifestError(f"{path}: it holds {_json_type(meta)}, not a JSON object")
-    return meta
-
-
 def _previous(out: Path, root: str) -> _Previous:
     """What the last build into ``out`` found for each video file of the same folder: its fingerprint and None if
     it decoded, else the reason; its duration and its moments where that build cut it into moments (its last
@@ -540,7 +519,7 @@ def _previous(out: Path, root: str) -> _Previous:
     if not path.is_file():
         return _Previous()
     try:
-        meta = _read_meta(path)
+        meta = read_meta(path)
     except ManifestError as e:
         return _Previous(damaged=f"{e}; the last build's cutting is unknown: {NAME_THE_CUTTING}")
     if meta.get("kind") != COLLECTION or meta.get("video_root") != root:
