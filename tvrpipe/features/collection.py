@@ -59,6 +59,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import shlex
 import stat
@@ -322,6 +323,8 @@ def parse_seconds(text: str, option: str) -> float:
     unit = t[len(number):]
     try:
         value = float(number) * _UNITS[unit]
+        if not math.isfinite(value):  # 1e999 parses, as an infinity
+            raise ValueError(text)
     except (ValueError, KeyError):
         raise ConfigError(f"{option} {text!r}: give a duration such as 10s, 2.5m or 1h (seconds when no unit)") from None
     return value
