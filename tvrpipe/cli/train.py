@@ -155,9 +155,12 @@ def evaluate(
     ] = None,
 ) -> None:
     """Evaluate a trained run's selected checkpoint (raw scores, plus post-processing if asked)."""
+    from tvrpipe.progress import progress_bar
     from tvrpipe.training.evaluate import evaluate_run
 
-    metrics = evaluate_run(run, split, parse_post(post or []), features)
+    with progress_bar(elapsed=True, transient=True) as bar:  # minutes on a large split, silent otherwise
+        bar.add_task(f"evaluating {run} on {split}", total=None)
+        metrics = evaluate_run(run, split, parse_post(post or []), features)
     print_metrics(f"{run}: {split} ({run / f'eval_{split}.json'})", metrics)
 
 
