@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,40 @@ def test_search_outputs_are_all_checked_before_any_is_written(odd, cli, tmp_path
         r = cli("search", "a dog", "--features", store, "--json", tmp_path / "ok.json", "--csv", bad)
         assert r.exit_code == 1 and why in _flat(r.output), r.output
         assert not (tmp_path / "ok.json").exists()  # the good output waits for the bad one: none is written
+
+
+def test_an_output_that_is_a_device_or_pipe_is_refused_and_a_link_is_written_through(odd, cli, tmp_path):
+    """A device or a pipe would be replaced by a regular file by the write's rename (``/dev/null`` for every
+    program); a symbolic link keeps pointing at its target, which gets the output."""
+    _, _, _, store = odd
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    r = cli("search", "a dog", "--features", store, "--json", tmp_path / "ok.json", "--csv", pipe)
+    assert r.exit_code == 1 and f"--csv {pipe} is a pipe, not a file" in _flat(r.output), r.output
+    assert not (tmp_path / "ok.json").exists() and stat.S_ISFIFO(os.stat(pipe).st_mode)
+    if Path("/dev/full").exists():
+        r = cli("search", "a dog", "--features", store, "--csv", "/dev/full")
+        assert r.exit_code == 1 and "--csv /dev/full is a device, not a file" in _flat(r.output), r.output
+        assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+    target, link = tmp_path / "target.csv", tmp_path / "link.csv"
+    target.write_text("old")
+    link.symlink_to(target)
+    r = cli("search", "a dog", "--features", store, "--csv", link)
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and target.read_text().startswith("query,") and link.read_text() == target.read_text()
+
+
+def test_a_run_is_never_written_inside_another_runs_folder(cli, tmp_path):
+    from tvrpipe.features.genstore import GenSpec, generate_store
+
+    store = generate_store(tmp_path / "s", GenSpec(train_videos=24, test_videos=8, frames=4, max_words=6,
+                                                  embed_dim=8))
+    r = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", "0", "--out", tmp_path / "r")
+    assert r.exit_code == 0, r.output
+    r = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", "0", "--out",
+            tmp_path / "r" / "checkpoints")
+    assert r.exit_code == 1 and f"is inside a run ({tmp_path / 'r'})" in _flat(r.output), r.output
+    assert not (tmp_path / "r" / "checkpoints" / "config.yaml").exists()
 
 
 def test_a_writable_check_makes_the_folder_for_real_and_leaves_nothing(tmp_path):

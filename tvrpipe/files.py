@@ -8,12 +8,13 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tvrpipe.errors import writing
+from tvrpipe.errors import WriteError, writing
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -95,15 +96,38 @@ def _discard(tmp: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def special_file(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a folder (links followed): ``a device``,
+    ``a pipe``, ``a socket``; None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISFIFO(mode):
+        return "a pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
+
+
 def atomic_write(path: Path, write: Callable[[Path], object], parents: bool = False) -> None:
     """Write ``path`` with ``write(tmp)`` under its staged name (:func:`staged_name`), then rename it into place:
     readers never see half a file. ``write`` may make a file or a folder at ``tmp``. ``parents``: create its
     missing folders first. A failure to write becomes a :class:`~tvrpipe.errors.WriteError` naming ``path``;
     tvrpipe's own errors, raised by ``write``, pass through.
 
+    A symbolic link is written through (its target is replaced, the link kept); a path that is a device, a pipe
+    or a socket is refused: a rename would put a regular file in its place (``/dev/null`` for every program).
+
     Example:
         >>> atomic_write(Path("out/emb.npy"), lambda tmp: np.save(tmp, emb), parents=True)  # doctest: +SKIP
     """
+    if os.path.islink(path):
+        path = Path(os.path.realpath(path))
+    if special_file(path):
+        raise WriteError(f"{path} is not a regular file ({special_file(path)}); write to a file name instead")
     if parents:
         with writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)

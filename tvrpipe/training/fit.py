@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from tvrpipe.errors import ConfigError
+from tvrpipe.features.outputs import check_output_folder
 from tvrpipe.features.store import open_store, store_identity
 from tvrpipe.heads.base import HeadConfig, clip_head_config, head_class
 from tvrpipe.lock import check_writable, locked
@@ -189,6 +190,7 @@ def fit(
     """
     # ---- options and data (nothing is written before they are checked; ``train`` checked itself)
     check_writable(out_dir, "--out")
+    check_output_folder(out_dir, "--out", may_be="a run")  # a run resumes; one inside another run's folder would not
     check_device(train.device)
     store = open_store(features)
     check_captioned(store)  # a collection of one's own videos: searched, never trained on

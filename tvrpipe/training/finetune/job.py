@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 from tvrpipe.errors import ConfigError
+from tvrpipe.features.outputs import check_output_folder
 from tvrpipe.heads.base import TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.training.core import check_group_lr, check_head_inputs, lr_groups, setting_source
 from tvrpipe.training.finetune.config import EXECUTION, FinetuneConfig
@@ -77,6 +78,7 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
     # ---- options (cfg checked itself), manifest and weights are checked before anything is written or Ray starts
     post = check_post(post)
     manifest, root, F, L = open_manifest(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words)
+    check_output_folder(out_dir, "--out", may_be="a run")  # a run resumes; one inside another run's folder would not
     bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
     check_max_words(L, bundle.context_length)
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
