@@ -66,6 +66,14 @@ def test_parts_of_a_plan_add_their_disk_and_take_the_larger_memory():
     (["finetune", "--steps", "100000"], "bench finetune: its plan writes"),
     (["eval", "--dim", "100000"], "bench eval: its plan holds"),
     (["allocator", "--batch-size", "100000"], "bench allocator: its plan holds"),
+    (["train-head", "--batch-size", "100000000"], "bench train-head: its plan holds"),
+    (["extract", "--batch-size", "1000", "--videos", "2000", "--width", "64", "--height", "64", "--seconds", "1"],
+     "bench extract: its plan holds"),
+    (["finetune", "--frames", "100000000"], "bench finetune: its plan holds"),
+    (["finetune", "--loader-workers", "100000"], "--loader-workers 100000: at most 4 x"),
+    (["train-head", "--streamed", "--memory-budget", "1KB"], "--memory-budget 1.0 kB: a streamed run's shuffle"),
+    (["convergence", "--lr", "-1"], "--lr must be > 0"),
+    (["serve", "--candidates", "100000000000", "--method", "xpool"], "--candidates 100000000000: between 1 and"),
 ])
 def test_every_bench_refuses_a_plan_too_large_before_making_anything(cli, small_disk, tmp_path, args, said):
     out = tmp_path / "out"
@@ -74,6 +82,13 @@ def test_every_bench_refuses_a_plan_too_large_before_making_anything(cli, small_
     assert r.exit_code == 1 and _flat(r.output).startswith(f"error: {said}"), r.output
     assert len(r.output.strip().splitlines()) <= 3 and "Traceback" not in r.output  # one line, wrapped at most
     assert not out.exists()
+
+
+def test_an_out_that_cannot_be_made_says_so_not_that_its_disk_is_full(cli, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = cli("bench", "search", "--out", blocker / "b")
+    assert r.exit_code == 1 and f"{blocker} is a file" in _flat(r.output) and "free" not in r.output, r.output
 
 
 def test_a_plan_that_fits_runs(cli, tmp_path):

@@ -143,6 +143,8 @@ def bench_convergence(
         raise ConfigError("--only-default and --no-grid exclude each other: --only-default runs the default "
                           "alone, --no-grid the open-ended run at each --lr as well")
     base = train or TrainConfig()
+    for lr in lrs:  # each is a run's --lr: refused here, before the stores are generated, as the run would refuse it
+        TrainConfig(lr=lr)
 
     out = Path(out_dir)
     if not isinstance(sizes, dict):

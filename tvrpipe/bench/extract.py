@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tvrpipe.bench.room import check_room, videos_needs
+from tvrpipe.bench.room import check_room, clip_batch_needs, model_image_size, videos_needs
 from tvrpipe.config import above, at_least, check_fields
 from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
 from tvrpipe.errors import ConfigError, WorkerDiedError
@@ -466,11 +466,13 @@ def bench_extract(
     if spec.count < 2 * batch_size:
         raise ConfigError(f"--videos must be at least 2 x --batch-size ({2 * batch_size}), got {spec.count}")
     out = Path(out_dir)
-    check_room("bench extract", out, videos_needs(spec.count, spec.width, spec.height, spec.seconds, spec.fps,
-                                                  os.cpu_count() or 1), "--videos, --width, --height or --seconds")
     weights = out / f"weights-{model}.safetensors"
     cfg = ExtractConfig(model=model, pretrained=str(weights), device=device, frames=frames, batch_size=batch_size,
                         video_shard=batch_size, progress=False, precision=precision)  # options checked first
+    check_room("bench extract", out, videos_needs(spec.count, spec.width, spec.height, spec.seconds, spec.fps,
+                                                  os.cpu_count() or 1)
+               + clip_batch_needs(batch_size, frames, model_image_size(model)),
+               "--videos, --width, --height, --seconds, --fps or --batch-size")
     cpus = os.cpu_count() or 1
     log.info("rendering %d benchmark videos (once)", spec.count)
     manifest = make_bench_videos(out, spec)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tvrpipe.bench.extract import BenchVideos, make_bench_videos
-from tvrpipe.bench.room import check_room, videos_needs
+from tvrpipe.bench.room import check_room, clip_batch_needs, model_image_size, videos_needs
 from tvrpipe.errors import ConfigError
 from tvrpipe.rundir import read_epochs
 
@@ -118,8 +118,14 @@ def bench_finetune(
     out = Path(out)
     train = batch_size * steps
     spec = BenchVideos(**{**asdict(videos), "count": train + 4})
+    cpus = os.cpu_count() or 1
+    if loader_workers is not None and loader_workers > 4 * cpus:  # each is a process decoding whole videos
+        raise ConfigError(f"--loader-workers {loader_workers}: at most 4 x this machine's {cpus} CPUs "
+                          f"({4 * cpus}); the default is the CPUs, at most 8")
     check_room("bench finetune", out, videos_needs(spec.count, spec.width, spec.height, spec.seconds, spec.fps,
-                                                   os.cpu_count() or 1), "--steps, --batch-size or the videos' size")
+                                                   loader_workers if loader_workers is not None else min(cpus, 8))
+               + clip_batch_needs(batch_size, frames, model_image_size(model)),
+               "--steps, --batch-size, --frames or the videos' size")
     manifest = _manifest(out, spec, train)
     run = out / "run"
     shutil.rmtree(run, ignore_errors=True)  # a bench measures a fresh run, never a resumed one

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from tvrpipe.bench.extract import in_fresh_process
-from tvrpipe.bench.room import Needs, check_room, stores_needs
+from tvrpipe.bench.room import Needs, batch_needs, check_room, stores_needs
 from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.progress import stages
 
@@ -106,7 +106,8 @@ def bench_train_head(out_dir: str | os.PathLike[str], methods: list[str] | None 
         head_class(method)  # an unknown head fails before the scale store is generated
     out = Path(out_dir)
     check_room("bench train-head", out, stores_needs({out / "store": spec}) + Needs(
-        memory=spec.store_bytes(), memory_what="the store's features, trained in memory"), "the store's size")
+        memory=spec.store_bytes(), memory_what="the store's features, trained in memory")
+        + batch_needs(batch_size, spec.frames, spec.max_words, spec.embed_dim), "--batch-size")
     store = generate_store(out / "store", spec, progress=True, made_by="tvrpipe bench train-head")
     results = []
     for method in stages(methods or list_heads()):
@@ -252,7 +253,7 @@ def bench_eval(methods: list[str] | None = None, sizes: list[str] | None = None,
         raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(EVAL_SIZES)}")
     largest = max(_eval_bytes(*EVAL_SIZES[size], frames, words, dim) for size in sizes)
     check_room("bench eval", None, Needs(memory=largest, memory_what="the largest size's features and scores"),
-               "--size, --dim, --frames or --words")
+               "--size or --dim")
     rows = []
     plan = {f"{method} at {size} size ({EVAL_SIZES[size][0]:,} x {EVAL_SIZES[size][1]:,})": (method, size)
             for size in sizes for method in methods or list_heads()}
@@ -316,10 +317,7 @@ def bench_allocator(methods: list[str] | None = None, steps: int = 3, batch_size
     """
     from tvrpipe.heads.base import list_heads
 
-    # the pairwise terms of a batch (text x video x frames or words, or x D for pooled videos), a few copies each
-    check_room("bench allocator", None, Needs(memory=16 * batch_size**2 * (frames * words + dim),
-                                              memory_what=f"a batch of {batch_size}'s pairwise activations"),
-               "--batch-size or --dim")
+    check_room("bench allocator", None, batch_needs(batch_size, frames, words, dim), "--batch-size or --dim")
     rows = []
     for method in stages(methods or list_heads()):
         pair = {}

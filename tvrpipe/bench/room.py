@@ -85,6 +85,30 @@ def _complete(folder: str | os.PathLike[str]) -> bool:
         return False
 
 
+def batch_needs(batch: int, frames: int, words: int, dim: int) -> Needs:
+    """A training step of ``batch`` pairs: the pairwise terms of the heads (text x video x frames or words, or x D
+    for pooled videos), a few copies each for their gradients."""
+    return Needs(memory=16 * batch**2 * (frames * words + dim),
+                 memory_what=f"a batch of {batch:,}'s pairwise activations")
+
+
+def clip_batch_needs(batch_videos: int, frames: int, image_size: int) -> Needs:
+    """CLIP's image tower on ``batch_videos`` x ``frames`` pictures of ``image_size`` pixels a side: their float32
+    input, and the first layers' activations of the same size, twice over for a step that trains."""
+    return Needs(memory=4 * batch_videos * frames * 3 * image_size**2 * 4,
+                 memory_what=f"CLIP's input of {batch_videos:,} x {frames:,} frames")
+
+
+def model_image_size(model: str) -> int:
+    """The image side of the open_clip architecture ``model``, from its config alone (224 where it has none)."""
+    try:
+        import open_clip
+
+        return int(open_clip.get_model_config(model)["vision_cfg"]["image_size"])
+    except Exception:  # noqa: BLE001 - an unknown name is refused where the model loads, with its own message
+        return 224
+
+
 def videos_needs(count: int, width: int, height: int, seconds: float, fps: float, decoders: int = 1) -> Needs:
     """Rendering ``count`` bench videos and decoding them with ``decoders`` processes at once: each holds a few
     full frames in RGB (a decoded frame, its conversion, the resize's input)."""
@@ -114,8 +138,11 @@ def check_room(command: str, out: str | os.PathLike[str] | None, needs: Needs, l
     Raises:
         ConfigError: one line: what the plan needs, what there is, and what to change.
     """
+    from tvrpipe.lock import check_writable
     from tvrpipe.training.stream import gb, memory_limit
 
+    if out is not None:  # a folder that cannot be made says so, not "0 bytes free"
+        check_writable(out, "--out")
     if out is not None and needs.disk > 0:
         free = free_disk(out)
         if needs.disk > free - DISK_SPARE:

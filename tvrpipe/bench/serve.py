@@ -290,8 +290,9 @@ def _check(videos: int, queries: int, candidates: int, train_videos: int, train_
                           "request)")
     if not 1 <= queries <= videos - WARMUP:
         raise ConfigError(f"--queries {queries}: between 1 and --videos ({videos}) less the {WARMUP} warm-up queries")
-    if candidates < 1:
-        raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
+    if not 1 <= candidates <= videos:  # as bench search bounds its K
+        raise ConfigError(f"--candidates {candidates}: between 1 and --videos ({videos}): the shortlist the head "
+                          "re-ranks")
     check_training(train_videos, train_epochs, dim)
 
 

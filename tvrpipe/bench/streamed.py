@@ -32,6 +32,7 @@ from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.progress import stages
 
 COMMAND = "bench train-head --streamed"
+VIDEO_SHARD = 64  # generate_store's videos per chunk: a read block is whole chunks
 COMMAND_NAME = f"tvrpipe {COMMAND}"
 
 
@@ -164,6 +165,7 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import head_class
     from tvrpipe.training.data import store_split_rows
+    from tvrpipe.training.stream import BUFFER_SHARE, block_size, gb
 
     at_least_each({"--epochs": (epochs, 1), "--batch-size": (batch_size, 2)})
     if not factor >= 1:
@@ -172,6 +174,13 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
     out = Path(out_dir)
     # a training pair's in-memory bytes (video, caption, its tokens), to size the stores before making them
     each = frames * dim * 2 + frames + dim * 2 + (words * (dim * 2 + 1) if uses_tokens else 0)
+    # the streamed runs' shuffle buffer must hold a batch and a read block (as plan_data refuses it), said before the
+    # stores are generated
+    buffer = int(budget * BUFFER_SHARE) // each
+    if buffer < batch_size + block_size(VIDEO_SHARD, buffer):
+        raise ConfigError(f"--memory-budget {gb(budget)}: a streamed run's shuffle buffer ({BUFFER_SHARE:.0%} of it) "
+                          f"must hold a batch and a read block ({batch_size + block_size(VIDEO_SHARD, buffer)} pairs "
+                          f"of {each:,} bytes); give a larger --memory-budget or a smaller --batch-size")
     large_videos = math.ceil(factor * budget / each * 1.02) + 1500  # + the carved validation and test videos
     small_videos = max(4 * batch_size, int(budget / 4 / each))
     specs = {f"large-{large_videos}": _spec(large_videos, frames, words, dim, seed),

@@ -87,6 +87,13 @@ def synth(
         return
     if preset is not None or set_ or overwrite:
         raise ConfigError("--preset, --set and --overwrite apply with --features-only")
+    from tvrpipe.bench.room import Needs, check_room, videos_needs
+
+    # a multi-scene video has up to 3 scenes, rendered whole before it is encoded (and a copy as it is written)
+    frames = int(3 * scene_seconds * fps) + 1
+    check_room("synth", out, videos_needs(videos, size, size, 3 * scene_seconds, fps)
+               + Needs(memory=2 * frames * size * size * 3, memory_what=f"a video's {frames:,} frames of {size}x{size}"),
+               "--videos, --size, --fps or --scene-seconds")
     m = synthesize(
         out, videos, seed, size=size, fps=fps, scene_seconds=scene_seconds,
         captions_per_video=captions_per_video, multi_scene_fraction=multi_scene_fraction,
@@ -105,8 +112,11 @@ def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrit
 
     if preset not in SIZES:
         raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(SIZES)}")
-    spec = dataclasses.replace(SIZES[preset], seed=seed, **parse_fields(GenSpec, items, "the generator", "--set"))
+    spec = dataclasses.replace(SIZES[preset], seed=seed, **parse_fields(GenSpec, items, "--set", "--set"))
     spec.validate("--set")
+    from tvrpipe.bench.room import check_room, stores_needs
+
+    check_room("synth --features-only", out, stores_needs({out: spec}), "--preset's sizes or the --set that grow them")
     generate_store(out, spec, progress=True, overwrite=overwrite)
     store = open_store(out)
     splits = store.videos["split"].value_counts()

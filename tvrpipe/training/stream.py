@@ -95,10 +95,10 @@ def memory_limit() -> tuple[int, str]:
 
 
 def gb(n: float) -> str:
-    """Bytes for messages and records, in decimal units: 1.23 GB, 45.6 MB, 7.8 kB, 512 bytes."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """Bytes for messages and records, in decimal units: 3.44 TB, 1.23 GB, 45.6 MB, 7.8 kB, 512 bytes."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
-            return f"{n / size:.{2 if unit == 'GB' else 1}f} {unit}"
+            return f"{n / size:,.{2 if unit in ('GB', 'TB') else 1}f} {unit}"
     return f"{int(n)} bytes"
 
 
