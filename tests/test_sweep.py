@@ -52,6 +52,10 @@ def test_plan_sweeps_each_key_only_where_it_applies():
     (["xpool"], [0], ["seed=1,2"], "seeds are swept with --seeds"),
     (["xpool"], [0], ["tmass.num_heads=1"], "'tmass' is neither 'train' nor a method of --methods"),
     (["xpool"], [0], ["num_heads=1,x"], "--set num_heads=x: not a valid int"),
+    # the key as typed, and the type in words (not train's field name, nor `float | None`)
+    (["xpool"], [0], ["train.lr=abc"], "--set train.lr=abc: not a valid float or none"),
+    (["xpool"], [0], ["xpool.num_heads=x"], "--set xpool.num_heads=x: not a valid int"),
+    (["xpool"], [0], ["train.memory_budget=abc"], "--set train.memory_budget 'abc': give a size above 0"),
     (["xpool"], [0], ["train.lr=1e-3,1e-3"], "a value is listed twice"),
     (["xpool"], [0], ["lr"], "--set expects key=value"),
 ])
@@ -244,3 +248,12 @@ def test_a_second_sweep_into_the_same_out_is_refused_while_the_first_runs(tmp_pa
         assert not (tmp_path / "w" / "runs.csv").exists() and not (tmp_path / "w" / "meanpool__seed0").exists()
     finally:
         first.release()
+
+
+def test_a_swept_memory_budget_reads_sizes_as_train_head_does():
+    from tvrpipe.config import parse_memory
+
+    [run] = plan_sweep(["xpool"], [0], ["train.memory_budget=2GB"])
+    assert run.train["memory_budget"] == parse_memory("2GB", "--memory-budget") == 2 * 10**9
+    runs = plan_sweep(["xpool"], [0], ["train.memory_budget=3,none"])
+    assert [r.train["memory_budget"] for r in runs] == [3 * 2**30, None]  # a bare number is GiB, as train-head's

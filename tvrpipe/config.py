@@ -128,19 +128,34 @@ def check_finite(value: Any, what: str, inf_ok: bool = False) -> None:
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    """``{field: type}`` of the dataclass ``cls`` (annotations resolved)."""
-    return typing.get_type_hints(cls)
+    """``{field: type}`` of the dataclass ``cls`` (annotations resolved): its fields only, not its class
+    variables (a head's ``owner``), which no option sets."""
+    hints = typing.get_type_hints(cls)
+    if not dataclasses.is_dataclass(cls):
+        return hints
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def parse_value(cls: type, key: str, raw: str, owner: str, option: str = "--set") -> Any:
+def type_name(kind: Any) -> str:
+    """A field's type as a message says it: ``float``, ``int or none``, ``list``."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if len(typing.get_args(kind)) == 2 and len(args) == 1:
+        return f"{type_name(args[0])} or none"
+    origin = typing.get_origin(kind)
+    return getattr(origin or kind, "__name__", str(kind))
+
+
+def parse_value(cls: type, key: str, raw: str, owner: str, option: str = "--set", shown: str | None = None) -> Any:
     """``raw`` typed as the field ``key`` of the dataclass ``cls``: bool, int, float and str as
     such (an optional number also takes ``none`` or ``null``), anything else as JSON (e.g. a list).
     NaN is refused everywhere, an infinity unless the field's metadata allows it (:data:`INFINITE_OK`).
 
     Raises:
         ConfigError: ``key`` is not a field of ``cls`` (naming ``owner`` and the valid keys), or
-            ``raw`` is not a value of its type, or not finite (naming ``option``, the option the user typed).
+            ``raw`` is not a value of its type, or not finite (naming ``option``, the option the user typed,
+            and ``shown``, the key as typed: ``train.lr`` in a sweep; default ``key``).
     """
+    shown = key if shown is None else shown
     hints = field_types(cls)
     if key not in hints:
         raise ConfigError(f"{owner}: unknown config key {key!r}; valid: {', '.join(sorted(hints))}")
@@ -156,8 +171,8 @@ def parse_value(cls: type, key: str, raw: str, owner: str, option: str = "--set"
         else:
             value = kind(raw) if kind in (int, float, str) else json.loads(raw)
     except ValueError as e:
-        raise ConfigError(f"{option} {key}={raw}: not a valid {getattr(kind, '__name__', kind)}") from e
-    check_finite(value, f"{option} {key}={raw}", infinite_ok(cls, key) if dataclasses.is_dataclass(cls) else False)
+        raise ConfigError(f"{option} {shown}={raw}: not a valid {type_name(kind)}") from e
+    check_finite(value, f"{option} {shown}={raw}", infinite_ok(cls, key) if dataclasses.is_dataclass(cls) else False)
     return value
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import pandas as pd
 
-from tvrpipe.config import field_types, parse_value, split_item
+from tvrpipe.config import field_types, parse_memory, parse_value, split_item
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
 from tvrpipe.lock import locked
 from tvrpipe.rundir import read_results
@@ -90,6 +90,16 @@ def _split_values(raw: str) -> list[str]:
     return [v.strip() for v in out]
 
 
+def _train_value(name: str, raw: str, key: str) -> Any:
+    """One swept value of the trainer field ``name`` (``key`` as typed): a memory budget as train-head's
+    --memory-budget takes it (``2GB``; a bare number is GiB; ``none``: the default), any other field by its type."""
+    if name == "memory_budget" and raw.strip().lower() not in ("none", "null"):
+        return parse_memory(raw, f"--set {key}")
+    from tvrpipe.training.settings import TrainConfig
+
+    return parse_value(TrainConfig, name, raw, "train", shown=key)
+
+
 def _once(axes: dict[str, list[Any]], name: str, key: str) -> None:
     """A field swept by two ``--set`` items would take the last one's values silently: refused."""
     if name in axes:
@@ -136,13 +146,13 @@ def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str]
                 raise ConfigError(f"--set {key}: both a trainer field and a head field; write train.{name} "
                                   f"or METHOD.{name}")
             _once(train_axes, name, key)
-            train_axes[name] = [parse_value(TrainConfig, name, v, "train") for v in _split_values(raw)]
+            train_axes[name] = [_train_value(name, v, key) for v in _split_values(raw)]
         elif scope:
             if scope not in head_axes:
                 raise ConfigError(f"--set {key}: {scope!r} is neither 'train' nor a method of --methods "
                                   f"({', '.join(methods)})")
             _once(head_axes[scope], name, key)
-            head_axes[scope][name] = [parse_value(head_class(scope).Config, name, v, scope)
+            head_axes[scope][name] = [parse_value(head_class(scope).Config, name, v, scope, shown=key)
                                       for v in _split_values(raw)]
         else:
             having = [m for m in methods if name in head_fields[m]]
@@ -151,7 +161,8 @@ def plan_sweep(methods: Sequence[str], seeds: Sequence[int], sets: Sequence[str]
                                   "(`tvrpipe heads` lists each head's keys)")
             for m in having:
                 _once(head_axes[m], name, key)
-                head_axes[m][name] = [parse_value(head_class(m).Config, name, v, m) for v in _split_values(raw)]
+                head_axes[m][name] = [parse_value(head_class(m).Config, name, v, m, shown=key)
+                                      for v in _split_values(raw)]
     for axes in (train_axes, *head_axes.values()):
         for name, values in axes.items():
             if len(set(map(json.dumps, values))) != len(values):
