@@ -331,6 +331,9 @@ def test_train_head_cli(store, tmp_path, cli):
     assert "no epoch beat the untrained head on validation, so the run keeps it (epoch 0)" in text
     r = cli("train-head", "--features", store, "--method", "meanpool", "--out", tmp_path / "d", "--set", "nope=1")
     assert r.exit_code == 1 and "unknown config key 'nope'" in r.output
+    r = cli("train-head", "--features", store, "--method", "xpool", "--out", tmp_path / "d", "--set",
+            "embed_dim=100000000")  # a head 100M wide was built before the features' width was compared
+    assert r.exit_code == 1 and "--set embed_dim=100000000: the features of" in " ".join(r.output.split())
     # a class variable of the config (its owner's name, for messages) is no key a user can set, nor listed as one
     r = cli("train-head", "--features", store, "--method", "xpool", "--out", tmp_path / "d", "--set", "owner=x")
     text = " ".join(r.output.split())

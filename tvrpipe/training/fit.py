@@ -150,9 +150,13 @@ ZERO_SHOT_START = ("score = cos(sentence, mean of the frames) + g x (the head's 
 
 def store_head_config(store, method: str, overrides: dict[str, Any] | None = None) -> HeadConfig:
     """The config of ``method`` trained on ``store``: D and the CLIP's logit scale from the store's
-    provenance (:func:`clip_head_config`), then the user's ``overrides`` (unknown keys fail)."""
-    return clip_head_config(method, int(store.provenance["embed_dim"]), store.provenance.get("logit_scale"),
-                            overrides)
+    provenance (:func:`clip_head_config`), then the user's ``overrides`` (unknown keys fail; D is the store's, and
+    another one is refused before a head of that width is built)."""
+    d = int(store.provenance["embed_dim"])
+    if (overrides or {}).get("embed_dim", d) != d:
+        raise ConfigError(f"--set embed_dim={overrides['embed_dim']}: the features of {store.dir} are D = {d} wide "
+                          "(their CLIP's); a head reads them at that width, so leave embed_dim out")
+    return clip_head_config(method, d, store.provenance.get("logit_scale"), overrides)
 
 
 def fit(
