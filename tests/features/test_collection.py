@@ -786,15 +786,16 @@ _NAME_IT = ("build the manifest again naming the cutting: --window DURATION (wit
     ({"stride_s": 5.0}, "window_s is missing"),
     ({"window_s": 10.0, "stride_s": True}, "stride_s is true, not a number"),
     ({"window_s": None, "stride_s": 5.0}, "window_s is null, not a number"),
-    ({"window_s": 10.0, "stride_s": 20.0}, "--stride 20s is longer than --window 10s"),
-    ({"window_s": 0.1, "stride_s": 0.1}, "--window 0.1s: a moment this short may hold no frame"),
-    ({"window_s": -1, "stride_s": 5.0}, "--window -1: a window must last a positive number of seconds"),
+    # the record's keys, not options the user did not type this time
+    ({"window_s": 10.0, "stride_s": 20.0}, "stride_s 20s is longer than window_s 10s"),
+    ({"window_s": 0.1, "stride_s": 0.1}, "window_s 0.1s: a moment this short may hold no frame"),
+    ({"window_s": -1, "stride_s": 5.0}, "window_s -1: a window must last a positive number of seconds"),
     ({"shots": "yes", "threshold": 27.0, "window_s": None}, 'shots is "yes", not true'),
     ({"shots": False, "threshold": 27.0, "window_s": None}, "shots is false, not true"),
     ({"shots": True, "window_s": None}, "threshold is missing"),
     ({"shots": True, "threshold": "27", "window_s": None}, 'threshold is "27", not a number'),
     ({"shots": True, "threshold": 27.0, "window_s": "10s"}, 'window_s is "10s", not a number'),
-    ({"shots": True, "threshold": 500.0, "window_s": None}, "--shot-threshold 500: the detector's threshold"),
+    ({"shots": True, "threshold": 500.0, "window_s": None}, "threshold 500: the detector's threshold"),
 ])
 def test_a_damaged_moments_record_is_an_error_naming_the_file(record, why):
     from tvrpipe.features.collection import Cutting

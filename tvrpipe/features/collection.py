@@ -238,7 +238,11 @@ class Cutting:
         except ConfigError as e:
             shown = json.dumps(rec, default=str)
             shown = shown if len(shown) <= 120 else shown[:117] + "..."
-            raise ManifestError(f"{source}: its moments record {shown} is damaged ({e}), so the last build's cutting "
+            # the record's own keys, not the options the user did not type this time
+            why = str(e)
+            for option, key in (("--window ", "window_s "), ("--stride ", "stride_s "), ("--shot-threshold ", "threshold ")):
+                why = why.replace(option, key)
+            raise ManifestError(f"{source}: its moments record {shown} is damaged ({why}), so the last build's cutting "
                                 f"is unknown; {NAME_THE_CUTTING}") from None
 
     def describe(self) -> str:
