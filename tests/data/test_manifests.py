@@ -384,6 +384,11 @@ def test_video_root_resolves_extensions_and_reports_missing(ann_copy, tmp_path):
     ("5", "it holds a number, not a JSON object"),
     ('"msrvtt"', "it holds a string, not a JSON object"),
     ('{"dataset": ', "not valid JSON"),
+    ('{"dataset": "x", "frames": "twelve"}', 'frames is "twelve", not a whole number of frames'),
+    ('{"dataset": "x", "max_words": -4}', "max_words is -4, not a whole number of tokens"),
+    ('{"dataset": "x", "kind": "zzz"}', 'kind is "zzz", not "collection"'),
+    ('{"dataset": "x", "video_root": 5}', "video_root is 5, not a folder's path or null"),
+    ('{"dataset": "x", "skipped": "abc"}', 'skipped is "abc", not a list'),
 ])
 def test_a_damaged_meta_json_is_an_error_naming_it(tmp_path, text, said):
     v, c = make_tables([{"video_id": "v0", "path": "v0.mp4", "split": "test"}],

@@ -832,6 +832,9 @@ def _built(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
     (lambda meta: "", "not valid JSON (Expecting value: line 1 column 1 (char 0))"),
     (lambda meta: [meta], "it holds a list, not a JSON object"),
     (lambda meta: b"\xff{}", "line 1: not UTF-8 text"),
+    # read as another folder's or kind's manifest, these silently dropped the recorded cutting
+    (lambda meta: {**meta, "video_root": 5}, "video_root is 5, not a folder's path or null"),
+    (lambda meta: {**meta, "kind": "zzz"}, 'kind is "zzz", not "collection"'),
 ])
 def test_a_rebuild_over_a_damaged_meta_json_is_refused_naming_it_and_writes_nothing(tmp_path, cli, damage, message):
     """A rebuild that keeps the last build's cutting cannot know it from a damaged meta.json: it stops, naming the

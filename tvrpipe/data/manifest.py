@@ -411,8 +411,9 @@ def json_type(value: Any) -> str:
         type(value), "a number")
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """A manifest's ``meta.json`` (at ``path``), which must be a JSON object.
+def read_meta(path: Path, lenient: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A manifest's ``meta.json`` (at ``path``), which must be a JSON object whose keys tvrpipe reads hold values of
+    their kind (``lenient``: keys the caller checks itself, e.g. a rebuild's notes that it can probe again).
 
     Raises:
         ManifestError: it cannot be read, is not text, not valid JSON, or not an object (naming it).
@@ -424,7 +425,31 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(meta, dict):
         raise ManifestError(f"{path}: it holds {json_type(meta)}, not a JSON object")
+    for key, (ok, wanted) in _META_KEYS.items():
+        if key in meta and key not in lenient and not ok(meta[key]):
+            shown = json.dumps(meta[key], default=str)
+            raise ManifestError(f"{path}: {key} is {shown if len(shown) <= 80 else shown[:77] + '...'}, not "
+                                f"{wanted}; build the manifest again (tvrpipe manifest build), or restore the file")
     return meta
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+# what tvrpipe reads of a manifest's meta.json, by key: a damaged value is an error naming it, never shown or used as
+# it stands ("twelve frames") nor read as another kind of manifest
+_META_KEYS: dict[str, tuple[Any, str]] = {
+    "kind": (lambda v: v == COLLECTION, f'"{COLLECTION}" (or no kind: a benchmark\'s manifest)'),
+    "frames": (lambda v: v is None or _count(v), "a whole number of frames, at least 1"),
+    "max_words": (lambda v: v is None or _count(v), "a whole number of tokens, at least 1"),
+    "dataset": (lambda v: isinstance(v, str), "a name"),
+    "split_set": (lambda v: v is None or isinstance(v, str), "a name or null"),
+    "video_root": (lambda v: v is None or isinstance(v, str), "a folder's path or null"),
+    "skipped": (lambda v: isinstance(v, list), "a list"),
+    "one_shot": (lambda v: isinstance(v, list), "a list"),
+    "missing_videos": (lambda v: isinstance(v, list), "a list"),
+}
 
 
 def read_manifest(manifest_dir: str | os.PathLike[str]) -> Manifest:

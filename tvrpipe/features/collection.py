@@ -526,7 +526,7 @@ def _previous(out: Path, root: str) -> _Previous:
     if not path.is_file():
         return _Previous()
     try:
-        meta = read_meta(path)
+        meta = read_meta(path, lenient=("skipped", "one_shot"))  # damaged notes: probed again
     except ManifestError as e:
         return _Previous(damaged=f"{e}; the last build's cutting is unknown: {NAME_THE_CUTTING}")
     if meta.get("kind") != COLLECTION or meta.get("video_root") != root:
