@@ -15,7 +15,7 @@ import av
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, TiffImagePlugin
 
 from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
@@ -144,6 +144,75 @@ def test_a_mid_grey_16_bit_png_is_mid_grey_not_white(tmp_path):
     np.testing.assert_array_equal(frame_of_image(picture, S), np.full((S, S, 3), 128, np.uint8))
 
 
+def test_mode_i_is_read_by_its_source_a_16_bit_pgm_on_16_bits_a_32_bit_tiff_refused(tmp_path):
+    """Pillow opens both a 16-bit PGM and a 32-bit integer TIFF as mode ``I``: the PGM's values are on 0-65535
+    (Pillow scales its maxval to 65535), the TIFF's white is unknown, so the same 128 is mid-grey in one and
+    refused in the other, never read as the black it is of 65535."""
+    Image.fromarray(np.full((4, 4), 128 * 257, np.int32), "I").save(tmp_path / "grey.pgm")
+    (tmp_path / "maxval.pgm").write_bytes(b"P5 4 4 1000\n" + np.full((4, 4), 502, ">u2").tobytes())  # 502 / 1000
+    Image.fromarray(np.full((4, 4), 128, np.int32), "I").save(tmp_path / "grey.tif")
+    for name in ("grey.pgm", "maxval.pgm"):
+        with Image.open(tmp_path / name) as im:
+            assert im.mode == "I", name
+        np.testing.assert_array_equal(np.asarray(open_image(tmp_path / name)), np.full((4, 4, 3), 128, np.uint8))
+    with pytest.raises(ConfigError, match=r"grey\.tif: a signed 32-bit integer TIFF \(Pillow mode 'I'\), whose "
+                                          "white is unknown"):
+        open_image(tmp_path / "grey.tif")
+
+
+def test_an_animation_or_a_stack_of_pages_is_refused_naming_its_frames(tmp_path):
+    """An animated GIF, PNG or WebP and a multi-page TIFF are refused, naming the file and its frames, rather than
+    read as a first frame the user may never see; one frame of each is read. A camera's JPEG with previews (MPO) is
+    its first picture, as the Multi-Picture format defines it."""
+    frames = [Image.new("RGB", (16, 12), (60 * i, 100, 200 - 60 * i)) for i in range(3)]
+    for name in ("anim.gif", "anim.png", "anim.webp", "pages.tif"):
+        frames[0].save(tmp_path / name, save_all=True, append_images=frames[1:])
+        with pytest.raises(ConfigError) as e:
+            open_image(tmp_path / name)
+        assert str(e.value).startswith(f"{tmp_path / name}: 3 frames (an animation or pages, ") and str(
+            e.value).endswith("not one picture: give a still picture, e.g. one frame exported as PNG"), str(e.value)
+        still = tmp_path / f"still-{name}"
+        frames[1].save(still)
+        assert open_image(still).size == (16, 12), name
+    frames[0].save(tmp_path / "camera.mpo", save_all=True, append_images=frames[1:])
+    with Image.open(tmp_path / "camera.mpo") as im:
+        assert (im.format, im.n_frames) == ("MPO", 3)
+    np.testing.assert_array_equal(np.asarray(open_image(tmp_path / "camera.mpo")),
+                                  np.asarray(Image.open(tmp_path / "camera.mpo").convert("RGB")))
+
+
+def test_a_picture_the_resize_cannot_make_a_frame_of_is_refused_before_it_is_resized(tmp_path, monkeypatch):
+    """The long side is resized to ``int(S * long / short)``: a strip 60000 x 1 would be 13,440,000 px long
+    (swscale refuses it), 20000 x 1 would take 3 GB, for a centre crop of a sliver. Past MAX_ASPECT times the short
+    side a picture is refused, naming it and its size, before anything is resized; at the bound it is a frame as
+    extraction's reader makes one. A picture of no pixels (made in memory) is refused too."""
+    from tvrpipe.features import images
+
+    assert images.MAX_ASPECT == 64
+    resized = []
+    real = av.VideoFrame.reformat
+    monkeypatch.setattr(av.VideoFrame, "reformat", lambda self, *a, **kw: resized.append(kw) or real(self, *a, **kw))
+    for w, h, ratio in [(60000, 1, "60,000"), (20000, 1, "20,000"), (1, 20000, "20,000"), (65, 1, "65"),
+                        (6500, 100, "65"), (10, 641, "64.1")]:
+        Image.new("RGB", (w, h), (10, 20, 30)).save(tmp_path / "long.png")
+        with pytest.raises(ConfigError) as e:
+            frame_of_image(open_image(tmp_path / "long.png"), S)
+        assert str(e.value) == (f"{tmp_path / 'long.png'}: a picture of {w} x {h} px, {ratio} times as long as it "
+                                "is wide (at most 64): its centre square, all that a query sees of it, would be a "
+                                "sliver; crop the part to search with"), str(e.value)
+        with Image.open(tmp_path / "long.png") as raw, pytest.raises(ConfigError, match=r"^the picture: a picture"):
+            frame_of_image(raw, S)  # a caller's own image, opened without open_image
+    assert resized == []
+    for shape in [(1, 64), (64, 1), (3, 192), (100, 6400)]:  # (H, W): at the bound, what extraction makes of it
+        rgb = np.random.default_rng(sum(shape)).integers(0, 256, (*shape, 3), dtype=np.uint8)
+        Image.fromarray(rgb).save(tmp_path / "edge.png")
+        want = _pyav_resize_crop(av.VideoFrame.from_ndarray(rgb, format="rgb24"), S)
+        np.testing.assert_array_equal(frame_of_image(open_image(tmp_path / "edge.png"), S), want)
+    for size in [(0, 3), (3, 0)]:
+        with pytest.raises(ConfigError, match=rf"^the picture: a picture of {size[0]} x {size[1]} px has no pixels"):
+            frame_of_image(Image.new("RGB", size), S)
+
+
 def _pictures(tmp_path: Path) -> list[tuple[str, Path, np.ndarray, int]]:
     """``(case, file, RGB the definition gives, tolerance)`` for a picture of each mode Pillow opens. Tolerance 0
     where the definition is integer arithmetic; 1 for Pillow's fixed-point conversions (YCbCr, CMYK) and the
@@ -166,8 +235,6 @@ def _pictures(tmp_path: Path) -> list[tuple[str, Path, np.ndarray, int]]:
                 np.rint(rgb16 / 257).astype(np.uint8), 1))
     Image.frombytes("I;16B", shape[::-1], v16.astype(">u2").tobytes()).save(tmp_path / "big.tif")
     out.append(("16-bit big-endian TIFF (I;16B)", tmp_path / "big.tif", ref16, 0))
-    Image.fromarray(v16.astype(np.int32)).save(tmp_path / "int.tif")
-    out.append(("32-bit integer TIFF of 16-bit values (I)", tmp_path / "int.tif", ref16, 0))
     (tmp_path / "grey16.pgm").write_bytes(f"P5 {shape[1]} {shape[0]} 65535\n".encode() + v16.astype(">u2").tobytes())
     out.append(("16-bit PGM (I)", tmp_path / "grey16.pgm", ref16, 0))
     f = rng.random(shape).astype(np.float32)
@@ -273,10 +340,20 @@ def test_values_with_no_known_white_and_unknown_modes_are_refused_naming_the_fil
     Image.fromarray(np.array([[0.0, 2.5]], np.float32)).save(tmp_path / "hdr.tif")
     Image.fromarray(np.array([[0.5, np.nan]], np.float32)).save(tmp_path / "nan.tif")
     Image.fromarray(np.array([[-1, 5]], np.int32)).save(tmp_path / "negative.tif")
+    # 32-bit integers within 16 bits: their white is the file's, not 65535 (128 of 255 would read as black)
+    Image.fromarray(np.full((4, 4), 128, np.int32), "I").save(tmp_path / "grey128.tif")
+    signed = TiffImagePlugin.ImageFileDirectory_v2()
+    signed[339] = 2  # SampleFormat: signed integers
+    Image.fromarray(np.full((4, 4), 300, np.uint16)).save(tmp_path / "signed16.tif", tiffinfo=signed)
+    with Image.open(tmp_path / "signed16.tif") as im:
+        assert (im.mode, im.tag_v2[258], im.tag_v2[339]) == ("I", (16,), (2,))  # what other software writes
+    white = ("(Pillow mode 'I'), whose white is unknown (tvrpipe reads integer pictures of 16 unsigned bits, 65535 "
+             "white)")
     for name, message in [
-        ("int32.tif", "a 32-bit integer picture (Pillow mode 'I') whose values span 0 to 70000, beyond 16 bits, so "
-                      "its white is unknown; save it as an 8-bit RGB PNG or JPEG, or a 16-bit PNG"),
-        ("negative.tif", "(Pillow mode 'I') whose values span -1 to 5, beyond 16 bits"),
+        ("int32.tif", f"a signed 32-bit integer TIFF {white}; save it as an 8-bit RGB PNG or JPEG, or a 16-bit PNG"),
+        ("negative.tif", f"a signed 32-bit integer TIFF {white}"),
+        ("grey128.tif", f"a signed 32-bit integer TIFF {white}"),
+        ("signed16.tif", f"a signed 16-bit integer TIFF {white}"),
         ("hdr.tif", "a 32-bit float picture (Pillow mode 'F') whose values span 0 to 2.5: tvrpipe reads a float "
                     "picture on [0, 1] (0 black, 1 white); save it as an 8-bit RGB PNG or JPEG"),
         ("nan.tif", "(Pillow mode 'F') whose values span 0.5 to 0.5, some NaN or infinite: tvrpipe reads"),
@@ -284,6 +361,13 @@ def test_values_with_no_known_white_and_unknown_modes_are_refused_naming_the_fil
         with pytest.raises(ConfigError) as e:
             open_image(tmp_path / name)
         assert str(e.value).startswith(f"{tmp_path / name}: ") and message in str(e.value), str(e.value)
+        with Image.open(tmp_path / name) as raw, pytest.raises(ConfigError, match="Pillow mode"):
+            frame_of_image(raw, S)  # a caller holding the file's image is refused alike
+    # a mode I picture of no file (made in memory) has no tags to tell: its values outside 16 bits are refused
+    for values, span in [([[0, 70000]], "0 to 70000"), ([[-1, 5]], "-1 to 5")]:
+        with pytest.raises(ConfigError, match=rf"^odd: a 32-bit integer picture \(Pillow mode 'I'\) whose values "
+                                              rf"span {span}, beyond 16 bits, so its white is unknown"):
+            as_rgb(Image.fromarray(np.array(values, np.int32), "I"), "odd")
     with pytest.raises(ConfigError, match=r"^odd.raw: a picture in Pillow mode 'BGR;24', which tvrpipe does not "
                                           r"convert to RGB; save it as an 8-bit RGB PNG or JPEG$"):
         as_rgb(SimpleNamespace(mode="BGR;24", has_transparency_data=False), "odd.raw")
@@ -396,6 +480,9 @@ def test_bad_pictures_and_mixed_queries_are_one_line_naming_them_and_nothing_is_
     (tmp_path / "half.png").write_bytes((tmp_path / "whole.png").read_bytes()[:4000])  # a PNG cut short
     (tmp_path / "q.txt").write_text("a dog\n")
     Image.fromarray(np.full((64, 64), 4.0, np.float32)).save(tmp_path / "hdr.tif")
+    Image.new("RGB", (60000, 1)).save(tmp_path / "wide.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "anim.gif", save_all=True, append_images=[Image.new("RGB", (8, 8), 255)])
+    Image.fromarray(np.full((4, 4), 128, np.int32), "I").save(tmp_path / "int32.tif")
     out = tmp_path / "hits.json"
     for args, message in [
         (["--image", tmp_path / "missing.png"], f"error: --image {tmp_path / 'missing.png'}: no such file"),
@@ -408,6 +495,12 @@ def test_bad_pictures_and_mixed_queries_are_one_line_naming_them_and_nothing_is_
         (["--image", tmp_path / "hdr.tif"], f"error: --image {tmp_path / 'hdr.tif'}: a 32-bit float picture (Pillow "
                                             "mode 'F') whose values span 4 to 4: tvrpipe reads a float picture on "
                                             "[0, 1]"),
+        (["--image", tmp_path / "wide.png"], f"error: --image {tmp_path / 'wide.png'}: a picture of 60000 x 1 px, "
+                                             "60,000 times as long as it is wide (at most 64)"),
+        (["--image", tmp_path / "anim.gif"], f"error: --image {tmp_path / 'anim.gif'}: 2 frames (an animation or "
+                                             "pages, GIF), not one picture: give a still picture"),
+        (["--image", tmp_path / "int32.tif"], f"error: --image {tmp_path / 'int32.tif'}: a signed 32-bit integer "
+                                              "TIFF (Pillow mode 'I'), whose white is unknown"),
         (["a dog", "--image", tmp_path / "ok.png"], f"error: --image {tmp_path / 'ok.png'} and a text query ('a dog') "
                                                     "were both given: search with pictures or with sentences, in "
                                                     "separate searches"),

@@ -7,8 +7,12 @@ in its field cuts the hits shown, and one outside the head's scores is refused o
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -185,6 +189,45 @@ def test_media_never_reads_outside_the_root(site, client, tmp_path, monkeypatch)
     assert served == [(root / "v0.mp4").resolve()]
 
 
+def test_a_hit_whose_file_media_does_not_serve_has_no_player(site, server, client, monkeypatch):
+    """Where /media/ID answers 404 (a symlink or a path leading out of the root, a missing file, no video root),
+    the JSON's ``media`` is null and the page says ``no file`` instead of a player that cannot load; each video's
+    path is resolved once per request."""
+    from urllib.parse import quote
+
+    _, root, videos = site
+    n = len(videos)
+    away = {videos.video_id[n - 2], videos.video_id[n - 1]}  # link.mp4 (a symlink out), ../secret.mp4
+    resolved = []
+    real = serve_mod.Server.media_file
+    monkeypatch.setattr(serve_mod.Server, "media_file", lambda self, vid: resolved.append(vid) or real(self, vid))
+    hits = client.get("/search", params={"q": "a dog", "k": n}).json()["hits"]
+    assert len(hits) == n and {h["video_id"] for h in hits if h["media"] is None} == away
+    assert sorted(resolved) == sorted(videos.video_id)  # once each
+    for h in hits:
+        url = h["media"].partition("#")[0] if h["media"] else "/media/" + quote(h["video_id"], safe="")
+        assert client.get(url).status_code == (404 if h["media"] is None else 200), h
+    resolved.clear()
+    page = client.get("/", params={"q": "a dog", "k": n}).text
+    rows = {vid: row for row in page.split('<tr class="hit">')[1:] for vid in videos.video_id
+            if f"<td>{vid}</td>" in row}
+    assert len(rows) == n and sorted(resolved) == sorted(videos.video_id)
+    for vid, row in rows.items():
+        assert ("<video" not in row and "<td>no file</td>" in row) if vid in away else "<video" in row, vid
+    # a file removed after start, and a server with no video root: no player either
+    (root / "v2.mp4").rename(root / "v2.bak")
+    try:
+        gone = {v for v, p in zip(videos.video_id, videos.path) if p == "v2.mp4"}
+        hits = client.get("/search", params={"q": "a dog", "k": n}).json()["hits"]
+        assert {h["video_id"] for h in hits if h["media"] is None} == away | gone
+    finally:
+        (root / "v2.bak").rename(root / "v2.mp4")
+    bare = TestClient(make_app(dataclasses.replace(server, current=dataclasses.replace(
+        server.current, searcher=dataclasses.replace(server.searcher, video_root=None)))), base_url=BASE)
+    assert all(h["media"] is None for h in bare.get("/search", params={"q": "a dog", "k": 3}).json()["hits"])
+    assert bare.get("/", params={"q": "a dog", "k": 3}).text.count("<td>no file</td>") == 3
+
+
 def test_loopback_binds_quietly_and_another_address_is_warned_about():
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         assert exposure_warning(host) is None
@@ -267,11 +310,11 @@ def test_a_browser_searches_and_the_player_seeks_to_the_hits_moment(server):
                 shown = [float(c) for c in page.locator("tr.hit td.num:nth-child(4)").all_inner_texts()]
                 assert shown == pytest.approx(scores[:2], abs=1e-4) and min(shown) >= x - 1e-4
                 assert page.locator("p.note").inner_text() == (f"{DEFAULT_TOP_K - 2} of the top {DEFAULT_TOP_K} "
-                                                               f"hits scored below --min-score {x:.10g} and were cut")
+                                                               f"hits scored below min_score={x:.10g} and were cut")
                 assert page.input_value("form[method=get] input[name=min_score]") == f"{x:.10g}"  # kept for the next
                 # one outside the head's scores: the page says why, with the message search prints
                 with pytest.raises(ConfigError) as want:
-                    check_min_score(server.searcher, 2.0)
+                    check_min_score(server.searcher, 2.0, "min_score")
                 page.fill("form[method=get] input[name=min_score]", "2")
                 page.click("form[method=get] button")
                 page.wait_for_selector("p.error", timeout=15000)
@@ -300,7 +343,7 @@ def test_a_picture_posted_to_the_page_shows_its_hits(client, tmp_path):
                       files={"image": ("blue.png", pic.read_bytes(), "image/png")})
     assert cut.status_code == 200 and cut.text.count('<tr class="hit">') == 1 and "1 of the top 2 hits" in cut.text
     bad = client.post("/", data={"min_score": "2"}, files={"image": ("blue.png", pic.read_bytes(), "image/png")})
-    assert bad.status_code == 400 and "--min-score 2 is outside the scores" in bad.text
+    assert bad.status_code == 400 and "min_score=2 is outside the scores" in bad.text and "--min-score" not in bad.text
 
 
 # ------------------------------------------------------------------------------------------------ min_score
@@ -316,10 +359,13 @@ def test_min_score_cuts_as_search_min_score_cuts(site, client):
     assert r.status_code == 200, r.text
     body = r.json()
     assert [h["video_id"] for h in body["hits"]] == [h.video_id for h in want.hits] == [h.video_id for h in full[:2]]
-    assert body["note"] == want.note(q) == f"4 of the top 6 hits scored below --min-score {x:.10g} and were cut"
+    # search's note, naming the cut as the request gave it
+    assert want.note(q) == f"4 of the top 6 hits scored below --min-score {x:.10g} and were cut"
+    assert body["note"] == f"4 of the top 6 hits scored below min_score={x:.10g} and were cut"
     assert client.get("/search", params={"q": q, "k": 6}).json()["note"] is None
     page = client.get("/", params={"q": q, "k": 6, "min_score": x})
-    assert page.text.count('<tr class="hit">') == 2 and "4 of the top 6 hits scored below" in page.text
+    assert page.text.count('<tr class="hit">') == 2
+    assert f"4 of the top 6 hits scored below min_score={x:.10g}" in page.text
 
 
 def test_a_min_score_outside_the_heads_scores_is_400_with_searchs_message(site, server, client):
@@ -327,12 +373,22 @@ def test_a_min_score_outside_the_heads_scores_is_400_with_searchs_message(site, 
     from tvrpipe.search.engine import check_min_score
 
     with pytest.raises(ConfigError) as want:
-        check_min_score(server.searcher, 2.0)
+        check_min_score(server.searcher, 2.0, "min_score")
     r = client.get("/search", params={"q": "a cat", "min_score": 2.0})
     assert r.status_code == 400 and r.json()["error"] == str(want.value)
-    assert client.get("/search", params={"q": "a cat", "min_score": "x"}).status_code == 400
-    assert client.get("/search", params={"q": "a cat", "min_score": "nan"}).status_code == 400
+    assert str(want.value).startswith("min_score=2 is outside the scores of")
+    with pytest.raises(ConfigError, match=r"^--min-score 2 is outside the scores of"):  # search's words, unchanged
+        check_min_score(server.searcher, 2.0)
     assert client.get("/", params={"q": "a cat", "min_score": 2.0}).status_code == 400
+    # what the request sent is named, never an option of the command line nor a number it was read as
+    for sent, said in [("x", "min_score='x': a number is needed"), ("nan", "min_score=nan: a finite number"),
+                       ("1e999", "min_score=1e999: a finite number"), ("-inf", "min_score=-inf: a finite number")]:
+        r = client.get("/search", params={"q": "a cat", "min_score": sent})
+        assert r.status_code == 400 and r.json()["error"].startswith(said), (sent, r.text)
+        page = client.get("/", params={"q": "a cat", "min_score": sent})
+        assert page.status_code == 400 and said.replace("'", "&#x27;") in page.text and "--min-score" not in page.text
+        pic = client.post("/search", data={"min_score": sent}, files={"image": ("p.png", _png(), "image/png")})
+        assert pic.status_code == 400 and pic.json()["error"].startswith(said), (sent, pic.text)
 
 
 def test_serve_min_score_is_the_default_cut_and_is_checked_at_start(site, cli, monkeypatch):
@@ -468,9 +524,29 @@ def test_a_name_the_user_allows_is_answered():
     assert allowed_hosts("::1", 8000).refusal(["[::1]:8000"]) is None
     assert allowed_hosts("127.0.0.1", 8000).refusal([])[0] == 400
     assert allowed_hosts("127.0.0.1", 8000).refusal(["127.0.0.1:8000", "evil.example"])[0] == 400
-    for bad in ("mybox.lan:8080", "http://mybox.lan", "*", "*.lan", "a/b", "", "mybox.lan."):
+    for bad in ("mybox.lan:8080", "http://mybox.lan", "*", "*.lan", "a/b", "", "mybox.lan..", "192.168.1.5."):
         with pytest.raises(ConfigError, match="--allow-host"):
             check_allowed_hosts([bad])
+    assert check_allowed_hosts(["MyBox.lan.", "mybox.lan"]) == ("mybox.lan",)  # a name's fully qualified form
+
+
+def test_a_fully_qualified_name_is_the_name_and_an_address_with_a_dot_is_refused_as_what_it_is():
+    """``localhost.`` and ``mybox.lan.`` (a trailing dot: the DNS root) name what ``localhost`` and ``mybox.lan``
+    name, and are answered where those are; ``127.0.0.1.`` is a name of digits, not the address: refused with 421
+    saying so, not as a malformed Host; two dots, or a dot alone, stay malformed."""
+    loop = allowed_hosts("127.0.0.1", 8000, check_allowed_hosts(["mybox.lan"]))
+    for ok in ("localhost.", "localhost.:8000", "LOCALHOST.:8000", "mybox.lan.", "mybox.lan.:8000"):
+        assert loop.refusal([ok]) is None, ok
+    for host in ("127.0.0.1.", "127.0.0.1.:8000"):
+        assert loop.refusal([host]) == (421, f"the Host header {host!r} is the address 127.0.0.1 followed by a dot: "
+                                             "a DNS name of digits, not that address; name this server by the "
+                                             "address alone (127.0.0.1)")
+    wild = allowed_hosts("0.0.0.0", 8000)
+    assert wild.refusal(["192.168.1.5:8000"]) is None and wild.refusal(["192.168.1.5.:8000"])[0] == 421
+    for bad in ("localhost..", ".", "..:8000", "mybox.lan.:80:80"):
+        assert loop.refusal([bad]) == (400, f"the Host header {bad!r} is not HOST[:PORT]"), bad
+    for other in ("evil.example.", "localhost.evil.example.", "mybox.lan.evil.example."):
+        assert loop.refusal([other])[0] == 421, other
 
 
 def test_an_allowed_name_reaches_every_route(site, server):
@@ -520,6 +596,105 @@ def test_an_uploads_name_never_becomes_a_path(client, monkeypatch):
     # an unreadable upload is named by its name, not by the server's temporary file
     bad = client.post("/search", files={"image": ("notes.png", b"not a picture", "image/png")})
     assert bad.status_code == 400 and "'notes.png'" in bad.json()["error"] and "tvrpipe-serve-" not in bad.text
+
+
+def _raw_upload(client, route: str, disposition: bytes, data: bytes, **kw):
+    """POST ``data`` as the form's picture part with the ``Content-Disposition`` value ``disposition``, byte for
+    byte: httpx would percent-encode a name's control characters, a client need not."""
+    boundary = b"b0undary"
+    body = (b"--" + boundary + b"\r\nContent-Disposition: " + disposition + b"\r\nContent-Type: image/png\r\n\r\n"
+            + data + b"\r\n--" + boundary + b"--\r\n")
+    return client.post(route, content=body, headers={"content-type": "multipart/form-data; boundary=b0undary"}, **kw)
+
+
+def _controls(text: str) -> list[str]:
+    import unicodedata
+
+    return [c for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp") or "\u202a" <= c <= "\u202e"]
+
+
+def test_an_uploads_name_is_shown_without_control_characters(client):
+    """A name with a NUL, CR/LF (raw, or RFC 5987 percent-encoded), an escape, a line separator or a
+    bidirectional override is shown with each replaced by U+FFFD, in the JSON's ``query`` and on the page."""
+    cases = [
+        (b'form-data; name="image"; filename="a\x00b.png"', "a\ufffdb.png"),
+        (b'form-data; name="image"; filename="a\x1b[31mred.png"', "a\ufffd[31mred.png"),
+        ('form-data; name="image"; filename="a\u2028b\u202egnp.exe"'.encode(), "a\ufffdb\ufffdgnp.exe"),
+        (b"form-data; name=\"image\"; filename*=UTF-8''a%0D%0AX-Evil%3A%201.png", "a\ufffd\ufffdX-Evil: 1.png"),
+        (b"form-data; name=\"image\"; filename*=UTF-8''a%00b%C2%85.png", "a\ufffdb\ufffd.png"),
+    ]
+    for disposition, shown in cases:
+        r = _raw_upload(client, "/search", disposition, _png(), params={"k": 2})
+        assert r.status_code == 200, (disposition, r.text)
+        assert {h["query"] for h in r.json()["hits"]} == {shown}, disposition
+        page = _raw_upload(client, "/", disposition, _png(), params={"k": 2})
+        assert page.status_code == 200 and f"Picture: &ldquo;{shown}&rdquo;" in page.text, disposition
+        heading = page.text.partition("<h2>")[2].partition("</h2>")[0]
+        assert heading and not _controls(heading), (disposition, heading)
+    assert serve_mod.upload_name("\u202e" * 300).startswith("\ufffd") and len(serve_mod.upload_name("\x00" * 300)) \
+        == serve_mod.NAME_CHARS
+
+
+def test_a_picture_named_only_by_rfc_5987_is_searched(client):
+    """``filename*=UTF-8''...`` alone (RFC 7578 forbids it in forms; some clients send it): the part is the
+    picture, named by it, or ``picture`` where it names nothing; the hits are those of the same picture sent
+    plainly."""
+    want = client.post("/search", params={"k": 3}, files={"image": ("x.png", _png(), "image/png")}).json()["hits"]
+    for disposition, shown in [(b"form-data; name=\"image\"; filename*=UTF-8''na%C3%AFve%20photo.png",
+                                "na\u00efve photo.png"),
+                               (b"form-data; name=\"image\"; FILENAME*=utf-8'en'b.png", "b.png"),
+                               (b"form-data; name=\"image\"; filename*=UTF-8''", "picture")]:
+        r = _raw_upload(client, "/search", disposition, _png(), params={"k": 3})
+        assert r.status_code == 200, (disposition, r.text)
+        hits = r.json()["hits"]
+        assert [h["video_id"] for h in hits] == [h["video_id"] for h in want] and {h["query"] for h in hits} == {shown}
+        page = _raw_upload(client, "/", disposition, _png(), params={"k": 3})
+        assert page.status_code == 200 and page.text.count('<tr class="hit">') == 3, disposition
+    # a field named image without any file name is still no picture
+    r = client.post("/search", data={"image": "not a file"})
+    assert r.status_code == 400 and r.json()["error"].startswith("no picture: POST one as the form field 'image'")
+
+
+def test_an_upload_whose_headers_are_too_long_is_refused_saying_so(client):
+    long = "a" * 5000 + ".png"
+    for route in ("/search", "/"):
+        r = client.post(route, files={"image": (long, _png(), "image/png")})
+        assert r.status_code == 400, route
+        said = r.json()["error"] if route == "/search" else r.text
+        assert ("the form cannot be read: a header of one of its parts is over 4,224 bytes (a file name that long?); "
+                "send the picture under a shorter name") in said, said
+    # other damage keeps python-multipart's own reason beside Starlette's
+    r = _raw_upload(client, "/search", b'form-data; name="image"; filename="x.png"\r\nbroken header', _png())
+    assert r.status_code == 400 and r.json()["error"].startswith("the form cannot be read: Invalid multipart data."), \
+        r.text
+
+
+def test_a_picture_tvrpipe_refuses_is_400_naming_the_upload(client):
+    """The refusals of ``search --image`` (a strip too long for its width, an animation, a 32-bit TIFF), each
+    400 with its line, naming the upload as the client called it (not the server's temporary file)."""
+    import io
+
+    from PIL import Image
+
+    def saved(image, fmt, **kw) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format=fmt, **kw)
+        return buf.getvalue()
+
+    frames = [Image.new("RGB", (8, 8), (i * 90, 0, 0)) for i in range(3)]
+    for name, data, said in [
+        ("wide.png", saved(Image.new("RGB", (60000, 1)), "PNG"),
+         "'wide.png': a picture of 60000 x 1 px, 60,000 times as long as it is wide (at most 64)"),
+        ("anim.gif", saved(frames[0], "GIF", save_all=True, append_images=frames[1:]),
+         "'anim.gif': 3 frames (an animation or pages, GIF), not one picture: give a still picture"),
+        ("deep.tif", saved(Image.fromarray(np.full((4, 4), 128, np.int32), "I"), "TIFF"),
+         "'deep.tif': a signed 32-bit integer TIFF (Pillow mode 'I'), whose white is unknown"),
+    ]:
+        r = client.post("/search", files={"image": (name, data, "image/png")})
+        assert r.status_code == 400 and said in r.json()["error"], r.text
+        assert "tvrpipe-serve-" not in r.text and "Traceback" not in r.text
+        page = client.post("/", files={"image": (name, data, "image/png")})
+        assert page.status_code == 400 and said.replace("'", "&#x27;") in page.text
 
 
 def test_a_picture_and_a_sentence_together_are_refused(client):
@@ -677,6 +852,46 @@ def test_a_port_in_use_or_a_host_that_cannot_be_bound_fails_before_anything_load
     r = cli("serve", "--features", store, "--host", "no-such-host.invalid")
     assert r.exit_code == 1 and "--host no-such-host.invalid: not an address this machine can listen on" in r.output
     assert opened == []
+
+
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                             (signal.SIGINT, 130, "interrupted")])
+def test_a_server_stopped_by_a_signal_says_it_stopped(site, sig, code, word):
+    """SIGTERM or Ctrl-C ends ``tvrpipe serve`` with the conventional code and a line saying the server stopped:
+    it makes nothing to resume, so the other commands' "rerun the same command to resume" would mislead. The
+    signal reaches the CLI as uvicorn passes it on once it has shut down."""
+    import os
+    import urllib.request
+
+    store, root, _ = site
+    cmd = [sys.executable, "-m", "tvrpipe", "serve", "--features", str(store), "--video-root", str(root), "--port", "0"]
+    # SIGINT as a terminal delivers it (a suite started in the background has it ignored, and children inherit that)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        printed = ""
+        while "(Ctrl-C stops)" not in printed and p.poll() is None:  # the line, however the console wraps it
+            printed += p.stdout.readline()
+        port = int(printed.rpartition("http://127.0.0.1:")[2].partition("/")[0])
+        deadline = time.monotonic() + 60
+        while True:  # serving: uvicorn has its signal handlers in place
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/search?q=a+dog&k=1", timeout=5) as r:
+                    assert r.status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline and p.poll() is None, "the server did not start"
+                time.sleep(0.1)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    said = " ".join(err.split())
+    assert p.returncode == code, (p.returncode, err)
+    assert f"{word}: the server stopped" in said and "rerun" not in said and "Traceback" not in err, err
 
 
 def test_listen_holds_the_port_it_reports():

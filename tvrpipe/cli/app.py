@@ -41,6 +41,10 @@ COMMAND_ORDER = ("manifest", "extract", "train-head", "evaluate", "search", "rep
                  "export", "heads", "synth", "quickstart", "bench")
 
 
+# what a stop means for a command that makes no output to resume: a server answers until it is stopped
+_STOPPED = {"serve": "the server stopped"}
+
+
 class _ErrorsAsMessages(TyperGroup):
     """A command group that reports :class:`TvrpipeError` (and file-system errors) as one line, exit 1.
 
@@ -69,10 +73,11 @@ class _ErrorsAsMessages(TyperGroup):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): every output is resumable
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): every output is resumable (_STOPPED: none)
             how, code = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
-            err_console.print(Text.assemble((f"{how}:", "bold yellow"), " what was finished is kept; rerun the same "
-                                            "command to resume"), soft_wrap=True)
+            said = (_STOPPED.get(ctx.invoked_subcommand or "") if ctx.parent is None else None) or (
+                "what was finished is kept; rerun the same command to resume")
+            err_console.print(Text.assemble((f"{how}:", "bold yellow"), f" {said}"), soft_wrap=True)
             raise typer.Exit(code) from None
         except BrokenPipeError:  # stdout's reader left where it was not wrapped (main() wraps it): nothing to say
             raise typer.Exit(0) from None

@@ -547,10 +547,11 @@ class Found:
                 f"{'was' if n == 1 else 'were'} cut")
 
 
-def check_min_score(searcher: Searcher, min_score: float) -> None:
+def check_min_score(searcher: Searcher, min_score: float, option: str = "--min-score") -> None:
     """``--min-score`` a finite number inside the bounds of the head's scores (:meth:`Head.score_bounds`): above
     them it would cut every hit, below them none. Scores compare within one head only, so the bounds are the
-    ranking head's (with ``zero_shot_start``, those of its mix).
+    ranking head's (with ``zero_shot_start``, those of its mix). ``option``: how the user gave it (``min_score``
+    in a server's request, named ``min_score=X``).
 
     Raises:
         ConfigError: naming the value, what ranks, and the head's range.
@@ -558,16 +559,16 @@ def check_min_score(searcher: Searcher, min_score: float) -> None:
     import math
 
     if not math.isfinite(min_score):
-        raise ConfigError(f"--min-score {min_score}: a finite number is needed")
+        raise ConfigError(f"{_given(option, str(min_score))}: a finite number is needed")
     low, high = searcher.head.score_bounds()
     if (low is None or min_score >= low) and (high is None or min_score <= high):
         return
     span = (f"from {low:g} to {high:g}" if low is not None and high is not None
             else f"at most {high:g}" if high is not None else f"at least {low:g}")
     what = "every hit" if high is not None and min_score > high else "no hit"
-    raise ConfigError(f"--min-score {min_score:.10g} is outside the scores of {searcher.label}, which are {span} "
-                      f"({searcher.head.meaning()}): it would cut {what}; each head scores on its own scale, so "
-                      f"give a value {span}")
+    raise ConfigError(f"{_given(option, f'{min_score:.10g}')} is outside the scores of {searcher.label}, which "
+                      f"are {span} ({searcher.head.meaning()}): it would cut {what}; each head scores on its own "
+                      f"scale, so give a value {span}")
 
 
 def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, candidates: int | None = None,

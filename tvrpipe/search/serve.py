@@ -8,10 +8,12 @@ as ``tvrpipe search`` does). Routes (:func:`make_app`):
 - ``GET /``: a page with a query box and a picture field, each with a minimum score field; with ``?q=...`` (or a
   picture POSTed to ``/``), the hits with the thumbnails of ``--html`` (:func:`~tvrpipe.search.html.decode_thumbnails`),
   score and uncertainty with what they mean (the head's words), and a ``<video>`` of the file at the hit's moment
-  (``/media/ID#t=start,end``).
+  (``/media/ID#t=start,end``), or ``no file`` where ``/media/ID`` would not serve one.
 - ``GET /search?q=...&k=...&min_score=...``: the same hits as JSON (``POST /search`` with a picture: ``image`` form
-  field). ``min_score`` (on ``/`` too) cuts the hits scoring below it, as ``tvrpipe search --min-score``; without it,
-  the server's ``--min-score``, if any. The JSON's ``note`` says how many were cut. Without ``k``, the hits of
+  field), each with its ``media`` URL (null as the page's ``no file``). ``min_score`` (on ``/`` too) cuts the hits
+  scoring below it, as ``tvrpipe search --min-score``; without it, the server's ``--min-score``, if any. The JSON's
+  ``note`` says how many were cut. A request's values are named as it sent them (``k=N``, ``min_score=X``), never
+  as options of the command line. Without ``k``, the hits of
   ``tvrpipe search`` without ``--top-k``: :data:`DEFAULT_TOP_K`, or every video of a smaller store; a ``k`` out of
   range is refused with its message. A picture with a sentence (``q`` in the address or the form) is refused, as
   ``search --image`` with a sentence is.
@@ -25,11 +27,13 @@ points its own name at 127.0.0.1 (DNS rebinding) could read the answers as its o
 page's name in its ``Host`` header: every route answers only a Host naming the address the server listens on
 (for a loopback or wildcard address, also ``localhost``, ``127.0.0.1`` and ``::1``; for a wildcard one, any
 address literal, since a rebinding page always sends a name) or a name of ``--allow-host``, and the listening port
-or none (:class:`Hosts`); others get 421 (a malformed or missing Host 400). Nothing a client sends becomes a path:
-a POSTed picture is written to a fixed name in a temporary folder, and its file name is shown only as text
-(:func:`upload_name`). Its body is counted as it streams in: past :data:`MAX_IMAGE_BYTES` (and room for the form
-around it) it is refused with 413, before reading where its Content-Length says so, else at the byte that passes
-the cap, with or without a Content-Length.
+or none (:class:`Hosts`); others get 421 (a malformed or missing Host 400). A name may end in the one dot of its
+fully qualified form (``localhost.``); an address may not (``127.0.0.1.`` is a name of digits: 421 saying so).
+Nothing a client sends becomes a path: a POSTed picture is written to a fixed name in a temporary folder, and its
+file name is shown only as text, its control characters replaced (:func:`upload_name`; RFC 5987's ``filename*``
+read where it gives no other, :func:`picture_name`). Its body is counted as it streams in: past
+:data:`MAX_IMAGE_BYTES` (and room for the form around it) it is refused with 413, before reading where its
+Content-Length says so, else at the byte that passes the cap, with or without a Content-Length.
 
 **Listening.** :func:`listen` binds the socket before the store is loaded (a port in use, or a host that cannot
 be bound, fails at once with one line) and hands it to uvicorn, so nothing can take the port in between;
@@ -58,6 +62,7 @@ pydantic (and its compiled core) for validation these routes do in a line each.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import html
@@ -70,6 +75,7 @@ import socket
 import tempfile
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,10 +251,10 @@ class Server:
         as ``tvrpipe search`` without ``--top-k``.
 
         Raises:
-            ConfigError: an empty query, ``k`` out of range (refused with ``tvrpipe search --top-k``'s message),
-                a ``min_score`` outside the head's scores
-                (:func:`~tvrpipe.search.engine.check_min_score`), a picture that cannot be read or that the head
-                cannot take.
+            ConfigError: an empty query, ``k`` out of range (refused with ``tvrpipe search --top-k``'s message,
+                naming ``k=N``), a ``min_score`` outside the head's scores
+                (:func:`~tvrpipe.search.engine.check_min_score`, naming ``min_score=X``; the server's own
+                ``--min-score X``), a picture that cannot be read or that the head cannot take.
         """
         from tvrpipe.search.engine import (
             check_min_score,
@@ -262,8 +268,10 @@ class Server:
         self.refresh()
         cur = self.current  # one opening for the whole request, whatever a concurrent refresh swaps in
         s, stage = cur.searcher, cur.stage
-        min_score = self.min_score if min_score is None else min_score
-        if min_score is not None:
+        if min_score is not None:  # the request's, named as a request gives it
+            check_min_score(s, min_score, "min_score")
+        elif self.min_score is not None:  # the server's own, checked at start (a reopened store may rank otherwise)
+            min_score = self.min_score
             check_min_score(s, min_score)
         k = hits_asked(k, len(stage), s.store, self.candidates, "k")  # as tvrpipe search checks --top-k
         with self.lock:  # one search at a time: the head and the CLIP are shared by every request
@@ -291,6 +299,18 @@ class Server:
         if rel is None or root is None:
             return None
         return file_inside(root, rel)[0]
+
+    def servable(self) -> Callable[[str], bool]:
+        """Whether ``/media/ID`` serves a file, by video id (:meth:`media_file`), each id resolved once: for one
+        request's hits, which link a player only where the route would answer it."""
+        known: dict[str, bool] = {}
+
+        def has_file(video_id: str) -> bool:
+            if video_id not in known:
+                known[video_id] = self.media_file(video_id) is not None
+            return known[video_id]
+
+        return has_file
 
 
 def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | None = None, device: str = "cpu",
@@ -378,8 +398,10 @@ _NAME = re.compile(r"(?:[a-z0-9_-]+\.)*[a-z0-9_-]+")
 
 def host_name(value: str) -> str | None:
     """``value`` (a host as a Host header or ``--allow-host`` gives it, without a port) as the server compares it:
-    lower case, an IPv6 address without its brackets, an address in its canonical form; None where it is neither
-    a DNS name nor an address."""
+    lower case, an IPv6 address without its brackets, an address in its canonical form, a name without the one
+    trailing dot of its fully qualified form (``localhost.`` is ``localhost``); None where it is neither a DNS name
+    nor an address. An address takes no trailing dot: ``127.0.0.1.`` is a name of digits, not that address
+    (:func:`_dotted_address` says so)."""
     v = value.strip().lower()
     if v.startswith("[") and v.endswith("]"):
         try:
@@ -389,7 +411,21 @@ def host_name(value: str) -> str | None:
     try:
         return ipaddress.ip_address(v).compressed
     except ValueError:
-        return v if _NAME.fullmatch(v) else None
+        pass
+    if v.endswith(".") and _dotted_address(v) is None:
+        v = v[:-1]  # the root's empty label: DNS resolves NAME. and NAME alike, and no attacker owns localhost.
+    return v if _NAME.fullmatch(v) else None
+
+
+def _dotted_address(value: str) -> str | None:
+    """The address in a host such as ``127.0.0.1.`` (an IPv4 address and a trailing dot), else None."""
+    v = value.strip().lower()
+    if not v.endswith("."):
+        return None
+    try:
+        return ipaddress.ip_address(v[:-1]).compressed
+    except ValueError:
+        return None
 
 
 def check_allowed_hosts(names: Sequence[str]) -> tuple[str, ...]:
@@ -432,8 +468,12 @@ class Hosts:
             return 400, f"{'no' if not headers else 'more than one'} Host header: one naming this server is needed"
         value = headers[0]
         shown = value if len(value) <= 100 else value[:99] + "\u2026"
-        name, port = _split_host(value)
+        name, port, raw = _split_host(value)
         if name is None:
+            dotted = _dotted_address(raw)
+            if dotted is not None:  # a well-formed name, but of digits: not the address, and not this server's
+                return 421, (f"the Host header {shown!r} is the address {dotted} followed by a dot: a DNS name of "
+                             f"digits, not that address; name this server by the address alone ({dotted})")
             return 400, f"the Host header {shown!r} is not HOST[:PORT]"
         if port is not None and port != self.port:
             return 421, f"the Host header {shown!r} names port {port}, but this server listens on port {self.port}"
@@ -450,8 +490,9 @@ class Hosts:
                      "tvrpipe serve --allow-host NAME: a page of another site may not read it through your browser")
 
 
-def _split_host(value: str) -> tuple[str | None, int | None]:
-    """A Host header's name (:func:`host_name`'s form) and port; a None name where it is malformed."""
+def _split_host(value: str) -> tuple[str | None, int | None, str]:
+    """A Host header's name (:func:`host_name`'s form), port and host as sent; a None name where it is
+    malformed (and an empty host where its port is)."""
     v = value.strip()
     if v.startswith("["):
         end = v.find("]")
@@ -463,9 +504,9 @@ def _split_host(value: str) -> tuple[str | None, int | None]:
     if rest:
         digits = rest[1:]
         if not (rest[0] == ":" and digits.isascii() and digits.isdigit() and len(digits) <= 5):
-            return None, None
+            return None, None, ""
         port = int(digits)
-    return (None if name is None else host_name(name)), port
+    return (None if name is None else host_name(name)), port, name or ""
 
 
 def allowed_hosts(host: str, port: int, allow: Sequence[str] = (), address: str | None = None) -> Hosts:
@@ -590,17 +631,29 @@ def media_url(hit: Hit) -> str:
     return f"{url}#t={0.0 if start is None else start:.2f}" + ("" if end is None else f",{end:.2f}")
 
 
-def _record(hit: Hit, server: Server) -> dict[str, Any]:
-    return {**hit.record(), "media": media_url(hit) if hit.video_id in server.files else None}
+def _record(hit: Hit, has_file: Callable[[str], bool]) -> dict[str, Any]:
+    """A hit as JSON: ``--json``'s fields, and ``media``, the player's URL, where ``/media/ID`` serves a file
+    (``has_file``: :meth:`Server.servable`), else null."""
+    return {**hit.record(), "media": media_url(hit) if has_file(hit.video_id) else None}
 
 
 def _min_score(value: str | None) -> float | None:
+    """A request's ``min_score``, refused as the request sent it: ``1e999`` is not named ``inf``."""
     if value is None or value == "":
         return None
     try:
-        return float(value)
+        x = float(value)
     except ValueError:
         raise ConfigError(f"min_score={value!r}: a number is needed") from None
+    if not math.isfinite(x):
+        raise ConfigError(f"min_score={value}: a finite number is needed")
+    return x
+
+
+def _noted(note: str | None, asked: float | None) -> str | None:
+    """What ``min_score`` cut, naming it as the request gave it (``asked``; None: the server's ``--min-score``,
+    named so)."""
+    return note if note is None or asked is None else note.replace("--min-score ", "min_score=")
 
 
 def _k(value: str | None) -> int | None:
@@ -613,10 +666,38 @@ def _k(value: str | None) -> int | None:
 
 
 def upload_name(name: str | None) -> str:
-    """What the page and the JSON call a POSTed picture: the client's file name as text (never a path), cut to
-    :data:`NAME_CHARS`; ``picture`` where it gave none."""
-    name = name or "picture"
+    r"""What the page and the JSON call a POSTed picture: the client's file name as text (never a path), its
+    control characters (a NUL, CR, LF, a line separator, a bidirectional override) each shown as U+FFFD, cut to
+    :data:`NAME_CHARS`; ``picture`` where it gave none.
+
+    Example:
+        >>> upload_name("a\r\nX-Evil: 1.png") == "a\ufffd\ufffdX-Evil: 1.png"
+        True
+    """
+    name = "".join("\ufffd" if _is_control(c) else c for c in name or "") or "picture"
     return name if len(name) <= NAME_CHARS else name[:NAME_CHARS - 1] + "\u2026"
+
+
+# the bidirectional embeddings, overrides and isolates: text after them reads in another order ("gnp.exe")
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _is_control(c: str) -> bool:
+    """A character that is no text of a name: it breaks a line, ends a string or reorders what follows."""
+    return unicodedata.category(c) in ("Cc", "Zl", "Zp") or c in _BIDI
+
+
+def picture_name(filename: str | None, disposition: str | None) -> str:
+    """A POSTed picture's name (:func:`upload_name`): the form's ``filename``, else RFC 5987's ``filename*``
+    (``UTF-8''na%C3%AFve.png``) from its ``Content-Disposition``, which RFC 7578 forbids in forms and
+    python-multipart therefore ignores, but some clients send; ``picture`` where neither names it."""
+    if not filename and disposition:
+        from email.message import Message
+
+        header = Message()
+        header["content-disposition"] = disposition
+        filename = header.get_filename()  # RFC 2231/5987 decoded, its charset's errors replaced
+    return upload_name(filename)
 
 
 def _status(e: TvrpipeError) -> int:
@@ -650,6 +731,44 @@ _BOTH = ("a picture and a sentence (q) were both given: search with a picture or
          "requests")
 
 
+def _picture_form_parser() -> type:
+    """Starlette's multipart parser, also taking a part that names its file only by RFC 5987's ``filename*=`` as
+    the file it is: python-multipart ignores that parameter (RFC 7578 forbids it in forms), so Starlette would
+    read the picture as a text field, and refuse it as no picture (or as a field over its size)."""
+    from python_multipart.multipart import parse_options_header
+    from starlette.formparsers import MultiPartParser
+
+    extended = re.compile(rb";\s*filename\*\s*=", re.IGNORECASE)
+
+    class PictureFormParser(MultiPartParser):
+        def on_headers_finished(self) -> None:
+            part = self._current_part
+            disposition = part.content_disposition or b""
+            if extended.search(disposition) and b"filename" not in parse_options_header(disposition)[1]:
+                # an empty plain name makes it a file; picture_name reads the extended one from its headers
+                part.content_disposition = disposition + b'; filename=""'
+            super().on_headers_finished()
+
+    return PictureFormParser
+
+
+def _unreadable_form(e: Exception) -> ConfigError:
+    """Why a multipart body cannot be read, in the words of what the client can change: Starlette says "Invalid
+    multipart data" for every error of python-multipart, whose own message (its cause) says which."""
+    from python_multipart.multipart import DEFAULT_MAX_HEADER_COUNT, DEFAULT_MAX_HEADER_SIZE
+
+    cause = str(e.__cause__ or "")
+    if "header size" in cause:
+        return ConfigError(f"the form cannot be read: a header of one of its parts is over "
+                           f"{DEFAULT_MAX_HEADER_SIZE:,} bytes (a file name that long?); send the picture under a "
+                           "shorter name")
+    if "header count" in cause:
+        return ConfigError(f"the form cannot be read: one of its parts has more than {DEFAULT_MAX_HEADER_COUNT} "
+                           "headers")
+    said = getattr(e, "message", str(e))
+    return ConfigError(f"the form cannot be read: {said}" + (f" ({cause})" if cause and cause not in said else ""))
+
+
 def make_app(server: Server, hosts: Hosts | None = None) -> Any:
     """The Starlette app serving ``server``'s searches, pages and media files, to requests whose Host ``hosts``
     answers (None: those of a server on the default address, :func:`allowed_hosts` of 127.0.0.1:8000).
@@ -658,9 +777,11 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
         ConfigError: Starlette is not installed (naming the extra).
     """
     try:
+        from python_multipart.multipart import parse_options_header
         from starlette.applications import Starlette
         from starlette.datastructures import Headers
         from starlette.exceptions import HTTPException
+        from starlette.formparsers import MultiPartException
         from starlette.middleware import Middleware
         from starlette.requests import Request
         from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -669,6 +790,7 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
         raise ConfigError(INSTALL) from None
 
     hosts = allowed_hosts(DEFAULT_HOST, DEFAULT_PORT) if hosts is None else hosts
+    form_parser = _picture_form_parser()
 
     class HostCheck:
         """Every route answers only the Host headers ``hosts`` allows: a page that rebinds its own name to this
@@ -695,11 +817,19 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
         length = request.headers.get("content-length", "")
         if length.isascii() and length.isdigit() and int(length) > cap:
             raise _too_large()
-        try:
-            form = await Request(request.scope, _capped(request.receive, cap)).form(
-                max_files=1, max_fields=8, max_part_size=FORM_BYTES)
-        except HTTPException as e:  # a body Starlette cannot parse as a form (malformed, too many fields)
-            raise ConfigError(f"the form cannot be read: {e.detail}") from None
+        capped = Request(request.scope, _capped(request.receive, cap))
+        limits: dict[str, Any] = {"max_files": 1, "max_fields": 8, "max_part_size": FORM_BYTES}
+        if parse_options_header(request.headers.get("content-type"))[0] == b"multipart/form-data":
+            try:
+                async with contextlib.aclosing(capped.stream()) as stream:
+                    form = await form_parser(capped.headers, stream, **limits).parse()
+            except MultiPartException as e:
+                raise _unreadable_form(e) from None
+        else:  # a urlencoded form, or none: no file in it, so "no picture"
+            try:
+                form = await capped.form(**limits)
+            except HTTPException as e:  # a body Starlette cannot parse as a form (too many fields)
+                raise ConfigError(f"the form cannot be read: {e.detail}") from None
         try:
             upload = form.get("image")
             if upload is None or isinstance(upload, str):
@@ -710,7 +840,8 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
             if len(data) > MAX_IMAGE_BYTES:
                 raise _too_large()
             score = form.get("min_score")
-            return upload_name(upload.filename), data, score if isinstance(score, str) and score else None
+            name = picture_name(upload.filename, upload.headers.get("content-disposition"))
+            return name, data, score if isinstance(score, str) and score else None
         finally:
             await form.close()
 
@@ -725,11 +856,11 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
             except ConfigError as e:  # the upload's name, not the temporary file's
                 raise ConfigError(str(e).replace(f"--image {path}", f"the picture {name!r}")
                                   .replace(path, repr(name))) from None
-        return [dataclasses.replace(h, query=name) for h in found.hits], found.note(path)
+        return [dataclasses.replace(h, query=name) for h in found.hits], _noted(found.note(path), min_score)
 
     def search_text(q: str, k: int | None, min_score: float | None) -> tuple[list[Hit], str | None]:
         found = server.search([q], k, min_score=min_score)
-        return found.hits, found.note(q)
+        return found.hits, _noted(found.note(q), min_score)
 
     async def page(request: Request) -> Response:
         q = request.query_params.get("q", "")
@@ -767,11 +898,11 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
                 hits, note = await _threaded(search_text, request.query_params.get("q", ""), k, min_score)
         except (ConfigError, StoreBusy, TooLarge) as e:
             return JSONResponse({"error": str(e)}, status_code=_status(e))
-        head = server.searcher.head
+        head, has_file = server.searcher.head, server.servable()  # one resolution per video of this answer
         return JSONResponse({"ranked_by": server.searcher.label, "score": head.meaning(),
                              "uncertainty": head.uncertainty_text(), "note": note,
                              "shards": getattr(server.stage, "shards", None),
-                             "hits": [_record(h, server) for h in hits]})
+                             "hits": [_record(h, has_file) for h in hits]})
 
     async def media(request: Request) -> Response:
         path = server.media_file(request.path_params["video_id"])
@@ -825,7 +956,8 @@ def render_page(server: Server, q: str, k: str, hits: list[Hit] | None, error: s
         shown = decode_thumbnails(hits, s.store, s.video_root, THUMBS, False)
         with_u = any(h.uncertainty is not None for h in hits)
         head = ["rank", "video", "clip", "score"] + (["uncertainty"] if with_u else []) + ["frames", "video"]
-        rows = "\n".join(_row(h, shown[h.row, h.path], with_u, server) for h in hits)
+        has_file = server.servable()
+        rows = "\n".join(_row(h, shown[h.row, h.path], with_u, has_file(h.video_id)) for h in hits)
         parts.append(f"<h2>{e(heading)}: &ldquo;{e(query)}&rdquo;</h2><table><thead><tr>"
                      + "".join(f"<th>{c}</th>" for c in head) + f'</tr></thead><tbody id="hits">\n{rows}\n'
                      "</tbody></table>")
@@ -855,7 +987,7 @@ def _number(x: float | None) -> str:
     return "&ndash;" if x is None else ("nan" if math.isnan(x) else f"{x:.4f}")
 
 
-def _row(hit: Hit, shown: Any, with_u: bool, server: Server) -> str:
+def _row(hit: Hit, shown: Any, with_u: bool, has_file: bool) -> str:
     e = html.escape
     figures = "".join(f'<figure><img src="{uri}" alt="{e(hit.video_id)} at {e(cap)}"><figcaption>{e(cap)}'
                       "</figcaption></figure>" if cap else f'<figure><img src="{uri}" alt="{e(shown.why or "")}">'
@@ -865,7 +997,7 @@ def _row(hit: Hit, shown: Any, with_u: bool, server: Server) -> str:
     start, _ = hit.bounds()
     video = (f'<video controls preload="metadata" width="240" src="{e(media_url(hit))}" '
              f'data-start="{0.0 if start is None else start:.2f}"></video>'
-             if hit.video_id in server.files and server.searcher.video_root is not None else "no file")
+             if has_file else "no file")  # a player only where /media/ID serves its file
     cells = [f'<td class="num">{hit.rank}</td>', f"<td>{e(hit.video_id)}</td>", f"<td>{e(hit.clip(2))}</td>",
              f'<td class="num">{_number(hit.score)}</td>']
     if with_u:
