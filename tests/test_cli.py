@@ -360,7 +360,7 @@ def test_nan_and_infinities_are_refused_wherever_a_finite_number_is_meant(cli, t
     r = cli("train-head", "--features", nowhere, "--method", "prota", "--out", tmp_path / "r", "--set", "lam=nan")
     assert r.exit_code == 1 and "error: --set lam=nan: NaN is not a value" in " ".join(r.output.split())
     r = cli("sweep", "--features", nowhere, "--methods", "tmass", "--out", tmp_path / "w", "--set", "train.lr=1e-3,nan")
-    assert r.exit_code == 1 and "--set lr=nan: it must be a finite number" in " ".join(r.output.split()), r.output
+    assert r.exit_code == 1 and "--set train.lr=nan: it must be a finite number" in " ".join(r.output.split()), r.output
 
 
 def _build_custom(cli, table, out):

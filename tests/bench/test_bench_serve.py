@@ -103,7 +103,7 @@ def test_bench_serve_refuses_bad_options_before_any_store(cli, tmp_path):
     for args, said in ((("--videos", "5"), "--videos 5: the collection needs at least 10 videos"),
                        (("--videos", "20", "--queries", "16"), "--queries 16: between 1 and --videos (20) less the 5"),
                        (("--queries", "0"), "--queries 0: between 1 and --videos"),
-                       (("--candidates", "0"), "--candidates 0: the head needs at least 1 candidate"),
+                       (("--candidates", "0"), "--candidates 0: between 1 and --videos"),
                        (("--train-epochs", "0"), "--train-epochs 0: at least 1"),
                        (("--train-videos", "8"), "--train-videos 8: at least 16"),
                        (("--dim", "0"), "--dim 0: at least 1"),
