@@ -25,7 +25,10 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tvrpipe.errors import NonFiniteError, RunError, TvrpipeError
+from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
 from tvrpipe.files import atomic_write, atomic_write_text, file_sha256, move_into_place, remove_staged
 
 if TYPE_CHECKING:
@@ -321,8 +324,60 @@ def load_head(checkpoint: str | os.PathLike[str], device: str = "cpu") -> Head:
     return head.to(device).eval()
 
 
+def checkpoint_head(checkpoint: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """The head name and config a checkpoint written by :func:`save_head` records, from its header alone (no
+    weights are read).
+
+    Raises:
+        RunError: the file is missing or its header is not a head checkpoint's.
+    """
+    from safetensors import safe_open
+
+    path = Path(checkpoint)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        name, config = meta["head"], json.loads(meta["config"])
+    except Exception as e:  # missing, safetensors, JSON, missing metadata
+        raise RunError(f"{path} is damaged or missing ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                       "delete the run directory and train it again") from None
+    if not isinstance(config, dict):
+        raise RunError(f"{path} is damaged (its head config is not a mapping); delete the run directory and train "
+                       "it again")
+    return str(name), config
+
+
+def check_head_record(run: Path, config: Mapping[str, Any], name: str, head_config: Mapping[str, Any]) -> None:
+    """The run's ``config.yaml`` (``config``) records the head its selected checkpoint holds (``name`` and
+    ``head_config``, :func:`checkpoint_head` or the loaded head's): the same method and, for every setting it
+    records, the same value. An edited record would otherwise pass unnoticed (evaluation builds the head from
+    the checkpoint) and the report would file the run's scores under another head or setting.
+
+    Raises:
+        RunError: naming ``config.yaml``, the key, and what the checkpoint holds.
+    """
+    path, best = Path(run) / CONFIG, Path(run) / CHECKPOINTS / BEST
+    if config["method"] != name:
+        raise RunError(f"{path}: method is {_shown(config['method'])} but the selected checkpoint {best} holds the "
+                       f"head {name!r}; restore config.yaml or train the run again into a new --out")
+    saved = json.loads(json.dumps(dict(head_config), default=str))
+    for key, value in config["head"].items():
+        if key not in saved:
+            raise RunError(f"{path}: head.{key} is not a setting of the head {name!r} the selected checkpoint "
+                           f"{best} holds; restore config.yaml or train the run again into a new --out")
+        if json.loads(json.dumps(value, default=str)) != saved[key]:
+            raise RunError(f"{path}: head.{key} is {_shown(value)} but the selected checkpoint {best} was trained "
+                           f"with {_shown(saved[key])}; restore config.yaml or train the run again into a new --out")
+
+
 def read_config(run: Path) -> dict:
-    """A run's config.yaml, checked for the keys evaluation and resuming need."""
+    """A run's config.yaml, checked for the keys evaluation, resuming and the report need and for the type of
+    every key they read (:func:`check_config`).
+
+    Raises:
+        RunError: no config.yaml, not YAML, a key missing or of the wrong type; the message names the file and
+            the key.
+    """
     path = Path(run) / CONFIG
     if not path.is_file():
         raise RunError(f"{run}: not a run directory (no config.yaml); train one with `tvrpipe train-head`")
@@ -338,7 +393,198 @@ def read_config(run: Path) -> dict:
         k not in config and not (k == "train" and "finetune" in config))]
     if missing:
         raise RunError(f"{path} lacks {', '.join(missing)}; restore it or train the run again into a new --out")
+    check_config(path, config)
     return config
+
+
+# the type of each top-level key of config.yaml that some reader uses (the trainer sections are typed by their
+# config classes, :func:`check_config`); a key not listed is only recorded
+CONFIG_TYPES: dict[str, Any] = {
+    "method": str, "head": dict, "train": dict, "finetune": dict, "execution": dict, "features": str | None,
+    "provenance": dict, "resolved": dict, "data": dict, "post": list[str], "manifest": str | None,
+    "video_root": str | None, "validation": str | None, "max_steps": int | None, "recipe": dict | None,
+    "versions": dict | None, "resumed_with": list[dict] | None,
+}
+_RESOLVED_TYPES: dict[str, Any] = {"lr": float | None, "batch_size": int | None, "lr_groups": dict[str, dict] | None}
+_RECIPE_TYPES: dict[str, Any] = {"name": str | None, "path": str | None, "sha256": str | None,
+                                 "shipped": bool | None, "published": dict | None, "mismatch": list[str] | None,
+                                 "differs": dict | None}
+
+
+def check_config(path: Path, config: Mapping[str, Any]) -> None:
+    """Refuse a ``config.yaml`` (at ``path``) one of whose keys has a value of the wrong type: the top-level keys
+    (:data:`CONFIG_TYPES`), the trainer sections' known fields (``train``: :class:`TrainConfig`'s, ``finetune`` and
+    ``execution``: :class:`FinetuneConfig`'s), and what the report reads of ``resolved``, ``data`` and ``recipe``.
+    A damaged record would otherwise be read as a default, or fail as a traceback far from the file. Unknown keys
+    pass (a run written by another tvrpipe); the values' ranges are checked where a trainer section is rebuilt
+    (:func:`trainer_config`).
+
+    Raises:
+        RunError: naming ``path``, the key and the value found.
+    """
+    from tvrpipe.config import field_types
+    from tvrpipe.training.finetune.config import FinetuneConfig
+    from tvrpipe.training.settings import TrainConfig
+
+    check_types(path, "", config, CONFIG_TYPES)
+    if not str(config["method"]).strip():
+        raise RunError(f"{path}: method is empty; restore it or train the run again into a new --out")
+    for section, cls in (("train", TrainConfig), ("finetune", FinetuneConfig), ("execution", FinetuneConfig)):
+        if section in config:
+            check_types(path, f"{section}.", config[section], field_types(cls))
+    resolved = config.get("resolved") or {}
+    check_types(path, "resolved.", resolved, _RESOLVED_TYPES)
+    for group, rate in (resolved.get("lr_groups") or {}).items():
+        check_types(path, f"resolved.lr_groups.{group}.", rate, {"lr": float | None})
+    check_types(path, "data.", config.get("data") or {}, {"mode": str | None})
+    recipe = config.get("recipe") or {}
+    check_types(path, "recipe.", recipe, _RECIPE_TYPES)
+    published = recipe.get("published")
+    if published is not None:
+        check_types(path, "recipe.published.", published,
+                    {"source": str, "backbone": str, **{d: dict[str, float | None] | None for d in DIRECTIONS}})
+        absent = [k for k in ("source", "backbone") if k not in published]
+        if absent:
+            raise RunError(f"{path}: recipe.published lacks {', '.join(absent)}; restore it or train the run again "
+                           "into a new --out")
+
+
+def check_types(path: Path, prefix: str, values: Any, types: Mapping[str, Any]) -> None:
+    """Refuse a mapping ``values`` (``prefix`` names it in ``path``, e.g. ``train.``) that is not a mapping, or one of
+    whose keys listed in ``types`` (``{key: type hint}``) holds a value of another type (:func:`fits`).
+
+    Raises:
+        RunError: naming ``path``, the key and the value found.
+    """
+    if not isinstance(values, Mapping):
+        raise RunError(f"{path}: {prefix.rstrip('.')} is {_shown(values)}, not a mapping of settings; restore it or "
+                       "train the run again into a new --out")
+    for key, hint in types.items():
+        if key in values and not fits(values[key], hint):
+            raise RunError(f"{path}: {prefix}{key} is {_shown(values[key])}, not {type_text(hint)}; restore it or "
+                           "train the run again into a new --out")
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether ``value``, as YAML or JSON reads it, is of the type ``hint`` (a config field's annotation: bool, int,
+    float (an int is a float), str, ``X | None``, ``dict[K, V]``, ``list[X]``, ``tuple[...]`` (a list is a tuple),
+    ``Literal``); an annotation of another kind is not judged (True)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, a) for a in args)
+    if hint is None or hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is typing.Literal:
+        return value in args
+    if hint is dict or origin is dict:
+        return isinstance(value, Mapping) and (not args or all(fits(k, args[0]) and fits(v, args[1])
+                                                               for k, v in value.items()))
+    if hint in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(fits(v, a) for v, a in zip(value, args))
+        return not args or all(fits(v, args[0]) for v in value)
+    return True
+
+
+_TYPE_TEXT = {bool: "true or false", int: "an integer", float: "a number", str: "text", dict: "a mapping",
+              list: "a list", tuple: "a list", type(None): "null"}
+
+
+def type_text(hint: Any) -> str:
+    """A type hint in words, as a message names what a value should have been: ``an integer or null``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(type_text(a) for a in typing.get_args(hint)))
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    base = typing.get_origin(hint) or hint
+    text = _TYPE_TEXT.get(base, getattr(base, "__name__", str(base)))
+    if base is dict and typing.get_args(hint):
+        text += f" of {type_text(typing.get_args(hint)[1]).removeprefix('a ').removeprefix('an ')}s"
+    elif base in (list, tuple) and typing.get_args(hint) and typing.get_args(hint)[-1] is not Ellipsis:
+        text += f" of {type_text(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
+    return text
+
+
+def _shown(value: Any) -> str:
+    """A value as a message quotes it: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def trainer_config(run: Path, config: Mapping[str, Any], known_only: bool = False) -> Any:
+    """The trainer settings a run's ``config.yaml`` (``config``) records, rebuilt and checked as the trainer checks
+    its options: train-head's ``train`` as a :class:`TrainConfig`, finetune's ``finetune`` and ``execution`` as a
+    :class:`FinetuneConfig`. Every problem is named as the file's key, never as the CLI option it stands for: the
+    user typed no option, the file holds the value.
+
+    Args:
+        known_only: leave out keys that are not fields of the config (a run written by another tvrpipe) instead
+            of refusing them.
+
+    Raises:
+        RunError: a key that is not a field (unless ``known_only``), a value of the wrong type or out of the field's
+            range, or settings that do not go together, naming ``config.yaml`` and the key.
+    """
+    from tvrpipe.training.finetune.config import FinetuneConfig
+    from tvrpipe.training.settings import TrainConfig
+
+    path = Path(run) / CONFIG
+    if "train" in config:
+        return _section_config(path, {"train": config["train"]}, TrainConfig, "trainer config", known_only)
+    return _section_config(path, {k: config.get(k) or {} for k in ("finetune", "execution")}, FinetuneConfig,
+                           "finetune config", known_only)
+
+
+def _section_config(path: Path, sections: Mapping[str, Any], cls: type, what: str, known_only: bool) -> Any:
+    """``cls`` built from the sections of ``config.yaml`` (``{section: values}``); where it refuses them, its
+    message is told as the file's key it names."""
+    from tvrpipe.config import field_types
+
+    hints = field_types(cls)
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}  # key -> its section
+    for name, section in sections.items():
+        check_types(path, f"{name}.", section, hints)
+        unknown = sorted(map(str, set(section) - set(hints)))
+        if unknown and not known_only:
+            raise RunError(f"{path}: its {name} section is not a {what} (unknown key(s) {', '.join(unknown)}); "
+                           "restore it or train the run again into a new --out")
+        values.update({k: v for k, v in section.items() if k in hints})
+        where.update({k: name for k in section if k in hints})
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        key, problem = _named_key(str(e), cls)
+        said = f"{where[key]}.{key} {problem}" if key in where else f"{' and '.join(sections)}: {e}"
+        raise RunError(f"{path}: {said}; restore it or train the run again into a new --out") from None
+
+
+def _named_key(message: str, cls: type) -> tuple[str | None, str]:
+    """The field of the config class ``cls`` that its refusal ``message`` opens with (by its CLI option,
+    ``--name``, or ``owner: name``), and the message without that name: ``--epochs must be >= 0, got -3`` ->
+    ``("epochs", "must be >= 0, got -3")``; ``(None, message)`` where it names no field."""
+    for f in dataclasses.fields(cls):
+        names = [re.escape(n) for n in (f.metadata.get("option"), f"--{f.name.replace('_', '-')}") if n]
+        m = re.match(rf"(?:{'|'.join(names)}|\w+(?:: |\.){re.escape(f.name)})(?=[ =:]|$)", message)
+        if m is None:
+            continue
+        rest = message[m.end():]
+        if rest.startswith("="):  # "--lr=nan: it must be ...": the key names it
+            rest = rest.partition(": ")[2]
+        return f.name, rest.strip().removeprefix("it ") or message
+    return None, message
 
 
 def write_epochs(run: Path, rows: list[dict]) -> None:

@@ -279,3 +279,98 @@ def test_two_stores_behind_links_are_both_named(tmp_path, monkeypatch, cli):
     assert r.exit_code == 1 and "2 feature stores under" in text, r.output
     assert f"pass --features with one of {features / 'a'}, {features / 'b'}" in text
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ the row tables' contract
+
+
+def _split_tables():
+    """Seven videos, four train and three test, and ten captions, each in its video's split."""
+    v, t = _tables(nv=7, nt=10)
+    v["split"] = ["train"] * 4 + ["test"] * 3
+    t["split"] = v["split"].to_numpy()[t["video_row"].to_numpy()]
+    return v, t
+
+
+def _reverse_test_rows(v, t):
+    test = np.flatnonzero(t["split"].to_numpy() == "test")
+    t.loc[test, "video_row"] = t["video_row"].to_numpy()[test[::-1]]
+
+
+def _set(table, column, rows, value):
+    def damage(v, t):
+        frame = v if table == "videos" else t
+        if not isinstance(value, int):  # text or null: the column holds them as they come
+            frame[column] = frame[column].astype(object)
+        frame.loc[rows, column] = value
+    return damage
+
+
+DAMAGED_TABLES = {
+    # a caption points at another video's row than the one it names: scored against the wrong video
+    "rows reversed": (_reverse_test_rows, "texts.parquet",
+                      r"row 4 and 1 more \(caption 'c4'\): video_row 6 is video 'v6' in videos.parquet, but the "
+                      r"caption's video_id is 'v4'"),
+    "row past the end": (_set("texts", "video_row", [2], 99999), "texts.parquet",
+                         r"row 2 \(caption 'c2'\): video_row 99999 is not a row of videos.parquet \(0 to 6\)"),
+    "negative row": (_set("texts", "video_row", [3], -1), "texts.parquet",
+                     r"row 3 \(caption 'c3'\): video_row -1 is not a row of videos.parquet"),
+    "row not a number": (_set("texts", "video_row", [3], None), "texts.parquet",
+                         r"video_row holds .* values, not row numbers \(integers\)"),
+    "unknown split": (_set("videos", "split", [1, 5], "bogus"), "videos.parquet",
+                      r"row 1 and 1 more \(video 'v1'\): split 'bogus' is not one of train, val, test"),
+    "video id twice": (_set("videos", "video_id", [4], "v0"), "videos.parquet",
+                       r"row 4: video_id 'v0' is row 0's too \(video_id is unique\)"),
+    "video id null": (_set("videos", "video_id", [3], None), "videos.parquet", r"row 3: no video_id"),
+    "caption id twice": (_set("texts", "caption_id", [8, 9], "c1"), "texts.parquet",
+                         r"row 8 and 1 more: caption_id 'c1' is row 1's too"),
+    "caption id empty": (_set("texts", "caption_id", [0], ""), "texts.parquet", r"row 0: no caption_id"),
+    # test captions filed under train: the test split would have videos but no caption
+    "caption in another split": (_set("texts", "split", [4, 5, 6], "train"), "texts.parquet",
+                                 r"row 4 and 2 more \(caption 'c4'\): split 'train', but its video 'v4' is in "
+                                 r"'test' \(a caption's split is its video's\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGED_TABLES))
+def test_row_tables_that_break_their_contract_are_refused_naming_the_file_and_row(tmp_path, name):
+    """Every reader opens a store through open_store, which refuses tables it would read silently wrong; verify
+    says so too; the writer refuses such tables before it writes anything."""
+    from tvrpipe.features.store import verify_store
+
+    damage, file, message = DAMAGED_TABLES[name]
+    v, t = _split_tables()
+    with StoreWriter(tmp_path / "s", v, t, _prov()) as w:
+        _fill(w, np.random.default_rng(2))
+        w.finalize()
+    assert len(open_store(tmp_path / "s").texts) == 10
+    damage(v, t)
+    table = v if file == "videos.parquet" else t
+    table.to_parquet(tmp_path / "s" / file)
+    with pytest.raises(StoreError, match=rf"^{tmp_path / 's' / file} is damaged: {message}.*; run .* to rewrite it"):
+        open_store(tmp_path / "s")
+    report = verify_store(tmp_path / "s")
+    assert not report.ok and file in report.tables
+    with pytest.raises(StoreError, match=rf"the {file} to write breaks the store's contract: {message}"):
+        StoreWriter(tmp_path / "new", v, t, _prov())
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_collection_store_and_categorical_splits_keep_the_contract(tmp_path):
+    """A collection's videos are all test and it has no captions; a split column read back as categories (Parquet
+    dictionary encoding) compares by its values."""
+    v, _ = _tables(nv=4, nt=0)
+    t = pd.DataFrame({"caption_id": pd.Series([], dtype=str), "video_id": pd.Series([], dtype=str),
+                      "video_row": pd.Series([], dtype=np.int64), "split": pd.Series([], dtype=str)})
+    with StoreWriter(tmp_path / "c", v, t, _prov()) as w:
+        _fill(w, np.random.default_rng(0))
+        w.finalize()
+    assert len(open_store(tmp_path / "c").videos) == 4
+    v, t = _split_tables()
+    with StoreWriter(tmp_path / "s", v, t, _prov()) as w:
+        _fill(w, np.random.default_rng(2))
+        w.finalize()
+    v.assign(split=pd.Categorical(v["split"])).to_parquet(tmp_path / "s" / "videos.parquet")
+    t.assign(split=pd.Categorical(t["split"], categories=["test", "train", "val"])).to_parquet(
+        tmp_path / "s" / "texts.parquet")
+    assert len(open_store(tmp_path / "s").texts) == 10

@@ -200,14 +200,12 @@ def test_plots_are_real_images(report, name):
 
 
 def test_variants_copies_incomplete_and_plots_without_readouts(runs, tmp_path):
-    """Edited copies of a run: a num_heads=2 row, fixed metrics for the seed spread, an unfinished run."""
+    """A num_heads=2 row (its metrics edited for a known seed spread), a copy, an unfinished run."""
     src = runs / "xpool" / "seed0"
     for k, r1 in ((0, 10.0), (1, 13.0)):  # num_heads=2, seeds 0 and 1, with known test R@1
         dst = tmp_path / "runs" / f"heads2-{k}"
-        shutil.copytree(src, dst)
-        cfg = yaml.safe_load((dst / "config.yaml").read_text())
-        cfg["head"]["num_heads"], cfg["train"]["seed"] = 2, k
-        (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+        fit(runs.parent / "store", "xpool", dst, TrainConfig(epochs=2, batch_size=16, seed=k), {"num_heads": 2},
+            progress=False)
         m = _metrics(dst)
         m["test"]["t2v"]["R@1"] = r1
         (dst / "metrics.json").write_text(json.dumps(m))
@@ -263,7 +261,7 @@ def test_execution_settings_never_split_a_row_and_show_in_the_runs_table(runs, t
     runs_table = [line for line in md.splitlines() if line.startswith("| xpool (weight_decay=0.2) |")
                   and "config" not in line and "ran with" not in line]
     ran_with = sorted(line.split("|")[5].strip() for line in runs_table if "/runs/" in line or "runs/" in line)
-    assert ran_with == ["cpu, in memory", "cpu, in memory, no prefetch", "cpu, streamed, memory_budget=2000000"], md
+    assert ran_with == ["cpu, in memory", "cpu, in memory, no prefetch", "cpu, streamed, memory_budget=2.0 MB"], md
     ft = {"end_to_end": True, "model": "ViT-B-32", "epochs": 5, "seed": 0}
     for name, execution in (("ft-1", {"num_workers": 0, "use_gpu": False}),
                             ("ft-2", {"num_workers": 2, "use_gpu": True, "eval_batch": 8})):
@@ -476,3 +474,89 @@ def test_a_copied_run_directory_is_not_a_second_seed(runs, tmp_path, cli):
     assert r.exit_code == 0, r.output
     s = _tables((tmp_path / "rep" / "report.md").read_text())["synthetic-features (split set generated)"]
     assert _row(s["Text-to-video, raw scores"], "xpool")[1] == "2"
+
+
+def _copy(src: Path, dst: Path, edit=None, r1: float | None = None) -> Path:
+    """A copy of a run, its config.yaml edited by ``edit`` and its test t2v R@1 set to ``r1``."""
+    shutil.copytree(src, dst)
+    if edit is not None:
+        cfg = yaml.safe_load((dst / "config.yaml").read_text())
+        edit(cfg)
+        (dst / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if r1 is not None:
+        m = _metrics(dst)
+        m["test"]["t2v"]["R@1"] = r1
+        (dst / "metrics.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_a_damaged_config_yaml_is_skipped_naming_the_file_and_key(runs, tmp_path, cli):
+    """A run whose config.yaml holds a value of the wrong type, a method or head setting its checkpoint was not
+    trained with, or a trainer setting out of its range is listed under Skipped with the reason, never a
+    traceback nor a row filed under the edited settings."""
+    damaged = {
+        "head-text": (lambda c: c.update(head="x"), "head is 'x', not a mapping"),
+        "train-text": (lambda c: c.update(train="x"), "train is 'x', not a mapping"),
+        "seed-text": (lambda c: c["train"].update(seed="zero"), "train.seed is 'zero', not an integer"),
+        "features-number": (lambda c: c.update(features=5), "features is 5, not text or null"),
+        "resolved-lr-text": (lambda c: c["resolved"].update(lr="fast"), "resolved.lr is 'fast', not a number or null"),
+        "other-method": (lambda c: c.update(method="nope"), "method is 'nope' but the selected checkpoint"),
+        "other-head": (lambda c: c["head"].update(num_heads=3), "head.num_heads is 3 but the selected checkpoint"),
+        "epochs": (lambda c: c["train"].update(epochs=-3), "train.epochs must be >= 0, got -3"),
+    }
+    for name, (edit, _) in damaged.items():
+        _copy(runs / "xpool" / "seed0", tmp_path / "runs" / name, edit)
+    found, skipped = find_runs([runs / "xpool", tmp_path / "runs"])
+    assert sorted(r.dir.name for r in found) == ["seed0", "seed1"]
+    reasons = {s.dir.name: s.reason for s in skipped}
+    for name, (_, message) in damaged.items():
+        assert reasons[name].startswith(f"{tmp_path / 'runs' / name / 'config.yaml'}: {message}"), reasons[name]
+    r = cli("report", runs / "xpool", tmp_path / "runs", "--out", tmp_path / "rep")
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert f"- `{tmp_path / 'runs' / 'head-text'}`: {tmp_path / 'runs' / 'head-text' / 'config.yaml'}: head is 'x'" in md
+    assert [row[0] for row in _tables(md)["synthetic-features (split set generated)"]["Text-to-video, raw scores"]] \
+        == ["xpool"]
+
+
+def test_runs_of_one_seed_that_ran_otherwise_are_one_seed(runs, tmp_path):
+    """Three runs of seed 0 that differ only in how they ran are repeats of one experiment: the row counts one
+    seed, its cell is their mean with no ±, its raw R@1 has the bootstrap interval of its first run by directory
+    name, and that run stands for the row in the paired tests."""
+    src = runs / "xpool" / "seed0"
+    _copy(src, tmp_path / "runs" / "a", r1=10.0)
+    _copy(src, tmp_path / "runs" / "b", lambda c: c["train"].update(prefetch=False), r1=13.0)
+    _copy(src, tmp_path / "runs" / "c", lambda c: c["train"].update(eval_batch=7), r1=16.0)
+    ranks = dict(np.load(src / "test_ranks.npz"))
+    ranks["t2v"] = np.where(ranks["t2v"] == 1, 2, ranks["t2v"])  # the first run's own ranks: no query at rank 1
+    np.savez(tmp_path / "runs" / "a" / "test_ranks.npz", **ranks)
+    other = _copy(runs / "tmass" / "seed0", tmp_path / "runs" / "tmass")
+    [section] = group_runs(find_runs([tmp_path / "runs"])[0])
+    row = next(r for r in section.rows if r.method == "xpool")
+    assert len(row.runs) == 3 and row.seeds == [0] and row.values("raw", "t2v", "R@1") == [13.0]
+    assert row.ranked_run("t2v").dir.name == "a"
+
+    md = write_report([tmp_path / "runs"], tmp_path / "rep").read_text()
+    s = _tables(md)["synthetic-features (split set generated)"]
+    lo, hi = bootstrap_recall(ranks["t2v"], k=1)
+    assert (lo, hi) == (0.0, 0.0)
+    assert [c.replace("**", "") for c in _row(s["Text-to-video, raw scores"], "xpool")[1:3]] == \
+        ["1 (3 runs)", f"13.0 [{lo:.1f}, {hi:.1f}]"]
+    v2t = _metrics(src)["test"]["v2t"]["R@1"]
+    assert _row(s["Video-to-text, raw scores"], "xpool")[2].replace("**", "").startswith(f"{v2t:.1f} [")  # no ±
+    [pair] = [r for r in s["Which differences are noise: Text-to-video, raw R@1"] if r[0] != "a"]
+    d, lo, hi = paired_recall_difference(np.load(other / "test_ranks.npz")["t2v"], ranks["t2v"], k=1)
+    assert pair[:4] == ["tmass", "xpool", f"{d:+.1f}", f"[{lo:+.1f}, {hi:+.1f}]"]
+    csv = pd.read_csv(tmp_path / "rep" / "report.csv")
+    rec = csv[(csv["row"] == "xpool") & (csv["scores"] == "raw") & (csv["direction"] == "t2v")].iloc[0]
+    assert rec["seeds"] == 1 and rec["R@1"] == pytest.approx(13.0) and np.isnan(rec["R@1 std"])
+    assert (rec["R@1 95% low"], rec["R@1 95% high"]) == (0.0, 0.0)
+
+
+def test_the_memory_budget_is_shown_as_a_size():
+    from tvrpipe.report.tables import execution_text
+
+    config = {"train": {"device": "cpu", "memory_budget": 2_147_483_648_000_000}, "data": {"mode": "streamed"}}
+    assert execution_text(config) == "cpu, streamed, memory_budget=2,147.48 TB"
+    config["train"]["memory_budget"] = 2_150_000_000
+    assert execution_text(config) == "cpu, streamed, memory_budget=2.15 GB"

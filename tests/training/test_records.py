@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -517,3 +518,97 @@ def test_the_report_counts_seeds_not_runs_and_says_when_a_paper_prints_no_row(st
     assert set(rows[rows["scores"] == "raw"]["seeds"]) == {1}
     row = published_row([{"name": "m", "sha256": "a", "published": None, "overridden": []}])
     assert row.numbers is None and row.left_out == "its paper prints no row for this recipe"
+
+
+# ------------------------------------------------------------------------------ a damaged record is an error
+
+
+def _one_line_error(result, *parts: str) -> None:
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    for part in parts:
+        assert part in text, (part, text)
+
+
+# each edit of config.yaml, and what the error says after "RUN/config.yaml: "
+DAMAGED_CONFIGS = {
+    "head is text": (lambda c: c.update(head="x"), "head is 'x', not a mapping"),
+    "train is text": (lambda c: c.update(train="x"), "train is 'x', not a mapping"),
+    "seed is text": (lambda c: c["train"].update(seed="zero"), "train.seed is 'zero', not an integer"),
+    "features is a number": (lambda c: c.update(features=5), "features is 5, not text or null"),
+    "provenance is a list": (lambda c: c.update(provenance=[1]), "provenance is [1], not a mapping"),
+    # what the checkpoint holds decides the head: a record that disagrees with it is refused, not ignored
+    "another method": (lambda c: c.update(method="nope"), "method is 'nope' but the selected checkpoint"),
+    "another head setting": (lambda c: c["head"].update(num_heads=3), "head.num_heads is 3 but the selected "
+                                                                      "checkpoint"),
+    "head setting of another type": (lambda c: c["head"].update(embed_dim="abc"), "head.embed_dim is 'abc'"),
+    # named as the file's key, not as the option the user never typed
+    "epochs out of range": (lambda c: c["train"].update(epochs=-3), "train.epochs must be >= 0, got -3"),
+    "unknown device": (lambda c: c["train"].update(device="tpu"), "train.device must be cpu or cuda"),
+}
+
+
+def test_evaluate_and_search_refuse_a_damaged_config_naming_the_file_and_key(store, tmp_path, cli):
+    """Each damaged key of a run's config.yaml is one line naming the file and the key, before anything is
+    written: the run's eval_test.json keeps the scores it had."""
+    out = tmp_path / "run"
+    assert cli("train-head", "--method", "xpool", "--features", store, "--out", out, "--epochs", "1").exit_code == 0
+    assert cli("evaluate", "--run", out).exit_code == 0
+    for name, (edit, message) in DAMAGED_CONFIGS.items():
+        run = tmp_path / name
+        shutil.copytree(out, run)
+        config = _config(run)
+        edit(config)
+        (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        scores = (run / "eval_test.json").read_bytes()
+        _one_line_error(cli("evaluate", "--run", run), f"{run / 'config.yaml'}: {message}")
+        assert (run / "eval_test.json").read_bytes() == scores, name
+    run = tmp_path / "features is a number"
+    _one_line_error(cli("search", "a red square", "--run", run), f"{run / 'config.yaml'}: features is 5")
+
+
+def test_evaluate_refuses_a_store_whose_tables_are_damaged_and_a_split_without_captions(store, tmp_path, cli):
+    """A store whose captions point at other videos' rows would be scored silently wrong (and overwrite the run's
+    scores): it is refused naming the table, the row and what is wrong. A split with videos but no captions is
+    one line too."""
+    out = tmp_path / "run"
+    assert cli("train-head", "--method", "meanpool", "--features", store, "--out", out, "--epochs", "0").exit_code == 0
+    assert cli("evaluate", "--run", out).exit_code == 0
+    scores = (out / "eval_test.json").read_bytes()
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    texts = pd.read_parquet(copy / "texts.parquet")
+    good = texts.copy()
+    test = np.flatnonzero(texts["split"].to_numpy() == "test")
+    texts.loc[test, "video_row"] = texts["video_row"].to_numpy()[test[::-1]]  # the test rows reversed
+    texts.to_parquet(copy / "texts.parquet")
+    _one_line_error(cli("evaluate", "--run", out, "--features", copy), f"{copy / 'texts.parquet'} is damaged: row",
+                    "video_row", "but the caption's video_id is")
+    assert (out / "eval_test.json").read_bytes() == scores
+    # every test caption moved to a training video (a store that keeps its contract): nothing to rank on test
+    first = good.index[good["split"] == "train"][0]
+    good.loc[test, ["video_id", "video_row", "split"]] = good.loc[first, ["video_id", "video_row", "split"]].to_list()
+    good.to_parquet(copy / "texts.parquet")
+    _one_line_error(cli("evaluate", "--run", out, "--features", copy), "the test split has no captions")
+    assert (out / "eval_test.json").read_bytes() == scores
+
+
+def test_a_recorded_trainer_section_is_checked_as_its_options_are_and_named_as_the_files_keys(tmp_path):
+    """finetune's settings span two sections (finetune, execution): settings valid together pass, and a value out of
+    range is named by its section and key, never by the option the user did not type."""
+    from tvrpipe.errors import RunError
+    from tvrpipe.rundir import trainer_config
+
+    config = {"method": "meanpool", "finetune": {"precision": "fp16", "seed": 0}, "execution": {"use_gpu": True}}
+    assert trainer_config(tmp_path, config).precision == "fp16"
+    config["execution"]["num_workers"] = -1
+    with pytest.raises(RunError, match=r"config.yaml: execution.num_workers must be >= 0, got -1; restore it"):
+        trainer_config(tmp_path, config)
+    config["execution"]["num_workers"] = 0
+    config["finetune"]["timeout"] = 5  # not a setting of this tvrpipe: evaluation refuses it, the report reads past it
+    with pytest.raises(RunError, match=r"its finetune section is not a finetune config \(unknown key\(s\) timeout\)"):
+        trainer_config(tmp_path, config)
+    assert trainer_config(tmp_path, config, known_only=True).seed == 0
+    with pytest.raises(RunError, match=r"config.yaml: train.warmup_fraction must be between 0 and 1, got 2"):
+        trainer_config(tmp_path, {"train": {"warmup_fraction": 2}})

@@ -17,8 +17,10 @@ Input: run directories written by ``tvrpipe train-head`` (:func:`tvrpipe.trainin
 Rows: runs that differ only in their seed (``train.seed`` / ``finetune.seed``) or in settings
 that do not change what is learnt (device, block sizes, prefetching) form one row, reported as
 mean ± sample standard deviation over the seeds (``ddof=1``: the spread one more seed would
-show; a row of one run has no ±). Each row is named by its method plus the settings that tell it
-apart from the other rows of that method, e.g. ``xpool (num_heads=2)``. Nothing here depends on
+show; the runs of one seed are repeats of one experiment, averaged into one value first; a row
+of one seed has no ±, and its raw R@1 the bootstrap interval of its first run by directory name).
+Each row is named by its method plus the settings that tell it apart from the other rows of that
+method, e.g. ``xpool (num_heads=2)``. Nothing here depends on
 which head a run holds: readouts are whatever a run logged (``val_<name>[_<kind>]`` columns of
 ``epochs.csv``, ``readouts`` in ``metrics.json``), post-processings whatever ``t2v_<name>`` /
 ``v2t_<name>`` keys its test metrics hold.

@@ -112,7 +112,9 @@ def find_runs(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[RunRecord],
     """Every run directory under ``paths`` (themselves runs, or folders holding runs at any depth).
 
     A directory with ``config.yaml`` naming a ``method`` is a run; one without ``metrics.json``
-    (unfinished) or with damaged files is skipped with the reason. Runs are not searched inside.
+    (unfinished) or with damaged files is skipped with the reason: a ``config.yaml`` whose keys are of the wrong
+    type, name another method or head setting than its checkpoint holds, or a trainer setting out of its range
+    included. Runs are not searched inside.
 
     Raises:
         ConfigError: a path does not exist, or holds no run (finished or not).
@@ -196,6 +198,17 @@ def _read_run(d: Path, config: dict) -> RunRecord | Skipped:
                           "need it; train the run again")
     try:
         epochs = rundir.read_epochs(d)
+    except RunError as e:
+        return Skipped(d, str(e))
+    best = d / rundir.CHECKPOINTS / rundir.BEST
+    try:  # the header only; a checkpoint that does not read leaves the record unchecked (the tables do not need it)
+        head = rundir.checkpoint_head(best) if best.is_file() else None
+    except RunError:
+        head = None
+    try:  # an edited method, head or trainer setting would file the run's scores under another row
+        if head is not None:
+            rundir.check_head_record(d, config, *head)
+        rundir.trainer_config(d, config, known_only=True)  # keys a later tvrpipe dropped: still reported
     except RunError as e:
         return Skipped(d, str(e))
     dataset, split_set = _dataset_of(config)

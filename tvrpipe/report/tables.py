@@ -21,6 +21,7 @@ from tvrpipe.rundir import METRICS, ordered_variants
 from tvrpipe.training.finetune.config import EXECUTION as FINETUNE_EXECUTION
 from tvrpipe.training.recipes import Published
 from tvrpipe.training.settings import EXECUTION_FIELDS as TRAIN_EXECUTION
+from tvrpipe.training.stream import gb
 
 HIGHER_IS_BETTER = {"R@1": True, "R@5": True, "R@10": True, "MdR": False, "MnR": False}
 # how each score variant is titled, and what it is; a variant not listed here is titled by its key
@@ -42,27 +43,51 @@ _HASH = re.compile(r"^[0-9a-f]{32,}$")
 
 @dataclass
 class Row:
-    """One row of the tables: runs identical but for their seed."""
+    """One row of the tables: runs identical but for their seed and how they ran.
+
+    Runs of one seed that differ only in how they ran (device, batches, prefetching) are repeats of one
+    experiment, not more seeds: a row's values are one per seed, the mean of that seed's runs, so its mean and
+    sample std are over seeds.
+    """
 
     label: str
     method: str
     runs: list[RunRecord]
     identity: dict[str, Any]
 
+    def seed_runs(self, variant: str = "raw", direction: str = "t2v") -> list[list[RunRecord]]:
+        """The row's runs that report this score variant, one list per seed (in seed order; each seed's runs in
+        directory order)."""
+        groups: dict[Any, list[RunRecord]] = {}
+        for r in self.runs:
+            if r.scores(variant, direction) is not None:
+                groups.setdefault(r.seed, []).append(r)
+        return [sorted(g, key=lambda r: str(r.dir)) for g in groups.values()]
+
     def values(self, variant: str, direction: str, metric: str) -> list[float]:
-        """The metric over the row's runs that report this score variant (in seed order)."""
-        return [float(s[metric]) for r in self.runs if (s := r.scores(variant, direction)) is not None]
+        """The metric of each seed that reports this score variant (the mean of its runs), in seed order."""
+        return [float(np.mean([float(r.scores(variant, direction)[metric]) for r in runs]))
+                for runs in self.seed_runs(variant, direction)]
 
     @property
     def seeds(self) -> list[int | None]:
-        return [r.seed for r in self.runs]
+        """The row's distinct seeds, in order."""
+        return list(dict.fromkeys(r.seed for r in self.runs))
+
+    def ranked_run(self, direction: str) -> RunRecord | None:
+        """The run whose test ranks stand for a row of one seed (its bootstrap interval and paired tests): the
+        first by directory name of that seed's runs that kept their ranks; None for a row of several seeds (they
+        show their spread instead) or without ranks."""
+        seeds = self.seed_runs("raw", direction)
+        if len(seeds) != 1:
+            return None
+        return next((r for r in seeds[0] if r.test_ranks is not None), None)
 
     def interval(self, variant: str, direction: str) -> tuple[float, float] | None:
-        """The 95 % bootstrap interval of R@1 over the test queries (:func:`bootstrap_recall`), for a row of one
-        run that kept its ranks, raw scores only; None otherwise (a row of seeds shows their spread instead)."""
-        if variant != "raw" or len(self.runs) != 1 or self.runs[0].test_ranks is None:
-            return None
-        return bootstrap_recall(self.runs[0].test_ranks[direction], k=1)
+        """The 95 % bootstrap interval of R@1 over the test queries (:func:`bootstrap_recall`) of a row of one seed,
+        raw scores only, from :meth:`ranked_run`'s ranks; None otherwise."""
+        run = self.ranked_run(direction) if variant == "raw" else None
+        return None if run is None else bootstrap_recall(run.test_ranks[direction], k=1)
 
     @cached_property  # read once: every table and CSV line of the row asks
     def published(self) -> PublishedRow | None:
@@ -316,11 +341,11 @@ def _table(section: Section, variant: str, direction: str) -> list[str]:
 
 
 def _seeds_cell(row: Row, variant: str, direction: str) -> str:
-    """The seeds behind a row's cells: their count, and the runs where a seed ran more than once (the ± is
-    then not a spread over seeds alone)."""
-    seeds = [r.seed for r in row.runs if r.scores(variant, direction) is not None]
-    distinct = len(set(seeds))
-    return str(distinct) if distinct == len(seeds) else f"{distinct} ({len(seeds)} runs)"
+    """The seeds behind a row's cells: their count, and the runs where a seed ran more than once (averaged into
+    its one value)."""
+    seeds = row.seed_runs(variant, direction)
+    runs = sum(map(len, seeds))
+    return str(len(seeds)) if runs == len(seeds) else f"{len(seeds)} ({runs} runs)"
 
 
 def _published_label(published: PublishedRow) -> str:
@@ -340,12 +365,17 @@ def _split_line(section: Section) -> str:
 def _readout_table(section: Section) -> list[str]:
     lines = []
     for row in section.rows:
-        names: dict[str, list[float]] = {}
-        for run in row.runs:
-            for name, r in (run.metrics["test"].get("readouts") or {}).items():
-                for kind, v in (r.items() if isinstance(r, dict) else [("", r)]):
-                    names.setdefault(f"{name} ({kind})" if kind else name, []).append(float(v))
-        lines += [f"| {row.label} | {name} | {_cell(v, 4)} |" for name, v in names.items()]
+        names: dict[str, list[list[float]]] = {}  # readout -> each seed's values (one per run of it)
+        for runs in row.seed_runs():
+            seen: dict[str, list[float]] = {}
+            for run in runs:
+                for name, r in (run.metrics["test"].get("readouts") or {}).items():
+                    for kind, v in (r.items() if isinstance(r, dict) else [("", r)]):
+                        seen.setdefault(f"{name} ({kind})" if kind else name, []).append(float(v))
+            for name, values in seen.items():
+                names.setdefault(name, []).append(values)
+        lines += [f"| {row.label} | {name} | {_cell([float(np.mean(v)) for v in per_seed], 4)} |"
+                  for name, per_seed in names.items()]
     return ["| Method | readout | mean on test |", "|---|---|---:|", *lines] if lines else []
 
 
@@ -366,7 +396,7 @@ def _runs_table(section: Section, out: Path) -> list[str]:
 
 def execution_text(config: dict) -> str:
     """How a run executed, from its config.yaml: the execution settings that tell runs of one row apart (device,
-    memory budget, prefetch, workers...) and its data mode, e.g. ``cpu, in memory, memory_budget=2000000``."""
+    memory budget, prefetch, workers...) and its data mode, e.g. ``cpu, streamed, memory_budget=2.0 MB``."""
     if "finetune" in config:
         ex = dict(config.get("execution") or {})
         parts = ["gpu" if ex.pop("use_gpu", False) else "cpu"]
@@ -375,7 +405,7 @@ def execution_text(config: dict) -> str:
         train = config.get("train") or {}
         parts = [str(train.get("device", "cpu")), str((config.get("data") or {}).get("mode", "in memory"))]
         if train.get("memory_budget") is not None:
-            parts.append(f"memory_budget={train['memory_budget']}")
+            parts.append(f"memory_budget={gb(train['memory_budget'])}")
         if train.get("prefetch") is False:
             parts.append("no prefetch")
     return ", ".join(parts).replace("|", "\\|")
@@ -431,15 +461,15 @@ def csv_rows(sections: list[Section]) -> list[dict]:
 
 
 def paired_table(section: Section, direction: str = "t2v") -> list[str]:
-    """Markdown lines: each pair of the section's one-run rows that ranked the same test queries, the difference
+    """Markdown lines: each pair of the section's rows of one seed that ranked the same test queries, the difference
     of their R@1 with its paired 95 % bootstrap interval (:func:`paired_recall_difference`), marked "within
-    noise" where the interval covers 0."""
-    rows = [row for row in section.rows if row.interval("raw", direction) is not None]
+    noise" where the interval covers 0. A row stands by the run its interval comes from (:meth:`Row.ranked_run`)."""
+    rows = [(row, run) for row in section.rows if (run := row.ranked_run(direction)) is not None]
     lines = []
-    for i, a in enumerate(rows):
-        ra = a.runs[0].test_ranks
-        for b in rows[i + 1:]:
-            rb = b.runs[0].test_ranks
+    for i, (a, run_a) in enumerate(rows):
+        ra = run_a.test_ranks
+        for b, run_b in rows[i + 1:]:
+            rb = run_b.test_ranks
             if not np.array_equal(ra["caption_ids"], rb["caption_ids"]) or not np.array_equal(
                     ra["video_ids"], rb["video_ids"]):
                 continue  # not the same queries: no pairing
@@ -472,8 +502,10 @@ def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, 
               ("Protocol: each run's epoch is selected on validation (t2v R@1, R@5, R@10), never on test; test is "
                "evaluated once. Raw scores and every post-processing or re-ranking are in tables of their own. "
                "Cells are the mean ± the sample standard deviation (ddof=1) over the seeds of a row (`seeds` "
-               "column); a row of one seed has no ±, and its raw R@1 has [the 95 % bootstrap interval over the "
-               "test queries] instead, where the run kept its ranks (test_ranks.npz). Recall in %, median and mean rank 1-based; the best mean of "
+               "column; the runs of a seed that differ only in how they ran are averaged into one value); a row of "
+               "one seed has no ±, and its raw R@1 has [the 95 % bootstrap interval over the test queries] instead, "
+               "where a run kept its ranks (test_ranks.npz; of a seed run more than once, its first run by directory "
+               "name). Recall in %, median and mean rank 1-based; the best mean of "
                "each column is in bold. Under a row trained from a recipe, ↳ published is what its paper prints "
                "for that row, as the recipe held it when the runs trained, naming the settings in which the runs "
                "differ from the recipe; it is left out, saying why, where the runs' dataset, split set, backbone or "
@@ -490,7 +522,8 @@ def render_markdown(sections: list[Section], skipped: list[Skipped], out: Path, 
             paired = paired_table(s, direction)
             if paired:
                 lines += [f"### Which differences are noise: {name}, raw R@1", "",
-                          ("Each pair of runs that ranked the same test queries: the difference of their R@1 and "
+                          ("Each pair of rows of one seed that ranked the same test queries (a seed run more "
+                           "than once: its first run by directory name): the difference of their R@1 and "
                            "its 95 % interval from a paired bootstrap over the queries (2,000 resamples, each "
                            "drawing the queries once for both runs). Where the interval covers 0 the difference is "
                            "within the noise of this test set."), "", *paired, ""]

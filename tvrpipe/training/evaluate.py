@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tvrpipe.errors import ConfigError, RunError
+from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import open_store
 from tvrpipe.heads.base import Head
 from tvrpipe.lock import locked
@@ -20,9 +20,11 @@ from tvrpipe.rundir import (
     BEST,
     CHECKPOINTS,
     check_checkpoint_sha,
+    check_head_record,
     load_head,
     read_config,
     read_metrics,
+    trainer_config,
     write_metrics,
 )
 from tvrpipe.training.data import SplitData, store_split_rows
@@ -73,24 +75,29 @@ def evaluate_run(
 
     The store must have the provenance the run was trained on (else StoreError); the checkpoint
     must match the sha256 that training recorded in ``metrics.json`` (else RunError).
+
+    Raises:
+        RunError: ``config.yaml`` is damaged (a key of the wrong type, a trainer setting out of its range, a method
+            or head setting other than the selected checkpoint's), naming the file and the key; the checkpoint
+            is missing, damaged or not the one training recorded.
+        StoreError: the store is missing, damaged (its tables included) or of another provenance.
+        ConfigError: ``split`` is not a split, or has no videos or no captions in the store.
     """
     run = Path(run_dir)
     if split not in ("train", "val", "test"):
         raise ConfigError(f"--split must be train, val or test, got {split!r}")
     config = read_config(run)
-    try:  # a finetune run has no trainer section: the defaults give evaluation's block sizes
-        tc = train or TrainConfig(**config.get("train", {}))
-        if tc.device != "cpu" and train is None and not torch.cuda.is_available():
-            # trained on a GPU, evaluated here: the scores do not depend on the device (to rounding)
-            log.info("%s was trained on %s; evaluating on the CPU (no CUDA here)", run, tc.device)
-            tc = dataclasses.replace(tc, device="cpu")
-    except TypeError as e:
-        raise RunError(f"{run / 'config.yaml'}: its train section is not a trainer config ({e}); "
-                       "restore it or train the run again into a new --out") from None
+    # a finetune run has no trainer section: the defaults give evaluation's block sizes
+    tc = train or (trainer_config(run, config) if "train" in config else TrainConfig())
+    if tc.device != "cpu" and train is None and not torch.cuda.is_available():
+        # trained on a GPU, evaluated here: the scores do not depend on the device (to rounding)
+        log.info("%s was trained on %s; evaluating on the CPU (no CUDA here)", run, tc.device)
+        tc = dataclasses.replace(tc, device="cpu")
     with locked(run, "--run"):
         trained = read_metrics(run) or {}  # the checkpoint's sha256; a finetune run's export and CLIP provenance
         check_checkpoint_sha(run, trained)
         head = load_head(run / CHECKPOINTS / BEST, tc.device)
+        check_head_record(run, config, head.name, dataclasses.asdict(head.config))
         if features is None and config["features"] is None:
             export = trained.get("export")
             how = f" (`{export['extract']}`)" if isinstance(export, dict) and export.get("extract") else ""
@@ -103,8 +110,9 @@ def evaluate_run(
         # only the split evaluated (and train's captions for QB-Norm's bank), read batch by batch from the store as
         # evaluation uses them (the same batches a loaded split gives): a split larger than memory is evaluated too
         data = StoreSplit(store, split, getattr(rows, f"{split}_videos"), getattr(rows, f"{split}_texts"))
-        if data.n_videos == 0:
-            raise ConfigError(f"{store.dir}: the {split} split is empty")
+        if data.n_videos == 0 or data.n_texts == 0:  # nothing to rank: no score would mean anything
+            what = "no videos" if data.n_videos == 0 else "no captions"
+            raise ConfigError(f"{store.dir}: the {split} split has {what}; evaluate a split that has both (--split)")
         querybank = StoreSplit(store, "train", rows.train_videos, rows.train_texts) if "qbnorm" in post else None
         metrics = {"split": split, "validation": rows.val_source, "features": str(Path(store.dir).resolve()),
                    "device": tc.device, **evaluate_split(head, data, tc.device, tc.eval_batch, tc.block_texts, post=post,

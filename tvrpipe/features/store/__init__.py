@@ -64,6 +64,7 @@ from tvrpipe.features.store.layout import (
     Shard,
     StoreError,
     open_group,
+    table_problem,
     update_interrupted,
 )
 from tvrpipe.features.store.locate import (
@@ -98,5 +99,5 @@ __all__ = [
     "check_not_a_store", "default_features_dir", "default_store", "differs", "find_stores", "make_provenance",
     "maker_command", "manifest_sha256", "nonfinite_rows", "open_checked", "open_group", "open_store",
     "provenance_mismatch", "read_sidecars", "run_again", "store_attributes", "store_group", "store_identity",
-    "update_interrupted", "verify_store", "written_state",
+    "table_problem", "update_interrupted", "verify_store", "written_state",
 ]

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import zarr
 
+from tvrpipe.data.manifest import SPLITS, isin_mask
 from tvrpipe.errors import TvrpipeError
 from tvrpipe.features.arrays import nonfinite_rows
 
@@ -146,6 +148,88 @@ class Layout:
             if problem is not None:
                 out[shard] = problem
         return out
+
+
+def _rows_text(bad: np.ndarray) -> str:
+    """``row 3`` (``row 3 and 11 more``): the first of the rows ``bad`` (a boolean mask) and how many follow."""
+    rows = np.flatnonzero(bad)
+    return f"row {rows[0]}" + (f" and {len(rows) - 1} more" if len(rows) > 1 else "")
+
+
+def _id_problem(ids: pd.Series, key: str) -> str | None:
+    """What is wrong with a table's id column ``key``: a row without an id, or an id of two rows."""
+    missing = (ids.isna() | ids.eq("")).to_numpy(dtype=bool)
+    if missing.any():
+        return f"{_rows_text(missing)}: no {key}"
+    twice = ids.duplicated().to_numpy(dtype=bool)
+    if twice.any():
+        value = ids.iloc[int(np.flatnonzero(twice)[0])]
+        first = int(np.flatnonzero(ids.eq(value).to_numpy(dtype=bool))[0])
+        return f"{_rows_text(twice)}: {key} {_q(value)} is row {first}'s too ({key} is unique)"
+    return None
+
+
+def _q(value: object) -> str:
+    """A table's value as a message quotes it (a NumPy scalar as the number it holds)."""
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
+def _plain(column: pd.Series) -> pd.Series:
+    """A column as its values: a categorical one (Parquet's dictionary encoding may read back so) as plain values,
+    which compare with another table's whatever its categories."""
+    return column.astype(column.cat.categories.dtype) if isinstance(column.dtype, pd.CategoricalDtype) else column
+
+
+def table_problem(videos: pd.DataFrame, texts: pd.DataFrame) -> tuple[str, str] | None:
+    """What breaks the contract of a store's row tables (docs/design.md, "Feature store"), as ``(file, what)``, or
+    None: ``videos.parquet``'s ``video_id`` unique and present, its ``split`` one of
+    :data:`~tvrpipe.data.manifest.SPLITS` (a collection's videos are all ``test``); ``texts.parquet``'s
+    ``caption_id`` unique and present, its ``video_row`` a row of ``videos.parquet`` holding the caption's
+    ``video_id``, its ``split`` its video's. Whole columns are compared at once: a store holds millions of rows.
+    A table that breaks it would be read silently wrong: captions scored against other videos, videos left out of
+    every split, a split without captions.
+    """
+    video_id, split = _plain(videos["video_id"]), _plain(videos["split"])
+    problem = _id_problem(video_id, "video_id")
+    if problem:
+        return "videos.parquet", problem
+    bad = ~isin_mask(split, pd.Series(SPLITS))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        return "videos.parquet", (f"{_rows_text(bad)} (video {_q(video_id.iloc[i])}): split "
+                                  f"{_q(split.iloc[i])} is not one of {', '.join(SPLITS)}")
+    caption_id = _plain(texts["caption_id"])
+    problem = _id_problem(caption_id, "caption_id")
+    if problem:
+        return "texts.parquet", problem
+    rows = texts["video_row"]
+    if len(rows) and (not pd.api.types.is_integer_dtype(rows) or rows.isna().any()):
+        return "texts.parquet", f"video_row holds {rows.dtype} values, not row numbers (integers)"
+    row = rows.to_numpy(dtype=np.int64)
+
+    def caption(i: int) -> str:
+        return f"caption {_q(caption_id.iloc[i])}"
+
+    outside = (row < 0) | (row >= len(videos))
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        return "texts.parquet", (f"{_rows_text(outside)} ({caption(i)}): video_row {row[i]} is not a row of "
+                                 f"videos.parquet (0 to {len(videos) - 1})")
+    named = _plain(texts["video_id"]).reset_index(drop=True)
+    its_id = video_id.take(row).reset_index(drop=True)
+    other = (named.isna() | named.ne(its_id)).to_numpy(dtype=bool)
+    if other.any():
+        i = int(np.flatnonzero(other)[0])
+        return "texts.parquet", (f"{_rows_text(other)} ({caption(i)}): video_row {row[i]} is video {_q(its_id[i])} in "
+                                 f"videos.parquet, but the caption's video_id is {_q(named[i])}")
+    its_split = split.take(row).reset_index(drop=True)
+    text_split = _plain(texts["split"]).reset_index(drop=True)
+    moved = (text_split.isna() | text_split.ne(its_split)).to_numpy(dtype=bool)
+    if moved.any():
+        i = int(np.flatnonzero(moved)[0])
+        return "texts.parquet", (f"{_rows_text(moved)} ({caption(i)}): split {_q(text_split[i])}, but its video "
+                                 f"{_q(named[i])} is in {_q(its_split[i])} (a caption's split is its video's)")
+    return None
 
 
 PREVIOUS_STAGING = f"{PREVIOUS}.tmp"  # a move into .previous in progress

@@ -26,6 +26,7 @@ from tvrpipe.features.store.layout import (
     Shard,
     StoreError,
     open_group,
+    table_problem,
     update_interrupted,
 )
 from tvrpipe.features.store.provenance import SCHEMA_VERSION, maker_command, provenance_mismatch, run_again
@@ -230,10 +231,20 @@ def open_store(features_dir: str | os.PathLike[str], expect: Mapping[str, Any] |
 
 
 def read_sidecars(d: Path, prov: dict, made_by: str) -> dict[str, pd.DataFrame]:
-    """A complete store's three tables, each checked against its rows (:func:`_read_sidecar`)."""
-    return dict(
+    """A complete store's three tables, each checked against its rows (:func:`_read_sidecar`) and the row tables
+    against their contract (:func:`table_problem`).
+
+    Raises:
+        StoreError: a table is missing or damaged, naming its file, the row and what is wrong.
+    """
+    tables = dict(
         videos=_read_sidecar(d / "videos.parquet", int(prov["n_videos"]), made_by, ("video_id", "split")),
         texts=_read_sidecar(d / "texts.parquet", int(prov["n_texts"]), made_by,
                             ("caption_id", "video_id", "video_row", "split")),
         failures=_read_sidecar(d / "failures.parquet", -1, made_by, ("video_id", "stage", "error")),
     )
+    problem = table_problem(tables["videos"], tables["texts"])
+    if problem is not None:
+        name, what = problem
+        raise StoreError(f"{d / name} is damaged: {what}; run {run_again(made_by)} to rewrite it")
+    return tables

@@ -34,6 +34,7 @@ from tvrpipe.features.store.layout import (
     Shard,
     StoreError,
     open_group,
+    table_problem,
 )
 from tvrpipe.features.store.provenance import IDENTITY_KEYS, differs, provenance_mismatch
 from tvrpipe.features.store.update import PreviousStore
@@ -77,7 +78,8 @@ class StoreWriter:
 
     Raises:
         LockError: another process is writing the store (and not ``wait``).
-        StoreError: the directory holds a store with other provenance (and not ``overwrite``), or
+        StoreError: ``videos`` and ``texts`` break the tables' contract (:func:`table_problem`); the directory
+            holds a store with other provenance (and not ``overwrite``), or
             (``update``) a collection store computed in another precision.
     """
 
@@ -95,6 +97,9 @@ class StoreWriter:
         update: bool = False,
     ) -> None:
         self.dir = Path(features_dir)
+        problem = table_problem(videos, texts)
+        if problem is not None:  # a store of such tables would be refused by every reader, after the extraction
+            raise StoreError(f"{self.dir}: the {problem[0]} to write breaks the store's contract: {problem[1]}")
         self.previous: PreviousStore | None = None
         self.provenance = {**provenance, "made_by": made_by}
         self.made_by = made_by
