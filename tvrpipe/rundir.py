@@ -25,7 +25,6 @@ import dataclasses
 import io
 import json
 import os
-import re
 import shutil
 import types
 import typing
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tvrpipe.errors import ConfigError, NonFiniteError, RunError, TvrpipeError
+from tvrpipe.errors import NonFiniteError, RunError, TvrpipeError
 from tvrpipe.files import atomic_write, atomic_write_text, file_sha256, move_into_place, remove_staged
 
 if TYPE_CHECKING:
@@ -413,25 +412,19 @@ _RECIPE_TYPES: dict[str, Any] = {"name": str | None, "path": str | None, "sha256
 
 def check_config(path: Path, config: Mapping[str, Any]) -> None:
     """Refuse a ``config.yaml`` (at ``path``) one of whose keys has a value of the wrong type: the top-level keys
-    (:data:`CONFIG_TYPES`), the trainer sections' known fields (``train``: :class:`TrainConfig`'s, ``finetune`` and
-    ``execution``: :class:`FinetuneConfig`'s), and what the report reads of ``resolved``, ``data`` and ``recipe``.
+    (:data:`CONFIG_TYPES`) and what the report reads of ``resolved``, ``data`` and ``recipe`` (the trainer sections'
+    fields are typed by the trainers' configs, which live above this module:
+    :func:`tvrpipe.training.settings.trainer_config`).
     A damaged record would otherwise be read as a default, or fail as a traceback far from the file. Unknown keys
     pass (a run written by another tvrpipe); the values' ranges are checked where a trainer section is rebuilt
-    (:func:`trainer_config`).
+    (:func:`tvrpipe.training.settings.trainer_config`).
 
     Raises:
         RunError: naming ``path``, the key and the value found.
     """
-    from tvrpipe.config import field_types
-    from tvrpipe.training.finetune.config import FinetuneConfig
-    from tvrpipe.training.settings import TrainConfig
-
     check_types(path, "", config, CONFIG_TYPES)
     if not str(config["method"]).strip():
         raise RunError(f"{path}: method is empty; restore it or train the run again into a new --out")
-    for section, cls in (("train", TrainConfig), ("finetune", FinetuneConfig), ("execution", FinetuneConfig)):
-        if section in config:
-            check_types(path, f"{section}.", config[section], field_types(cls))
     resolved = config.get("resolved") or {}
     check_types(path, "resolved.", resolved, _RESOLVED_TYPES)
     for group, rate in (resolved.get("lr_groups") or {}).items():
@@ -521,70 +514,6 @@ def _shown(value: Any) -> str:
     """A value as a message quotes it: its repr, cut at 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def trainer_config(run: Path, config: Mapping[str, Any], known_only: bool = False) -> Any:
-    """The trainer settings a run's ``config.yaml`` (``config``) records, rebuilt and checked as the trainer checks
-    its options: train-head's ``train`` as a :class:`TrainConfig`, finetune's ``finetune`` and ``execution`` as a
-    :class:`FinetuneConfig`. Every problem is named as the file's key, never as the CLI option it stands for: the
-    user typed no option, the file holds the value.
-
-    Args:
-        known_only: leave out keys that are not fields of the config (a run written by another tvrpipe) instead
-            of refusing them.
-
-    Raises:
-        RunError: a key that is not a field (unless ``known_only``), a value of the wrong type or out of the field's
-            range, or settings that do not go together, naming ``config.yaml`` and the key.
-    """
-    from tvrpipe.training.finetune.config import FinetuneConfig
-    from tvrpipe.training.settings import TrainConfig
-
-    path = Path(run) / CONFIG
-    if "train" in config:
-        return _section_config(path, {"train": config["train"]}, TrainConfig, "trainer config", known_only)
-    return _section_config(path, {k: config.get(k) or {} for k in ("finetune", "execution")}, FinetuneConfig,
-                           "finetune config", known_only)
-
-
-def _section_config(path: Path, sections: Mapping[str, Any], cls: type, what: str, known_only: bool) -> Any:
-    """``cls`` built from the sections of ``config.yaml`` (``{section: values}``); where it refuses them, its
-    message is told as the file's key it names."""
-    from tvrpipe.config import field_types
-
-    hints = field_types(cls)
-    values: dict[str, Any] = {}
-    where: dict[str, str] = {}  # key -> its section
-    for name, section in sections.items():
-        check_types(path, f"{name}.", section, hints)
-        unknown = sorted(map(str, set(section) - set(hints)))
-        if unknown and not known_only:
-            raise RunError(f"{path}: its {name} section is not a {what} (unknown key(s) {', '.join(unknown)}); "
-                           "restore it or train the run again into a new --out")
-        values.update({k: v for k, v in section.items() if k in hints})
-        where.update({k: name for k in section if k in hints})
-    try:
-        return cls(**values)
-    except ConfigError as e:
-        key, problem = _named_key(str(e), cls)
-        said = f"{where[key]}.{key} {problem}" if key in where else f"{' and '.join(sections)}: {e}"
-        raise RunError(f"{path}: {said}; restore it or train the run again into a new --out") from None
-
-
-def _named_key(message: str, cls: type) -> tuple[str | None, str]:
-    """The field of the config class ``cls`` that its refusal ``message`` opens with (by its CLI option,
-    ``--name``, or ``owner: name``), and the message without that name: ``--epochs must be >= 0, got -3`` ->
-    ``("epochs", "must be >= 0, got -3")``; ``(None, message)`` where it names no field."""
-    for f in dataclasses.fields(cls):
-        names = [re.escape(n) for n in (f.metadata.get("option"), f"--{f.name.replace('_', '-')}") if n]
-        m = re.match(rf"(?:{'|'.join(names)}|\w+(?:: |\.){re.escape(f.name)})(?=[ =:]|$)", message)
-        if m is None:
-            continue
-        rest = message[m.end():]
-        if rest.startswith("="):  # "--lr=nan: it must be ...": the key names it
-            rest = rest.partition(": ")[2]
-        return f.name, rest.strip().removeprefix("it ") or message
-    return None, message
 
 
 def write_epochs(run: Path, rows: list[dict]) -> None:

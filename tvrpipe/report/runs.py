@@ -18,6 +18,7 @@ from tvrpipe.data.manifest import read_manifest
 from tvrpipe.environment import ENVIRONMENT_KEYS
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
 from tvrpipe.rundir import METRICS, Scores
+from tvrpipe.training.settings import trainer_config
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def _read_run(d: Path, config: dict) -> RunRecord | Skipped:
     try:  # an edited method, head or trainer setting would file the run's scores under another row
         if head is not None:
             rundir.check_head_record(d, config, *head)
-        rundir.trainer_config(d, config, known_only=True)  # keys a later tvrpipe dropped: still reported
+        trainer_config(d, config, known_only=True)  # keys a later tvrpipe dropped: still reported
     except RunError as e:
         return Skipped(d, str(e))
     dataset, split_set = _dataset_of(config)

@@ -24,11 +24,10 @@ from tvrpipe.rundir import (
     load_head,
     read_config,
     read_metrics,
-    trainer_config,
     write_metrics,
 )
 from tvrpipe.training.data import SplitData, store_split_rows
-from tvrpipe.training.settings import TrainConfig
+from tvrpipe.training.settings import TrainConfig, trainer_config
 from tvrpipe.training.stream import StoreSplit
 
 log = logging.getLogger(__name__)
