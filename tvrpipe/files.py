@@ -126,8 +126,9 @@ def atomic_write(path: Path, write: Callable[[Path], object], parents: bool = Fa
     """
     if os.path.islink(path):
         path = Path(os.path.realpath(path))
-    if special_file(path):
-        raise WriteError(f"{path} is not a regular file ({special_file(path)}); write to a file name instead")
+    kind = special_file(path)
+    if kind:
+        raise WriteError(f"{path} is not a regular file ({kind}); write to a file name instead")
     if parents:
         with writing(path):
             path.parent.mkdir(parents=True, exist_ok=True)

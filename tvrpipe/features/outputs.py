@@ -71,8 +71,9 @@ def check_output_files(outputs: Mapping[str, str | os.PathLike[str] | None],
         real = os.path.realpath(p)
         if p.is_dir():
             raise ConfigError(f"{option} {p} is a folder; give a file name")
-        if special_file(p):  # written by a rename, it would be replaced by a regular file
-            raise ConfigError(f"{option} {p} is {special_file(p)}, not a file; give a file name")
+        kind = special_file(p)
+        if kind:  # written by a rename, it would be replaced by a regular file
+            raise ConfigError(f"{option} {p} is {kind}, not a file; give a file name")
         for in_option, folder in (inputs or {}).items():
             if folder is not None and Path(real).is_relative_to(os.path.realpath(folder)):
                 raise ConfigError(f"{option} {p} is inside {in_option} {folder}, an input of this command; "
