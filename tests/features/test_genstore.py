@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.genstore import LATENT_TEXTS, LATENT_VIDEOS, GenSpec, generate_store, provenance_for
+from tvrpipe.features.genstore import (
+    LATENT_TEXTS,
+    LATENT_VIDEOS,
+    GenSpec,
+    _latents,
+    _tables,
+    caption_rotation,
+    generate_store,
+    provenance_for,
+)
 from tvrpipe.features.store import IDENTITY_KEYS, STORE_NAME, StoreError, open_store
 
 pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
@@ -27,15 +37,16 @@ def _arrays(d):
                                        "texts/tokens", "texts/token_mask", "texts/sentence")}
 
 
-def _meanpool_r1(d, split="test") -> tuple[float, float]:
-    """R@1 of cosine(sentence, masked mean of frames) for t2v on ``split``, and chance."""
+def _meanpool_r1(d, split="test", sentences=None) -> tuple[float, float]:
+    """R@1 of cosine(sentence, masked mean of frames) for t2v on ``split``, and chance; ``sentences``: the store's
+    sentences replaced by these (all rows)."""
     s = open_store(d)
     vm = (s.videos["split"] == split).to_numpy()
     tm = (s.texts["split"] == split).to_numpy()
     f = s.array("videos/frames")[:][vm].astype(np.float64)
     m = s.array("videos/frame_mask")[:][vm]
     v = (f * m[..., None]).sum(1) / m.sum(1, keepdims=True)
-    t = s.array("texts/sentence")[:][tm].astype(np.float64)
+    t = (s.array("texts/sentence")[:] if sentences is None else sentences)[tm].astype(np.float64)
     sim = (t / np.linalg.norm(t, axis=1, keepdims=True)) @ (v / np.linalg.norm(v, axis=1, keepdims=True)).T
     gt = s.texts["video_row"].to_numpy()[tm] - np.flatnonzero(vm)[0]
     rank = 1 + (sim > sim[np.arange(len(gt)), gt][:, None]).sum(1)  # ties count against
@@ -195,6 +206,74 @@ def test_resume_and_spec_validation(tmp_path, small):
         generate_store(tmp_path, GenSpec(partial_captions=1.5))
     with pytest.raises(ConfigError, match="near_duplicates"):
         generate_store(tmp_path, GenSpec(near_duplicates=1.0))
+    with pytest.raises(ConfigError, match=r"caption_shift must be an angle in \[0, 90\] degrees, got 91"):
+        generate_store(tmp_path, GenSpec(caption_shift=91))
+    with pytest.raises(ConfigError, match=r"shared_sources must be in \[0, 1\], got -0.1"):
+        generate_store(tmp_path, GenSpec(shared_sources=-0.1))
+
+
+@pytest.mark.parametrize("d", [8, 9])
+def test_caption_rotation_turns_every_vector_by_the_angle(d):
+    T = caption_rotation(GenSpec(caption_shift=35.0, seed=3), d).astype(np.float64)
+    np.testing.assert_allclose(T @ T.T, np.eye(d), atol=1e-6)  # orthogonal: captions keep their geometry
+    z = np.random.default_rng(0).standard_normal((500, d))
+    cos = ((z @ T.T) * z).sum(1) / (z * z).sum(1)
+    if d % 2 == 0:  # every direction turns by exactly the angle
+        np.testing.assert_allclose(cos, np.cos(np.deg2rad(35.0)), atol=1e-6)
+    else:  # one direction stays: at least cos(angle), at most 1
+        assert (cos >= np.cos(np.deg2rad(35.0)) - 1e-6).all() and (cos <= 1 + 1e-6).all()
+        assert np.abs(np.linalg.eigvals(T) - 1).min() < 1e-6
+    assert caption_rotation(GenSpec(), d) is None
+    assert not np.allclose(caption_rotation(GenSpec(caption_shift=35.0, seed=4), d), T)
+
+
+def test_caption_shift_is_lost_by_zero_shot_and_undone_by_a_linear_map(tmp_path):
+    spec = GenSpec(**{**RETRIEVAL.to_dict(), "caption_shift": 60.0, "noise": 0.7, "seed": 5})
+    plain, turned = (generate_store(tmp_path / n, s) for n, s in (("plain", replace(spec, caption_shift=0.0)),
+                                                                  ("turned", spec)))
+    a, b = _arrays(plain), _arrays(turned)
+    for k in ("videos/frames", "videos/frame_mask", "videos/timestamps", "texts/token_mask"):
+        assert np.array_equal(a[k], b[k], equal_nan=True), k  # only the captions move
+    assert not np.allclose(a["texts/sentence"], b["texts/sentence"])
+    r1_plain, chance = _meanpool_r1(plain)
+    r1_turned = _meanpool_r1(turned)[0]
+    assert r1_turned < 0.6 * r1_plain  # zero-shot loses what the turn takes: cos 60 degrees = 0.5 of the signal
+    # The rotation's inverse, lifted to R^D around the text mean, brings the sentences back: a linear head can
+    # learn it (the residual outside the content turns too, so not to the bit).
+    videos, captions = _tables(spec)
+    lat = _latents(spec, videos, captions)
+    B = lat.basis.astype(np.float64)
+    back = np.eye(spec.embed_dim) + B @ (lat.shift.T.astype(np.float64) - np.eye(B.shape[1])) @ B.T
+    sent = (b["texts/sentence"] - lat.mu_t) @ back.T + lat.mu_t
+    assert r1_plain > 20 * chance
+    assert abs(_meanpool_r1(turned, sentences=sent)[0] - r1_plain) <= 0.05  # 200 queries: 10 of them
+
+
+def test_shared_sources_copy_train_videos_into_val_and_test(tmp_path):
+    spec = GenSpec(train_videos=40, val_videos=20, test_videos=50, frames=4, max_words=8, embed_dim=16, concepts=64,
+                   near_duplicates=0.1, shared_sources=0.4, seed=6)
+    lv = pd.read_parquet(generate_store(tmp_path / "s", spec) / LATENT_VIDEOS)
+    split = np.repeat(["train", "val", "test"], [40, 20, 50])
+    src = lv["dup_group"].to_numpy()
+    for s, n in (("val", 20), ("test", 50)):
+        rows = np.flatnonzero(split == s)
+        from_train = rows[(src[rows] != rows) & (split[src[rows]] == "train")]
+        assert len(from_train) == round(0.4 * n)  # 37 % in MSR-VTT 1k-A (MDMMT)
+        within = rows[(src[rows] != rows) & (split[src[rows]] == s)]
+        assert len(within) == round(0.1 * n)  # the split's own near-duplicates are kept
+        assert not set(from_train) & set(src[within])  # a copied original is not also made a clip of train
+        for r in from_train:  # a clip of the source: its concepts but one
+            mine, theirs = lv["concepts"][r], lv["concepts"][src[r]]
+            assert len(mine) == len(theirs) and (np.asarray(mine) != np.asarray(theirs)).sum() == 1
+    train = np.flatnonzero(split == "train")
+    assert (split[src[train]] == "train").all()  # train videos copy nothing outside their split
+    # the rest of the world is the one drawn without shared sources (they have a stream of their own)
+    plain = pd.read_parquet(generate_store(tmp_path / "p", replace(spec, shared_sources=0.0)) / LATENT_VIDEOS)
+    moved = (src != np.arange(len(src))) & (split[src] == "train") & (split != "train")
+    kept = np.flatnonzero(~moved)
+    assert moved.sum() == round(0.4 * 20) + round(0.4 * 50)
+    assert (plain["dup_group"].to_numpy()[kept] == src[kept]).all()
+    assert all(np.array_equal(lv["concepts"][r], plain["concepts"][r]) for r in kept)
 
 
 def test_synth_features_only_cli_writes_a_generated_store(cli, tmp_path):

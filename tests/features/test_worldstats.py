@@ -48,7 +48,7 @@ def _reference(store, split="test"):
         hits = 0
         for q in range(n):
             s = [score(q, g) for g in range(n)]
-            hits += all(s[g] <= s[q] for g in range(n) if g != q)
+            hits += all(s[g] < s[q] for g in range(n) if g != q)  # a tie counts against
         return 100.0 * hits / n
 
     means = [unit(np.mean(fr, axis=0)) for fr in frames]  # of the normalised frames, as meanpool
@@ -134,14 +134,41 @@ def test_mixed_worlds_have_one_and_multi_scene_videos_and_partial_captions(tmp_p
     assert first_last[~multi].mean() > first_last[multi].mean() + 0.02
 
 
+def test_structure_rows_show_a_stores_rates_beside_the_calibrated_worlds():
+    from tvrpipe.features.worldstats import STRUCTURE, structure_rows
+
+    spec = GenSpec(caption_shift=12.5, shared_sources=0.25, near_duplicates=0.1, scenes=1).to_dict()
+    rows = {r[0]: r for r in structure_rows(spec, {**CALIBRATED, "caption_shift": 30.0})}
+    assert len(rows) == len(STRUCTURE)
+    share = next(r for k, r in rows.items() if k.startswith("learnable share"))
+    assert share[1:4] == ("12.5", "30", "+7.6 R@1 over zero-shot for a trained head on frozen CLIP")
+    shared = next(r for k, r in rows.items() if k.startswith("val/test videos"))
+    assert shared[1] == "25%" and shared[3].startswith("37.2 %") and "MDMMT" in shared[4]
+    scenes = next(r for k, r in rows.items() if k.startswith("videos of several scenes"))
+    assert scenes[1:3] == ("0%", "30%")  # one scene a video: none has several, whatever multi_scene says
+    repeated = next(r for k, r in rows.items() if k.startswith("captions that repeat"))
+    assert repeated[1:3] == ("none", "none") and "not modelled" in repeated[4]
+
+
+def test_r1_counts_a_tie_against():
+    from tvrpipe.features.worldstats import _r1
+
+    assert _r1(np.array([[0.5, 0.5, 0.1], [0.0, 0.9, 0.2], [0.3, 0.3, 0.4]])) == pytest.approx(200 / 3)
+
+
 def test_describe_prints_the_table_and_writes_nothing(cli, tmp_path):
     out = tmp_path / "s"
-    generate_store(out, GenSpec(train_videos=0, test_videos=12, frames=3, max_words=8, embed_dim=16, seed=1))
+    generate_store(out, GenSpec(train_videos=0, test_videos=12, frames=3, max_words=8, embed_dim=16, seed=1,
+                                caption_shift=12.5, shared_sources=0.25))
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     r = cli("synth", "--out", out, "--describe")
     assert r.exit_code == 0, r.output
     assert "R@1, mean pooling [1]" in r.output and "12 videos" in r.output
     assert "Mind the Gap" in r.output and "n/a (12 videos)" in r.output
+    assert "[1] published: Portillo-Quintero" in r.output and "[2] chosen: not published" in r.output
+    # the generator's structure, beside the calibrated world's and MSR-VTT's published rates, with sources
+    assert "the world's structure" in r.output and "37.2 %" in r.output
+    assert "MV-Adapter" in r.output and "MDMMT (arXiv 2103.10699) Tab. 11" in r.output
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
     for args, message in ((["--describe", "--videos", "3"], "--videos makes data; --describe alone only reads"),
                           (["--split", "val"], "--split applies with --describe"),

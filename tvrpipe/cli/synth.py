@@ -151,7 +151,29 @@ def describe_store(out: Path, split: str) -> None:
         console.print(f"R@1 falls as the gallery grows: the targets are for 1,000 videos (MSR-VTT 1k-A), this split has "
                       f"{measured['gallery']}.")
     for i, target in enumerate(TARGETS, 1):
-        console.print(f"[{i}] {target.source}")
+        console.print(f"[{i}] {target.kind}: {target.source}")
+    generator = store.provenance.get("generator")
+    if isinstance(generator, dict):
+        _describe_structure(generator, len(TARGETS))
+
+
+def _describe_structure(generator: dict, numbered: int) -> None:
+    """The generated world's learnable share and rates beside the calibrated world's and MSR-VTT's published ones."""
+    from rich.table import Table
+
+    from tvrpipe.features.genstore import CALIBRATED
+    from tvrpipe.features.worldstats import structure_rows
+
+    t = Table(title="the world's structure (the generator's fields)", title_justify="left")
+    for col, just in (("rate [source]", "left"), ("this store", "right"), ("calibrated world", "right"),
+                      ("MSR-VTT", "left")):
+        t.add_column(col, justify=just)
+    rows = structure_rows(generator, CALIBRATED)
+    for i, (label, mine, calibrated, published, _) in enumerate(rows, numbered + 1):
+        t.add_row(f"{label} [{i}]", mine, calibrated, published)
+    console.print(t)
+    for i, row in enumerate(rows, numbered + 1):
+        console.print(f"[{i}] {row[4]}")
 
 
 def _scenes(spec) -> str:

@@ -28,6 +28,12 @@ keeps the difficulty from changing with D), plus a small full-rank residual:
   with a text mean ``mu_t`` and a text style subspace of their own; each caption of a video has
   its own noise (paraphrases); a caption is a much noisier view of its content than a frame (a
   sentence names a few things of a video);
+- the learnable share (``caption_shift``): a dataset's captions are not the alt-texts CLIP learned on,
+  so captions say their content turned by a fixed rotation of the content subspace (the same for
+  every caption: sentence and content words); the zero-shot cosine loses cos(angle) of its signal,
+  which a head that learns the inverse map on either side gets back;
+- shared sources (``shared_sources``): a fraction of the val and test videos are other clips of a
+  train video's source (its concepts and look, one concept changed), as in MSR-VTT's 1k-A split;
 - the two means lie outside the content subspace and meet at cosine ``MEAN_ALIGN``: CLIP's
   modality gap (unrelated sentence and frame still have cosine ~0.15);
 - word tokens: SOT (a constant vector, as in causal CLIP), then content words (noisy copies of
@@ -106,7 +112,7 @@ MEAN_STOP_WORDS = 4  # Poisson mean of the stop words of a caption (plus one)
 RESIDUAL = 0.3  # norm of the isotropic full-rank residual outside the intrinsic subspace
 BANK = 4096  # noise vectors to draw pairs from (4096^2 combinations; see _embed)
 MEAN_OFFSET = 1.1  # norm of the frames' shared mean, relative to the unit signal (CLIP's cone)
-MEAN_OFFSET_T = 2.7  # the same for the text mean
+MEAN_OFFSET_T = 1.02  # the text mean's norm, relative to a sentence's centred norm (2.7 at noise 1, D = 512)
 MEAN_ALIGN = 0.31  # cosine between the frame mean and the text mean directions
 NORM = 10.0  # typical norm of a stored embedding (ViT-B/32 projected features are ~10)
 _VIDEOS, _TEXTS = 1, 2
@@ -132,7 +138,14 @@ class GenSpec:
             ``partial_captions``, else the whole video).
         partial_captions: with "mixed", the probability that a caption of a multi-scene video is partial.
         near_duplicates: fraction of each split's videos that copy another video but one concept.
+        shared_sources: fraction of the val and test videos that are another clip of a train video's source:
+            they copy a train video (its concepts, scenes and look) but one concept, as 37 % of MSR-VTT 1k-A's
+            test videos share a YouTube source with training videos (MDMMT, arXiv 2103.10699, Tab. 11).
         noise: observation noise (difficulty), per coordinate in units of ``NOISE_UNIT``.
+        caption_shift: the learnable share, in degrees: captions (sentences and content words) describe their
+            content rotated by this angle in fixed random planes of the content subspace (a dataset's captions
+            are not the image-text pairs CLIP learned on). The zero-shot cosine of a caption and its content is
+            cos(angle) times what it was; a head that learns the rotation's inverse on either side gets it back.
         min_frames: if set, each video has a random length in [min_frames, frames] (padded).
         concepts: size of the concept bank.
         concept_words: concepts per scene (content words of a caption describing it).
@@ -155,7 +168,9 @@ class GenSpec:
     caption_describes: str = "whole"
     partial_captions: float = 0.5
     near_duplicates: float = 0.0
+    shared_sources: float = 0.0
     noise: float = 0.5
+    caption_shift: float = 0.0
     min_frames: int | None = None
     concepts: int = 512
     concept_words: int = 3
@@ -193,8 +208,12 @@ class GenSpec:
                 raise ConfigError(f"GenSpec.{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0.0 <= self.near_duplicates < 1.0:
             raise ConfigError(f"GenSpec.near_duplicates must be in [0, 1), got {self.near_duplicates}")
+        if not 0.0 <= self.shared_sources <= 1.0:
+            raise ConfigError(f"GenSpec.shared_sources must be in [0, 1], got {self.shared_sources}")
         if self.noise < 0:
             raise ConfigError(f"GenSpec.noise must be >= 0, got {self.noise}")
+        if not 0.0 <= self.caption_shift <= 90.0:
+            raise ConfigError(f"GenSpec.caption_shift must be an angle in [0, 90] degrees, got {self.caption_shift}")
         shortest = self.frames if self.min_frames is None else self.min_frames
         if not shortest <= self.frames:
             raise ConfigError(f"GenSpec: min_frames ({self.min_frames}) must be <= frames ({self.frames})")
@@ -203,8 +222,8 @@ class GenSpec:
             raise ConfigError(
                 f"GenSpec: a multi-scene video shows each of its scenes ({self.scenes}) in a frame of its own, and "
                 f"{what} is {shortest}; set scenes={shortest} or fewer (scenes=1: one scene per video), or more {what}")
-        if self.concepts < 2 and self.near_duplicates > 0:
-            raise ConfigError("GenSpec: near_duplicates need at least 2 concepts")
+        if self.concepts < 2 and (self.near_duplicates > 0 or self.shared_sources > 0):
+            raise ConfigError("GenSpec: near_duplicates and shared_sources need at least 2 concepts")
 
     @property
     def n_texts(self) -> int:
@@ -303,6 +322,62 @@ class _Latents:
     video_row: np.ndarray  # (n_texts,)
     scene: np.ndarray  # (n_texts,) described scene, -1 = whole video
     n_valid: np.ndarray  # (n_texts,) valid tokens
+    shift: np.ndarray | None  # (d, d) rotation of the captions' content (``caption_shift``); None: no shift
+
+
+def caption_rotation(spec: GenSpec, d: int) -> np.ndarray | None:
+    """The fixed rotation of the caption space by ``spec.caption_shift`` degrees, (d, d), or None at 0 degrees.
+
+    It turns every vector of the content subspace by the same angle, in d // 2 random orthogonal planes (a
+    random basis, paired): cos(T z, z) = cos(angle) for every z (an odd d leaves one direction fixed, so
+    there cos(T z, z) >= cos(angle)). It is orthogonal, so captions keep their own geometry (the cosines
+    between sentences do not change) and a linear map on either side undoes it exactly. Drawn from a
+    stream of its own, so that the rest of the world is the same at every angle.
+    """
+    if spec.caption_shift == 0:
+        return None
+    a = np.deg2rad(spec.caption_shift)
+    basis = _orthonormal(np.random.default_rng([spec.seed, 3]), d, d).astype(np.float64)  # (d, d)
+    turn = np.eye(d)
+    for i in range(0, d - 1, 2):
+        turn[i : i + 2, i : i + 2] = [[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]]
+    return (basis @ turn @ basis.T).astype(np.float32)
+
+
+def _change_one_concept(rng: np.random.Generator, parts: np.ndarray, multi: np.ndarray, copies: np.ndarray,
+                        K: int) -> None:
+    """Change one concept of one scene of each copy (in place): what tells a near-duplicate from its original."""
+    S, P, n = parts.shape[1], parts.shape[2], len(copies)
+    j, p = rng.integers(0, S, n), rng.integers(0, P, n)
+    j = np.where(multi[copies], j, 0)  # a one-scene video's scene is its scene 0
+    parts[copies, j, p] = (parts[copies, j, p] + rng.integers(1, K, n)) % K
+
+
+def _share_sources(spec: GenSpec, split: np.ndarray, parts: np.ndarray, offsets: np.ndarray, multi: np.ndarray,
+                   dup_group: np.ndarray) -> None:
+    """Make ``shared_sources`` of the val and test videos other clips of train videos' sources (in place).
+
+    The clips are drawn among the videos that are no near-duplicate's copy or original, so that a split's own
+    near-duplicates stay as they were drawn; from a stream of their own, so that the rest of the world is the
+    same at every rate.
+    """
+    train = np.flatnonzero(split == "train")
+    if spec.shared_sources == 0 or len(train) == 0:
+        return
+    rng = np.random.default_rng([spec.seed, 4])
+    copy = dup_group != np.arange(len(split))
+    paired = copy.copy()
+    paired[dup_group[copy]] = True  # the originals of the split's near-duplicates
+    for s in ("val", "test"):
+        rows = np.flatnonzero(split == s)
+        free = rows[~paired[rows]]
+        n = min(int(round(spec.shared_sources * len(rows))), len(free))
+        if n <= 0:
+            continue
+        copies = np.sort(rng.choice(free, size=n, replace=False))
+        src = rng.choice(train, size=n, replace=n > len(train))
+        parts[copies], offsets[copies], multi[copies], dup_group[copies] = parts[src], offsets[src], multi[src], src
+        _change_one_concept(rng, parts, multi, copies, spec.concepts)
 
 
 def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _Latents:
@@ -324,7 +399,10 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
     # noise act like per-item biases (hubness), which must stay small.
     var_v = 1 + JITTER**2 + (STYLE * sigma) ** 2 * R + (FRAME_NOISE * sigma) ** 2 * d + RESIDUAL**2
     var_t = 1 + (STYLE * sigma) ** 2 * R + sigma**2 * d + RESIDUAL**2
-    scale_v, scale_t = NORM / np.sqrt(var_v + MEAN_OFFSET**2), NORM / np.sqrt(var_t + MEAN_OFFSET_T**2)
+    # The text mean is sized to the sentence's own spread, so that the cosine of two unrelated sentences
+    # (CLIP's text cone, 0.51) does not move with ``noise``: the cone is the encoder's, not the dataset's.
+    mean_t = MEAN_OFFSET_T * np.sqrt(var_t)
+    scale_v, scale_t = NORM / np.sqrt(var_v + MEAN_OFFSET**2), NORM / np.sqrt(var_t + mean_t**2)
     # The modality means point out of the content subspace (CLIP's cone is a direction of its own): a
     # mean inside it would add <mean, content> to every score, a per-item bias (hubness) as large as
     # the signal. They meet at MEAN_ALIGN, which sets the cosine of unrelated sentence and frame.
@@ -333,8 +411,10 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
     else:  # D < 3: no room outside
         u_v = u_t = _unit(rng.standard_normal(D))
     mu_v = (scale_v * MEAN_OFFSET * u_v).astype(np.float32)
-    mu_t = (scale_t * MEAN_OFFSET_T * u_t).astype(np.float32)
-    words = np.concatenate([concepts, stop]) @ basis.T  # (K + STOP_WORDS, D)
+    mu_t = (scale_t * mean_t * u_t).astype(np.float32)
+    shift = caption_rotation(spec, d)
+    said = concepts if shift is None else concepts @ shift.T  # the concepts as captions word them
+    words = np.concatenate([said, stop]) @ basis.T  # (K + STOP_WORDS, D)
     word_noise = (WORD_NOISE * sigma / np.sqrt(2)) * rng.standard_normal((BANK, d)) @ basis.T
     word_noise += RESIDUAL / np.sqrt(2) * _unit(rng.standard_normal((BANK, D)))
     sot = (scale_t * np.sqrt(var_t) * _unit(rng.standard_normal(D)) + mu_t).astype(np.float32)
@@ -355,9 +435,8 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
         copies, originals = perm[:n_dup], perm[n_dup:]
         src = rng.choice(originals, size=n_dup, replace=n_dup > len(originals))
         parts[copies], offsets[copies], dup_group[copies], multi[copies] = parts[src], offsets[src], src, multi[src]
-        j, p = rng.integers(0, S, n_dup), rng.integers(0, P, n_dup)
-        j = np.where(multi[copies], j, 0)  # a one-scene video's scene is its scene 0
-        parts[copies, j, p] = (parts[copies, j, p] + rng.integers(1, K, n_dup)) % K
+        _change_one_concept(rng, parts, multi, copies, K)
+    _share_sources(spec, split, parts, offsets, multi, dup_group)
     # a one-scene video repeats its scene 0 in every scene slot: its frames all show it
     parts[~multi, 1:], offsets[~multi, 1:] = parts[~multi, :1], offsets[~multi, :1]
     z = _unit(concepts[parts].sum(axis=2) / np.sqrt(P) + OFFSET * offsets)  # (nv, S, d)
@@ -382,7 +461,7 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
         concepts=concepts, stop=stop, sot=sot, mu_v=mu_v, mu_t=mu_t, style_v=style_v, style_t=style_t,
         scale_v=float(scale_v), scale_t=float(scale_t), parts=parts, z=z.astype(np.float32),
         z_whole=_unit(z.mean(axis=1)).astype(np.float32), dup_group=dup_group, multi=multi, n_frames=n_frames,
-        video_row=video_row, scene=scene, n_valid=n_valid,
+        video_row=video_row, scene=scene, n_valid=n_valid, shift=shift,
     )
 
 
@@ -444,6 +523,8 @@ def _text_block(spec: GenSpec, lat: _Latents, a: int, b: int, block: int):
     vrow, scene, nvalid = lat.video_row[a:b], lat.scene[a:b], lat.n_valid[a:b]
     rows = np.arange(n)
     z = np.where((scene >= 0)[:, None], lat.z[vrow, np.maximum(scene, 0)], lat.z_whole[vrow])  # (n, d)
+    if lat.shift is not None:
+        z = z @ lat.shift.T  # the content as this dataset's captions say it
     style = rng.standard_normal((n, lat.style_t.shape[1]), dtype=np.float32) @ lat.style_t.T
     sent = z + np.float32(STYLE * sigma) * style
     sent += np.float32(sigma) * rng.standard_normal((n, d), dtype=np.float32)
