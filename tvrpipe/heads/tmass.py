@@ -31,7 +31,11 @@ Choices (docs/methods.md, "T-MASS"):
 - **Prior**: N(0, I) as the paper writes (``prior="normal"``, ``prior_std`` = 1); the official
   code's default is U[0, 1) (``stochastic_prior='uniform01'``), available as ``prior="uniform"``
   (its released LSMDC run uses normal with std 3e-3). Uniform noise is not centred: it shifts every
-  text by R/2 along the positive orthant.
+  text by R/2 along the positive orthant. A draw of N(0, I) is about as long as the raw sentence
+  embedding (sqrt(D) against ~10), so until training shrinks R the samples swamp t, and the max of
+  Eq. 10 ranks videos by how they line up with the draws: the untrained head scores far below X-Pool,
+  and a run catches up only as fast as R shrinks (docs/methods.md, "Why T-MASS trails zero-shot on
+  the generated stores"; none of the official README's runs uses N(0, 1)).
 - **alpha = 1.2** as the paper's Sec. 4 and Fig. 6; the official code's default
   ``support_loss_weight`` is 0 and its README trains MSR-VTT with 0.8.
 - **Radius variants**: the official code implements only exp(S W) (its ``learnable_scalar`` is
@@ -142,8 +146,10 @@ class TMass(XPool):
         self.register_buffer("noise", self._draw((config.num_samples, d), g), persistent=False)  # (M, D)
 
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        """``radius``: the similarity-aware radius (W, b of Eq. 7, or theta), which T-MASS trains at its own
-        lr (Sec. 4.1: 3e-5 on MSR-VTT against 1e-5 for the rest); ``head``: everything else."""
+        """``radius``: the similarity-aware radius (W, b of Eq. 7, or theta), a group of its own so that a run
+        can give it a rate (``--group-lr radius=...``); ``head``: everything else. Sec. 4.1 names R's rate
+        beside psi's ("the same initial learning rate of 1e-5 to train psi and R (3e-5 for MSRVTT)"), and
+        the official code trains both at its one ``noclip_lr``: by default both groups take the run's lr."""
         radius = [p for m in ("radius_proj", "theta") if hasattr(self, m)
                   for p in (getattr(self, m).parameters() if isinstance(getattr(self, m), nn.Module)
                             else [getattr(self, m)]) if p.requires_grad]
