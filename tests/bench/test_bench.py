@@ -148,6 +148,37 @@ def test_bench_allocator_cli_times_a_step_with_and_without_the_tuning(cli, tmp_p
     assert r.exit_code == 2 and "--steps must be >= 1" in r.output
 
 
+def test_bench_step_cli_reports_each_heads_rate_against_the_reference(cli, tmp_path):
+    """`tvrpipe bench step`: train-head's step for each head and width beside the reference head's (X-Pool's
+    by default), in a fresh process, and the ratio of their step times; with --features, on train-head's first
+    batch of a store (its width, frames and caption lengths), where --dim is refused."""
+    from tvrpipe.features.genstore import GenSpec, generate_store
+
+    r = cli("bench", "step", "--method", "prota", "--dim", "8", "--dim", "16", "--steps", "1", "--batch-size", "4",
+            "--words", "5", "--frames", "3", "--json", tmp_path / "s.json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert [(row["dim"], row["method"], row["versus"]) for row in rows] == [(8, "prota", "xpool"), (16, "prota", "xpool")]
+    for row in rows:
+        assert row["ratio"] == pytest.approx(row["step_seconds"] / row["versus_step_seconds"])
+        assert row["ratio"] == pytest.approx(row["versus_samples_per_s"] / row["samples_per_s"])
+        assert row["samples_per_s"] == pytest.approx(4 / row["step_seconds"])
+        assert (row["frames"], row["words"], row["features"]) == (3, 5, None)
+        assert f"{row['ratio']:.2f}x" in r.output
+    store = generate_store(tmp_path / "store", GenSpec(**TINY_STORE))
+    r = cli("bench", "step", "--method", "prota", "--features", store, "--steps", "1", "--batch-size", "8",
+            "--json", tmp_path / "f.json")
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((tmp_path / "f.json").read_text())
+    assert (row["method"], row["dim"], row["frames"], row["batch_size"], row["features"]) == ("prota", 16, 4, 8,
+                                                                                               str(store))
+    assert 1 <= row["words"] <= TINY_STORE["max_words"]
+    r = cli("bench", "step", "--features", store, "--dim", "64")
+    assert r.exit_code == 1 and "--dim: with --features" in r.output, r.output
+    r = cli("bench", "step", "--method", "nohead")
+    assert r.exit_code == 1 and "nohead" in r.output, r.output
+
+
 def _killed(_):
     os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer does
 
@@ -170,7 +201,7 @@ def test_a_benchmarks_process_answers_raises_or_is_reported_dead():
         in_fresh_process(os._exit, 3, "exit")
 
 
-@pytest.mark.parametrize("command", ["extract", "train-head", "finetune", "eval", "allocator"])
+@pytest.mark.parametrize("command", ["extract", "train-head", "finetune", "eval", "allocator", "step"])
 def test_bench_json_is_checked_before_the_measurement(cli, tmp_path, command, monkeypatch):
     import tvrpipe.bench.extract
     import tvrpipe.bench.finetune
@@ -181,7 +212,7 @@ def test_bench_json_is_checked_before_the_measurement(cli, tmp_path, command, mo
 
     for module, name in ((tvrpipe.bench.extract, "bench_extract"), (tvrpipe.bench.heads, "bench_train_head"),
                          (tvrpipe.bench.finetune, "bench_finetune"), (tvrpipe.bench.heads, "bench_eval"),
-                         (tvrpipe.bench.heads, "bench_allocator")):
+                         (tvrpipe.bench.heads, "bench_allocator"), (tvrpipe.bench.heads, "bench_step")):
         monkeypatch.setattr(module, name, measured)
     def said(r):  # the message without rich's box and line breaks
         return " ".join(r.output.replace("\u2502", " ").split())

@@ -330,3 +330,105 @@ def bench_allocator(methods: list[str] | None = None, steps: int = 3, batch_size
                      "allocator": pair[True]["allocator"],
                      "speedup": pair[False]["step_seconds"] / pair[True]["step_seconds"]})
     return rows
+
+
+# ---- a training step against a reference head: ``tvrpipe bench step`` -------------------------------
+
+
+def _step_inputs(method: str, features: str | None, batch: int, frames: int, words: int, dim: int):
+    """The head and one training batch: as train-head builds them from a store (its config for the store, and the
+    first batch of its training split: a video each with one of its captions, token columns cut at the batch's
+    last real word), or at width ``dim`` on random CLIP-shaped features of the given sizes."""
+    from tvrpipe.heads.base import create_head, head_class
+
+    if features is None:
+        head = create_head(method, embed_dim=dim)
+        x = _random_features(batch, batch, frames, words, dim, head.uses_tokens, seed=0)
+        return head, _text_batch(x, slice(None)), _video_batch(x, slice(None))
+    from tvrpipe.features.store import open_store
+    from tvrpipe.training.data import load_split
+    from tvrpipe.training.fit import store_head_config
+    from tvrpipe.training.stream import InMemoryPairs
+
+    store = open_store(features)
+    head = head_class(method)(store_head_config(store, method))
+    split = load_split(store, "train", tokens=head.uses_tokens)
+    _, _, texts, videos = next(InMemoryPairs(split, head.uses_tokens).epoch(0, 0, 1, min(batch, split.n_videos)))
+    return head, texts, videos
+
+
+def _step_rates(args: tuple[str, str, int, int, int, int, int, str | None]) -> dict:
+    """Train-head's step for a head and the reference head, in one fresh process, their steps alternating so that
+    both meet the same load: the allocator tuning of fit, torch's threads as train-head leaves them, AdamW with
+    its weight decay; forward, loss, backward and the update, timed step by step."""
+    import statistics
+
+    import torch
+
+    from tvrpipe.training.allocator import tune_allocator
+    from tvrpipe.training.core import optimizer_step
+    from tvrpipe.training.fit import TrainConfig
+
+    method, versus, dim, steps, batch, frames, words, features = args
+    allocator = tune_allocator()  # as fit, before any large block exists
+    runs = {}
+    for name in (versus, method):
+        torch.manual_seed(0)
+        head, texts, videos = _step_inputs(name, features, batch, frames, words, dim)
+        opt = torch.optim.AdamW(head.train().parameters(), lr=1e-4, weight_decay=TrainConfig().weight_decay)
+        for g in opt.param_groups:
+            g["base_lr"] = g["lr"]
+        runs[name] = (head, texts, videos, opt, [])
+    for i in range(2 + steps):  # two warm-up steps: lazy initialisation, the optimizer's state, the heap's growth
+        for head, texts, videos, opt, times in runs.values():
+            t = time.perf_counter()
+            optimizer_step(opt, head.loss(texts, videos).total, 1.0)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+    head, texts, videos, _, times = runs[method]
+    seconds, base = statistics.median(times), statistics.median(runs[versus][4])
+    n = len(texts.sentence)
+    return {"method": method, "dim": head.config.embed_dim, "batch_size": n, "words": texts.tokens.shape[1],
+            "frames": videos.frames.shape[1], "step_seconds": seconds, "samples_per_s": n / seconds,
+            "versus": versus, "versus_step_seconds": base, "versus_samples_per_s": n / base, "ratio": seconds / base,
+            "threads": torch.get_num_threads(), "allocator": allocator, "features": features}
+
+
+def bench_step(methods: list[str] | None = None, versus: str = "xpool", dims: list[int] | None = None,
+               batch_size: int = 128, frames: int = 12, words: int = 32, steps: int = 5,
+               features: str | os.PathLike[str] | None = None) -> list[dict]:
+    """Training samples/s per head, and how many times slower than ``versus`` it trains, at each width in ``dims``.
+
+    Each (width, head) runs in a fresh process train-head's step (forward, loss, backward, AdamW update) for the
+    head and for ``versus``, their steps alternating, on one batch of ``batch_size`` random CLIP-shaped pairs
+    (``frames`` frames, ``words`` token columns, padded masks) or, with ``features``, on train-head's first batch
+    of that store's training split (its width, frames and the batch's caption lengths). A rate is the batch over
+    the median of ``steps`` timed steps after two warm-up steps; ``ratio`` is the head's step time over
+    ``versus``'s, measured side by side (on a busy machine a ratio holds better than either rate).
+
+    Example:
+        >>> bench_step(["prota"], dims=[64, 512])  # doctest: +SKIP
+    """
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import head_class, list_heads
+
+    at_least_each({"--steps": (steps, 1), "--batch-size": (batch_size, 2), "--frames": (frames, 1),
+                   "--words": (words, 1), **({"--dim": (min(dims), 1)} if dims else {})})
+    for method in [versus, *(methods or [])]:
+        head_class(method)  # an unknown head fails before anything runs
+    if features is not None:
+        from tvrpipe.features.store import open_store
+
+        if dims:
+            raise ConfigError("--dim: with --features the store's width is the step's")
+        dims, features = [int(open_store(features).provenance["embed_dim"])], str(features)
+    dims = dims or [64, 512]
+    check_room("bench step", None, batch_needs(batch_size, frames, words, max(dims)), "--batch-size or --dim")
+    plan = {f"{method} and {versus} at D = {dim}": (method, dim) for dim in dims
+            for method in (methods or [m for m in list_heads() if m != versus])}
+    rows = []
+    for what in stages(list(plan)):
+        method, dim = plan[what]
+        rows.append(in_fresh_process(_step_rates, (method, versus, dim, steps, batch_size, frames, words, features),
+                                     what))
+    return rows

@@ -11,7 +11,7 @@ import typer
 
 from tvrpipe.bench.extract import BenchVideos, bench_extract
 from tvrpipe.bench.finetune import MSRVTT_LIKE, bench_finetune
-from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_train_head
+from tvrpipe.bench.heads import bench_allocator, bench_eval, bench_step, bench_train_head
 from tvrpipe.bench.moments import bench_moments
 from tvrpipe.bench.search import bench_search
 from tvrpipe.bench.serve import bench_serve
@@ -25,7 +25,7 @@ BV, BX, BF, BT, BE, BA, BS = (BenchVideos(), defaults_of(bench_extract), default
                               defaults_of(bench_train_head), defaults_of(bench_eval), defaults_of(bench_allocator),
                               defaults_of(bench_search))
 BW, BM, BO = defaults_of(bench_worlds), defaults_of(bench_streamed), defaults_of(bench_moments)
-BR = defaults_of(bench_serve)
+BR, BP = defaults_of(bench_serve), defaults_of(bench_step)
 
 
 def _json_target(path: Optional[Path]) -> Optional[Path]:
@@ -356,6 +356,46 @@ def bench_allocator_cmd(
                       f"{r['peak_rss_gb_default']:.2f}")
     console.print(table)
     console.print(f"tuned: {rows[0]['allocator']}" if rows else "no heads measured")
+    _write_json(json_out, rows)
+
+
+@bench_app.command("step")
+def bench_step_cmd(
+    ctx: typer.Context,
+    method: Annotated[Optional[list[str]], typer.Option(help="Heads to measure (repeatable; default: all).")] = None,
+    versus: Annotated[str, typer.Option(help="The head every rate is compared with.")] = BP.versus,
+    dim: Annotated[Optional[list[int]], typer.Option(
+        help="Embedding widths D (repeatable; default: 64 and 512).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Pairs per training step.")] = BP.batch_size,
+    frames: Annotated[int, typer.Option(help="Frames per video (F) of the random batch.")] = BP.frames,
+    words: Annotated[int, typer.Option(help="Token columns (L) of the random batch's captions.")] = BP.words,
+    steps: Annotated[int, typer.Option(help="Timed training steps per head and width (after two warm-up steps).")
+                     ] = BP.steps,
+    features: Annotated[Optional[Path], typer.Option(
+        help="Instead of random features: train-head's first batch of this store's training split (its width, "
+             "frames and the batch's caption lengths; e.g. `tvrpipe synth --features-only --preset small`).")] = None,
+    json_out: JsonOut = None,
+) -> None:
+    """Per head and width: train-head's training step in samples/s, and how many times slower than --versus."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if features is not None:
+        refuse_unused(ctx, ("dim", "frames", "words"), "with --features the store's batch has its own width, "
+                                                      "frames and caption lengths")
+    rows = bench_step(method, versus, dim, batch_size, frames, words, steps, features)
+    what = (f"train-head's first batch of {escape(str(features))}" if features is not None
+            else f"{batch_size} random pairs, F = {frames}, L = {words}")
+    table = Table(title=f"a training step (forward, loss, backward, AdamW): {what}")
+    for col in ("D", "method", "batch x L x F", "s/step", "samples/s", f"{versus} samples/s", "x slower",
+                "threads"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        words_read = r["words"] or "-"  # a head that reads no word tokens gets none
+        table.add_row(str(r["dim"]), r["method"], f"{r['batch_size']} x {words_read} x {r['frames']}",
+                      f"{r['step_seconds']:.3f}", f"{r['samples_per_s']:,.0f}", f"{r['versus_samples_per_s']:,.0f}",
+                      f"{r['ratio']:.2f}x", str(r["threads"]))
+    console.print(table)
     _write_json(json_out, rows)
 
 
