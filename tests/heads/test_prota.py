@@ -1,7 +1,9 @@
 """ProTA: Eq. 1-11 against per-pair loops that build the full (N + M)^2 Gram matrix of
 Eq. 4, the loss of Eq. 12-16 against a loop, the kernel, W2 and margin properties the paper
 states, limiting cases (the LdA row with a hard max is ``tokenwise``; constant variance is the
-deterministic head on distances), ablation switches, readouts, and learning.
+deterministic head on distances), ablation switches, readouts, and learning; the fused pair
+scores (``pairs.py``, a hand-written backward pass) against the direct formulation with autograd,
+values and gradients, in float64 and at float32's own error.
 
 The references are NumPy float64 loops written from the paper; the video tokens come from
 PyTorch's own encoder layers carrying the head's weights, run on each video's real frames only.
@@ -19,7 +21,16 @@ from test_heads import D, batches, np64, perturbed, sim, torch_encoder_layers, u
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.heads import TextBatch, VideoBatch, create_head
-from tvrpipe.heads.prota import gram_matrix, rbf_kernels, soft_max_aggregate, w2_similarity
+from tvrpipe.heads.prota import (
+    gram_matrix,
+    gram_of_cosines,
+    rbf_kernels,
+    safe_sqrt,
+    soft_max_aggregate,
+    w2_similarity,
+)
+from tvrpipe.heads.prota.pairs import PairSettings, pair_scores
+from tvrpipe.heads.tokenwise import masked_normalize
 
 pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
 
@@ -224,10 +235,9 @@ def test_constant_variance_is_the_deterministic_head_on_distances():
         pe, pv = prob.encode_texts(texts), prob.encode_videos(videos)
         torch.testing.assert_close(pe["x"], te["x"])
         torch.testing.assert_close(pe["weight"], te["weight"])
-        from tvrpipe.heads.prota import dpa_scores, gram_of_cosines
         cos = torch.einsum("tld,vfd->tlvf", te["x"], ve["x"])
-        expected = dpa_scores(-(2 - 2 * cos).clamp(min=0).sqrt(), gram_of_cosines(cos, det.config), te["mask"], ve["mask"],
-                              te["weight"], ve["weight"], 100.0, 100.0)
+        expected = dpa_direct(-(2 - 2 * cos).clamp(min=0).sqrt(), gram_of_cosines(cos, det.config), te["mask"],
+                              ve["mask"], te["weight"], ve["weight"], 100.0, 100.0)
         torch.testing.assert_close(prob.similarity(pe, pv), expected, atol=2e-3, rtol=0)
 
 
@@ -418,25 +428,163 @@ def test_learns_far_above_chance_and_logs_readouts(tmp_path):
     assert (tmp_path / "run" / "plots" / "readouts.png").stat().st_size > 1000
 
 
-def test_shared_exp_aggregation_is_exact_down_to_the_kernel_floor():
-    """Eq. 6 in both directions with one exp (fixed shift xi * 1): equal to the per-direction
-    softmax in float32 even when every real entry sits at the smallest value the kernels take."""
-    from tvrpipe.heads.prota import soft_max_aggregate_both
+def dpa_direct(low, gram, text_mask, frame_mask, text_weight, frame_weight, lam: float, xi: float):
+    """Eq. 2, 6, 7, 8 written directly over (n_t, L, n_v, F) tensors, each soft maximum on its own
+    (:func:`soft_max_aggregate`), for autograd: the head's computation before the fused pair scores."""
+    words, frames = text_mask[:, :, None, None], frame_mask[None, None]
+    l_t2v = soft_max_aggregate(low, frames, lam, dim=3)  # (n_t, L, n_v)
+    l_v2t = soft_max_aggregate(low, words, lam, dim=1)  # (n_t, n_v, F)
+    tiny = torch.finfo(low.dtype).tiny
+    if gram is not None:
+        h_t2v, h_v2t = soft_max_aggregate(gram, frames, xi, dim=3), soft_max_aggregate(gram, words, xi, dim=1)
+        t_side = torch.einsum("tlv,tl->tv", l_t2v * h_t2v, text_weight) / \
+            torch.einsum("tlv,tl->tv", h_t2v.abs(), text_weight).clamp(min=tiny)
+        v_side = torch.einsum("tvf,vf->tv", l_v2t * h_v2t, frame_weight) / \
+            torch.einsum("tvf,vf->tv", h_v2t.abs(), frame_weight).clamp(min=tiny)
+    else:
+        t_side = torch.einsum("tlv,tl->tv", l_t2v, text_weight)
+        v_side = torch.einsum("tvf,vf->tv", l_v2t, frame_weight)
+    zero = torch.zeros((), dtype=low.dtype)
+    return (torch.where(frame_mask.any(1)[None], t_side, zero) + torch.where(text_mask.any(1)[:, None], v_side, zero)) / 2
 
-    head = create_head("prota", embed_dim=D)
+
+def pair_inputs(seed: int = 0, n_t: int = 7, n_v: int = 6, length: int = 9, frames: int = 7, d: int = 8,
+                empty: bool = True):
+    """Raw tokens, spreads and intra weights (float64 leaves) with masks: the last column padding everywhere,
+    the others of random lengths; with ``empty``, one text and one video without a real token."""
+    g = torch.Generator().manual_seed(seed)
+    text_mask = torch.arange(length) < torch.randint(1, length, (n_t,), generator=g)[:, None]
+    frame_mask = torch.arange(frames) < torch.randint(1, frames, (n_v,), generator=g)[:, None]
+    if empty:
+        text_mask[2], frame_mask[3] = False, False
+    leaves = [torch.randn(n_t, length, d, generator=g, dtype=torch.float64),
+              torch.randn(n_v, frames, d, generator=g, dtype=torch.float64),
+              0.3 * torch.randn(n_t, length, d, generator=g, dtype=torch.float64) * text_mask[..., None],
+              0.3 * torch.randn(n_v, frames, d, generator=g, dtype=torch.float64) * frame_mask[..., None],
+              torch.rand(n_t, length, generator=g, dtype=torch.float64) * text_mask,
+              torch.rand(n_v, frames, generator=g, dtype=torch.float64) * frame_mask]
+    return leaves, text_mask, frame_mask
+
+
+def scores_and_gradients(leaves, text_mask, frame_mask, cfg, gram_floor: float, fused: bool, dtype,
+                         backward: bool = True):
+    """S of every pair from leaves (tokens l2-normalised as the head does, spreads' squared norms taken from
+    them), and the gradients of a random weighting of S in every leaf, at the real positions (without
+    ``backward``: S alone)."""
+    lv = [x.detach().to(dtype).requires_grad_(backward) for x in leaves]
+    raw_t, raw_v, spread_t, spread_v, text_weight, frame_weight = lv
+    xt, xv = masked_normalize(raw_t, text_mask), masked_normalize(raw_v, frame_mask)
+    spreads = (spread_t, spread_v) if cfg.probabilistic else (None, None)
+    if fused:
+        settings = PairSettings(cfg.lam, cfg.xi, cfg.inter, cfg.gram, cfg.num_kernels, cfg.kernel_sigma2,
+                                cfg.kernel_mul, gram_floor)
+        sq = (spread_t.square().sum(-1), spread_v.square().sum(-1)) if cfg.probabilistic else (None, None)
+        s = pair_scores(xt, xv, text_mask, frame_mask, text_weight, frame_weight, settings, *spreads, *sq)
+    else:
+        cos = torch.einsum("tld,vfd->tlvf", xt, xv)  # Eq. 1
+        low = cos
+        if cfg.probabilistic:  # Eq. 10 from the differences
+            low = -safe_sqrt((xt[:, :, None, None] - xv[None, None]).square().sum(-1)
+                             + (spread_t[:, :, None, None] - spread_v[None, None]).square().sum(-1))
+        gram = gram_of_cosines(cos, cfg) if cfg.inter else None
+        s = dpa_direct(low, gram, text_mask, frame_mask, text_weight, frame_weight, cfg.lam, cfg.xi)
+    if not backward:
+        return s
+    w = torch.randn(s.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (s * w.to(dtype)).sum().backward()
+    # the intra weights' gradients at padding are never used (the head's weights are 0 there, whatever the logits)
+    real = [text_mask[..., None], frame_mask[..., None], text_mask[..., None], frame_mask[..., None], text_mask,
+            frame_mask]
+    return s.detach().double(), [(x.grad if x.grad is not None else torch.zeros_like(x)).double() * m
+                                 for x, m in zip(lv, real)]
+
+
+PAIR_VARIANTS = [
+    {},  # ProTA: Eq. 10, G_tv with R = 5 kernels, one shared exponential for Eq. 6
+    {"probabilistic": False, "kl_weight": 0.0, "margin_weight": 0.0},  # DPA: Eq. 1
+    {"gram": "dot"},  # G-dagger: Eq. 6 on the cosines, each direction with its own maximum
+    {"lam": float("inf"), "xi": float("inf")},  # Tab. 10's max
+    {"lam": 7.0, "kernel_mul": 3.0, "num_kernels": 3, "w2_spread": "variance"},
+    {"inter": False, "intra": False},
+]
+
+
+@pytest.mark.parametrize("overrides", PAIR_VARIANTS)
+def test_fused_pair_scores_and_gradients_equal_the_direct_formulation(overrides, monkeypatch):
+    """The fused pair scores (blocks of texts, a hand-written backward pass) against the direct formulation
+    with autograd, in float64: scores, and gradients in the tokens, the spreads (their squared norms
+    included) and the intra weights. Blocks of two texts (the last one shorter), padding in every column's
+    tail, a text and a video with no real token (but with the hard max, where the direct formulation's
+    gradients are NaN: an empty row's maximum is float64's lowest, and inf x 0 reaches the intra weights;
+    the fused gradients stay finite there)."""
+    import tvrpipe.heads.prota.pairs as pairs
+
+    head = create_head("prota", embed_dim=8, **overrides)
+    monkeypatch.setattr(pairs, "_BLOCK_ELEMENTS", 2 * 9 * 7 * 6)
+    hard = math.isinf(head.config.lam)
+    if hard:
+        empty = scores_and_gradients(*pair_inputs(), head.config, head._gram_floor, True, torch.float64)
+        assert all(torch.isfinite(x).all() for x in [empty[0], *empty[1]])
+    leaves, text_mask, frame_mask = pair_inputs(empty=not hard)
+    fused = scores_and_gradients(leaves, text_mask, frame_mask, head.config, head._gram_floor, True, torch.float64)
+    direct = scores_and_gradients(leaves, text_mask, frame_mask, head.config, head._gram_floor, False, torch.float64)
+    torch.testing.assert_close(fused[0], direct[0], atol=1e-13, rtol=0)
+    for name, a, b in zip(("tokens", "frames", "text spreads", "video spreads", "text weights", "frame weights"),
+                          fused[1], direct[1]):
+        assert b.abs().max() > 0 or (name.endswith("spreads") and not head.config.probabilistic), name
+        torch.testing.assert_close(a, b, atol=1e-12 * float(b.abs().max()), rtol=0, msg=name)
+    with torch.no_grad():  # evaluation: the same forward pass, to the bit, without keeping anything
+        evaluated = scores_and_gradients(leaves, text_mask, frame_mask, head.config, head._gram_floor, True,
+                                         torch.float64, backward=False)
+    assert torch.equal(evaluated, fused[0])
+
+
+@pytest.mark.parametrize("overrides", PAIR_VARIANTS[:3])
+def test_fused_pair_scores_in_float32_err_as_the_direct_formulation_does(overrides):
+    """In float32 the fused path's error (against the float64 direct formulation) is within 3x that of the
+    direct formulation in float32 itself, for the scores and every gradient: the tolerance float32 justifies.
+    (A soft maximum's gradient e (1 + lambda (x - y)) takes x - y in coordinates shifted by the row's
+    maximum; taken from y, it lost a factor of 4.)"""
+    head = create_head("prota", embed_dim=32, **overrides)
+    leaves, text_mask, frame_mask = pair_inputs(seed=3, n_t=12, n_v=10, length=20, frames=12, d=32)
+    args = (leaves, text_mask, frame_mask, head.config, head._gram_floor)
+    truth = scores_and_gradients(*args, False, torch.float64)
+    direct = scores_and_gradients(*args, False, torch.float32)
+    fused = scores_and_gradients(*args, True, torch.float32)
+    for name, t, a, b in zip(("scores", "tokens", "frames", "text spreads", "video spreads", "text weights",
+                              "frame weights"), [truth[0], *truth[1]], [fused[0], *fused[1]], [direct[0], *direct[1]]):
+        if t.abs().max() == 0:
+            continue
+        err_fused, err_direct = float((a - t).abs().max()), float((b - t).abs().max())
+        assert err_fused <= 3 * err_direct + 1e-7 * float(t.abs().max()), (name, err_fused, err_direct)
+
+
+def test_shared_exp_aggregation_is_exact_down_to_the_kernel_floor():
+    """Eq. 6 in both directions with one exponential (fixed shift xi * 1): equal to each direction's own
+    softmax in float32 even when every real pair of tokens is nearly opposite, where the kernels take their
+    smallest value and exp(xi (g - 1)) its smallest (e^-87 at the defaults)."""
+    head = create_head("prota", embed_dim=D, probabilistic=False, kl_weight=0.0, margin_weight=0.0)
     floor = head._gram_floor
     assert floor == pytest.approx(np.mean([math.exp(-4 / (2 * 2.0 ** (k - 2))) for k in range(5)]))
+    cfg = head.config
+    settings = PairSettings(cfg.lam, cfg.xi, cfg.inter, cfg.gram, cfg.num_kernels, cfg.kernel_sigma2,
+                            cfg.kernel_mul, floor)
+    assert settings.shared_exp and 75 < cfg.xi * (1 - floor) < 80  # the defaults sit near the check's edge
     g = torch.Generator().manual_seed(0)
-    x = floor + 1e-3 * torch.rand(3, 4, 5, 6, generator=g)  # (n_t, L, n_v, F), all near the floor
-    x[0, 0, 0, 0] = 1.0
-    words = (torch.arange(4) < torch.tensor([4, 2, 1])[:, None])[:, :, None, None]
-    frames = (torch.arange(6) < torch.tensor([6, 3, 1, 2, 6])[:, None])[None, None]
+    base = F.normalize(torch.randn(1, 1, D, generator=g, dtype=torch.float64), dim=-1)
+    xt = F.normalize(base + 1e-2 * torch.randn(3, 4, D, generator=g, dtype=torch.float64), dim=-1)
+    xv = F.normalize(-base + 1e-2 * torch.randn(5, 6, D, generator=g, dtype=torch.float64), dim=-1)
+    text_mask = torch.arange(4) < torch.tensor([4, 2, 1])[:, None]
+    frame_mask = torch.arange(6) < torch.tensor([6, 3, 1, 2, 6])[:, None]
+    xt, xv = xt * text_mask[..., None], xv * frame_mask[..., None]
+    tw = (text_mask / text_mask.sum(1, keepdim=True)).double()
+    fw = (frame_mask / frame_mask.sum(1, keepdim=True)).double()
+    cos = torch.einsum("tld,vfd->tlvf", xt, xv)
+    assert float(cos[text_mask][:, frame_mask].max()) < -0.99
     with torch.no_grad():
-        t2v, v2t = soft_max_aggregate_both(x.clone(), words, frames, 100.0)
-    torch.testing.assert_close(t2v[words[..., 0, 0].expand(3, 4)], soft_max_aggregate(x, frames, 100.0, 3)[
-        words[..., 0, 0].expand(3, 4)], rtol=1e-5, atol=0)
-    real_v = frames[0, 0].expand(3, 5, 6)
-    torch.testing.assert_close(v2t[real_v], soft_max_aggregate(x, words, 100.0, 1)[real_v], rtol=1e-5, atol=0)
+        direct = dpa_direct(cos, gram_of_cosines(cos, cfg), text_mask, frame_mask, tw, fw, cfg.lam, cfg.xi)
+        fused = pair_scores(xt.float(), xv.float(), text_mask, frame_mask, tw.float(), fw.float(), settings)
+    torch.testing.assert_close(fused.double(), direct, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("probabilistic", [True, False])

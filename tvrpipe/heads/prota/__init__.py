@@ -112,7 +112,6 @@ from tvrpipe.errors import ConfigError
 from tvrpipe.heads.base import Copied, Emb, Head, HeadConfig, LossOutput, TextBatch, VideoBatch, register_head
 from tvrpipe.heads.losses import kl_to_standard_normal, masked_mean
 from tvrpipe.heads.prota.equations import (  # noqa: F401  (re-exported: the equations of the head)
-    dpa_scores,
     gaussian_kl,
     gaussian_kl_matrix,
     gram_matrix,
@@ -121,9 +120,9 @@ from tvrpipe.heads.prota.equations import (  # noqa: F401  (re-exported: the equ
     rbf_kernels,
     safe_sqrt,
     soft_max_aggregate,
-    soft_max_aggregate_both,
     w2_similarity,
 )
+from tvrpipe.heads.prota.pairs import PairSettings, pair_scores
 from tvrpipe.heads.seqtransf import (
     ResidualAttentionBlock,
     attention_heads,
@@ -240,7 +239,7 @@ class ProTA(Head):
         super().__init__(config)
         cfg, d = config, config.embed_dim
         heads = attention_heads("prota", "num_heads", d, cfg.num_heads)
-        # the smallest value G_tv can take (dpa_scores' shared-exp check): its value at cosine -1
+        # the smallest value G_tv can take (pair_scores' shared-exp check): its value at cosine -1
         # (the dot product's -1; the kernels' mean at the largest squared distance of unit vectors, 4)
         self._gram_floor = float(gram_of_cosines(torch.tensor(-1.0, dtype=torch.float64), cfg))
         self.frame_position_embeddings = nn.Embedding(cfg.max_frames, d)
@@ -331,24 +330,15 @@ class ProTA(Head):
             return self._scores_fp32(_at_least_fp32(te), _at_least_fp32(ve))
 
     def _scores_fp32(self, te: Emb, ve: Emb) -> Tensor:
+        # Eq. 1 (or 10), G_tv (Eq. 3) from the same cosines, Eq. 2, 6-8: fused, with a hand-written backward (pairs.py)
         cfg = self.config
-        xt, xv = te["x"], ve["x"]
-        (t, length, d), (v, frames, _) = xt.shape, xv.shape
-        cos = (xt.reshape(t * length, d) @ xv.reshape(v * frames, d).t()).view(t, length, v, frames)  # Eq. 1
-        gram = gram_of_cosines(cos, cfg) if cfg.inter else None  # G_tv (Eq. 3) from the same cosines
-        if cfg.probabilistic:  # Eq. 10 for every token pair, unit means: |mu_t - mu_v|^2 = 2 - 2 cos
-            # d2 = |s_t|^2 + |s_v|^2 + 2 - 2 (cos + <s_t, s_v>), the inner products summed inside the GEMM
-            dots = torch.addmm(cos.view(t * length, v * frames), te["spread"].reshape(t * length, d),
-                               ve["spread"].reshape(v * frames, d).t()).view(t, length, v, frames)
-            sq_t, sq_v = te["spread_sq"][:, :, None, None] + 2, ve["spread_sq"][None, None]
-            if torch.is_grad_enabled():
-                low = -safe_sqrt(sq_t + sq_v - 2 * dots)
-            else:
-                low = dots.mul_(-2).add_(sq_t).add_(sq_v).clamp_(min=0).sqrt_().neg_()
-        else:
-            low = cos
-        return dpa_scores(low, gram, te["mask"], ve["mask"], te["weight"], ve["weight"], cfg.lam, cfg.xi,
-                          self._gram_floor)
+        settings = PairSettings(cfg.lam, cfg.xi, cfg.inter, cfg.gram, cfg.num_kernels, cfg.kernel_sigma2,
+                                cfg.kernel_mul, self._gram_floor)
+        spreads = {}
+        if cfg.probabilistic:
+            spreads = dict(spread_t=te["spread"], spread_v=ve["spread"], spread_sq_t=te["spread_sq"],
+                           spread_sq_v=ve["spread_sq"])
+        return pair_scores(te["x"], ve["x"], te["mask"], ve["mask"], te["weight"], ve["weight"], settings, **spreads)
 
     @property
     def dsl_not_applicable(self) -> str | None:

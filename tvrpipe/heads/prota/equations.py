@@ -1,10 +1,11 @@
 """ProTA's equations as functions of tensors (the head is :mod:`tvrpipe.heads.prota`).
 
-Eq. 2 / 6 soft maxima (:func:`soft_max_aggregate`, :func:`soft_max_aggregate_both`), Eq. 3-4
-kernels and Gram matrix (:func:`rbf_kernels`, :func:`gram_matrix`), Eq. 10 (:func:`w2_similarity`,
-:func:`safe_sqrt`), Eq. 14's Gaussians (:func:`pooled_gaussian`, :func:`gaussian_kl`,
-:func:`gaussian_kl_matrix`) and Eq. 2, 6-8 for every pair of a tile (:func:`dpa_scores`). The
-choices behind each are in the head's module docstring and docs/methods.md.
+Eq. 2 / 6 soft maxima (:func:`soft_max_aggregate`), Eq. 3-4 kernels and Gram matrix
+(:func:`rbf_kernels`, :func:`gram_matrix`), Eq. 10 (:func:`w2_similarity`, :func:`safe_sqrt`) and
+Eq. 14's Gaussians (:func:`pooled_gaussian`, :func:`gaussian_kl`, :func:`gaussian_kl_matrix`).
+Eq. 1-3, 6-8 and 10 for every pair of a batch are computed fused, with a hand-written backward
+pass, by :func:`tvrpipe.heads.prota.pairs.pair_scores`. The choices behind each are in the head's
+module docstring and docs/methods.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from tvrpipe.heads.losses import masked_mean
 
-_SQRT_FLOOR = 1e-12  # Eq. 10 under autograd: squared distances below it give 0 (gradient <= 1 / (2 sqrt(floor)))
+SQRT_FLOOR = 1e-12  # Eq. 10 under autograd: squared distances below it give 0 (gradient <= 1 / (2 sqrt(floor)))
 
 
 def soft_max_aggregate(x: Tensor, valid: Tensor, temperature: float, dim: int) -> Tensor:
@@ -40,7 +41,7 @@ def soft_max_aggregate(x: Tensor, valid: Tensor, temperature: float, dim: int) -
 def rbf_kernels(cos: Tensor, num_kernels: int, sigma2: float, mul: float) -> Tensor:
     """Eq. 3 for unit vectors from their cosine: the mean of R Gaussian kernels
     exp(-|x - y|^2 / (2 s_k^2)), |x - y|^2 = 2 - 2 cos, s_k^2 = sigma2 mul^(k - (R - 1) / 2)."""
-    gammas = [1 / (2 * sigma2 * mul ** (k - (num_kernels - 1) / 2)) for k in range(num_kernels)]
+    gammas = kernel_gammas(num_kernels, sigma2, mul)
     if mul != 2.0:
         d2 = (2 - 2 * cos).clamp(min=0)
         return sum(torch.exp(-g * d2) for g in gammas) / num_kernels
@@ -58,6 +59,11 @@ def rbf_kernels(cos: Tensor, num_kernels: int, sigma2: float, mul: float) -> Ten
     for _ in range(1, num_kernels):
         acc.add_(q.square_())
     return acc.div_(num_kernels)
+
+
+def kernel_gammas(num_kernels: int, sigma2: float, mul: float) -> list[float]:
+    """Eq. 3's R kernel rates 1 / (2 s_k^2), s_k^2 = sigma2 mul^(k - (R - 1) / 2), k = 0..R-1."""
+    return [1 / (2 * sigma2 * mul ** (k - (num_kernels - 1) / 2)) for k in range(num_kernels)]
 
 
 def gram_of_cosines(cos: Tensor, cfg: Any) -> Tensor:
@@ -83,7 +89,7 @@ def safe_sqrt(d2: Tensor) -> Tensor:
     floor of 1e-12, 0 below it (where the gradient of sqrt is unbounded) and at negative values."""
     if not torch.is_grad_enabled():
         return d2.clamp(min=0).sqrt_()
-    ok = d2 > _SQRT_FLOOR
+    ok = d2 > SQRT_FLOOR
     return torch.where(ok, torch.where(ok, d2, torch.ones_like(d2)).sqrt(), torch.zeros_like(d2))
 
 
@@ -107,51 +113,3 @@ def pooled_gaussian(mu: Tensor, var: Tensor, mask: Tensor) -> tuple[Tensor, Tens
     mean = masked_mean(mu, mask, dim=1)
     second = masked_mean(var + mu.square(), mask, dim=1)
     return mean, (second - mean.square()).clamp(min=1e-12)
-
-
-def soft_max_aggregate_both(x: Tensor, words: Tensor, frames: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """:func:`soft_max_aggregate` over frames (dim 3) and over words (dim 1) of one (n_t, L, n_v, F)
-    tensor bounded above by 1, sharing one exp: softmax is shift-invariant, so both directions
-    use the fixed shift temperature * 1. Exact as long as exp(temperature (x - 1)) cannot underflow
-    for a real entry (the caller checks temperature (1 - min x) < 80)."""
-    valid = (words & frames).to(x.dtype)
-    if torch.is_grad_enabled():
-        e = torch.exp((x - 1) * temperature) * valid
-        ex = e * x
-    else:
-        e = (x - 1).mul_(temperature).exp_().mul_(valid)
-        ex = x * e
-    tiny = torch.finfo(x.dtype).tiny  # an all-padding slice gives 0 / tiny = 0, masked by the caller
-    return ex.sum(3) / e.sum(3).clamp(min=tiny), ex.sum(1) / e.sum(1).clamp(min=tiny)
-
-
-def dpa_scores(low: Tensor, gram: Tensor | None, text_mask: Tensor, frame_mask: Tensor, text_weight: Tensor,
-               frame_weight: Tensor, lam: float, xi: float, gram_floor: float = -1.0) -> Tensor:
-    """Eq. 2, 6, 7, 8 for every pair, given the token similarities.
-
-    ``low`` (Eq. 1 or Eq. 10) and ``gram`` (the G_tv block, None without G_inter; values in
-    [``gram_floor``, 1]) are (n_t, L, n_v, F); masks (n_t, L) and (n_v, F); the intra weights
-    h_{t->t} (n_t, L) and h_{v->v} (n_v, F) are zero at padding. Returns S (n_t, n_v); an item
-    with no real token contributes 0 for its direction.
-    """
-    words = text_mask[:, :, None, None]  # (n_t, L, 1, 1)
-    frames = frame_mask[None, None, :, :]  # (1, 1, n_v, F)
-    l_t2v = soft_max_aggregate(low, frames, lam, dim=3)  # (n_t, L, n_v)  Eq. 2
-    l_v2t = soft_max_aggregate(low, words, lam, dim=1)  # (n_t, n_v, F)  Eq. 2, v->t
-    if gram is not None:  # Eq. 6-7: double weighting by the inter-modality soft maxima
-        if xi * (1 - gram_floor) < 80:  # e^-80 is far above float32's smallest normal (1e-38)
-            h_t2v, h_v2t = soft_max_aggregate_both(gram, words, frames, xi)
-        else:
-            h_t2v, h_v2t = soft_max_aggregate(gram, frames, xi, dim=3), soft_max_aggregate(gram, words, xi, dim=1)
-        # h^_t = h_{t->v} * h_{t->t}, normalised over the tokens (Eq. 7): a weighted mean of l
-        t_side = torch.einsum("tlv,tl->tv", l_t2v * h_t2v, text_weight) / \
-            torch.einsum("tlv,tl->tv", h_t2v.abs(), text_weight).clamp(min=torch.finfo(low.dtype).tiny)
-        v_side = torch.einsum("tvf,vf->tv", l_v2t * h_v2t, frame_weight) / \
-            torch.einsum("tvf,vf->tv", h_v2t.abs(), frame_weight).clamp(min=torch.finfo(low.dtype).tiny)
-    else:  # h^_t = h_{t->t}, which sums to 1 already
-        t_side = torch.einsum("tlv,tl->tv", l_t2v, text_weight)  # <l_{t->v}, h^_t>
-        v_side = torch.einsum("tvf,vf->tv", l_v2t, frame_weight)  # <l_{v->t}, h^_v>
-    zero = torch.zeros((), dtype=low.dtype, device=low.device)
-    t_side = torch.where(frame_mask.any(1)[None, :], t_side, zero)
-    v_side = torch.where(text_mask.any(1)[:, None], v_side, zero)
-    return (t_side + v_side) / 2  # Eq. 8 / Eq. 11
