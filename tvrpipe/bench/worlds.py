@@ -26,18 +26,45 @@ from tvrpipe.features.genstore import CALIBRATED, ONE_SCENE, GenSpec, generate_s
 log = logging.getLogger(__name__)
 
 WORLDS = {"onescene": ONE_SCENE, "multiscene": CALIBRATED}
+# Worlds of fixed sizes: the synth presets (train-head's stores of few and of many steps an epoch) and bench
+# search's benchmark; --train-videos and --dim do not apply to them.
+SIZED = ("small", "medium", "msrvtt9k", "search")
 # meanpool and tokenwise have no parameter that changes a ranking: their untrained rows are the reference
 HEADS = ("xpool", "seqtransf", "tmass", "uatvr", "prota", "duq")
 MADE_BY = "tvrpipe bench worlds"
 
 
-def world_spec(world: str, train_videos: int, dim: int, seed: int = 0) -> GenSpec:
-    """The store of ``world``: ``train_videos`` train videos x 4 captions, a validation split of a quarter of
-    that (at most 1,000), 1,000 test videos (MSR-VTT 1k-A's size, the targets' gallery), D = ``dim``."""
-    if world not in WORLDS:
-        raise ConfigError(f"--world {world!r} is not one of: {', '.join(WORLDS)}")
-    return GenSpec(train_videos=train_videos, val_videos=min(1000, max(2, train_videos // 4)), test_videos=1000,
-                   captions_per_train_video=4, embed_dim=dim, seed=seed, **WORLDS[world])
+def world_spec(world: str, train_videos: int, dim: int, seed: int = 0, fields: dict | None = None) -> GenSpec:
+    """The store of ``world``.
+
+    ``onescene`` and ``multiscene``: ``train_videos`` train videos x 4 captions, a validation split of a quarter
+    of that (at most 1,000), 1,000 test videos (MSR-VTT 1k-A's size, the targets' gallery), D = ``dim``. The
+    :data:`SIZED` worlds keep their own sizes: the ``synth --features-only`` presets ``small``, ``medium`` and
+    ``msrvtt9k`` (at ``seed``), and ``search``, the heads' benchmark of ``bench search`` (2,000 train videos,
+    500 test, D = 512). ``fields``: generator fields set on top (``--set``), e.g. ``multi_scene`` for a sweep or
+    ``caption_shift=0`` for the world without its learnable share.
+    """
+    from dataclasses import replace
+
+    if world in WORLDS:
+        spec = GenSpec(train_videos=train_videos, val_videos=min(1000, max(2, train_videos // 4)), test_videos=1000,
+                       captions_per_train_video=4, embed_dim=dim, seed=seed, **WORLDS[world])
+    elif world == "search":
+        import inspect
+
+        from tvrpipe.bench.search import bench_search, benchmark_spec, collection_spec
+
+        default = {k: p.default for k, p in inspect.signature(bench_search).parameters.items()}
+        spec = benchmark_spec(collection_spec(1000, default["dim"], seed=seed), default["train_videos"])
+    elif world in SIZED:
+        from tvrpipe.bench.convergence import SIZES
+
+        spec = replace(SIZES[world], seed=seed)
+    else:
+        raise ConfigError(f"--world {world!r} is not one of: {', '.join((*WORLDS, *SIZED))}")
+    spec = replace(spec, **(fields or {}))
+    spec.validate("--set")
+    return spec
 
 
 @dataclass
@@ -73,10 +100,11 @@ class Row:
 
 def bench_worlds(out_dir: str | os.PathLike[str], worlds: list[str] | None = None, methods: list[str] | None = None,
                  train_videos: int = 1000, dim: int = 512, max_epochs: int = 20, patience: int = 4, seed: int = 0,
-                 progress: bool = True) -> list[Row]:
-    """Train every head of ``methods`` with its defaults and with ``zero_shot_start`` on each world.
+                 progress: bool = True, fields: dict | None = None, zero_shot_start: bool = True) -> list[Row]:
+    """Train every head of ``methods`` with its defaults (and with ``zero_shot_start``) on each world.
 
-    Runs already complete under ``out_dir`` are read, not trained again (rerun to resume).
+    Runs already complete under ``out_dir`` are read, not trained again (rerun to resume). ``fields``: generator
+    fields set on every world (see :func:`world_spec`); ``zero_shot_start``: also train each head from zero-shot.
 
     Returns:
         One :class:`Row` per (world, head, variant); also written to ``worlds.json`` and ``worlds.md``.
@@ -92,13 +120,13 @@ def bench_worlds(out_dir: str | os.PathLike[str], worlds: list[str] | None = Non
     for method in methods:
         head_class(method)
     out = Path(out_dir)
-    specs = {out / "stores" / world: world_spec(world, train_videos, dim, seed) for world in worlds}
+    specs = {out / "stores" / world: world_spec(world, train_videos, dim, seed, fields) for world in worlds}
     check_room("bench worlds", out, stores_needs(specs) + Needs(
         memory=max(spec.store_bytes() for spec in specs.values()),
         memory_what="the largest world's features, trained in memory"), "--train-videos or --dim")
     rows: list[Row] = []
     for world in worlds:
-        store = generate_store(out / "stores" / world, world_spec(world, train_videos, dim, seed), progress=progress,
+        store = generate_store(out / "stores" / world, specs[out / "stores" / world], progress=progress,
                                wait=True, made_by=MADE_BY)
 
         def run(method: str, name: str, cfg: TrainConfig, overrides: dict) -> tuple[dict, Path]:
@@ -112,7 +140,7 @@ def bench_worlds(out_dir: str | os.PathLike[str], worlds: list[str] | None = Non
         zero = read_test_ranks(zd)["t2v"]
         zero_r1 = 100.0 * float((zero <= 1).mean())
         for method in methods:
-            for zs in (False, True):
+            for zs in (False, True) if zero_shot_start else (False,):
                 name = f"{method}-zero-shot-start" if zs else method
                 cfg = TrainConfig(max_epochs=max_epochs, patience=patience, min_steps=0, seed=seed)
                 m, d = run(method, name, cfg, {"zero_shot_start": True} if zs else {})
