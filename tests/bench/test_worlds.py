@@ -46,3 +46,21 @@ def test_bench_worlds_trains_the_papers_start_alone_on_a_world_with_fields(tmp_p
     store = open_store(tmp_path / "w" / "stores" / "onescene")
     assert store.provenance["generator"]["caption_shift"] == 40.0
     assert not (tmp_path / "w" / "runs" / "onescene" / "xpool-zero-shot-start").exists()
+
+
+def test_bench_worlds_cli_sets_fields_and_leaves_out_the_zero_shot_start(cli, tmp_path):
+    out = tmp_path / "w"
+    r = cli("bench", "worlds", "--out", out, "--world", "onescene", "--method", "xpool", "--train-videos", 40,
+            "--dim", 16, "--max-epochs", 1, "--patience", 1, "--set", "caption_shift=0", "--set", "noise=0.5",
+            "--no-zero-shot-start")
+    assert r.exit_code == 0, r.output
+    generator = open_store(out / "stores" / "onescene").provenance["generator"]
+    assert (generator["caption_shift"], generator["noise"]) == (0.0, 0.5)
+    assert [p.name for p in (out / "runs" / "onescene").iterdir()] and \
+        not (out / "runs" / "onescene" / "xpool-zero-shot-start").exists()
+    for args, said in ((("--set", "multi_scene=2"), "--set multi_scene must be in [0, 1], got 2"),
+                       (("--set", "colour=red"), "colour"),
+                       (("--world", "huge"), "--world 'huge' is not one of")):
+        r = cli("bench", "worlds", "--out", tmp_path / "x", *args)
+        assert r.exit_code == 1 and said in " ".join(r.output.split()), r.output
+        assert not (tmp_path / "x" / "runs").exists()
