@@ -10,7 +10,8 @@ on the same queries, with the paired bootstrap interval of the difference.
 
     .venv/bin/python scripts/projection_probe.py STORE [--epochs 20] [--lr 1e-3] [--side text|video]
 
-The store needs train, val and test splits (a generated store: ``--set val_videos=N``).
+A store without a val split has 10 % of its train videos (at most 1,000) carved out as validation, each with
+its first caption, as train-head does (not the same videos: another permutation).
 """
 
 from __future__ import annotations
@@ -25,10 +26,18 @@ from tvrpipe.evaluation.metrics import paired_recall_difference
 from tvrpipe.features.store import open_store
 
 
-def split_features(store, split: str) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """Sentences (n_t, D), mean-pooled unit videos (n_v, D) and each sentence's video index, of ``split``."""
-    vrows = np.flatnonzero((store.videos["split"] == split).to_numpy())
-    texts = store.texts[store.texts["split"] == split]
+def split_features(store, split: str, carved: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """Sentences (n_t, D), mean-pooled unit videos (n_v, D) and each sentence's video index, of ``split``;
+    ``carved``: train video rows taken out as validation (first caption each) when the store has no val split."""
+    in_split = (store.videos["split"] == split).to_numpy().copy()
+    if split == "val" and len(carved):
+        in_split = np.isin(np.arange(len(in_split)), carved)
+    elif split == "train":
+        in_split &= ~np.isin(np.arange(len(in_split)), carved)
+    vrows = np.flatnonzero(in_split)
+    texts = store.texts[np.isin(store.texts["video_row"].to_numpy(), vrows)]
+    if split == "val" and len(carved):
+        texts = texts.drop_duplicates("video_row")
     frames = torch.from_numpy(store.read("videos/frames", vrows).astype(np.float32))  # (n_v, F, D)
     mask = torch.from_numpy(store.read("videos/frame_mask", vrows).astype(bool))
     unit = F.normalize(frames, dim=-1) * mask[..., None]
@@ -54,7 +63,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     store = open_store(args.store)
-    train, val, test = (split_features(store, s) for s in ("train", "val", "test"))
+    carved = np.array([], int)
+    if not (store.videos["split"] == "val").any():  # as train-head: 10 % of train, at most 1,000, as validation
+        train_rows = np.flatnonzero((store.videos["split"] == "train").to_numpy())
+        n = min(1000, max(1, len(train_rows) // 10))
+        carved = np.sort(np.random.default_rng(20240501).choice(train_rows, n, replace=False))
+    train, val, test = (split_features(store, s, carved) for s in ("train", "val", "test"))
     D = train[0].shape[1]
     W = torch.nn.Parameter(torch.eye(D))
     opt = torch.optim.Adam([W], lr=args.lr)
