@@ -225,9 +225,9 @@ def split_rows(
     ``carve_floor`` where that is no more than ``carve_floor_fraction`` of them (else that fraction),
     and at most ``carve_max``, chosen with :data:`CARVE_SEED`, keeping their first caption each: 900
     videos of MSR-VTT 9k, 400 of 2,000, 100 of 500. Why a floor: the paired noise of two scorers'
-    R@1 on 200 validation videos is 2.9 points (sd), on 500 1.65 and on 900 1.1 (docs/training.md),
-    and the selection compares epochs a point or two apart. Shared by ``train-head`` (store rows) and
-    ``finetune`` (manifest rows), so both select on the same videos.
+    R@1 on 200 validation videos is 3.0 points (sd), on 500 1.7 and on 900 1.2 (docs/training.md,
+    ``scripts/paired_noise.py``), and the selection compares epochs a point or two apart. Shared by
+    ``train-head`` (store rows) and ``finetune`` (manifest rows), so both select on the same videos.
 
     Args:
         video_split, text_split: ``train`` / ``val`` / ``test`` of each video and caption.
