@@ -578,40 +578,96 @@ def test_a_default_lr_per_width_is_read_at_the_stores_width(store, tmp_path, mon
 def test_open_ended_epochs_scale_with_steps_per_epoch():
     from tvrpipe.training.fit import open_ended_epochs
 
-    d = TrainConfig()  # patience 8, plateau 3, max 60, min_steps 300: f = 300 / (8 * steps)
-    assert open_ended_epochs(d, 63) == (8, 3, 60)  # MSR-VTT 9k (8,100 train videos / 128): f < 1, the configured epochs
-    assert open_ended_epochs(d, 38) == (8, 3, 60)  # f = 0.987
-    assert open_ended_epochs(d, 15) == (20, 8, 150)  # f = 2.5: 7.5 -> 8
-    assert open_ended_epochs(d, 3) == (100, 38, 750)  # f = 12.5
-    assert open_ended_epochs(replace(d, min_steps=0), 1) == (8, 3, 60)
-    # patience always covers min_steps steps, and the cap leaves room for it
+    d = TrainConfig()  # patience 8, plateau 3, max 60, min_steps 300: k = 300 / (8 * steps), rounded up
+    assert open_ended_epochs(d, 63) == (8, 3, 60, 1)  # MSR-VTT 9k (8,100 train videos / 128): every epoch validated
+    assert open_ended_epochs(d, 38) == (8, 3, 60, 1)  # 300 / 304
+    assert open_ended_epochs(d, 15) == (24, 9, 180, 3)  # 2.5 -> validated every 3 epochs
+    assert open_ended_epochs(d, 3) == (104, 39, 780, 13)  # 12.5 -> every 13 epochs (39 steps)
+    assert open_ended_epochs(d, 25) == (16, 6, 120, 2)  # 1.5
+    assert open_ended_epochs(d, 75 / 8) == (32, 12, 240, 4)  # exactly 4 (no float excess rounds it to 5)
+    assert open_ended_epochs(replace(d, min_steps=0), 1) == (8, 3, 60, 1)
+    # patience always covers min_steps steps, counts whole periods, and the cap leaves room for it
     for steps in range(1, 80):
-        p, q, m = open_ended_epochs(d, steps)
-        assert p * steps >= 300 or p == 8
-        assert p >= 8 and q >= 3 and m > p
-    assert open_ended_epochs(TrainConfig(max_epochs=2, patience=3, min_steps=40), 4) == (10, 10, 11)
+        p, q, m, k = open_ended_epochs(d, steps)
+        assert p * steps >= 300 and (k - 1) * 8 * steps < 300
+        assert (p, q) == (8 * k, 3 * k) and m == 60 * k
+    assert open_ended_epochs(TrainConfig(max_epochs=2, patience=3, min_steps=40), 4) == (12, 12, 16, 4)
 
 
-def test_min_steps_scales_patience_and_plateau(store, tmp_path, monkeypatch):
-    """144 train videos / 32 = 4 steps an epoch; min_steps 48 = 2 x (patience 6 x 4 steps): patience
-    12 epochs, the lr halved after every 4 epochs without improvement, at most 60 epochs."""
+def test_min_steps_validates_every_k_epochs(store, tmp_path, monkeypatch):
+    """144 train videos / 32 = 4 steps an epoch; min_steps 48 = 2 x (patience 6 x 4 steps): validation after
+    epochs 1 and 2, then every 2 epochs (8 steps), patience 12 epochs, the lr halved after every 4 epochs
+    without improvement, at most 60 epochs; a row of epochs.csv is a validated epoch, its loss and time those
+    of the epochs since the last validation."""
     _scripted_validation(monkeypatch, [10, 20, 30] + [25] * 20)
+    seen, scripted = [], fit_module.evaluate_split
+
+    def counted(head, split, *a, **kw):
+        seen.append(split.name)
+        return scripted(head, split, *a, **kw)
+    monkeypatch.setattr(fit_module, "evaluate_split", counted)
     cfg = TrainConfig(batch_size=32, lr=1e-3, patience=6, plateau=2, max_epochs=30, min_steps=48)
     m = fit(store, "xpool", tmp_path / "r", cfg, progress=False)
     sch = m["schedule"]
     assert (sch["patience_epochs"], sch["plateau_epochs"], sch["max_epochs"]) == (12, 4, 60)
-    assert sch["epochs_run"] == 15 and sch["stopped_early"] and m["selected_epoch"] == 3
-    assert sch["lr_halvings"] == 3  # after epochs 7, 11 and 15
-    assert "halved after every 4 epochs" in sch["description"] and "stop after 12" in sch["description"]
+    assert (sch["validate_every_epochs"], sch["validate_every_steps"]) == (2, 8)
+    # validated at epochs 1, 2, 4 (best), 6, ... 16: 12 epochs without improvement
+    assert sch["epochs_run"] == 16 and sch["stopped_early"] and m["selected_epoch"] == 4
+    assert sch["lr_halvings"] == 3  # after epochs 8, 12 and 16
+    assert "validated after each of the first 2 epochs, then every 2, 8 steps" in sch["description"]
+    assert "stop after 12" in sch["description"]
+    config = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert config["resolved"]["schedule"] == sch["description"]
     with open(tmp_path / "r" / "epochs.csv") as f:
-        lrs = [float(r["lr_head"]) for r in csv.DictReader(f)]
-    assert lrs[6] == pytest.approx(1e-3) and lrs[7] == pytest.approx(5e-4) and lrs[10] == pytest.approx(5e-4)
-    assert lrs[11] == pytest.approx(2.5e-4) and lrs[14] == pytest.approx(2.5e-4) and len(lrs) == 15
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [1, *range(2, 17, 2)]
+    lrs = [float(r["lr_head"]) for r in rows]
+    # a row's rate is its last step's: halved after the validations of epochs 8 and 12 (and 16, the stop)
+    assert lrs[:5] == pytest.approx([1e-3] * 5) and lrs[5:7] == pytest.approx([5e-4] * 2)
+    assert lrs[7:] == pytest.approx([2.5e-4] * 2)
+    assert seen.count("val") == 1 + 9  # the untrained head, then epoch 1 and every 2 epochs
     # a store too small for min_steps within max_epochs trains past max_epochs to reach it
     _scripted_validation(monkeypatch, [10] * 40)
     m = fit(store, "xpool", tmp_path / "s", TrainConfig(batch_size=32, max_epochs=2, patience=3, min_steps=40),
             progress=False)
-    assert m["schedule"]["epochs_run"] == 11 and m["schedule"]["stopped_early"]
+    assert m["schedule"]["epochs_run"] == 16 and m["schedule"]["stopped_early"]
+    assert m["schedule"]["validate_every_epochs"] == 4
+    with open(tmp_path / "s" / "epochs.csv") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3, 4, 8, 12, 16]
+
+
+def test_validating_every_k_epochs_resumes_to_the_same_run(store, tmp_path, monkeypatch):
+    """Cut between two validations (after epoch 5; validated after epochs 1, 2, 4, 6, 8), the run resumes from
+    its last commit (epoch 4) and trains epoch 5 again: weights, stop and selection equal the uninterrupted run's to the bit."""
+    from tvrpipe.rundir import BEST, LAST
+    from tvrpipe.training import core as core_module
+
+    cfg = TrainConfig(batch_size=32, lr=1e-3, patience=3, plateau=2, max_epochs=4, min_steps=24)  # k = 2
+    full = fit(store, "tmass", tmp_path / "full", cfg, progress=False)
+    assert full["schedule"]["validate_every_epochs"] == 2
+
+    real_lr = core_module.RunLoop.lr
+
+    def cut(self, epoch, step):  # the first step of epoch 6: epochs 5's steps ran, epoch 4 was the last commit
+        if epoch == 5:
+            raise KeyboardInterrupt
+        return real_lr(self, epoch, step)
+    monkeypatch.setattr(core_module.RunLoop, "lr", cut)
+    with pytest.raises(KeyboardInterrupt):
+        fit(store, "tmass", tmp_path / "cut", cfg, progress=False)
+    state = torch.load(tmp_path / "cut" / "checkpoints" / "state.pt", weights_only=False)
+    assert state["epoch"] == 3  # 0-based: epoch 4, the last validated one
+    monkeypatch.setattr(core_module.RunLoop, "lr", real_lr)
+    resumed = fit(store, "tmass", tmp_path / "cut", cfg, progress=False)
+    assert resumed["schedule"] == full["schedule"] and resumed["selected_epoch"] == full["selected_epoch"]
+    assert resumed["test"] == full["test"] and resumed["val"] == full["val"]
+    for name in (LAST, BEST):
+        a = (tmp_path / "full" / "checkpoints" / name).read_bytes()
+        assert a == (tmp_path / "cut" / "checkpoints" / name).read_bytes()
+    drop = ("seconds", "samples_per_s", "data_share")  # wall times
+    rows = [[{k: v for k, v in r.items() if k not in drop} for r in csv.DictReader(open(d / "epochs.csv"))]
+            for d in (tmp_path / "full", tmp_path / "cut")]
+    assert rows[0] == rows[1]
 
 
 def test_defaults_make_xpool_beat_zero_shot_meanpool(tmp_path):

@@ -71,7 +71,7 @@ class Run:
     selected_epoch: int
     epochs_run: int
     seconds: float
-    curve: list[float]
+    curve: list[tuple[int, float]]  # (epoch, validation t2v R@1) of every validated epoch
 
 
 def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | None, lr_used: float,
@@ -92,11 +92,18 @@ def _run(store_dir: Path, store: str, method: str, schedule: str, lr: float | No
         shutil.rmtree(run_dir, ignore_errors=True)
         m = fit(store_dir, method, run_dir, cfg, progress=False, on_epoch=epoch_line)
     seconds = m["train"]["seconds"]  # summed over the sessions of a resumed run
-    curve = [float(x) for x in read_epochs(run_dir)["val_t2v_R@1"]]
+    curve = _curve(run_dir)
     shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)  # keep the logs, not the weights
     val = RunResults.from_dict(m).val.get("raw", "t2v")
-    return Run(store, method, schedule, lr_used, val["R@1"], val["R@5"], m["selected_epoch"], len(curve), seconds,
-               curve)
+    return Run(store, method, schedule, lr_used, val["R@1"], val["R@5"], m["selected_epoch"],
+               m["schedule"]["epochs_run"], seconds, curve)
+
+
+def _curve(run_dir: Path) -> list[tuple[int, float]]:
+    """(epoch, validation t2v R@1) of each row of a run's ``epochs.csv``: every epoch, or every k-th on a store of
+    few steps an epoch (docs/training.md)."""
+    epochs = read_epochs(run_dir)
+    return [(int(e), float(r1)) for e, r1 in zip(epochs["epoch"], epochs["val_t2v_R@1"])]
 
 
 def bench_convergence(
@@ -253,9 +260,10 @@ def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
             key = (run_dir.parent.parent.name, run_dir.parent.name, schedule, float(results.raw["schedule"]["lr"]))
             if key in runs:
                 continue
-            curve = [float(x) for x in read_epochs(run_dir)["val_t2v_R@1"]]
+            curve = _curve(run_dir)
             val = results.val.get("raw", "t2v")
-            runs[key] = Run(*key, val["R@1"], val["R@5"], results.selected_epoch, len(curve),
+            ran = results.epochs_run if results.epochs_run is not None else (curve[-1][0] if curve else 0)
+            runs[key] = Run(*key, val["R@1"], val["R@5"], results.selected_epoch, ran,
                             results.raw["train"]["seconds"], curve)
         except (OSError, KeyError, TypeError, ValueError, RunError) as e:  # an unreadable leftover is retrained
             log.warning("%s: not reused (%s)", run_dir, e)
@@ -264,10 +272,11 @@ def _recover(out: Path, runs: dict[tuple[str, str, str, float], Run]) -> None:
 def _load_tables(out: Path) -> dict[tuple[str, str, str, float], Run]:
     if not (out / "results.csv").is_file() or not (out / "curves.csv").is_file():
         return {}
-    curves: dict[tuple, list[float]] = {}
+    curves: dict[tuple, list[tuple[int, float]]] = {}
     with open(out / "curves.csv") as f:
         for r in csv.DictReader(f):
-            curves.setdefault((r["store"], r["method"], r["schedule"], float(r["lr"])), []).append(float(r["val_r1"]))
+            curves.setdefault((r["store"], r["method"], r["schedule"], float(r["lr"])), []).append(
+                (int(r["epoch"]), float(r["val_r1"])))
     runs = {}
     with open(out / "results.csv") as f:
         for r in csv.DictReader(f):
@@ -314,8 +323,8 @@ def _write(out: Path, runs: list[Run], summary: list[dict] | None = None) -> Non
         w = csv.writer(f)
         w.writerow(["store", "method", "schedule", "lr", "epoch", "val_r1"])
         for r in runs:
-            for i, v in enumerate(r.curve):
-                w.writerow([r.store, r.method, r.schedule, r.lr, i + 1, v])
+            for epoch, v in r.curve:
+                w.writerow([r.store, r.method, r.schedule, r.lr, epoch, v])
     if summary is not None:
         with open(out / "summary.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(summary[0]) if summary else ["store"])
@@ -339,10 +348,10 @@ def _plot(path: Path, runs: list[Run]) -> None:
             ax = axes[i][j]
             mine = [r for r in runs if (r.store, r.method) == (store, method)]
             for r in mine:
-                if r.schedule == "open":
-                    ax.plot(range(1, len(r.curve) + 1), r.curve, lw=1, label=f"lr {r.lr:g}")
-                elif r.schedule == "default":
-                    ax.plot(range(1, len(r.curve) + 1), r.curve, "k--", lw=1.5, label="default")
+                if r.schedule == "open" and r.curve:
+                    ax.plot(*zip(*r.curve), lw=1, label=f"lr {r.lr:g}")
+                elif r.schedule == "default" and r.curve:
+                    ax.plot(*zip(*r.curve), "k--", lw=1.5, label="default")
             grid = [r for r in mine if r.schedule.startswith("epochs=")]
             if grid:
                 g = max(grid, key=lambda r: r.val_r1)

@@ -24,12 +24,14 @@ EpochsOption = Annotated[Optional[int], typer.Option(
     help="Train exactly this many epochs (warmup + cosine). Default: until validation stops improving "
          "(--patience, at most --max-epochs).")]
 MaxEpochsOption = Annotated[int, typer.Option(
-    help="Cap on epochs when --epochs is not given (scaled up with --patience on stores of few steps an epoch).")]
+    help="Cap on epochs when --epochs is not given (k times it on a store of few steps an epoch, where "
+         "validation runs every k epochs: see --patience).")]
 PatienceOption = Annotated[int, typer.Option(
     help="Without --epochs: stop after this many epochs without a better validation score (t2v R@1+R@5+R@10; "
-         "the lr halves every 3 such epochs). On a store of fewer than 300 / patience optimizer steps an "
-         "epoch, patience, the 3 and --max-epochs scale up by the same factor, so that patience covers "
-         "300 steps.")]
+         "the lr halves every 3 such epochs), validating after every epoch. On a store of fewer than 300 / "
+         "patience optimizer steps an epoch, validation runs after each of the first k epochs, then every k-th, "
+         "k = 300 / (patience x steps an epoch) rounded up (13 at 3 steps an epoch), and patience, the 3 and "
+         "--max-epochs count periods of k epochs, so that patience covers 300 steps.")]
 BatchSizeOption = Annotated[int, typer.Option(help="Pairs per step (one caption per video).")]
 LrOption = Annotated[Optional[float], typer.Option(parser=finite_float,
     help="Learning rate. Default: the head's, at the features' width D (`tvrpipe heads` lists them).")]

@@ -122,8 +122,10 @@ def train_head(
         console.print(f"streamed from the store: its splits need {data['needs']}, above the memory budget of "
                       f"{data['budget']}; {data['order']}", highlight=False)
     sch = metrics["schedule"]
+    every = sch.get("validate_every_epochs") or 1
+    cadence = f", validated every {every} epochs ({sch['validate_every_steps']} steps)" if every > 1 else ""
     console.print(f"selected epoch {metrics['selected_epoch']} of {sch['epochs_run']} on {metrics['validation']}"
-                  f" ({describe_lrs(sch['lr_groups'])}{', stopped early' if sch['stopped_early'] else ''}); "
+                  f" ({describe_lrs(sch['lr_groups'])}{', stopped early' if sch['stopped_early'] else ''}{cadence}); "
                   f"{_gallery('validation', metrics['val'])}, {_gallery('test', metrics['test'])}: R@K is read "
                   "against the gallery, so validation and test compare only at equal sizes")
     if metrics["selected_epoch"] == 0 and sch["epochs_run"] > 0:

@@ -389,9 +389,17 @@ def _runs_table(section: Section, out: Path) -> list[str]:
              "|---|---:|---:|---:|---|---|---|"]
     for row in section.rows:
         for r in row.runs:
-            lines.append(f"| {row.label} | {r.seed} | {r.metrics.get('selected_epoch', '?')} | {len(r.epochs)} | "
+            lines.append(f"| {row.label} | {r.seed} | {r.metrics.get('selected_epoch', '?')} | {_epochs_run(r)} | "
                          f"{execution_text(r.config)} | {_versions_cell(r.config)} | {_link(r.dir, out)} |")
     return lines
+
+
+def _epochs_run(r) -> int:
+    """The last epoch a run trained: its ``epochs.csv``'s last row (a row per validated epoch: one per epoch, or
+    one every k on a store of few steps an epoch, docs/training.md)."""
+    if not len(r.epochs):
+        return 0
+    return int(r.epochs["epoch"].iloc[-1]) if "epoch" in r.epochs.columns else len(r.epochs)
 
 
 def execution_text(config: dict) -> str:

@@ -12,7 +12,8 @@ A trainer builds its model, optimiser and batches, then drives a :class:`RunLoop
                 optimizer_step(opt, loss, loop.lr(epoch, step))
                 loop.record(loss, terms)
                 loop.advance(info)
-            loop.end_epoch(epoch, validate(), extras, state)
+            if loop.validates(epoch):               # every epoch, or every k on a store of few steps an epoch
+                loop.end_epoch(epoch, validate(), extras, state)
     best = loop.selected(validate, ...)         # the epoch selected on validation
     test = ...                                  # the selected weights on test, once
     loop.write_results(method, validation, test, extras)
@@ -21,13 +22,16 @@ What the loop owns, once for both trainers:
 
 - **Schedule** (:class:`Schedule`): linear warmup, then cosine over a fixed number of epochs (the
   papers'), or, open-ended, a constant rate halved after ``plateau`` epochs without a better
-  validation score and a stop after ``patience`` such epochs.
+  validation score and a stop after ``patience`` such epochs; validation after every epoch, or, on a
+  store of few steps an epoch (an open-ended run), after each of the first ``validate_every`` epochs,
+  then every ``validate_every``.
 - **Selection**: the epoch whose validation t2v (R@1, R@5, R@10) is highest, compared in that order
   (:meth:`~tvrpipe.rundir.Scores.selection_key`); test is evaluated once, with it.
-- **Checkpoints**: each epoch stages every model's ``last`` file, and its ``best`` file when
-  validation improved, then commits them with the resume state (:class:`Checkpoints`), so a run cut
-  anywhere resumes to the uninterrupted result.
-- **Run files**: ``epochs.csv`` after every epoch, ``metrics.json`` and ``plots/`` at the end
+- **Checkpoints**: each validated epoch stages every model's ``last`` file, and its ``best`` file
+  when validation improved, then commits them with the resume state (:class:`Checkpoints`), so a run
+  cut anywhere resumes to the uninterrupted result (the epochs after the last commit are trained again,
+  drawn as before).
+- **Run files**: ``epochs.csv`` after every validated epoch, ``metrics.json`` and ``plots/`` at the end
   (:mod:`tvrpipe.rundir`).
 """
 
@@ -94,7 +98,10 @@ class Schedule:
         warmup: steps of linear warmup.
         total: steps of the cosine decay; None: open-ended (constant, halved on plateaus, stopped
             after ``patience`` epochs without a better validation score).
-        patience, plateau: in epochs, for an open-ended run.
+        patience, plateau: in epochs, for an open-ended run (multiples of ``validate_every``).
+        validate_every: validation (and the commit of checkpoints and resume state) after each of the first
+            this many epochs, where a head at a large lr may peak and fall again within a few dozen steps,
+            then after every this many epochs, and after the last.
         description: one line for ``config.yaml`` and ``metrics.json``.
     """
 
@@ -105,6 +112,7 @@ class Schedule:
     patience: int | None = None
     plateau: int | None = None
     description: str = ""
+    validate_every: int = 1
 
     @classmethod
     def fixed(cls, steps_per_epoch: int, epochs: int, warmup_fraction: float) -> Schedule:
@@ -114,13 +122,24 @@ class Schedule:
                    description=f"{epochs} epochs: warmup {warmup_fraction:g}, then cosine")
 
     @classmethod
-    def open_ended(cls, steps_per_epoch: int, max_epochs: int, patience: int, plateau: int) -> Schedule:
+    def open_ended(cls, steps_per_epoch: int, max_epochs: int, patience: int, plateau: int,
+                   validate_every: int = 1) -> Schedule:
         """Until validation stops improving: warmup over the first epoch, then constant, halved after every
-        ``plateau`` epochs without a better score, stopped after ``patience`` (at most ``max_epochs``)."""
+        ``plateau`` epochs without a better score, stopped after ``patience`` (at most ``max_epochs``), validated
+        after each of the first ``validate_every`` epochs, then every ``validate_every`` (all four in epochs;
+        the three counts multiples of it)."""
+        every = (f"; validated after each of the first {validate_every} epochs, then every {validate_every}, "
+                 f"{validate_every * steps_per_epoch} steps" if validate_every > 1 else "")
         return cls(steps_per_epoch, max_epochs, steps_per_epoch, None, patience, plateau,
                    f"until validation t2v R@1+R@5+R@10 stops improving: warmup 1 epoch, lr halved after every "
                    f"{plateau} epochs without improvement, stop after {patience} ({steps_per_epoch} steps an "
-                   f"epoch), at most {max_epochs} epochs")
+                   f"epoch{every}), at most {max_epochs} epochs", validate_every)
+
+    def validates(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` (0-based) ends with a validation: each of the first ``validate_every``, then
+        every ``validate_every``-th, and the last."""
+        n = epoch + 1
+        return n <= self.validate_every or n % self.validate_every == 0 or n >= self.epochs
 
     def multiplier(self, epoch: int, step: int, halvings: int = 0) -> float:
         return lr_multiplier(epoch * self.steps_per_epoch + step, self.total, self.warmup, halvings)
@@ -325,9 +344,13 @@ def _picked(config: dict, keys: tuple[str, ...]) -> dict:
 
 
 def _epochs_done(out: Path) -> int:
-    """Epochs a run directory's ``epochs.csv`` holds (its committed epochs; 0 without one)."""
+    """The last epoch a run directory's ``epochs.csv`` holds (its last committed epoch; 0 without one)."""
     path = out / "epochs.csv"
-    return max(0, len(path.read_text().splitlines()) - 1) if path.is_file() else 0
+    lines = path.read_text().splitlines() if path.is_file() else []
+    try:  # its first column; a row per epoch where every epoch was validated
+        return int(lines[-1].split(",", 1)[0]) if len(lines) > 1 else 0
+    except ValueError:
+        return len(lines) - 1
 
 
 def start_run(out: Path, config: dict[str, Any], ignore: tuple[str, ...] = (),
@@ -469,7 +492,7 @@ class RunLoop:
         self.stopped = False
         self.start_epoch = 0
         self._bar = self._task = None
-        self.losses: list[float] = []  # this epoch's step losses, and each loss term's
+        self.losses: list[float] = []  # the step losses since the last validation, and each loss term's
         self.terms: dict[str, list[float]] = {}
 
     # ---- resume
@@ -544,7 +567,6 @@ class RunLoop:
         for epoch in range(self.start_epoch, self.schedule.epochs):
             if self.stopped:
                 return
-            self.losses, self.terms = [], {}
             yield epoch
 
     def record(self, total: torch.Tensor, terms: Mapping[str, Any]) -> float:
@@ -553,6 +575,10 @@ class RunLoop:
         for k, v in terms.items():
             self.terms.setdefault(k, []).append(float(v))
         return self.losses[-1]
+
+    def validates(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` ends with validation and :meth:`end_epoch` (:meth:`Schedule.validates`)."""
+        return self.schedule.validates(epoch)
 
     def lr(self, epoch: int, step: int) -> float:
         """The lr multiplier of a step (halvings included)."""
@@ -565,10 +591,11 @@ class RunLoop:
         return f" | val R@1 {self.rows[-1]['val_t2v_R@1']:.1f} (best {self.best['val']['t2v']['R@1']:.1f})"
 
     def end_epoch(self, epoch: int, val: dict, extras: Mapping[str, Any], state: Mapping[str, Any]) -> dict:
-        """Rank 0, after epoch ``epoch``'s validation ``val``: its row (the mean of the losses
-        :meth:`record` saw, ``extras``: the trainer's own columns), its checkpoints and the selection,
-        early stopping, and one commit with the trainer's resume ``state`` (optimiser, ...); then
-        ``epochs.csv``. Returns the row."""
+        """Rank 0, after epoch ``epoch``'s validation ``val`` (an epoch that :meth:`validates`): its row (the
+        mean of the losses :meth:`record` saw since the last validation, ``extras``: the trainer's own columns),
+        its checkpoints and the selection, early stopping (the epochs since the last validation count as epochs
+        without a better score), and one commit with the trainer's resume ``state`` (optimiser, ...); then ``epochs.csv``.
+        Returns the row."""
         scores = Scores.from_dict(val)
         row = {"epoch": epoch + 1, "loss": float(np.mean(self.losses)) if self.losses else float("nan"),
                **{f"loss_{k}": float(np.mean(v)) for k, v in self.terms.items()},
@@ -576,6 +603,7 @@ class RunLoop:
                **{f"val_v2t_{k}": v for k, v in val["v2t"].items() if k != "n"},
                **scores.readout_columns(), **extras}
         self.rows.append(row)
+        self.losses, self.terms = [], {}
         for prefix, write in self.models.items():
             self.checkpoints.stage(f"{prefix}{LAST}", write)
         if self.best is None or scores.selection_key() > tuple(self.best["key"]):
@@ -585,9 +613,10 @@ class RunLoop:
         if self.best_score is None or score > self.best_score:
             self.best_score, self.since_best = score, 0
         else:
-            self.since_best += 1
+            gap = epoch + 1 - (self.rows[-2]["epoch"] if len(self.rows) > 1 else 0)  # epochs since the last validation
+            self.since_best += gap  # in epochs
             if self.schedule.total is None:  # open-ended: halve on plateaus, stop when patience runs out
-                if self.since_best % self.schedule.plateau == 0:
+                if self.since_best // self.schedule.plateau > (self.since_best - gap) // self.schedule.plateau:
                     self.halvings += 1
                 self.stopped = self.since_best >= self.schedule.patience
         stopping = {"best_score": self.best_score, "since_best": self.since_best, "halvings": self.halvings,
@@ -620,15 +649,16 @@ class RunLoop:
     def write_results(self, method: str, validation: str, test: dict, schedule: Mapping[str, Any],
                       train: Mapping[str, Any], extras: Mapping[str, Any] = {}) -> dict:  # noqa: B006 (read only)
         """``metrics.json``, one shape for both trainers: the selected epoch, its validation and test scores, the
-        checkpoint, ``schedule`` (what trained: ``lr_groups``, ``batch_size``, ``description``; ``epochs_run`` is
-        added), ``train`` (throughput), then the trainer's ``extras``; and the plots."""
+        checkpoint, ``schedule`` (what trained: ``lr_groups``, ``batch_size``, ``description``; ``epochs_run``, the
+        last epoch trained, is added), ``train`` (throughput), then the trainer's ``extras``; and the plots."""
         best = self.best
         metrics = {"method": method, "selected_epoch": best["epoch"], "selection": SELECTION,
                    "validation": validation, "val": best["val"], "test": test,
                    # what selection compared the epochs against: the untrained models on validation
                    **({"untrained_val": self.untrained} if self.untrained is not None else {}),
                    "checkpoint": {"file": f"{CHECKPOINTS}/{BEST}", "sha256": best.get("sha256")},
-                   "schedule": {**schedule, "epochs_run": len(self.rows)}, "train": dict(train), **extras}
+                   "schedule": {**schedule, "epochs_run": self.rows[-1]["epoch"] if self.rows else 0},
+                   "train": dict(train), **extras}
         write_metrics(self.out, metrics)
         if self.rows:
             write_plots(self.out, self.rows, Scores.from_dict(best["val"]).readout_groups())

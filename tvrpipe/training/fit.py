@@ -99,25 +99,24 @@ def check_device(device: str) -> None:
                               "use --device cpu")
 
 
-def open_ended_epochs(train: TrainConfig, steps_per_epoch: int) -> tuple[int, int, int]:
-    """(patience, plateau, max_epochs) in epochs for a run without ``epochs``, on a store of
+def open_ended_epochs(train: TrainConfig, steps_per_epoch: int) -> tuple[int, int, int, int]:
+    """(patience, plateau, max_epochs, validate_every) in epochs for a run without ``epochs``, on a store of
     ``steps_per_epoch`` optimizer steps an epoch.
 
-    Progress per epoch depends on the steps in it, so all three count epochs of at least
-    ``min_steps / patience`` steps: on a store with fewer steps an epoch they are multiplied by
-    ``f = min_steps / (patience * steps_per_epoch)`` (rounded up), which makes patience cover
-    ``min_steps`` steps. ``f`` is at least 1 (bigger stores keep the configured epochs). E.g. the
-    defaults (8, 3, 60, 300 steps): 63 steps an epoch (MSR-VTT 9k) -> (8, 3, 60); 15 -> (20, 8, 150);
-    3 -> (100, 38, 750).
+    Progress per epoch depends on the steps in it, so the schedule counts in periods of at least
+    ``min_steps / patience`` steps: on a store with fewer steps an epoch, a period is ``k`` epochs, ``k =
+    min_steps / (patience * steps_per_epoch)`` rounded up, which makes patience cover ``min_steps`` steps.
+    Validation runs once a period (every ``k`` epochs), and patience, plateau and max_epochs are ``k`` times
+    the configured numbers of periods (max_epochs at least patience + 1 periods). ``k`` is 1 on bigger
+    stores: the configured epochs, each validated. E.g. the defaults (8, 3, 60, 300 steps): 63 steps an
+    epoch (MSR-VTT 9k) -> (8, 3, 60, 1); 15 -> (24, 9, 180, 3); 3 -> (104, 39, 780, 13).
 
     Example:
         >>> open_ended_epochs(TrainConfig(), 15)
-        (20, 8, 150)
+        (24, 9, 180, 3)
     """
-    f = max(1.0, train.min_steps / (train.patience * steps_per_epoch))
-    patience, plateau, max_epochs = (math.ceil(round(n * f, 6))  # round: 10.000000001 is 10 epochs
-                                     for n in (train.patience, train.plateau, train.max_epochs))
-    return patience, plateau, max(max_epochs, patience + 1)
+    k = max(1, math.ceil(round(train.min_steps / (train.patience * steps_per_epoch), 6)))  # round: 10.0000001 is 10
+    return (k * train.patience, k * train.plateau, k * max(train.max_epochs, train.patience + 1), k)
 
 
 def resolved_lr(method: str, train: TrainConfig, embed_dim: int) -> tuple[float, str]:
@@ -182,7 +181,7 @@ def fit(
         post: post-processing to report beside raw test metrics (``dsl``, ``qbnorm``).
         progress: show a progress bar.
         max_steps: cap on steps per epoch (benchmarks); None trains on every video.
-        on_epoch: called after each epoch, once it is saved, with its ``epochs.csv`` row (``bench
+        on_epoch: called after each validated epoch, once it is saved, with its ``epochs.csv`` row (``bench
             convergence`` logs a line per epoch of its hours-long runs with it).
         recipe: what the run records of the recipe its settings came from (:meth:`Recipe.record`).
 
@@ -284,8 +283,8 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
     steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
     if max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, max_steps)
-    patience, plateau, max_epochs = open_ended_epochs(train, steps_per_epoch)
-    schedule = (Schedule.open_ended(steps_per_epoch, max_epochs, patience, plateau) if train.epochs is None
+    patience, plateau, max_epochs, every = open_ended_epochs(train, steps_per_epoch)
+    schedule = (Schedule.open_ended(steps_per_epoch, max_epochs, patience, plateau, every) if train.epochs is None
                 else Schedule.fixed(steps_per_epoch, train.epochs, train.warmup_fraction))
 
     # ---- model, and the rate each of its parameter groups trains at (what the run records)
@@ -353,12 +352,12 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
         for vids, caps, texts, videos in pairs.epoch(train.seed, epoch, steps_per_epoch, batch):
             yield vids, caps, texts.to(device), videos.to(device)
 
-    # ---- loop
+    # ---- loop: validated every epoch, or every ``schedule.validate_every`` (a store of few steps an epoch)
+    t_period, t_data, t_step, n_steps = time.perf_counter(), 0.0, 0.0, 0  # since the last validation
     with loop.progress(method, enabled=progress):
         for epoch in loop.epochs():
-            t_epoch = t0 = time.perf_counter()
+            t0 = time.perf_counter()
             head.train()
-            t_data = t_step = 0.0
             info = loop.validation_info()
             for step, (vids, caps, texts, videos) in enumerate(
                     _prefetch(batches(epoch)) if train.prefetch else batches(epoch)):
@@ -370,18 +369,22 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
                                   train_split.caption_ids[caps], "--lr")
                 optimizer_step(opt, out_loss.total, loop.lr(epoch, step))
                 t2 = time.perf_counter()
-                t_data, t_step = t_data + (t1 - t0), t_step + (t2 - t1)
+                t_data, t_step, n_steps = t_data + (t1 - t0), t_step + (t2 - t1), n_steps + 1
                 loss = loop.record(out_loss.total, out_loss.terms)
                 loop.advance(f"epoch {epoch + 1}/{schedule.epochs} loss {loss:.3f} "
                              f"{len(vids) / (t2 - t0):.0f} samples/s{info}")
                 t0 = time.perf_counter()
+            if not loop.validates(epoch):
+                continue
             val = evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts)
             busy = max(t_data + t_step, 1e-9)
             loop.end_epoch(epoch, val, {
                 **group_rates(opt),  # the rate each parameter group stepped at last
-                "samples_per_s": steps_per_epoch * batch / busy, "data_share": t_data / busy,
-                "seconds": time.perf_counter() - t_epoch,  # wall time of the epoch, validation included
+                "samples_per_s": n_steps * batch / busy, "data_share": t_data / busy,
+                # wall time since the last validation (the epochs since, this validation included)
+                "seconds": time.perf_counter() - t_period,
             }, {"optimizer": opt.state_dict() if opt else None})
+            t_period, t_data, t_step, n_steps = time.perf_counter(), 0.0, 0.0, 0
 
     # ---- the selected epoch, evaluated once on test
     loop.selected(lambda: evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts))
@@ -398,6 +401,9 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
         method, splits.val_source, test,
         schedule={"lr": lr, "lr_source": lr_source, "lr_groups": rates, "batch_size": batch,
                   "description": schedule.description, "stopped_early": loop.stopped, "lr_halvings": loop.halvings,
+                  # validation (and a commit of the checkpoints) after every validate_every_epochs epochs
+                  "validate_every_epochs": schedule.validate_every,
+                  "validate_every_steps": schedule.validate_every * steps_per_epoch,
                   **({"patience_epochs": patience, "plateau_epochs": plateau,
                       "max_epochs": max_epochs} if train.epochs is None else {})},
         train={"samples_per_s": float(np.mean([r["samples_per_s"] for r in rows])) if rows else None,

@@ -37,8 +37,9 @@ class TrainConfig:
     With ``epochs`` None (the default) a run trains until validation stops improving: linear
     warmup over the first epoch, then a constant learning rate, halved after ``plateau`` epochs
     without a better validation score (t2v R@1 + R@5 + R@10), stopping after ``patience`` such
-    epochs (at most ``max_epochs``); on a store with few steps an epoch these three scale up so that
-    patience covers ``min_steps`` optimizer steps (:func:`open_ended_epochs`). The checkpoint is
+    epochs (at most ``max_epochs``), validated after every epoch; on a store with few steps an epoch,
+    validation runs every k epochs and these three count periods of k epochs, so that patience covers
+    ``min_steps`` optimizer steps (:func:`~tvrpipe.training.fit.open_ended_epochs`). The checkpoint is
     still selected on t2v (R@1, R@5, R@10). With ``epochs`` set, the schedule is the papers' warmup
     + cosine over exactly that many epochs. ``lr`` None takes the head's ``default_lr`` at the
     store's width D (:meth:`Head.lr_for`). The evidence for these defaults is in docs/training.md
@@ -54,7 +55,8 @@ class TrainConfig:
     plateau: int = at_least(1, 3)  # choice: epochs without a better validation score before the lr halves
     # choice: no stop before this many optimizer steps without a better validation score: progress per
     # epoch depends on the steps in an epoch, so on a store with fewer than min_steps / patience steps
-    # an epoch, patience, plateau and max_epochs all scale up by the same factor (open_ended_epochs)
+    # an epoch, validation runs every k epochs and patience, plateau and max_epochs count periods of k
+    # epochs (open_ended_epochs)
     min_steps: int = at_least(0, 300)
     # CLIP4Clip Sec. 4.1: batch 128
     batch_size: int = at_least(2, 128, option="--batch-size", why="a contrastive batch needs negatives")
