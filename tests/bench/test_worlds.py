@@ -64,3 +64,21 @@ def test_bench_worlds_cli_sets_fields_and_leaves_out_the_zero_shot_start(cli, tm
         r = cli("bench", "worlds", "--out", tmp_path / "x", *args)
         assert r.exit_code == 1 and said in " ".join(r.output.split()), r.output
         assert not (tmp_path / "x" / "runs").exists()
+
+
+def test_full_schedule_is_train_heads_own_and_kept_apart(tmp_path, cli):
+    from tvrpipe.rundir import read_metrics
+    from tvrpipe.training.settings import TrainConfig
+
+    rows = bench_worlds(tmp_path / "w", ["onescene"], ["xpool"], train_videos=40, dim=16, progress=False,
+                        zero_shot_start=False, full_schedule=True)
+    assert [(r.method, r.full_schedule) for r in rows] == [("xpool", True)]
+    m = read_metrics(tmp_path / "w" / "runs" / "onescene" / "xpool-full")
+    # an epoch is a pass over the 40 train videos, one step at batch 128: train-head validates every
+    # ceil(300 / 8) = 38 epochs, where the shortened schedule validates every epoch
+    assert m["schedule"]["validate_every_epochs"] == -(-TrainConfig().min_steps // TrainConfig().patience) == 38
+    assert not (tmp_path / "w" / "runs" / "onescene" / "xpool").exists()
+    assert "| onescene | xpool | paper's | train-head's |" in (tmp_path / "w" / "worlds.md").read_text()
+    r = cli("bench", "worlds", "--out", tmp_path / "x", "--full-schedule", "--patience", 2)
+    assert r.exit_code == 1 and "--full-schedule trains with train-head's own" in " ".join(r.output.split())
+    assert not (tmp_path / "x").exists()

@@ -4,7 +4,7 @@ Two worlds with real CLIP ViT-B/32's statistics on MSR-VTT (:mod:`tvrpipe.featur
 per video with whole-video captions (``genstore.ONE_SCENE``), and the benchmark world with multi-scene
 videos, partial captions and near-duplicates (``genstore.CALIBRATED``). On each, every trainable head is
 trained with train-head's default lr and open-ended schedule, shortened for a CPU (patience ``patience``
-epochs, at most ``max_epochs``, no scaling to 300 steps),
+epochs, at most ``max_epochs``, no scaling to 300 steps) or, with ``full_schedule``, train-head's defaults as they are,
 then again with ``zero_shot_start`` (not in the papers), and its test t2v R@1 is set beside zero-shot
 CLIP's on the same 1,000 test queries: a 95 % bootstrap interval over the queries, and the paired
 bootstrap interval of the difference, which says whether the head beats zero-shot, trails it, or is
@@ -88,6 +88,7 @@ class Row:
     diff_low: float
     diff_high: float
     seconds: float
+    full_schedule: bool = False
 
     @property
     def verdict(self) -> str:
@@ -100,11 +101,14 @@ class Row:
 
 def bench_worlds(out_dir: str | os.PathLike[str], worlds: list[str] | None = None, methods: list[str] | None = None,
                  train_videos: int = 1000, dim: int = 512, max_epochs: int = 20, patience: int = 4, seed: int = 0,
-                 progress: bool = True, fields: dict | None = None, zero_shot_start: bool = True) -> list[Row]:
+                 progress: bool = True, fields: dict | None = None, zero_shot_start: bool = True,
+                 full_schedule: bool = False) -> list[Row]:
     """Train every head of ``methods`` with its defaults (and with ``zero_shot_start``) on each world.
 
     Runs already complete under ``out_dir`` are read, not trained again (rerun to resume). ``fields``: generator
-    fields set on every world (see :func:`world_spec`); ``zero_shot_start``: also train each head from zero-shot.
+    fields set on every world (see :func:`world_spec`); ``zero_shot_start``: also train each head from zero-shot;
+    ``full_schedule``: train-head's own default schedule (``max_epochs`` and ``patience`` unused), what a user's
+    ``tvrpipe train-head`` runs; its runs are kept apart (``NAME-full``) from the shortened schedule's.
 
     Returns:
         One :class:`Row` per (world, head, variant); also written to ``worlds.json`` and ``worlds.md``.
@@ -141,8 +145,9 @@ def bench_worlds(out_dir: str | os.PathLike[str], worlds: list[str] | None = Non
         zero_r1 = 100.0 * float((zero <= 1).mean())
         for method in methods:
             for zs in (False, True) if zero_shot_start else (False,):
-                name = f"{method}-zero-shot-start" if zs else method
-                cfg = TrainConfig(max_epochs=max_epochs, patience=patience, min_steps=0, seed=seed)
+                name = (f"{method}-zero-shot-start" if zs else method) + ("-full" if full_schedule else "")
+                cfg = TrainConfig(seed=seed) if full_schedule else TrainConfig(
+                    max_epochs=max_epochs, patience=patience, min_steps=0, seed=seed)
                 m, d = run(method, name, cfg, {"zero_shot_start": True} if zs else {})
                 first = read_epochs(d)["val_t2v_R@1"]
                 ranks = read_test_ranks(d)["t2v"]
@@ -154,7 +159,8 @@ def bench_worlds(out_dir: str | os.PathLike[str], worlds: list[str] | None = Non
                           first_epoch_val_r1=float(first.iloc[0]) if len(first) else float("nan"),
                           val_r1=m["val"]["t2v"]["R@1"],
                           test_r1=m["test"]["t2v"]["R@1"], test_low=lo, test_high=hi, zero_shot_r1=zero_r1,
-                          diff=diff, diff_low=dlo, diff_high=dhi, seconds=m["train"]["seconds"])
+                          diff=diff, diff_low=dlo, diff_high=dhi, seconds=m["train"]["seconds"],
+                          full_schedule=full_schedule)
                 rows.append(row)
                 log.warning("%s %s%s: test R@1 %.1f [%.1f, %.1f], zero-shot %.1f: %s", world, method,
                             " (zero-shot start)" if zs else "", row.test_r1, lo, hi, zero_r1, row.verdict)
@@ -166,11 +172,12 @@ def _write(out: Path, rows: list[Row]) -> None:
     from tvrpipe.files import atomic_write_text
 
     atomic_write_text(out / "worlds.json", json.dumps([{**asdict(r), "verdict": r.verdict} for r in rows], indent=1))
-    lines = ["| world | head | start | lr | epoch (of) | val R@1 untrained → epoch 1 → selected | test R@1 [95 %] | "
-             "zero-shot | difference [95 %] | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| world | head | start | schedule | lr | epoch (of) | val R@1 untrained → epoch 1 → selected | test R@1 [95 %] | "
+             "zero-shot | difference [95 %] | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         start = "zero-shot start" if r.zero_shot_start else "paper's"
-        lines.append(f"| {r.world} | {r.method} | {start} | {r.lr:g} | {r.selected_epoch} ({r.epochs_run}) | "
+        schedule = "train-head's" if r.full_schedule else "short"
+        lines.append(f"| {r.world} | {r.method} | {start} | {schedule} | {r.lr:g} | {r.selected_epoch} ({r.epochs_run}) | "
                      f"{r.untrained_val_r1:.1f} → {r.first_epoch_val_r1:.1f} → {r.val_r1:.1f} | {r.test_r1:.1f} [{r.test_low:.1f}, {r.test_high:.1f}]"
                      f" | {r.zero_shot_r1:.1f} | {r.diff:+.1f} [{r.diff_low:+.1f}, {r.diff_high:+.1f}] | {r.verdict} |")
     atomic_write_text(out / "worlds.md", "\n".join(lines) + "\n")

@@ -277,8 +277,14 @@ def bench_worlds_cmd(
     train_videos: Annotated[int, typer.Option(help="Train videos of onescene and multiscene (x 4 captions).")] = BW.train_videos,
     dim: Annotated[int, typer.Option(help="Feature width D of onescene and multiscene (512: ViT-B/32, the "
                                           "calibration's).")] = BW.dim,
-    max_epochs: Annotated[int, typer.Option(help="Cap of each run's open-ended schedule (epochs).")] = BW.max_epochs,
-    patience: Annotated[int, typer.Option(help="Epochs without a better validation score before a run stops.")] = BW.patience,
+    max_epochs: Annotated[Optional[int], typer.Option(
+        help=f"Cap of each run's shortened schedule (epochs; default {BW.max_epochs}).")] = None,
+    patience: Annotated[Optional[int], typer.Option(
+        help=f"Epochs without a better validation score before a shortened run stops (default {BW.patience}).")] = None,
+    full_schedule: Annotated[bool, typer.Option(
+        "--full-schedule", help="Train with train-head's own default schedule (what `tvrpipe train-head` runs: "
+                                "patience of at least 300 steps, validation every k epochs on small stores) "
+                                "instead of the shortened one.")] = BW.full_schedule,
     set_: Annotated[Optional[list[str]], typer.Option(
         "--set", help="Generator field=value set on every world (repeatable), e.g. multi_scene=0.1 for a sweep, "
                       "caption_shift=0 for the world without its learnable share; give each setting its own --out.")] = None,
@@ -292,9 +298,15 @@ def bench_worlds_cmd(
     from tvrpipe.config import parse_fields
     from tvrpipe.features.genstore import GenSpec
 
+    from tvrpipe.errors import ConfigError
+
+    if full_schedule and (max_epochs is not None or patience is not None):
+        raise ConfigError("--max-epochs and --patience size the shortened schedule; --full-schedule trains with "
+                          "train-head's own: give one or the other")
     fields = parse_fields(GenSpec, set_ or [], "--set", "--set")
-    rows = bench_worlds(out, world, method, train_videos, dim, max_epochs, patience, fields=fields,
-                        zero_shot_start=zero_shot_start)
+    rows = bench_worlds(out, world, method, train_videos, dim, BW.max_epochs if max_epochs is None else max_epochs,
+                        BW.patience if patience is None else patience, fields=fields,
+                        zero_shot_start=zero_shot_start, full_schedule=full_schedule)
     table = Table(title=f"test t2v R@1 against zero-shot CLIP on the same queries ({out / 'worlds.md'})")
     for col in ("world", "head", "start", "epoch", "test R@1 [95 %]", "zero-shot", "difference [95 %]", "verdict"):
         table.add_column(col, justify="right")
