@@ -378,3 +378,31 @@ def test_refuses_to_overwrite_another_datasets_manifest(tmp_path):
     with pytest.raises(ConfigError, match="--out"):
         synthesize(tmp_path, 2, progress=False)
     assert (tmp_path / "manifest" / "videos.parquet").read_bytes() == b"x"
+
+
+def test_caption_templates_give_a_style_and_default_to_all():
+    markers = ("on a grey background", "we see", "a video of", "in this clip", "across a dark background")
+    # each descriptive template has a phrase of its own, and no short one has any
+    assert [sum(m in synth.TEMPLATES[i] for m in markers) for i in synth.DESCRIPTIVE_TEMPLATES] == [1] * 5
+    assert not any(m in synth.TEMPLATES[i] for m in markers for i in synth.SHORT_TEMPLATES)
+    assert sorted(synth.SHORT_TEMPLATES + synth.DESCRIPTIVE_TEMPLATES) == list(range(len(synth.TEMPLATES)))
+    args = (60, 2, SIZE, 4, 0.3, 0.3, (0.7, 0.1, 0.2))
+    short = [c for p in plan_videos(*args, synth.SHORT_TEMPLATES) for c in p.captions]
+    descriptive = [c for p in plan_videos(*args, synth.DESCRIPTIVE_TEMPLATES) for c in p.captions]
+    assert not any(m in c for c in short for m in markers)
+    assert all(any(m in c for m in markers) for c in descriptive)
+    # the same videos either way (only the captions' wording differs), and no subset is the old default
+    assert [p.scenes for p in plan_videos(*args, synth.SHORT_TEMPLATES)] == [p.scenes for p in plan_videos(*args)]
+    assert plan_videos(*args) == plan_videos(*args, tuple(range(len(synth.TEMPLATES))))
+
+
+def test_caption_templates_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"caption_templates must be distinct indices of the 8 caption templates "
+                                          r"\(0 to 7\), got \[1, 1\]"):
+        synthesize(tmp_path / "s", 4, caption_templates=[1, 1], progress=False)
+    with pytest.raises(ConfigError, match=r"got \[8\]"):
+        synthesize(tmp_path / "s", 4, caption_templates=[8], progress=False)
+    # 3 templates x 3 shape words x 5 motion phrases: 45 distinct captions a scene
+    with pytest.raises(ConfigError, match="--captions-per-video must be between 1 and 45, got 46"):
+        synthesize(tmp_path / "s", 4, captions_per_video=46, caption_templates=synth.SHORT_TEMPLATES, progress=False)
+    assert not (tmp_path / "s").exists()

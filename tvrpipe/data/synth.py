@@ -144,6 +144,12 @@ TEMPLATES = (
     "in this clip {a} {colour} {shape} {moves}",
     "{a} {colour} {shape} {moving} across a dark background",
 )
+# Two styles of caption, as a benchmark's differ from the web pairs CLIP learned from: short alt-text-like
+# phrases (what the quickstart's tiny CLIP is trained on) and an annotator's fuller sentences (the quickstart's
+# benchmark). Which words a style adds is a shift between CLIP's text space and the benchmark's that zero-shot
+# CLIP cannot undo and a head trained on the benchmark can learn.
+SHORT_TEMPLATES = (0, 1, 3)
+DESCRIPTIVE_TEMPLATES = (2, 4, 5, 6, 7)
 # Every (template, shape synonym, motion paraphrase) triple gives a distinct sentence.
 MAX_CAPTIONS = len(TEMPLATES) * min(map(len, SHAPE_WORDS.values())) * min(map(len, MOTION_WORDS.values()))
 MAX_WORDS = 32
@@ -233,6 +239,7 @@ def _validate(
     multi_scene_fraction: float,
     distractor_fraction: float,
     split_fractions: Sequence[float],
+    caption_templates: Sequence[int] | None = None,
 ) -> None:
     def integer(name: str, value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -260,9 +267,17 @@ def _validate(
             f"--scene-seconds x --fps must be a whole number of frames >= 2, got "
             f"{scene_seconds} x {fps} = {frames:g}"
         )
-    if not 1 <= integer("--captions-per-video", captions_per_video) <= MAX_CAPTIONS:
+    max_captions = MAX_CAPTIONS
+    if caption_templates is not None:
+        t = list(caption_templates)
+        if not t or len(set(t)) != len(t) or not all(
+                isinstance(i, (int, np.integer)) and 0 <= i < len(TEMPLATES) for i in t):
+            raise ConfigError(f"caption_templates must be distinct indices of the {len(TEMPLATES)} caption "
+                              f"templates (0 to {len(TEMPLATES) - 1}), got {t}")
+        max_captions = MAX_CAPTIONS // len(TEMPLATES) * len(t)
+    if not 1 <= integer("--captions-per-video", captions_per_video) <= max_captions:
         raise ConfigError(
-            f"--captions-per-video must be between 1 and {MAX_CAPTIONS}, got {captions_per_video}"
+            f"--captions-per-video must be between 1 and {max_captions}, got {captions_per_video}"
         )
     for name, value in (
         ("--multi-scene-fraction", multi_scene_fraction),
@@ -387,17 +402,18 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def _captions(rng: np.random.Generator, scene: Scene, k: int) -> tuple[str, ...]:
-    """``k`` distinct paraphrases describing ``scene``."""
+def _captions(rng: np.random.Generator, scene: Scene, k: int,
+              templates: Sequence[int] = tuple(range(len(TEMPLATES)))) -> tuple[str, ...]:
+    """``k`` distinct paraphrases describing ``scene``, each from one of ``templates`` (indices of TEMPLATES)."""
     n_shape, n_motion = len(SHAPE_WORDS[scene.shape]), len(MOTION_WORDS[scene.direction])
-    picks = rng.choice(len(TEMPLATES) * n_shape * n_motion, k, replace=False)
+    picks = rng.choice(len(templates) * n_shape * n_motion, k, replace=False)
     out = []
     for p in picks:
         t, rest = divmod(int(p), n_shape * n_motion)
         s, m = divmod(rest, n_motion)
         moves, moving = MOTION_WORDS[scene.direction][m]
         out.append(
-            TEMPLATES[t].format(
+            TEMPLATES[templates[t]].format(
                 a=_article(scene.colour),
                 colour=scene.colour,
                 shape=SHAPE_WORDS[scene.shape][s],
@@ -416,12 +432,14 @@ def plan_videos(
     multi_scene_fraction: float,
     distractor_fraction: float,
     split_fractions: Sequence[float],
+    caption_templates: Sequence[int] | None = None,
 ) -> list[VideoPlan]:
     """Draw every video's attributes, captions and split from one seeded generator.
 
     Returns the plans in id order (``synth_00000`` first). Arguments are as in
     :func:`synthesize` and are assumed valid.
     """
+    templates = tuple(range(len(TEMPLATES))) if caption_templates is None else tuple(caption_templates)
     rng = np.random.default_rng(seed)
     n_single, n_multi, n_distr = _kind_counts(n_videos, multi_scene_fraction, distractor_fraction)
     originals = []
@@ -450,7 +468,7 @@ def plan_videos(
                 video_id=ids[j],
                 group=group,
                 split=split_of[group],
-                captions=_captions(rng, p.scenes[p.described], captions_per_video),
+                captions=_captions(rng, p.scenes[p.described], captions_per_video, templates),
             )
         )
     return out
@@ -657,6 +675,7 @@ def synthesize(
     multi_scene_fraction: float = 0.3,
     distractor_fraction: float = 0.3,
     split_fractions: tuple[float, float, float] = (0.7, 0.1, 0.2),
+    caption_templates: Sequence[int] | None = None,
     progress: bool = True,
 ) -> Manifest:
     """Render a synthetic text-video dataset and write its manifest.
@@ -674,6 +693,8 @@ def synthesize(
         distractor_fraction: fraction of all videos that are near-duplicates of another video,
             differing in one attribute of the captioned scene.
         split_fractions: train, val and test fractions; a distractor group stays in one split.
+        caption_templates: which sentence templates captions are written from (indices of ``TEMPLATES``;
+            default all): :data:`SHORT_TEMPLATES` or :data:`DESCRIPTIVE_TEMPLATES` give a style of caption.
         progress: show a progress bar.
 
     Returns:
@@ -692,11 +713,11 @@ def synthesize(
         2   test       4        12
     """
     _validate(n_videos, seed, size, fps, scene_seconds, captions_per_video,
-              multi_scene_fraction, distractor_fraction, split_fractions)
+              multi_scene_fraction, distractor_fraction, split_fractions, caption_templates)
     out = Path(out_dir)
     frames_per_scene = _frames_per_scene(scene_seconds, fps)
     plans = plan_videos(n_videos, seed, size, captions_per_video, multi_scene_fraction,
-                        distractor_fraction, split_fractions)
+                        distractor_fraction, split_fractions, caption_templates)
 
     _clear_previous(out, {p.video_id for p in plans})
     vdir = out / VIDEOS_DIR
@@ -736,6 +757,7 @@ def synthesize(
             "multi_scene_fraction": multi_scene_fraction,
             "distractor_fraction": distractor_fraction,
             "split_fractions": list(split_fractions),
+            "caption_templates": list(range(len(TEMPLATES)) if caption_templates is None else caption_templates),
             "kinds": {k: int(kinds.get(k, 0)) for k in ("single", "multi_scene", "distractor")},
             "codec": CODEC,
             "crf": CRF,
