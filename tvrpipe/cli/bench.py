@@ -296,9 +296,8 @@ def bench_worlds_cmd(
     from rich.table import Table
 
     from tvrpipe.config import parse_fields
-    from tvrpipe.features.genstore import GenSpec
-
     from tvrpipe.errors import ConfigError
+    from tvrpipe.features.genstore import GenSpec
 
     if full_schedule and (max_epochs is not None or patience is not None):
         raise ConfigError("--max-epochs and --patience size the shortened schedule; --full-schedule trains with "
