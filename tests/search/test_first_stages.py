@@ -292,6 +292,8 @@ def test_ivfpq_probes_a_share_of_its_lists_for_sentence_queries_across_the_modal
     cls = first_stage_class("faiss-ivfpq")
     index = cls.build(pooled, stage_config("faiss-ivfpq", {"ivf_from": 2000}))
     assert "nprobe=max(32, 0.3 x nlist, lists holding 2 x refine x k)" in index.describe()
+    # docs/search.md's figure: 4 sqrt(6,000) = 310 lists wanted, capped at the 6,000-vector sample / 39
+    assert index.index.nlist == 153
 
     def kept(**settings):
         index.config = stage_config("faiss-ivfpq", {"ivf_from": 2000, **settings})
