@@ -406,3 +406,6 @@ def test_caption_templates_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="--captions-per-video must be between 1 and 45, got 46"):
         synthesize(tmp_path / "s", 4, captions_per_video=46, caption_templates=synth.SHORT_TEMPLATES, progress=False)
     assert not (tmp_path / "s").exists()
+    # numpy indices are indices too, and meta.json records plain integers
+    m = synthesize(tmp_path / "s", 4, caption_templates=np.array(synth.SHORT_TEMPLATES), progress=False)
+    assert m.meta["synth"]["caption_templates"] == [0, 1, 3]

@@ -757,7 +757,8 @@ def synthesize(
             "multi_scene_fraction": multi_scene_fraction,
             "distractor_fraction": distractor_fraction,
             "split_fractions": list(split_fractions),
-            "caption_templates": list(range(len(TEMPLATES)) if caption_templates is None else caption_templates),
+            "caption_templates": [int(i) for i in (range(len(TEMPLATES)) if caption_templates is None
+                                                   else caption_templates)],
             "kinds": {k: int(kinds.get(k, 0)) for k in ("single", "multi_scene", "distractor")},
             "codec": CODEC,
             "crf": CRF,
