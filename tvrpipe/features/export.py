@@ -93,11 +93,11 @@ def pooled_blocks(store, rows: int = 4096,
     """The store's videos (``which``: only these store rows, sorted) ``rows`` at a time, each block as ``(its
     store rows, embeddings (block, D) float32, has a decoded frame (block,) bool)``: the embedding as the meanpool
     head computes it (L2-normalised mean of the L2-normalised valid frames,
-    :func:`tvrpipe.heads.meanpool.mean_video`); a video without a decoded frame (a failed one) has a zero row.
+    :func:`tvrpipe.heads.pooling.mean_video`); a video without a decoded frame (a failed one) has a zero row.
     Memory holds one block of frames, whatever the store's size."""
     import torch
 
-    from tvrpipe.heads.meanpool import mean_video
+    from tvrpipe.heads.pooling import mean_video
 
     which = np.arange(store.array("videos/frames").shape[0]) if which is None else np.asarray(which, np.int64)
     for a in range(0, len(which), rows):

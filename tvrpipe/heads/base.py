@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from tvrpipe.config import check_fields
 from tvrpipe.errors import ConfigError
+from tvrpipe.heads.pooling import mean_video
 
 Emb = dict[str, Tensor]
 
@@ -150,8 +151,6 @@ def _zero_shot_text(texts: TextBatch) -> Emb:
 def _zero_shot_video(videos: VideoBatch) -> Emb:
     """The zero-shot row's video: meanpool's ``mean_video`` (the normalised mean of the L2-normalised
     real frames), so that g = 0 is that row's computation, not an approximation of it."""
-    from tvrpipe.heads.meanpool import mean_video  # meanpool imports this module
-
     return {ZS_VIDEO: mean_video(videos.frames, videos.frame_mask)}
 
 

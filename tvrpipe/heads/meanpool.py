@@ -29,26 +29,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tvrpipe.heads.base import Emb, Head, HeadConfig, TextBatch, VideoBatch, register_head
-from tvrpipe.heads.losses import masked_mean
+from tvrpipe.heads.pooling import mean_video
 
 
 @dataclass(frozen=True)
 class Config(HeadConfig):
     """meanP: no parameters besides the contrastive temperature."""
 
-
-
-def mean_video(frames: Tensor, frame_mask: Tensor) -> Tensor:
-    """L2-normalised masked mean of L2-normalised frames: (B, F, D), (B, F) -> (B, D)."""
-    frame_mask = frame_mask.bool()
-    frames = torch.where(frame_mask.unsqueeze(-1), frames, torch.zeros_like(frames))  # padding never enters
-    video = masked_mean(F.normalize(frames, dim=-1), frame_mask, dim=1)  # (B, D)
-    return F.normalize(video, dim=-1)
 
 
 @register_head("meanpool")
