@@ -393,7 +393,8 @@ def test_caption_templates_give_a_style_and_default_to_all():
     assert all(any(m in c for m in markers) for c in descriptive)
     # the same videos either way (only the captions' wording differs), and no subset is the old default
     assert [p.scenes for p in plan_videos(*args, synth.SHORT_TEMPLATES)] == [p.scenes for p in plan_videos(*args)]
-    assert plan_videos(*args) == plan_videos(*args, tuple(range(len(synth.TEMPLATES))))
+    assert synth.ALL_TEMPLATES == tuple(range(len(synth.TEMPLATES)))
+    assert plan_videos(*args) == plan_videos(*args, synth.ALL_TEMPLATES)
 
 
 def test_caption_templates_are_checked(tmp_path):

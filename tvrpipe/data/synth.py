@@ -150,6 +150,7 @@ TEMPLATES = (
 # CLIP cannot undo and a head trained on the benchmark can learn.
 SHORT_TEMPLATES = (0, 1, 3)
 DESCRIPTIVE_TEMPLATES = (2, 4, 5, 6, 7)
+ALL_TEMPLATES = tuple(range(len(TEMPLATES)))  # synth's default: every style
 # Every (template, shape synonym, motion paraphrase) triple gives a distinct sentence.
 MAX_CAPTIONS = len(TEMPLATES) * min(map(len, SHAPE_WORDS.values())) * min(map(len, MOTION_WORDS.values()))
 MAX_WORDS = 32
@@ -402,8 +403,7 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def _captions(rng: np.random.Generator, scene: Scene, k: int,
-              templates: Sequence[int] = tuple(range(len(TEMPLATES)))) -> tuple[str, ...]:
+def _captions(rng: np.random.Generator, scene: Scene, k: int, templates: Sequence[int]) -> tuple[str, ...]:
     """``k`` distinct paraphrases describing ``scene``, each from one of ``templates`` (indices of TEMPLATES)."""
     n_shape, n_motion = len(SHAPE_WORDS[scene.shape]), len(MOTION_WORDS[scene.direction])
     picks = rng.choice(len(templates) * n_shape * n_motion, k, replace=False)
@@ -439,7 +439,7 @@ def plan_videos(
     Returns the plans in id order (``synth_00000`` first). Arguments are as in
     :func:`synthesize` and are assumed valid.
     """
-    templates = tuple(range(len(TEMPLATES))) if caption_templates is None else tuple(caption_templates)
+    templates = ALL_TEMPLATES if caption_templates is None else tuple(caption_templates)
     rng = np.random.default_rng(seed)
     n_single, n_multi, n_distr = _kind_counts(n_videos, multi_scene_fraction, distractor_fraction)
     originals = []
@@ -757,8 +757,7 @@ def synthesize(
             "multi_scene_fraction": multi_scene_fraction,
             "distractor_fraction": distractor_fraction,
             "split_fractions": list(split_fractions),
-            "caption_templates": [int(i) for i in (range(len(TEMPLATES)) if caption_templates is None
-                                                   else caption_templates)],
+            "caption_templates": [int(i) for i in (ALL_TEMPLATES if caption_templates is None else caption_templates)],
             "kinds": {k: int(kinds.get(k, 0)) for k in ("single", "multi_scene", "distractor")},
             "codec": CODEC,
             "crf": CRF,
