@@ -397,9 +397,7 @@ def _runs_table(section: Section, out: Path) -> list[str]:
 def _epochs_run(r) -> int:
     """The last epoch a run trained: its ``epochs.csv``'s last row (a row per validated epoch: one per epoch, or
     one every k on a store of few steps an epoch, docs/training.md)."""
-    if not len(r.epochs):
-        return 0
-    return int(r.epochs["epoch"].iloc[-1]) if "epoch" in r.epochs.columns else len(r.epochs)
+    return int(r.epochs["epoch"].iloc[-1]) if len(r.epochs) else 0
 
 
 def execution_text(config: dict) -> str:
