@@ -602,6 +602,19 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     assert two["qps"] == pytest.approx(6 / two["seconds"]) and two["recall"] == 1.0 and two["p50_ms"] is None
     assert {p: p.stat().st_mtime for p in out.glob(chunks) if p.is_file()} == stores
     assert {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")} == runs
+    # the distilled first stage: fitted to xpool after its (reused) training, its build measured; the zero-shot
+    # shortlist's recall it is compared with is the first run's two-stage recall with the exact pooled stage
+    xpool_exact = {x["candidates"]: x["recall"] for x in (json.loads((tmp_path / "r.json").read_text()))["rows"]
+                   if x["method"] == "xpool"}
+    r = bench("--candidates", "20", "--candidates", "600", "--method", "xpool", "--first-stage", "distilled",
+              "--first-stage-set", "steps=5", "--first-stage-set", "dim=8", "--latency-queries", "0")
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    built = res["trained"]["xpool"]["first_stage"]
+    assert res["first_stage"].startswith("distilled") and built["seconds"] > 0 and built["bytes"] > 600 * 3 * 8 * 4
+    assert built["fit"]["head_pairs"] > 0 and built["describe"].startswith("distilled: 3 segments x 8 dims")
+    assert res["zero_shot_recall"]["xpool"] == {"20": pytest.approx(xpool_exact[20]), "600": 1.0}
+    assert [x["recall"] for x in res["rows"]][-1] == 1.0 and "distilled / the zero-shot pooled shortlist" in r.output
 
 
 def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):

@@ -46,8 +46,10 @@ def overlap(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / len(y) for x, y in zip(a, b)]))
 
 
-@pytest.mark.parametrize("name", list_first_stages())
+@pytest.mark.parametrize("name", [n for n in list_first_stages() if not first_stage_class(n).head_aware])
 def test_every_first_stage_builds_ranks_saves_and_loads(name, tmp_path):
+    """Every first stage over pooled embeddings (a head-aware one is built from a head: tests/search/
+    test_distilled.py)."""
     cls = first_stage_class(name)
     if not cls.available():
         pytest.skip(f"{name} needs {cls.install}")
@@ -97,9 +99,9 @@ def test_names_aliases_and_auto_come_from_the_registry(monkeypatch):
     assert resolve_first_stage("auto") == "exact"
     with pytest.raises(ConfigError, match="--first-stage faiss-hnsw needs faiss-cpu .* or use --first-stage exact"):
         resolve_first_stage("faiss-hnsw")
-    with pytest.raises(ConfigError, match="choose one of auto, exact, "):
+    with pytest.raises(ConfigError, match="choose one of auto, distilled, exact, "):
         resolve_first_stage("annoy")
-    with pytest.raises(ConfigError, match=r"--first-stage 'auto': choose one of exact, faiss-hnsw \(or faiss\), "):
+    with pytest.raises(ConfigError, match=r"--first-stage 'auto': choose one of distilled, exact, faiss-hnsw \(or faiss\), "):
         first_stage_class("auto")  # where auto is not taken (export), it is not offered
     with pytest.raises(ConfigError, match="has no setting 'nprobes'"):
         stage_config("exact", {"nprobes": 3})

@@ -124,6 +124,8 @@ class SearchBench:
     # method -> {"test_R@1", "seconds", "run", "epochs_run", "selected_epoch"}
     trained: dict[str, dict] = field(default_factory=dict)
     rows: list[SearchRow] = field(default_factory=list)
+    # a head-aware first stage: method -> K -> the recall the pooled exact first stage would have given
+    zero_shot_recall: dict[str, dict[int, float]] = field(default_factory=dict)
     exhaustive_queries: int = 0  # the queries the exhaustive search ran (a sample at a large collection)
     latency_queries: int = 0  # the queries each two-stage arm also searched one at a time
     cpus: int = 0
@@ -176,6 +178,15 @@ class SearchBench:
             if t is not None:
                 out.append(f"{m}: trained {t['epochs_run']} epochs (selected {t['selected_epoch']}), benchmark test "
                            f"R@1 {t['test_R@1']:.1f} %")
+            if t is not None and "first_stage" in t:
+                fs = t["first_stage"]
+                out.append(f"{m}: distilled first stage built in {fs['seconds']:.1f} s (fit {fs['fit']['seconds']:.1f} "
+                           f"s on {fs['fit']['head_pairs']:,} head scores), {fs['bytes'] / 2**20:,.1f} MiB on disk, "
+                           f"peak {fs['peak_gb']:.2f} GB")
+            if m in self.zero_shot_recall:
+                out.append(f"{m}: recall@10 with the distilled / the zero-shot pooled shortlist: " + ", ".join(
+                    f"K={kk} {self.recall(m).get(kk, float('nan')):.3f} / {v:.3f}"
+                    for kk, v in self.zero_shot_recall[m].items()))
             if k is None:
                 out.append(f"{m}: no K measured reaches recall@10 {TARGET_RECALL} (best "
                            f"{max(self.recall(m).values()):.3f} at K = {max(self.recall(m))})")
@@ -266,6 +277,7 @@ class _Arm:
     first_stage: str
     settings: tuple[str, ...] = ()  # the first stage's --first-stage-set items
     latency: int = 0  # the two stages: the first queries also searched one at a time, each timed
+    run: str = ""  # the head's run: a distilled first stage is fitted to it
 
 
 def _arm(job: _Arm) -> dict:
@@ -275,14 +287,13 @@ def _arm(job: _Arm) -> dict:
 
     from tvrpipe.features.store import open_store
     from tvrpipe.rundir import load_head
-    from tvrpipe.search.engine import exhaustive, two_stage
-    from tvrpipe.search.index import first_stage
+    from tvrpipe.search.engine import exhaustive, shortlist_is_head_aware, two_stage
 
     torch.set_num_threads(os.cpu_count() or 1)
     store = open_store(job.store)
     head = load_head(job.checkpoint).eval()
     texts = query_batch(store, job.query_rows)
-    stage = first_stage(store, job.first_stage, settings=job.settings) if job.candidates is not None else None
+    stage = _stage(store, head, job) if job.candidates is not None else None
 
     def search(t, rows=job.rows):
         if stage is None:
@@ -307,7 +318,7 @@ def _arm(job: _Arm) -> dict:
     peak = _peak_bytes()
     if stage is None:
         encoded = len(job.rows)
-    elif head.ranks_as_first_stage:  # the two stages keep the first stage's cosines: no video is encoded
+    elif head.ranks_as_first_stage and not shortlist_is_head_aware(stage):  # the first stage's cosines are kept
         encoded = 0
     else:
         encoded = len(np.unique(stage.top(texts.sentence.numpy(), ranked.candidates)[0]))
@@ -315,20 +326,44 @@ def _arm(job: _Arm) -> dict:
             "rows": ranked.rows, "encoded": int(encoded), "threads": torch.get_num_threads(), "alone": alone}
 
 
+def _stage(store, head, job: _Arm):
+    """The arm's first stage: the store's kept one, or the distilled one of the arm's run."""
+    from tvrpipe.search.distilled import distilled_stage
+    from tvrpipe.search.first_stages import first_stage_class, stage_config
+    from tvrpipe.search.index import first_stage
+
+    if first_stage_class(job.first_stage).head_aware:
+        return distilled_stage(store, head, job.run, stage_config(job.first_stage, job.settings))
+    return first_stage(store, job.first_stage, settings=job.settings)
+
+
 @dataclass(frozen=True)
 class _Build:
     store: str
     first_stage: str
     settings: tuple[str, ...]
+    run: str = ""  # a distilled first stage's run
 
 
 def _build(job: _Build) -> dict:
     """The first stage built afresh from the store in this (fresh) process and kept beside it: its build time
-    (pooling every video's frames, and its index) and the process's resident peak."""
+    (pooling every video's frames, and its index; a distilled one's fit too), the process's resident peak and,
+    for a distilled one, its record and its files' size."""
     from tvrpipe.features.store import open_store
+    from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
+    from tvrpipe.search.distilled import DISTILLED_DIR, distilled_stage
+    from tvrpipe.search.first_stages import first_stage_class, stage_config
     from tvrpipe.search.index import INDEX_DIR, first_stage
 
     store = open_store(job.store)
+    if job.run:
+        head = load_head(Path(job.run) / CHECKPOINTS / BEST).eval()
+        shutil.rmtree(Path(job.store) / DISTILLED_DIR, ignore_errors=True)
+        t = time.perf_counter()
+        stage = distilled_stage(store, head, job.run, stage_config(first_stage_class(job.first_stage).name,
+                                                                   job.settings))
+        return {"seconds": time.perf_counter() - t, "peak": _peak_bytes(), "describe": stage.describe(),
+                "fit": stage.record["fit"], "bytes": stage.record["bytes"]}
     shutil.rmtree(Path(job.store) / INDEX_DIR, ignore_errors=True)
     t = time.perf_counter()
     stage = first_stage(store, job.first_stage, cache=True, settings=job.settings)
@@ -466,7 +501,7 @@ def bench_search(
     from tvrpipe.heads.base import head_class, list_heads
     from tvrpipe.progress import progress_bar
     from tvrpipe.rundir import BEST, CHECKPOINTS
-    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
+    from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage, stage_config
     from tvrpipe.search.first_stages.exact import exact_top
     from tvrpipe.search.index import first_stage as build_first_stage
 
@@ -489,11 +524,14 @@ def bench_search(
                                progress=progress, wait=True, made_by="tvrpipe bench search")
 
     # the first stage, built afresh in a process of its own (timed, its peak measured) and kept beside the
-    # collection for the arms' processes
-    built = in_fresh_process(_build, _Build(str(coll_dir), kind, first_stage_settings), "building the first stage")
+    # collection for the arms' processes; a distilled one is built per head, after its training, and the
+    # zero-shot figures below are the exact pooled stage's
+    head_aware = first_stage_class(kind).head_aware
+    pooled_kind, pooled_settings = ("exact", ()) if head_aware else (kind, first_stage_settings)
+    built = in_fresh_process(_build, _Build(str(coll_dir), pooled_kind, pooled_settings), "building the first stage")
     store = open_store(coll_dir)
-    stage = build_first_stage(store, kind, cache=True, settings=first_stage_settings)
-    what = built["describe"]
+    stage = build_first_stage(store, pooled_kind, cache=True, settings=pooled_settings)
+    what = built["describe"] if not head_aware else f"{kind}, fitted to each head (zero-shot figures: exact)"
 
     # the queries: held-out captions, and each one's video; the exhaustive search's sample of them
     rng = np.random.default_rng([seed, 45])
@@ -519,7 +557,8 @@ def bench_search(
         train_videos=train_videos, train_epochs=train_epochs, exhaustive_queries=len(sample),
         latency_queries=latency_queries, cpus=os.cpu_count() or 1)
     rows = stage.rows
-    del stage, top, pos
+    zero_shot_top = top  # (Q, max K): the pooled exact shortlist a distilled first stage is compared with
+    del stage, pos
     gc.collect()
 
     with progress_bar(elapsed=True, enabled=progress) as bar:
@@ -529,15 +568,24 @@ def bench_search(
             run_dir = out / "runs" / bench_dir.name / (f"{method}-open" if train_epochs is None else
                                                         f"{method}-{train_epochs}ep")
             bench.trained[method] = trained_run(bench_dir, method, run_dir, train_epochs)
+            if head_aware:
+                bar.update(task, description=f"{method}: distilling its first stage")
+                fs = in_fresh_process(_build, _Build(str(coll_dir), kind, first_stage_settings, str(run_dir)),
+                                      f"{method}: building its distilled first stage")
+                bench.trained[method]["first_stage"] = {"seconds": fs["seconds"], "peak_gb": fs["peak"] / 2**30,
+                                                        "bytes": fs["bytes"], "fit": fs["fit"],
+                                                        "describe": fs["describe"]}
             bar.advance(task)
             full = None
             for k in (None, *ks):
                 bar.update(task, description=f"{method}: {'exhaustive' if k is None else f'two stages, K = {k}'}")
                 searched = sample if k is None else np.arange(queries)
                 job = _Arm(str(coll_dir), str(run_dir / CHECKPOINTS / BEST), qrows[searched], rows, k, kind,
-                           first_stage_settings, latency_queries)
+                           first_stage_settings, latency_queries, str(run_dir))
                 r = in_fresh_process(_arm, job, f"{method} search, {'exhaustive' if k is None else f'K = {k}'}")
                 full = r["rows"] if k is None else full
+                if k is None and head_aware:  # the two stages' recall had the shortlist been zero-shot CLIP's
+                    bench.zero_shot_recall[method] = {kk: recall_in(zero_shot_top[sample, :kk], full) for kk in ks}
                 alone = np.asarray(r["alone"]) * 1000
                 bench.rows.append(SearchRow(
                     method=method, candidates=k, seconds=r["seconds"], qps=len(searched) / r["seconds"],
@@ -552,6 +600,13 @@ def bench_search(
             _write(out, bench)
     _write(out, bench)
     return bench
+
+
+def recall_in(shortlist: np.ndarray, reference: np.ndarray) -> float:
+    """The share of each query's ``reference`` top k (``(Q, k)``) in its ``shortlist`` (``(Q, K)``), averaged:
+    the recall of two stages whose head re-ranks that shortlist (the head's top k of a shortlist holding them
+    is them)."""
+    return float(np.mean([np.isin(ref, short).mean() for short, ref in zip(shortlist, reference)]))
 
 
 def recall_at(rows: np.ndarray, reference: np.ndarray) -> float:

@@ -76,6 +76,7 @@ class Searcher:
         clip: ``(model, pretrained, seed)`` the queries are encoded with (None: ``encode`` is not available).
         device: where the head runs.
         video_root: the folder the store's paths are relative to (for thumbnails), where known.
+        run: the run directory whose head ranks (None: zero-shot); a distilled first stage is fitted to it.
     """
 
     store: FeatureStore
@@ -85,6 +86,7 @@ class Searcher:
     clip: tuple[str, str, int] | None
     device: str = "cpu"
     video_root: Path | None = None
+    run: Path | None = None
     _bundle: Any = field(default=None, repr=False)
 
     def encode(self, queries: Sequence[str]) -> TextBatch:
@@ -315,7 +317,7 @@ def open_searcher(features: str | os.PathLike[str], run: str | os.PathLike[str] 
                            "train the run again into a new --out")
         clip = (str(export["model"]), str(file), 0)
     label = f"{config['method']} ({run})"
-    return Searcher(store, head, label, int(want.get("max_words", prov["max_words"])), clip, device, video_root)
+    return Searcher(store, head, label, int(want.get("max_words", prov["max_words"])), clip, device, video_root, run)
 
 
 def _other_clip(run: Path, config: dict, metrics: dict, want: Mapping[str, Any], store: FeatureStore,
@@ -434,7 +436,7 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
     """
     K = min(candidates, len(stage))
     pos, first = stage.top(texts.sentence.cpu().numpy(), K)  # (Q, K) positions into stage.rows
-    if head.ranks_as_first_stage:  # the head's scores are these cosines: its ranking of the K is theirs
+    if head.ranks_as_first_stage and not shortlist_is_head_aware(stage):  # the head's scores are these cosines
         top = min(k, K)
         return Ranked(stage.rows[pos[:, :top]], first[:, :top].astype(np.float32),
                       np.full((len(texts), top), np.nan, np.float32), K)
@@ -616,7 +618,6 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     """
     from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.index import exported_stage
-    from tvrpipe.search.index import first_stage as make_stage
     from tvrpipe.search.shards import check_sharding, sharded_first_stage
 
     check_queries(queries)
@@ -630,6 +631,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     check_sharding(shards, address, candidates, index)
     if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
         stage_config(resolve_first_stage(first_stage), first_stage_settings)
+        check_head_aware(searcher, first_stage, candidates, shards)
     if min_score is not None:
         check_min_score(searcher, min_score)
     if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
@@ -643,7 +645,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         stage = sharded_first_stage(store, first_stage, first_stage_settings, shards, address, candidates)
     else:
         stage = (exported_stage(index, store, first_stage_settings) if index is not None
-                 else make_stage(store, first_stage, settings=first_stage_settings, progress=progress))
+                 else searcher_stage(searcher, first_stage, first_stage_settings, progress))
     k = hits_asked(k, len(stage), store, candidates)
     depth = ranking_depth(store.videos, k, per_video, len(stage) if candidates is None else min(candidates, len(stage)))
     if candidates is None or candidates >= len(stage):
@@ -654,6 +656,55 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     if per_video is not None:
         hits = per_file(hits, per_video, k)
     return replace(cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video), shards=shards)
+
+
+def searcher_stage(searcher: Searcher, first_stage: str, settings: Sequence[str] | Mapping[str, Any] = (),
+                   progress: bool = False) -> Any:
+    """The first stage ``first_stage`` of a search by ``searcher``: a head-aware one (``distilled``) fitted to its
+    run's head (:mod:`tvrpipe.search.distilled`), any other the store's own (:func:`tvrpipe.search.index.first_stage`).
+
+    Raises:
+        ConfigError: a head-aware first stage for zero-shot search (no run); as the builders raise.
+    """
+    from tvrpipe.search.distilled import distilled_stage
+    from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage, stage_config
+    from tvrpipe.search.first_stages.base import head_aware_refusal
+    from tvrpipe.search.index import first_stage as make_stage
+
+    cls = first_stage_class(resolve_first_stage(first_stage))
+    if not cls.head_aware:
+        return make_stage(searcher.store, first_stage, settings=settings, progress=progress)
+    if searcher.run is None:
+        raise ConfigError(head_aware_refusal(cls.name))
+    return distilled_stage(searcher.store, searcher.head, searcher.run, stage_config(cls.name, settings),
+                           progress=progress)
+
+
+def shortlist_is_head_aware(stage: Any) -> bool:
+    """Whether ``stage`` ranks as a run's head does (a distilled first stage), not by the pooled cosine."""
+    return bool(getattr(getattr(stage, "index", None), "head_aware", False))
+
+
+def check_head_aware(searcher: Searcher, first_stage: str, candidates: int | None, shards: int | None) -> None:
+    """A first stage fitted to a run's head (``distilled``) needs that run, a shortlist, and one process.
+
+    Raises:
+        ConfigError: zero-shot (no ``--run``), no ``--candidates`` (the head would score every video: nothing
+            to shortlist, and the distilled stage would be built for nothing), or ``--shards`` beside it.
+    """
+    from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage
+    from tvrpipe.search.first_stages.base import head_aware_refusal
+
+    cls = first_stage_class(resolve_first_stage(first_stage))
+    if not cls.head_aware:
+        return
+    if searcher.run is None:
+        raise ConfigError(head_aware_refusal(cls.name))
+    if candidates is None:
+        raise ConfigError(f"--first-stage {cls.name} shortlists the videos the head re-ranks: give --candidates K "
+                          f"(without it the head scores every video)")
+    if shards is not None:
+        raise ConfigError(f"--first-stage {cls.name} runs in this process: leave out --shards {shards}")
 
 
 def cut_below(hits: list[Hit], min_score: float | None, searchable: int, candidates: int, k: int,

@@ -43,7 +43,7 @@ from tvrpipe.search.first_stages import (
     resolve_first_stage,
     stage_config,
 )
-from tvrpipe.search.first_stages.base import Settings, normalised, stage_settings
+from tvrpipe.search.first_stages.base import Settings, head_aware_refusal, normalised, stage_settings
 from tvrpipe.search.first_stages.exact import exact_top
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class FirstStage:
     """The pooled embeddings of a store's searchable videos, and the index that takes their top k.
 
     Attributes:
-        pooled: float32 ``(n, D)``, L2-normalised (a memory map where read from a folder).
+        pooled: float32 ``(n, D)``, L2-normalised (a memory map where read from a folder); a distilled first
+            stage's segment vectors.
         rows: the store row of each (videos without a decoded frame are not searchable).
         index: the first stage (:mod:`tvrpipe.search.first_stages`) over ``pooled``.
     """
@@ -75,6 +76,7 @@ class FirstStage:
     pooled: np.ndarray
     rows: np.ndarray
     index: FirstStageIndex
+    record: dict | None = None  # a distilled first stage's: what it was fitted from and what building it cost
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -88,7 +90,7 @@ class FirstStage:
         best first. ``queries``: ``(Q, D)`` sentence embeddings (normalised here)."""
         q = normalised(queries)
         k = min(k, len(self))
-        if k < len(self):
+        if k < len(self) or self.index.head_aware:  # a distilled index ranks its own vectors, not pooled's
             return self.index.top(q, k)
         return exact_top(self.pooled, q, k)  # every video: their exact order, whichever index
 
@@ -131,6 +133,8 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
     """
     cls = first_stage_class(resolve_first_stage(kind))
     config = stage_config(cls.name, settings)
+    if cls.head_aware:  # built from a run's head: tvrpipe.search.distilled
+        raise ConfigError(head_aware_refusal(cls.name))
     want = {"name": cls.name, "settings": cls.build_settings(config)}
     folder = Path(store.dir) / INDEX_DIR
     key = store_key(store)
@@ -161,7 +165,7 @@ def first_stage(store: FeatureStore, kind: str = "auto", cache: bool = True,
         if pooled is None or rows is None:
             pooled, rows = pooled_rows(store)
             index = None
-        _check_searchable(store, rows)
+        check_searchable(store, rows)
         built = False
         if index is None:
             index = cls.build(pooled, config)
@@ -180,7 +184,7 @@ class _StoreChanged(TvrpipeError):
     through, as it is no failure to write)."""
 
 
-def _check_searchable(store: FeatureStore, rows: np.ndarray) -> None:
+def check_searchable(store: FeatureStore, rows: np.ndarray) -> None:
     if not len(rows):
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to search "
                           f"(see {Path(store.dir) / 'failures.parquet'})")
@@ -195,7 +199,7 @@ def _build_in_place(store: FeatureStore, folder: Path, key: str, cls: type[First
     def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
         pooled, rows = pooled_rows(store, tmp / "pooled.npy")
-        _check_searchable(store, rows)
+        check_searchable(store, rows)
         index = cls.build(pooled, config)
         if store_key(store) != key:
             raise _StoreChanged

@@ -359,14 +359,13 @@ def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
     same one (a reopen after an extract), else loaded and tried on a warm-up query (``warm_up`` False: not loaded,
     for a server given another encoder). With ``shards``, the first stage is new Ray actors (``old``'s end when
     its last request drops them)."""
-    from tvrpipe.search.engine import open_searcher
-    from tvrpipe.search.index import first_stage as make_stage
+    from tvrpipe.search.engine import open_searcher, searcher_stage
     from tvrpipe.search.shards import sharded_first_stage
 
     searcher = open_searcher(features, run, device, pretrained, video_root)
     if warm_up and (old is None or not searcher.share_clip(old.searcher)):
         searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
-    stage = (make_stage(searcher.store, first_stage, settings=first_stage_settings, progress=progress) if shards is None else
+    stage = (searcher_stage(searcher, first_stage, first_stage_settings, progress) if shards is None else
              sharded_first_stage(searcher.store, first_stage, first_stage_settings, shards, address, candidates))
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)

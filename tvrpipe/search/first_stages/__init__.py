@@ -25,6 +25,7 @@ __all__ = ["AUTO", "FirstStageIndex", "StageConfig", "exportable_first_stages", 
 
 # One line per first stage: importing its module registers it.
 from tvrpipe.search.first_stages import (
+    distilled,  # noqa: F401
     exact,  # noqa: F401
     faiss_hnsw,  # noqa: F401
     faiss_ivfpq,  # noqa: F401

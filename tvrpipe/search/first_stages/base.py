@@ -57,6 +57,8 @@ class FirstStageIndex(ABC):
         auto_rank: ``--first-stage auto`` takes the available first stage of highest rank; None: never.
         exact: whether :meth:`top` is the exact top k (the bench then compares it with nothing).
         install: what to install where :meth:`available` is False (a sentence after "needs").
+        head_aware: ranks as a run's head does, so it is built from the head (:mod:`tvrpipe.search.distilled`),
+            not from the pooled embeddings alone, and needs ``--run``.
     """
 
     name: ClassVar[str] = ""  # set by register_first_stage
@@ -68,6 +70,7 @@ class FirstStageIndex(ABC):
     auto_rank: ClassVar[int | None] = None
     exact: ClassVar[bool] = False
     install: ClassVar[str] = ""
+    head_aware: ClassVar[bool] = False
 
     def __init__(self, pooled: np.ndarray, config: StageConfig) -> None:
         self.pooled = pooled  # (n, D) float32, L2-normalised; a memory map where read from a folder
@@ -239,6 +242,12 @@ def stage_config(name: str, settings: Settings | None = None) -> StageConfig:
     """
     cls = first_stage_class(name)
     return dataclasses.replace(cls.Config(), **stage_settings(name, settings))
+
+
+def head_aware_refusal(name: str) -> str:
+    """What a head-aware first stage asked for without a run's head says."""
+    return (f"--first-stage {name} is fitted to a run's head: give --run (zero-shot CLIP ranks as the pooled first "
+            f"stages do: exact, faiss-hnsw, faiss-ivfpq)")
 
 
 def normalised(queries: np.ndarray) -> np.ndarray:

@@ -1,0 +1,278 @@
+"""The distilled first stage of a run (:mod:`tvrpipe.search.first_stages.distilled`): fitted to the run's head
+on the run's own store, applied to the searched store, and kept beside that store.
+
+    <store>/search-distilled/<key>/
+      scorer.npz       the query and video maps (D x d) and the segments a video
+      vectors.npy      float32 (n x segments, d): the searchable videos' segment vectors (read as a memory map)
+      rows.npy         int64 (n,): their rows in the store
+      distilled.json   what it was built from (the store's key, the run, its checkpoint's sha256, the build
+                       settings), the fit's record and the build's cost
+
+``key`` hashes the store's key (:func:`tvrpipe.search.index.store_key`), the checkpoint's sha256 and the build
+settings, so a store extracted again, another run or other settings build anew; each is built once and reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tvrpipe.errors import ConfigError, WriteError
+from tvrpipe.features.store import FeatureStore, open_store
+from tvrpipe.files import atomic_replace_folder, file_sha256
+from tvrpipe.heads.base import Head, TextBatch, VideoBatch
+from tvrpipe.search.first_stages.base import normalised
+from tvrpipe.search.first_stages.distilled import Distilled, Scorer, segment_means
+from tvrpipe.search.index import searchable_rows, store_key
+
+log = logging.getLogger(__name__)
+
+DISTILLED_DIR = "search-distilled"
+_BLOCK = 4096  # videos read at a time (their frames: 50 MB at F = 12, D = 512 in float16)
+_TEACHER_BLOCK = 256  # videos a head scores at a time while teaching
+
+
+def text_batch(store: FeatureStore, rows: np.ndarray, tokens: bool = True) -> TextBatch:
+    """Captions ``rows`` (sorted) of a store as a float32 TextBatch (word tokens only where ``tokens``)."""
+    sentence = torch.from_numpy(store.read("texts/sentence", rows).astype(np.float32))
+    if not tokens:
+        return TextBatch(torch.zeros((len(rows), 0, sentence.shape[1])), torch.zeros((len(rows), 0), dtype=torch.bool),
+                         sentence)
+    return TextBatch(torch.from_numpy(store.read("texts/tokens", rows).astype(np.float32)),
+                     torch.from_numpy(store.read("texts/token_mask", rows)), sentence)
+
+
+def video_batch(store: FeatureStore, rows: np.ndarray) -> VideoBatch:
+    """Videos ``rows`` (sorted) of a store as a float32 VideoBatch."""
+    return VideoBatch(torch.from_numpy(store.read("videos/frames", rows).astype(np.float32)),
+                      torch.from_numpy(store.read("videos/frame_mask", rows)))
+
+
+@torch.inference_mode()
+def teacher_scores(head: Head, texts: TextBatch, store: FeatureStore, rows: np.ndarray,
+                   progress: bool = False) -> np.ndarray:
+    """The head's scores of every caption of ``texts`` against every video of ``rows``: ``(C, V)`` float32."""
+    from tvrpipe.progress import progress_bar
+
+    te = head.encode_texts(texts)
+    out = np.empty((len(texts), len(rows)), np.float32)
+    with progress_bar(enabled=progress, transient=True) as bar:
+        task = bar.add_task(f"distilling {head.name}: its scores of {len(texts):,} x {len(rows):,} pairs",
+                            total=len(rows))
+        for a in range(0, len(rows), _TEACHER_BLOCK):
+            ve = head.encode_videos(video_batch(store, rows[a : a + _TEACHER_BLOCK]))
+            s = head.similarity(te, ve).float().numpy()
+            out[:, a : a + s.shape[1]] = s
+            bar.advance(task, s.shape[1])
+    return out
+
+
+def _principal_axes(x: np.ndarray, d: int) -> np.ndarray:
+    """``(D, d)``: the first ``d`` principal axes of the rows of ``x`` (centred); fewer rows or dims than ``d``
+    are filled out with the remaining unit axes, so the map is always D x d."""
+    _, _, vt = np.linalg.svd(x - x.mean(0), full_matrices=False)
+    axes = vt[:d].T
+    if axes.shape[1] < d:
+        axes = np.concatenate([axes, np.eye(x.shape[1], d - axes.shape[1], dtype=axes.dtype)], 1)
+    return np.ascontiguousarray(axes, np.float32)
+
+
+def _ranks(scores: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """Each ``top[q, j]`` video's rank (0: first) in ``scores[q]``: the videos scoring above it."""
+    return (scores[:, None, :] > np.take_along_axis(scores, top, 1)[:, :, None]).sum(2)
+
+
+def fit_scorer(head: Head, store: FeatureStore, config: Distilled.Config,
+               progress: bool = False) -> tuple[Scorer, dict[str, Any]]:
+    """Fit the distilled scorer to ``head`` on ``store``'s train split (module doc of
+    :mod:`tvrpipe.search.first_stages.distilled`); the scorer and the fit's record: its seconds, the head
+    evaluations it cost, the final loss and, on the tenth of the captions held out of the fit, the 95th
+    percentile rank (as a share of the teacher videos) of the head's top 10 under the scorer and under zero-shot
+    CLIP's pooled cosine.
+
+    Raises:
+        ConfigError: the store's train split has fewer than 10 videos with frames, or no caption.
+    """
+    t0 = time.perf_counter()
+    rng = np.random.default_rng([config.seed, 57])
+    split_v = store.videos["split"].to_numpy()
+    searchable = searchable_rows(store)
+    vrows = searchable[split_v[searchable] == "train"]
+    trows = np.flatnonzero(store.texts["split"].to_numpy() == "train")
+    trows = trows[np.isin(store.texts["video_row"].to_numpy()[trows], vrows)]
+    if len(vrows) < 10 or not len(trows):
+        raise ConfigError(f"{store.dir}: the distilled first stage learns the run's head on its store's train split, "
+                          f"which has {len(vrows)} videos with frames and {len(trows)} captions (needs 10 and 1)")
+    vrows = np.sort(rng.choice(vrows, min(config.videos, len(vrows)), replace=False))
+    trows = np.sort(rng.choice(trows, min(config.captions, len(trows)), replace=False))
+    texts = text_batch(store, trows, tokens=head.uses_tokens)
+    target = teacher_scores(head, texts, store, vrows, progress)
+    segs = np.concatenate([segment_means(store.read("videos/frames", vrows[a : a + _BLOCK]),
+                                         store.read("videos/frame_mask", vrows[a : a + _BLOCK]), config.segments)
+                           for a in range(0, len(vrows), _BLOCK)])
+    segs /= np.maximum(np.linalg.norm(segs, axis=-1, keepdims=True), 1e-12)
+    sent = normalised(texts.sentence.numpy())
+    axes = _principal_axes(np.concatenate([segs.reshape(-1, segs.shape[-1]), sent]), config.dim)
+    held = rng.permutation(len(trows))[: max(1, len(trows) // 10)]
+    fit = np.setdiff1d(np.arange(len(trows)), held) if len(trows) > 1 else held
+    qmap, vmap, loss = _fit_maps(sent[fit], segs, target[fit], axes, config, progress)
+    scorer = Scorer(qmap, vmap, config.segments)
+    vec = scorer.from_segments(segs).reshape(len(vrows), config.segments, -1)
+    top = np.argsort(-target[held], 1, kind="stable")[:, : min(10, len(vrows))]
+    student = np.einsum("qd,nsd->qns", scorer.queries(sent[held]), vec).max(2)
+    pooled = normalised(segs.mean(1))
+    zero_shot = sent[held] @ pooled.T
+    share = lambda r: float(np.percentile(r, 95)) / len(vrows)  # noqa: E731
+    record = {"seconds": time.perf_counter() - t0, "captions": int(len(trows)), "videos": int(len(vrows)),
+              "head_pairs": int(len(trows) * len(vrows)), "loss": loss, "held_out_captions": int(len(held)),
+              "rank_p95": share(_ranks(student, top)), "zero_shot_rank_p95": share(_ranks(zero_shot, top))}
+    return scorer, record
+
+
+def _fit_maps(sent: np.ndarray, segs: np.ndarray, target: np.ndarray, axes: np.ndarray, config: Distilled.Config,
+              progress: bool) -> tuple[np.ndarray, np.ndarray, float]:
+    """Adam on the KL divergence between softmax(standardised head scores / temperature) and softmax(scale x
+    best-segment cosine), both maps starting at ``axes``; the maps and the last step's loss."""
+    from tvrpipe.progress import progress_bar
+
+    gen = torch.Generator().manual_seed(config.seed)
+    z = torch.from_numpy(target)
+    z = (z - z.mean(1, keepdim=True)) / z.std(1, keepdim=True).clamp_min(1e-6)
+    want = torch.softmax(z / config.temperature, 1)
+    t, v = torch.from_numpy(sent), torch.from_numpy(np.ascontiguousarray(segs))
+    qmap = torch.tensor(axes, requires_grad=True)
+    vmap = torch.tensor(axes, requires_grad=True)
+    log_scale = torch.tensor(float(np.log(30.0)), requires_grad=True)  # choice: CLIP's scale at its start, ~e^3.4
+    opt = torch.optim.Adam([qmap, vmap, log_scale], lr=config.lr)
+    loss = torch.tensor(float("nan"))
+    with progress_bar(enabled=progress, transient=True) as bar:
+        task = bar.add_task("distilling: fitting the scorer", total=config.steps)
+        for _ in range(config.steps):
+            pick = torch.randint(0, len(t), (min(config.batch, len(t)),), generator=gen)
+            q = torch.nn.functional.normalize(t[pick] @ qmap, dim=-1)
+            vv = torch.nn.functional.normalize(v.reshape(-1, v.shape[-1]) @ vmap, dim=-1)  # (n x S, d)
+            s = (q @ vv.T).view(len(q), v.shape[0], v.shape[1]).max(2).values * log_scale.exp()
+            loss = -(want[pick] * torch.log_softmax(s, 1)).sum(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            bar.advance(task)
+    return qmap.detach().numpy().copy(), vmap.detach().numpy().copy(), loss.item()
+
+
+# ------------------------------------------------------------------------------------------- the cache
+
+
+def _run_store(run: Path, config: dict) -> FeatureStore:
+    features = config.get("features")
+    if not features:
+        raise ConfigError(f"--run {run}: its config.yaml names no feature store, which the distilled first stage "
+                          f"learns the head on")
+    try:
+        return open_store(features)
+    except Exception as e:  # noqa: BLE001  (a moved or damaged store: said with what to do)
+        raise ConfigError(f"--run {run} trained on {features}, which the distilled first stage learns the head on, "
+                          f"and it cannot be opened ({e}); use a pooled first stage (--first-stage exact)") from e
+
+
+def distilled_key(store: FeatureStore, checkpoint_sha: str, config: Distilled.Config) -> str:
+    """The cache folder's name: the store's state, the head's weights and the build settings."""
+    ident = {"store": store_key(store), "checkpoint": checkpoint_sha, "settings": dataclasses.asdict(config)}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def distilled_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], config: Distilled.Config,
+                    cache: bool = True, progress: bool = False) -> Any:
+    """The distilled first stage of ``run``'s ``head`` over ``store``: read from ``<store>/search-distilled/``
+    where it was built for this store state, checkpoint and settings, else fitted on the run's store, applied to
+    every searchable video of ``store``, and kept there (where the folder is writable and ``cache``).
+
+    Returns:
+        A :class:`~tvrpipe.search.index.FirstStage` (pooled: the segment vectors; index: :class:`Distilled`).
+
+    Raises:
+        ConfigError: the run's store cannot be opened, or its train split cannot teach (:func:`fit_scorer`);
+            no video of ``store`` has a decoded frame.
+    """
+    from tvrpipe.rundir import BEST, CHECKPOINTS, read_config
+    from tvrpipe.search.index import FirstStage, check_searchable
+
+    run = Path(run)
+    sha = file_sha256(run / CHECKPOINTS / BEST)
+    folder = Path(store.dir) / DISTILLED_DIR / distilled_key(store, sha, config)
+    kept = _load(folder, config)
+    if kept is not None:
+        return kept
+    t0 = time.perf_counter()
+    scorer, record = fit_scorer(head, _run_store(run, read_config(run)), config, progress)
+    rows = searchable_rows(store)
+    check_searchable(store, rows)
+    meta = {"store_key": store_key(store), "run": str(run.resolve()), "checkpoint_sha256": sha,
+            "method": head.name, "settings": dataclasses.asdict(config), "fit": record}
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        np.savez(tmp / "scorer.npz", query_map=scorer.query_map, video_map=scorer.video_map,
+                 segments=np.int64(scorer.segments))
+        vectors = np.lib.format.open_memmap(tmp / "vectors.npy", mode="w+", dtype=np.float32,
+                                            shape=(len(rows) * scorer.segments, config.dim))
+        _fill(store, rows, scorer, vectors, progress)
+        vectors.flush()
+        del vectors
+        np.save(tmp / "rows.npy", rows)
+        done = {**meta, "build_seconds": time.perf_counter() - t0,
+                "bytes": sum(f.stat().st_size for f in tmp.iterdir()) + 1024}
+        (tmp / "distilled.json").write_text(json.dumps(done, indent=2) + "\n")
+
+    if cache:
+        try:
+            atomic_replace_folder(folder, write)
+            kept = _load(folder, config)
+            if kept is not None:
+                return kept
+        except (OSError, WriteError) as e:
+            log.info("%s: the distilled first stage is not kept (%s); it is built again next time", folder, e)
+    vectors = np.empty((len(rows) * scorer.segments, config.dim), np.float32)
+    _fill(store, rows, scorer, vectors, progress)
+    return FirstStage(vectors, rows, Distilled.over(vectors, config, scorer))
+
+
+def _fill(store: FeatureStore, rows: np.ndarray, scorer: Scorer, out: np.ndarray, progress: bool) -> None:
+    """``out`` (n x segments, d) gets the scorer's segment vectors of ``rows``, a block of videos at a time."""
+    from tvrpipe.progress import progress_bar
+
+    S = scorer.segments
+    with progress_bar(enabled=progress, transient=True) as bar:
+        task = bar.add_task(f"the distilled first stage's vectors of {len(rows):,} videos", total=len(rows))
+        for a in range(0, len(rows), _BLOCK):
+            part = rows[a : a + _BLOCK]
+            out[a * S : (a + len(part)) * S] = scorer.videos(store.read("videos/frames", part),
+                                                             store.read("videos/frame_mask", part))
+            bar.advance(task, len(part))
+
+
+def _load(folder: Path, config: Distilled.Config) -> Any:
+    """The kept first stage in ``folder``, or None where there is none whole (built again then)."""
+    from tvrpipe.search.index import FirstStage
+
+    try:
+        meta = json.loads((folder / "distilled.json").read_text())
+        z = np.load(folder / "scorer.npz")
+        scorer = Scorer(z["query_map"], z["video_map"], int(z["segments"]))
+        vectors, rows = np.load(folder / "vectors.npy", mmap_mode="r"), np.load(folder / "rows.npy")
+    except (OSError, ValueError, KeyError) as e:
+        if folder.exists():
+            log.warning("%s: the distilled first stage cannot be read (%s); building it again", folder, e)
+        return None
+    if len(vectors) != len(rows) * scorer.segments:
+        return None
+    return FirstStage(vectors, rows, Distilled.over(vectors, config, scorer), record=meta)
