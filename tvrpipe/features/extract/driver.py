@@ -22,7 +22,7 @@ from tvrpipe.features.extract.config import (
     check_precision,
     too_many_failures,
 )
-from tvrpipe.features.extract.executor import Executor, start_executor
+from tvrpipe.features.extract.executor import Executor, LocalExecutor
 from tvrpipe.features.extract.pipeline import Early, Pipeline, decode_early
 from tvrpipe.features.extract.plan import plan_run, write_copied
 from tvrpipe.features.outputs import check_store_out
@@ -41,6 +41,22 @@ from tvrpipe.features.weights import (
     resolve_pretrained,
     weights_key,
 )
+
+
+def uses_ray(cfg: ExtractConfig) -> bool:
+    """Whether ``cfg`` runs on Ray: an ``--address`` (``local`` too: a private Ray instance on this machine) or
+    ``RAY_ADDRESS``; otherwise the :class:`LocalExecutor`."""
+    return bool(cfg.address or os.environ.get("RAY_ADDRESS"))
+
+
+def start_executor(cfg: ExtractConfig) -> Executor:
+    """The executor of ``cfg`` (:func:`uses_ray`), its decoders and encoders all starting at once (the encoders
+    load the weights while the decoders start); a missing GPU or an unreachable ``--address`` fails first."""
+    if uses_ray(cfg):
+        from tvrpipe.features.extract.actors import RayExecutor
+
+        return RayExecutor(cfg)
+    return LocalExecutor(cfg)
 
 
 def _complete(out: Path) -> bool:

@@ -1,6 +1,7 @@
 """Where an extraction's decoders and encoders run: the :class:`Executor` interface that
 :class:`~tvrpipe.features.extract.pipeline.Pipeline` drives, its implementation for one machine
-(:class:`LocalExecutor`), and the choice between it and Ray's (:func:`start_executor`).
+(:class:`LocalExecutor`); :func:`tvrpipe.features.extract.driver.start_executor` chooses between it and
+Ray's.
 
 Without ``--address`` (and without ``RAY_ADDRESS``) an extraction runs here without Ray, as the tools
 researchers already use do by default (video2dataset, clip-retrieval, img2dataset): each decoder is a
@@ -98,22 +99,6 @@ class Executor(ABC):
             name, message = facts["error"]
             raise getattr(errors, name, TvrpipeError)(message)
         return facts
-
-
-def uses_ray(cfg: ExtractConfig) -> bool:
-    """Whether ``cfg`` runs on Ray: an ``--address`` (``local`` too: a private Ray instance on this machine) or
-    ``RAY_ADDRESS``; otherwise the :class:`LocalExecutor`."""
-    return bool(cfg.address or os.environ.get("RAY_ADDRESS"))
-
-
-def start_executor(cfg: ExtractConfig) -> Executor:
-    """The executor of ``cfg`` (:func:`uses_ray`), its decoders and encoders all starting at once (the encoders
-    load the weights while the decoders start); a missing GPU or an unreachable ``--address`` fails first."""
-    if uses_ray(cfg):
-        from tvrpipe.features.extract.actors import RayExecutor
-
-        return RayExecutor(cfg)
-    return LocalExecutor(cfg)
 
 
 def check_local_gpus(encoders: int) -> None:
