@@ -414,10 +414,10 @@ def check_config(path: Path, config: Mapping[str, Any]) -> None:
     """Refuse a ``config.yaml`` (at ``path``) one of whose keys has a value of the wrong type: the top-level keys
     (:data:`CONFIG_TYPES`) and what the report reads of ``resolved``, ``data`` and ``recipe`` (the trainer sections'
     fields are typed by the trainers' configs, which live above this module:
-    :func:`tvrpipe.training.settings.trainer_config`).
+    :func:`tvrpipe.training.recorded.trainer_config`).
     A damaged record would otherwise be read as a default, or fail as a traceback far from the file. Unknown keys
     pass (a run written by another tvrpipe); the values' ranges are checked where a trainer section is rebuilt
-    (:func:`tvrpipe.training.settings.trainer_config`).
+    (:func:`tvrpipe.training.recorded.trainer_config`).
 
     Raises:
         RunError: naming ``path``, the key and the value found.

@@ -598,7 +598,7 @@ def test_a_recorded_trainer_section_is_checked_as_its_options_are_and_named_as_t
     """finetune's settings span two sections (finetune, execution): settings valid together pass, and a value out of
     range is named by its section and key, never by the option the user did not type."""
     from tvrpipe.errors import RunError
-    from tvrpipe.training.settings import trainer_config
+    from tvrpipe.training.recorded import trainer_config
 
     config = {"method": "meanpool", "finetune": {"precision": "fp16", "seed": 0}, "execution": {"use_gpu": True}}
     assert trainer_config(tmp_path, config).precision == "fp16"

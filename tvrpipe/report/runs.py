@@ -18,7 +18,7 @@ from tvrpipe.data.manifest import read_manifest
 from tvrpipe.environment import ENVIRONMENT_KEYS
 from tvrpipe.errors import ConfigError, RunError, TvrpipeError
 from tvrpipe.rundir import METRICS, Scores
-from tvrpipe.training.settings import trainer_config
+from tvrpipe.training.recorded import trainer_config
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from tvrpipe.rundir import (
     write_metrics,
 )
 from tvrpipe.training.data import SplitData, store_split_rows
-from tvrpipe.training.settings import TrainConfig, trainer_config
+from tvrpipe.training.recorded import trainer_config
+from tvrpipe.training.settings import TrainConfig
 from tvrpipe.training.stream import StoreSplit
 
 log = logging.getLogger(__name__)
