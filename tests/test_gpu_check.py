@@ -151,6 +151,7 @@ def test_with_cuda_the_extract_benchmark_runs_last_at_720p_and_its_exit_is_in_th
     assert "``tvrpipe bench extract --device cuda --precision fp16``" in gpu_check.__doc__
 
 
+@pytest.mark.slow  # about 20 s: a child pytest collects the whole suite
 @no_cuda
 def test_pytest_m_gpu_collects_every_gpu_test_and_skips_each_with_its_reason():
     collect = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",

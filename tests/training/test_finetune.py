@@ -533,6 +533,7 @@ def test_cli_frozen_clip_skips_bad_videos(tmp_path, cli):
     assert pd.read_csv(out / "epochs.csv")["failed_videos"].tolist() == [1, 1]  # the train video; test comes last
 
 
+@pytest.mark.slow  # about 40 s: it starts a Ray Train cluster of two workers
 def test_ray_train_two_workers_step_equals_one_process_step(tmp_path):
     """One step of 2 Ray Train workers x 4 pairs = one step of one process with 8 pairs."""
     d = _small(tmp_path, 16)
