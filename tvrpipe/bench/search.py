@@ -496,49 +496,101 @@ def bench_search(
         >>> bench = bench_search("bench/search", videos=20_000, methods=["xpool"])  # doctest: +SKIP
         >>> bench.k_reaching("xpool")  # doctest: +SKIP
     """
-    from tvrpipe.bench.extract import in_fresh_process
-    from tvrpipe.features.store import open_store
-    from tvrpipe.heads.base import head_class, list_heads
     from tvrpipe.progress import progress_bar
-    from tvrpipe.rundir import BEST, CHECKPOINTS
+
+    plan = _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stage_settings, train_videos,
+                 train_epochs, dim, seed, exhaustive_queries, latency_queries)
+    generate_store(plan.coll_dir, plan.coll_spec, progress=progress, wait=True, made_by="tvrpipe bench search")
+    generate_store(plan.bench_dir, plan.bench_spec, progress=progress, wait=True, made_by="tvrpipe bench search")
+    bench, shared = _zero_shot_stage(plan)
+    with progress_bar(elapsed=True, enabled=progress) as bar:
+        task = bar.add_task("search bench", total=len(plan.methods) * (2 + len(plan.ks)))
+        for method in plan.methods:
+            _measure_head(plan, shared, bench, method, bar, task)
+            _write(plan.out, bench)
+    _write(plan.out, bench)
+    return bench
+
+
+@dataclass
+class _Plan:
+    """What a search bench measures, checked before any store is generated."""
+
+    out: Path
+    coll_dir: Path
+    bench_dir: Path
+    coll_spec: GenSpec
+    bench_spec: GenSpec
+    methods: list[str]
+    ks: list[int]
+    kind: str  # the resolved first stage
+    settings: tuple[str, ...]
+    head_aware: bool  # a first stage fitted to each head (built per head, after its training)
+    queries: int
+    exhaustive_queries: int | None
+    latency_queries: int
+    train_videos: int
+    train_epochs: int | None
+    seed: int
+
+
+def _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stage_settings, train_videos,
+          train_epochs, dim, seed, exhaustive_queries, latency_queries) -> _Plan:
+    """Every option checked (an unknown head, first stage or setting fails here), and the room the stores need."""
+    from tvrpipe.heads.base import head_class, list_heads
     from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage, stage_config
-    from tvrpipe.search.first_stages.exact import exact_top
-    from tvrpipe.search.index import first_stage as build_first_stage
 
     ks = _check(videos, queries, candidates, train_videos, train_epochs, dim, exhaustive_queries, latency_queries)
     methods = methods or list_heads()
-    for m in methods:  # an unknown head fails here, before the stores are generated
+    for m in methods:
         head_class(m)
     kind = resolve_first_stage(first_stage)
     first_stage_settings = tuple(first_stage_settings)
-    stage_config(kind, first_stage_settings)  # an unknown or bad setting fails here, before the stores are made
+    stage_config(kind, first_stage_settings)
     out = Path(out_dir)
     coll_spec = collection_spec(videos, dim, seed=seed)
     bench_spec = benchmark_spec(coll_spec, train_videos)
     names = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
     check_room("bench search", out, search_needs(out, coll_spec, bench_spec, names),
                "--videos, --train-videos or --dim")
-    coll_dir = generate_store(out / "stores" / names[0], coll_spec, progress=progress,
-                              wait=True, made_by="tvrpipe bench search")
-    bench_dir = generate_store(out / "stores" / names[1], bench_spec,
-                               progress=progress, wait=True, made_by="tvrpipe bench search")
+    return _Plan(out, out / "stores" / names[0], out / "stores" / names[1], coll_spec, bench_spec, methods, ks, kind,
+                 first_stage_settings, first_stage_class(kind).head_aware, queries, exhaustive_queries,
+                 latency_queries, train_videos, train_epochs, seed)
 
-    # the first stage, built afresh in a process of its own (timed, its peak measured) and kept beside the
-    # collection for the arms' processes; a distilled one is built per head, after its training, and the
-    # zero-shot figures below are the exact pooled stage's
-    head_aware = first_stage_class(kind).head_aware
-    pooled_kind, pooled_settings = ("exact", ()) if head_aware else (kind, first_stage_settings)
-    built = in_fresh_process(_build, _Build(str(coll_dir), pooled_kind, pooled_settings), "building the first stage")
-    store = open_store(coll_dir)
+
+@dataclass
+class _Shared:
+    """What every head's arms share: the queries, the exhaustive sample, the searchable rows, zero-shot's list."""
+
+    qrows: np.ndarray  # the queries' caption rows
+    sample: np.ndarray  # the queries (positions) the exhaustive search runs
+    truth: np.ndarray  # each query's video row
+    rows: np.ndarray  # the searchable videos' store rows
+    zero_shot_top: np.ndarray  # (Q, max K): the pooled first stage's shortlists, best first
+
+
+def _zero_shot_stage(plan: _Plan) -> tuple[SearchBench, _Shared]:
+    """The pooled first stage, built afresh in a process of its own (timed, its peak measured) and kept beside the
+    collection for the arms' processes (a distilled first stage is built per head; the zero-shot figures are then
+    the exact pooled stage's), the queries drawn, and the first stage's figures alone."""
+    from tvrpipe.bench.extract import in_fresh_process
+    from tvrpipe.features.store import open_store
+    from tvrpipe.search.first_stages.exact import exact_top
+    from tvrpipe.search.index import first_stage as build_first_stage
+
+    pooled_kind, pooled_settings = ("exact", ()) if plan.head_aware else (plan.kind, plan.settings)
+    built = in_fresh_process(_build, _Build(str(plan.coll_dir), pooled_kind, pooled_settings),
+                             "building the first stage")
+    store = open_store(plan.coll_dir)
     stage = build_first_stage(store, pooled_kind, cache=True, settings=pooled_settings)
-    what = built["describe"] if not head_aware else f"{kind}, fitted to each head (zero-shot figures: exact)"
-
+    what = built["describe"] if not plan.head_aware else f"{plan.kind}, fitted to each head (zero-shot figures: exact)"
     # the queries: held-out captions, and each one's video; the exhaustive search's sample of them
-    rng = np.random.default_rng([seed, 45])
-    qrows = np.sort(rng.choice(len(store.texts), queries, replace=False))
-    sample = np.sort(rng.permutation(queries)[: exhaustive_queries or queries])
+    rng = np.random.default_rng([plan.seed, 45])
+    qrows = np.sort(rng.choice(len(store.texts), plan.queries, replace=False))
+    sample = np.sort(rng.permutation(plan.queries)[: plan.exhaustive_queries or plan.queries])
     truth = store.texts["video_row"].to_numpy()[qrows]
     sentences = query_batch(store, qrows).sentence.numpy()
+    ks = plan.ks
     t = time.perf_counter()
     pos, _ = stage.top(sentences, ks[-1])
     first_seconds = time.perf_counter() - t
@@ -547,59 +599,66 @@ def bench_search(
     if not stage.index.exact:
         want = stage.rows[exact_top(stage.pooled, sentences / np.linalg.norm(sentences, axis=1, keepdims=True),
                                     ks[-1])[0]]
-        exact = {k: float(np.mean([len(set(top[q, :k]) & set(want[q, :k])) / k for q in range(queries)]))
+        exact = {k: float(np.mean([len(set(top[q, :k]) & set(want[q, :k])) / k for q in range(plan.queries)]))
                  for k in ks}
+    spec = plan.coll_spec
     bench = SearchBench(
-        videos=videos, queries=queries, dim=dim, frames=FRAMES, words=WORDS, candidates=ks, first_stage=what,
-        index_seconds=built["seconds"], index_peak_gb=built["peak"] / 2**30, first_stage_seconds=first_seconds,
-        first_stage_r1=_r_at(top, truth, 1), first_stage_r10=_r_at(top, truth, TOP),
+        videos=len(store.videos), queries=plan.queries, dim=spec.embed_dim, frames=spec.frames, words=spec.max_words,
+        candidates=ks, first_stage=what, index_seconds=built["seconds"], index_peak_gb=built["peak"] / 2**30,
+        first_stage_seconds=first_seconds, first_stage_r1=_r_at(top, truth, 1), first_stage_r10=_r_at(top, truth, TOP),
         first_stage_hit={k: _r_at(top, truth, k) / 100 for k in ks}, first_stage_exact=exact,
-        train_videos=train_videos, train_epochs=train_epochs, exhaustive_queries=len(sample),
-        latency_queries=latency_queries, cpus=os.cpu_count() or 1)
-    rows = stage.rows
-    zero_shot_top = top  # (Q, max K): the pooled exact shortlist a distilled first stage is compared with
+        train_videos=plan.train_videos, train_epochs=plan.train_epochs, exhaustive_queries=len(sample),
+        latency_queries=plan.latency_queries, cpus=os.cpu_count() or 1)
+    shared = _Shared(qrows, sample, truth, stage.rows, top)
     del stage, pos
     gc.collect()
+    return bench, shared
 
-    with progress_bar(elapsed=True, enabled=progress) as bar:
-        task = bar.add_task("search bench", total=len(methods) * (2 + len(ks)))
-        for method in methods:
-            bar.update(task, description=f"{method}: training on the benchmark")
-            run_dir = out / "runs" / bench_dir.name / (f"{method}-open" if train_epochs is None else
-                                                        f"{method}-{train_epochs}ep")
-            bench.trained[method] = trained_run(bench_dir, method, run_dir, train_epochs)
-            if head_aware:
-                bar.update(task, description=f"{method}: distilling its first stage")
-                fs = in_fresh_process(_build, _Build(str(coll_dir), kind, first_stage_settings, str(run_dir)),
-                                      f"{method}: building its distilled first stage")
-                bench.trained[method]["first_stage"] = {"seconds": fs["seconds"], "peak_gb": fs["peak"] / 2**30,
-                                                        "bytes": fs["bytes"], "fit": fs["fit"],
-                                                        "describe": fs["describe"]}
-            bar.advance(task)
-            full = None
-            for k in (None, *ks):
-                bar.update(task, description=f"{method}: {'exhaustive' if k is None else f'two stages, K = {k}'}")
-                searched = sample if k is None else np.arange(queries)
-                job = _Arm(str(coll_dir), str(run_dir / CHECKPOINTS / BEST), qrows[searched], rows, k, kind,
-                           first_stage_settings, latency_queries, str(run_dir))
-                r = in_fresh_process(_arm, job, f"{method} search, {'exhaustive' if k is None else f'K = {k}'}")
-                full = r["rows"] if k is None else full
-                if k is None and head_aware:  # the two stages' recall had the shortlist been zero-shot CLIP's
-                    bench.zero_shot_recall[method] = {kk: recall_in(zero_shot_top[sample, :kk], full) for kk in ks}
-                alone = np.asarray(r["alone"]) * 1000
-                bench.rows.append(SearchRow(
-                    method=method, candidates=k, seconds=r["seconds"], qps=len(searched) / r["seconds"],
-                    peak_gb=r["peak"] / 2**30, extra_gb=None if r["extra"] is None else r["extra"] / 2**30,
-                    encoded=r["encoded"], recall=recall_at(r["rows"] if k is None else r["rows"][sample], full),
-                    r1=_r_at(r["rows"], truth[searched], 1), r10=_r_at(r["rows"], truth[searched], TOP),
-                    p50_ms=float(np.percentile(alone, 50)) if len(alone) else None,
-                    p95_ms=float(np.percentile(alone, 95)) if len(alone) else None))
-                bench.threads = r["threads"]
-                log.info("%s", bench.rows[-1])
-                bar.advance(task)
-            _write(out, bench)
-    _write(out, bench)
-    return bench
+
+def _measure_head(plan: _Plan, shared: _Shared, bench: SearchBench, method: str, bar, task) -> None:
+    """One head: trained (or its run reused), its distilled first stage built where the bench measures one, then
+    its exhaustive search and its two stages at each K, each in a fresh process; its rows added to ``bench``."""
+    from tvrpipe.bench.extract import in_fresh_process
+    from tvrpipe.rundir import BEST, CHECKPOINTS
+
+    bar.update(task, description=f"{method}: training on the benchmark")
+    run_dir = plan.out / "runs" / plan.bench_dir.name / (f"{method}-open" if plan.train_epochs is None else
+                                                         f"{method}-{plan.train_epochs}ep")
+    bench.trained[method] = trained_run(plan.bench_dir, method, run_dir, plan.train_epochs)
+    if plan.head_aware:
+        bar.update(task, description=f"{method}: distilling its first stage")
+        fs = in_fresh_process(_build, _Build(str(plan.coll_dir), plan.kind, plan.settings, str(run_dir)),
+                              f"{method}: building its distilled first stage")
+        bench.trained[method]["first_stage"] = {"seconds": fs["seconds"], "peak_gb": fs["peak"] / 2**30,
+                                                "bytes": fs["bytes"], "fit": fs["fit"], "describe": fs["describe"]}
+    bar.advance(task)
+    full = None
+    for k in (None, *plan.ks):
+        bar.update(task, description=f"{method}: {'exhaustive' if k is None else f'two stages, K = {k}'}")
+        searched = shared.sample if k is None else np.arange(plan.queries)
+        job = _Arm(str(plan.coll_dir), str(run_dir / CHECKPOINTS / BEST), shared.qrows[searched], shared.rows, k,
+                   plan.kind, plan.settings, plan.latency_queries, str(run_dir))
+        r = in_fresh_process(_arm, job, f"{method} search, {'exhaustive' if k is None else f'K = {k}'}")
+        full = r["rows"] if k is None else full
+        if k is None and plan.head_aware:  # the two stages' recall had the shortlist been zero-shot CLIP's
+            bench.zero_shot_recall[method] = {kk: recall_in(shared.zero_shot_top[shared.sample, :kk], full)
+                                              for kk in plan.ks}
+        bench.rows.append(_row(method, k, r, searched, full, shared))
+        bench.threads = r["threads"]
+        log.info("%s", bench.rows[-1])
+        bar.advance(task)
+
+
+def _row(method: str, k: int | None, r: dict, searched: np.ndarray, full: np.ndarray, shared: _Shared) -> SearchRow:
+    """An arm's measurements as a row (recall against the exhaustive top 10 ``full``, over its sample)."""
+    alone = np.asarray(r["alone"]) * 1000
+    return SearchRow(
+        method=method, candidates=k, seconds=r["seconds"], qps=len(searched) / r["seconds"],
+        peak_gb=r["peak"] / 2**30, extra_gb=None if r["extra"] is None else r["extra"] / 2**30,
+        encoded=r["encoded"], recall=recall_at(r["rows"] if k is None else r["rows"][shared.sample], full),
+        r1=_r_at(r["rows"], shared.truth[searched], 1), r10=_r_at(r["rows"], shared.truth[searched], TOP),
+        p50_ms=float(np.percentile(alone, 50)) if len(alone) else None,
+        p95_ms=float(np.percentile(alone, 95)) if len(alone) else None)
 
 
 def recall_in(shortlist: np.ndarray, reference: np.ndarray) -> float:
