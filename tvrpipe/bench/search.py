@@ -373,6 +373,11 @@ def _build(job: _Build) -> dict:
 # ------------------------------------------------------------------------------------------ training
 
 
+def bench_run_dir(out: Path, bench_dir: Path, method: str, epochs: int | None) -> Path:
+    """Where the search benches keep ``method``'s run on the benchmark ``bench_dir``: one per schedule, reused."""
+    return out / "runs" / bench_dir.name / (f"{method}-open" if epochs is None else f"{method}-{epochs}ep")
+
+
 def trained_run(store_dir: Path, method: str, run_dir: Path, epochs: int | None) -> dict:
     """Train ``method`` on the benchmark (``epochs`` None: until validation stops improving, as train-head;
     a finished run with the same settings is reused); its record."""
@@ -622,8 +627,7 @@ def _measure_head(plan: _Plan, shared: _Shared, bench: SearchBench, method: str,
     from tvrpipe.rundir import BEST, CHECKPOINTS
 
     bar.update(task, description=f"{method}: training on the benchmark")
-    run_dir = plan.out / "runs" / plan.bench_dir.name / (f"{method}-open" if plan.train_epochs is None else
-                                                         f"{method}-{plan.train_epochs}ep")
+    run_dir = bench_run_dir(plan.out, plan.bench_dir, method, plan.train_epochs)
     bench.trained[method] = trained_run(plan.bench_dir, method, run_dir, plan.train_epochs)
     if plan.head_aware:
         bar.update(task, description=f"{method}: distilling its first stage")

@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -354,46 +355,17 @@ def bench_serve(
         >>> bench.arm("zero-shot").p50_ms  # doctest: +SKIP
     """
     from tvrpipe.bench.extract import in_fresh_process
-    from tvrpipe.bench.room import check_room
-    from tvrpipe.bench.search import WORDS, benchmark_spec, collection_spec, search_needs, trained_run
-    from tvrpipe.features.genstore import generate_store
-    from tvrpipe.features.store import open_store
-    from tvrpipe.heads.base import head_class
+    from tvrpipe.bench.search import WORDS
     from tvrpipe.progress import progress_bar
-    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
-    from tvrpipe.search.serve import DEFAULT_TOP_K
 
-    _check(videos, queries, candidates, train_videos, train_epochs, dim)
-    methods = list(dict.fromkeys(methods))
-    for m in methods:  # an unknown head fails here, before the stores are generated
-        head_class(m)
-    kind = resolve_first_stage(first_stage)
-    first_stage_settings = tuple(first_stage_settings)
-    stage_config(kind, first_stage_settings)
-    out = Path(out_dir)
-
-    _check_text_model(text_model)
-    coll_spec = collection_spec(videos, dim, seed=seed)
-    stores = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
-    check_room("bench serve", out, search_needs(out, coll_spec, benchmark_spec(coll_spec, train_videos) if methods
-                                                else None, stores), "--videos, --train-videos or --dim")
+    plan = _plan(out_dir, videos, queries, methods, candidates, first_stage, first_stage_settings, train_videos,
+                 train_epochs, dim, seed, text_model)
     names = tuple(f"query {i}" for i in range(queries + WARMUP))  # L positions whatever the words
     tower = in_fresh_process(_text_tower, _Tower(text_model, WORDS, names[WARMUP:], names[:WARMUP]),
                              f"{text_model} text tower")
-
-    coll_dir = generate_store(out / "stores" / stores[0], coll_spec, progress=progress,
-                              wait=True, made_by="tvrpipe bench serve")
-    bench_dir = None
-    if methods:
-        bench_dir = generate_store(out / "stores" / stores[1],
-                                   benchmark_spec(coll_spec, train_videos), progress=progress, wait=True,
-                                   made_by="tvrpipe bench serve")
-    ids = open_store(coll_dir).texts["caption_id"].astype(str).to_numpy()
-    drawn = np.random.default_rng([seed, 46]).choice(len(ids), queries + WARMUP, replace=False)
-    warmup, asked = tuple(ids[drawn[:WARMUP]]), tuple(ids[drawn[WARMUP:]])
-
+    warmup, asked = _stores(plan, progress)
     bench = ServeBench(
-        videos=videos, queries=queries, dim=dim, top_k=DEFAULT_TOP_K, candidates=candidates, first_stage="",
+        videos=videos, queries=queries, dim=dim, top_k=plan.top_k, candidates=candidates, first_stage="",
         transport="uvicorn on 127.0.0.1 (a thread of the arm's process), one keep-alive connection, one request "
                   "at a time, timed from send to parsed JSON",
         text_model=text_model, text_p50_ms=_ms(tower, 50), text_p95_ms=_ms(tower, 95),
@@ -401,35 +373,103 @@ def bench_serve(
         cpus=os.cpu_count() or 1)
     served_hits: dict[str, list] = {}
     with progress_bar(elapsed=True, enabled=progress) as bar:
-        task = bar.add_task("serve bench", total=1 + 2 * len(methods))
-        for arm in (ZERO_SHOT, *methods):
-            run = None
-            if arm != ZERO_SHOT:
-                bar.update(task, description=f"{arm}: training on the benchmark")
-                run_dir = out / "runs" / bench_dir.name / (f"{arm}-open" if train_epochs is None else
-                                                           f"{arm}-{train_epochs}ep")
-                bench.trained[arm] = trained_run(bench_dir, arm, run_dir, train_epochs)
-                run = str(run_dir)
-                bar.advance(task)
-            bar.update(task, description=f"{arm}: served, {queries} requests")
-            r = in_fresh_process(_served, _Arm(str(coll_dir), arm, run, candidates, kind, first_stage_settings, asked,
-                                               warmup, DEFAULT_TOP_K), f"{arm} served")
-            latency, lookup = np.asarray(r["latency"]), np.asarray(r["lookup"])
-            if len(lookup) != len(latency):
-                raise RunError(f"{arm}: {len(lookup)} lookups for {len(latency)} requests: the server encoded "
-                               "queries it was not sent")
-            with_clip = latency - lookup + np.asarray(tower)
-            bench.arms.append(ServeArm(
-                arm=arm, ranked_by=r["ranked_by"], start_seconds=r["start"], p50_ms=_ms(latency, 50),
-                p95_ms=_ms(latency, 95), mean_ms=1000.0 * float(latency.mean()), max_ms=1000.0 * float(latency.max()),
-                lookup_ms=1000.0 * float(lookup.mean()), clip_p50_ms=_ms(with_clip, 50),
-                clip_p95_ms=_ms(with_clip, 95)))
-            bench.first_stage, bench.threads = r["stage"], r["threads"]
-            served_hits[arm] = r["hits"]
-            log.info("%s", bench.arms[-1])
-            bar.advance(task)
-            _write(out, bench, asked, served_hits)
+        task = bar.add_task("serve bench", total=1 + 2 * len(plan.methods))
+        for arm in (ZERO_SHOT, *plan.methods):
+            served_hits[arm] = _serve_arm(plan, bench, arm, asked, warmup, tower, bar, task)
+            _write(plan.out, bench, asked, served_hits)
     return bench
+
+
+@dataclass
+class _Plan:
+    """What a serve bench measures, checked before any store is generated or tower loaded."""
+
+    out: Path
+    coll_dir: Path
+    bench_dir: Path | None  # None: zero-shot only, no benchmark
+    coll_spec: Any
+    methods: list[str]
+    candidates: int | None
+    kind: str
+    settings: tuple[str, ...]
+    queries: int
+    train_videos: int
+    train_epochs: int | None
+    seed: int
+    top_k: int
+
+
+def _plan(out_dir, videos, queries, methods, candidates, first_stage, first_stage_settings, train_videos, train_epochs,
+          dim, seed, text_model) -> _Plan:
+    """Every option checked (an unknown head, first stage, setting or text model fails here), and the room."""
+    from tvrpipe.bench.room import check_room
+    from tvrpipe.bench.search import benchmark_spec, collection_spec, search_needs
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
+    from tvrpipe.search.serve import DEFAULT_TOP_K
+
+    _check(videos, queries, candidates, train_videos, train_epochs, dim)
+    methods = list(dict.fromkeys(methods))
+    for m in methods:
+        head_class(m)
+    kind = resolve_first_stage(first_stage)
+    first_stage_settings = tuple(first_stage_settings)
+    stage_config(kind, first_stage_settings)
+    out = Path(out_dir)
+    _check_text_model(text_model)
+    coll_spec = collection_spec(videos, dim, seed=seed)
+    stores = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
+    check_room("bench serve", out, search_needs(out, coll_spec, benchmark_spec(coll_spec, train_videos) if methods
+                                                else None, stores), "--videos, --train-videos or --dim")
+    return _Plan(out, out / "stores" / stores[0], out / "stores" / stores[1] if methods else None, coll_spec, methods,
+                 candidates, kind, first_stage_settings, queries, train_videos, train_epochs, seed, DEFAULT_TOP_K)
+
+
+def _stores(plan: _Plan, progress: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The collection (and the heads' benchmark) generated once; the warm-up and the timed requests' caption ids."""
+    from tvrpipe.bench.search import benchmark_spec
+    from tvrpipe.features.genstore import generate_store
+    from tvrpipe.features.store import open_store
+
+    generate_store(plan.coll_dir, plan.coll_spec, progress=progress, wait=True, made_by="tvrpipe bench serve")
+    if plan.bench_dir is not None:
+        generate_store(plan.bench_dir, benchmark_spec(plan.coll_spec, plan.train_videos), progress=progress,
+                       wait=True, made_by="tvrpipe bench serve")
+    ids = open_store(plan.coll_dir).texts["caption_id"].astype(str).to_numpy()
+    drawn = np.random.default_rng([plan.seed, 46]).choice(len(ids), plan.queries + WARMUP, replace=False)
+    return tuple(ids[drawn[:WARMUP]]), tuple(ids[drawn[WARMUP:]])
+
+
+def _serve_arm(plan: _Plan, bench: ServeBench, arm: str, asked, warmup, tower, bar, task) -> list:
+    """One arm: its head trained (or reused), then served in a fresh process and timed; its row added to
+    ``bench``; the hits it served."""
+    from tvrpipe.bench.extract import in_fresh_process
+    from tvrpipe.bench.search import bench_run_dir, trained_run
+
+    run = None
+    if arm != ZERO_SHOT:
+        bar.update(task, description=f"{arm}: training on the benchmark")
+        run_dir = bench_run_dir(plan.out, plan.bench_dir, arm, plan.train_epochs)
+        bench.trained[arm] = trained_run(plan.bench_dir, arm, run_dir, plan.train_epochs)
+        run = str(run_dir)
+        bar.advance(task)
+    bar.update(task, description=f"{arm}: served, {plan.queries} requests")
+    r = in_fresh_process(_served, _Arm(str(plan.coll_dir), arm, run, plan.candidates, plan.kind, plan.settings, asked,
+                                       warmup, plan.top_k), f"{arm} served")
+    latency, lookup = np.asarray(r["latency"]), np.asarray(r["lookup"])
+    if len(lookup) != len(latency):
+        raise RunError(f"{arm}: {len(lookup)} lookups for {len(latency)} requests: the server encoded "
+                       "queries it was not sent")
+    with_clip = latency - lookup + np.asarray(tower)
+    bench.arms.append(ServeArm(
+        arm=arm, ranked_by=r["ranked_by"], start_seconds=r["start"], p50_ms=_ms(latency, 50),
+        p95_ms=_ms(latency, 95), mean_ms=1000.0 * float(latency.mean()), max_ms=1000.0 * float(latency.max()),
+        lookup_ms=1000.0 * float(lookup.mean()), clip_p50_ms=_ms(with_clip, 50),
+        clip_p95_ms=_ms(with_clip, 95)))
+    bench.first_stage, bench.threads = r["stage"], r["threads"]
+    log.info("%s", bench.arms[-1])
+    bar.advance(task)
+    return r["hits"]
 
 
 def _write(out: Path, bench: ServeBench, queries: Sequence[str], hits: dict[str, list]) -> None:
