@@ -616,27 +616,12 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             ``shards`` without ``address`` (or the other way round), below 1, with ``index`` or without
             ``candidates``; above the searchable videos, or an unreachable ``address`` (before any shard is built).
     """
-    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.index import exported_stage
-    from tvrpipe.search.shards import check_sharding, sharded_first_stage
+    from tvrpipe.search.shards import sharded_first_stage
 
-    check_queries(queries)
     store = searcher.store
-    if per_video is not None and per_video < 1:
-        raise ConfigError(f"--per-video {per_video}: keep at least 1 hit of a file")
-    if candidates is not None and candidates < 1:
-        raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
-    if index is not None and first_stage != "auto":
-        raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
-    check_sharding(shards, address, candidates, index)
-    if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
-        stage_config(resolve_first_stage(first_stage), first_stage_settings)
-        check_head_aware(searcher, first_stage, candidates, shards)
-    if min_score is not None:
-        check_min_score(searcher, min_score)
-    if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
-        check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
-        check_candidates(candidates, k)
+    check_search(searcher, queries, k, candidates, first_stage, index, first_stage_settings, min_score, per_video,
+                 shards, address)
     # the queries first: a store whose sentences cannot be encoded (a generated one, a moved checkpoint) is refused
     # before its index is written
     if texts is None:
@@ -656,6 +641,33 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     if per_video is not None:
         hits = per_file(hits, per_video, k)
     return replace(cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video), shards=shards)
+
+
+def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, candidates: int | None, first_stage: str,
+                 index: str | os.PathLike[str] | None, first_stage_settings: Sequence[str] | Mapping[str, Any],
+                 min_score: float | None, per_video: int | None, shards: int | None, address: str | None) -> None:
+    """Every option of :func:`search` that can be checked before a query is encoded or an index built (its
+    Raises says what is refused)."""
+    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
+    from tvrpipe.search.shards import check_sharding
+
+    check_queries(queries)
+    if per_video is not None and per_video < 1:
+        raise ConfigError(f"--per-video {per_video}: keep at least 1 hit of a file")
+    if candidates is not None and candidates < 1:
+        raise ConfigError(f"--candidates {candidates}: the head needs at least 1 candidate per query")
+    if index is not None and first_stage != "auto":
+        raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
+    check_sharding(shards, address, candidates, index)
+    if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
+        stage_config(resolve_first_stage(first_stage), first_stage_settings)
+        check_head_aware(searcher, first_stage, candidates, shards)
+    if min_score is not None:
+        check_min_score(searcher, min_score)
+    if k is not None:  # the store's size bounds the searchable videos: refused before any index is built
+        store = searcher.store
+        check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
+        check_candidates(candidates, k)
 
 
 def searcher_stage(searcher: Searcher, first_stage: str, settings: Sequence[str] | Mapping[str, Any] = (),
