@@ -350,18 +350,20 @@ def _build(job: _Build) -> dict:
     (pooling every video's frames, and its index; a distilled one's fit too), the process's resident peak and,
     for a distilled one, its record and its files' size."""
     from tvrpipe.features.store import open_store
+    from tvrpipe.files import file_sha256
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
-    from tvrpipe.search.distilled import DISTILLED_DIR, distilled_stage
+    from tvrpipe.search.distilled import DISTILLED_DIR, distilled_key, distilled_stage
     from tvrpipe.search.first_stages import first_stage_class, stage_config
     from tvrpipe.search.index import INDEX_DIR, first_stage
 
     store = open_store(job.store)
     if job.run:
         head = load_head(Path(job.run) / CHECKPOINTS / BEST).eval()
-        shutil.rmtree(Path(job.store) / DISTILLED_DIR, ignore_errors=True)
+        config = stage_config(first_stage_class(job.first_stage).name, job.settings)
+        key = distilled_key(store, file_sha256(Path(job.run) / CHECKPOINTS / BEST), config)
+        shutil.rmtree(Path(job.store) / DISTILLED_DIR / key, ignore_errors=True)  # this head's only
         t = time.perf_counter()
-        stage = distilled_stage(store, head, job.run, stage_config(first_stage_class(job.first_stage).name,
-                                                                   job.settings))
+        stage = distilled_stage(store, head, job.run, config)
         return {"seconds": time.perf_counter() - t, "peak": _peak_bytes(), "describe": stage.describe(),
                 "fit": stage.record["fit"], "bytes": stage.record["bytes"]}
     shutil.rmtree(Path(job.store) / INDEX_DIR, ignore_errors=True)
