@@ -549,7 +549,7 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
                    "--train-videos", "64", "--train-epochs", "2", *args)
 
     r = bench("--candidates", "20", "--candidates", "100", "--candidates", "600", "--method", "meanpool",
-              "--method", "xpool", "--latency-queries", "3", "--json", tmp_path / "r.json")
+              "--method", "xpool", "--latency-queries", "3", "--first-stage", "exact", "--json", tmp_path / "r.json")
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "r.json").read_text())
     assert res == json.loads((out / "results.json").read_text())
@@ -594,7 +594,8 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     assert {p.relative_to(out).parts[1] for p in stores} == {"collection-600-d32-s0", "benchmark-64-d32-s0"}
     assert {p.parent.name for p in runs} == {"meanpool-2ep", "xpool-2ep"}
     # a rerun: the stores and the run are reused; the exhaustive search runs on 2 of the 6 queries
-    r = bench("--candidates", "600", "--method", "xpool", "--exhaustive-queries", "2", "--latency-queries", "0")
+    r = bench("--candidates", "600", "--method", "xpool", "--exhaustive-queries", "2", "--latency-queries", "0",
+              "--first-stage", "exact")
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     full, two = res["rows"]
@@ -606,8 +607,8 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     # shortlist's recall it is compared with is the first run's two-stage recall with the exact pooled stage
     xpool_exact = {x["candidates"]: x["recall"] for x in (json.loads((tmp_path / "r.json").read_text()))["rows"]
                    if x["method"] == "xpool"}
-    r = bench("--candidates", "20", "--candidates", "600", "--method", "xpool", "--first-stage", "distilled",
-              "--first-stage-set", "steps=5", "--first-stage-set", "dim=8", "--latency-queries", "0")
+    r = bench("--candidates", "20", "--candidates", "600", "--method", "xpool", "--first-stage-set", "steps=5",
+              "--first-stage-set", "dim=8", "--latency-queries", "0")  # distilled: the default
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     built = res["trained"]["xpool"]["first_stage"]
@@ -626,7 +627,7 @@ def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):
                        (("--latency-queries", "-1"), "--latency-queries -1: between 0 and --queries"),
                        (("--train-epochs", "0"), "--train-epochs 0: at least 1 (leave it out to train until"),
                        (("--method", "nope"), "unknown method 'nope'"),
-                       (("--first-stage-set", "nprobe=4"), "first stage exact has no setting 'nprobe'")):
+                       (("--first-stage-set", "nprobe=4"), "first stage distilled has no setting 'nprobe'; known: batch")):
         r = cli("bench", "search", "--out", out, *args)
         assert r.exit_code == 1 and said in r.output, r.output
     r = cli("bench", "search", "--out", out, "--json", tmp_path)
