@@ -142,30 +142,12 @@ def bench_convergence(
     Example:
         >>> bench_convergence("bench/convergence", ["small"], ["xpool"])  # doctest: +SKIP
     """
-    from tvrpipe.errors import ConfigError
-    from tvrpipe.heads.base import head_class, list_heads
+    from tvrpipe.heads.base import list_heads
     from tvrpipe.training.fit import TrainConfig
 
-    if only_default and no_grid:
-        raise ConfigError("--only-default and --no-grid exclude each other: --only-default runs the default "
-                          "alone, --no-grid the open-ended run at each --lr as well")
-    base = train or TrainConfig()
-    for lr in lrs:  # each is a run's --lr: refused here, before the stores are generated, as the run would refuse it
-        TrainConfig(lr=lr)
-
     out = Path(out_dir)
-    if not isinstance(sizes, dict):
-        names = sizes or ["small", "medium"]
-        unknown = [s for s in names if s not in SIZES]
-        if unknown:
-            raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(SIZES)}")
-        sizes = {name: SIZES[name] for name in names}
-    methods = methods or list_heads()
-    for method in methods:  # an unknown head fails here, before hours of store generation
-        head_class(method)
-    check_room("bench convergence", out, stores_needs({out / "stores" / size: spec for size, spec in sizes.items()})
-               + Needs(memory=max(spec.store_bytes() for spec in sizes.values()),
-                       memory_what="the largest store's features, trained in memory"), "--size")
+    sizes, methods = _checked(out, sizes, methods or list_heads(), lrs, only_default, no_grid)
+    base = train or TrainConfig()
     with DirLock(out, wait=True):  # the tables are shared with benches of other heads in the same --out
         done = _load(out)  # runs of an earlier, interrupted bench in the same directory are reused
     runs: list[Run] = []
@@ -174,27 +156,66 @@ def bench_convergence(
         store_dir = generate_store(out / "stores" / size, spec, progress=progress, wait=True,
                                    made_by="tvrpipe bench convergence")
         for method in methods:
-            plan = [] if only_default or no_grid else [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
-            plan += [] if only_default else [("open", lr, None) for lr in lrs]
-            plan += [("default", None, None)]
-            for schedule, lr, e in plan:
-                lr_used = head_class(method).lr_for(spec.embed_dim) if lr is None else lr
-                # the open-ended run at the default lr, of this bench or an earlier one
-                same = [r for r in [*runs, *done.values()] if (r.store, r.method, r.schedule, r.lr) ==
-                        (size, method, "open", lr_used)]
-                if schedule == "default" and same:  # the same configuration and seed: the same run
-                    run = replace(same[0], schedule="default")
-                elif (size, method, schedule, lr_used) in done:
-                    run = done[(size, method, schedule, lr_used)]
-                else:  # a default run's folder names its lr: a changed default_lr is a new run
-                    run = _run(store_dir, size, method, schedule, lr, lr_used, e,
-                               out / "runs" / size / method / f"{schedule}-{lr_used}", base)
+            for schedule, lr, e in _schedules(lrs, epochs, only_default, no_grid):
+                run = _run_or_reuse(out, store_dir, size, spec, method, schedule, lr, e, base, runs, done)
                 runs.append(run)
                 log.warning("%s %s %s lr %g: val R@1 %.1f (epoch %d of %d, %.0f s)", size, method, schedule,
                             run.lr, run.val_r1, run.selected_epoch, run.epochs_run, run.seconds)
                 _merge_tables(out, runs)
     _merge_tables(out, runs, final=True)
     return _summary(runs)
+
+
+def _checked(out: Path, sizes, methods: list[str], lrs, only_default: bool, no_grid: bool):
+    """The options checked before any store is generated (an unknown size or head, a refused --lr, the room):
+    the sizes' specs and the heads."""
+    from tvrpipe.errors import ConfigError
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.training.fit import TrainConfig
+
+    if only_default and no_grid:
+        raise ConfigError("--only-default and --no-grid exclude each other: --only-default runs the default "
+                          "alone, --no-grid the open-ended run at each --lr as well")
+    for lr in lrs:  # each is a run's --lr: refused here, before the stores are generated, as the run would refuse it
+        TrainConfig(lr=lr)
+    if not isinstance(sizes, dict):
+        names = sizes or ["small", "medium"]
+        unknown = [s for s in names if s not in SIZES]
+        if unknown:
+            raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(SIZES)}")
+        sizes = {name: SIZES[name] for name in names}
+    for method in methods:  # an unknown head fails here, before hours of store generation
+        head_class(method)
+    check_room("bench convergence", out, stores_needs({out / "stores" / size: spec for size, spec in sizes.items()})
+               + Needs(memory=max(spec.store_bytes() for spec in sizes.values()),
+                       memory_what="the largest store's features, trained in memory"), "--size")
+    return sizes, methods
+
+
+def _schedules(lrs, epochs, only_default: bool, no_grid: bool) -> list[tuple[str, float | None, int | None]]:
+    """Each head's runs: (schedule, lr, epochs) of the grid, the open-ended run at each lr, and the default."""
+    plan = [] if only_default or no_grid else [(f"epochs={e}", lr, e) for lr in lrs for e in epochs]
+    plan += [] if only_default else [("open", lr, None) for lr in lrs]
+    return plan + [("default", None, None)]
+
+
+def _run_or_reuse(out: Path, store_dir: Path, size: str, spec, method: str, schedule: str, lr: float | None,
+                  e: int | None, base, runs: list[Run], done: dict) -> Run:
+    """One run: the open-ended run at the default lr stands for the default (the same configuration and seed),
+    a run of an earlier bench in ``out`` is reused, any other is trained."""
+    from tvrpipe.heads.base import head_class
+
+    lr_used = head_class(method).lr_for(spec.embed_dim) if lr is None else lr
+    # the open-ended run at the default lr, of this bench or an earlier one
+    same = [r for r in [*runs, *done.values()] if (r.store, r.method, r.schedule, r.lr) ==
+            (size, method, "open", lr_used)]
+    if schedule == "default" and same:  # the same configuration and seed: the same run
+        return replace(same[0], schedule="default")
+    if (size, method, schedule, lr_used) in done:
+        return done[(size, method, schedule, lr_used)]
+    # a default run's folder names its lr: a changed default_lr is a new run
+    return _run(store_dir, size, method, schedule, lr, lr_used, e,
+                out / "runs" / size / method / f"{schedule}-{lr_used}", base)
 
 
 def _merge_tables(out: Path, runs: list[Run], final: bool = False) -> None:
