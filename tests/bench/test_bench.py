@@ -615,7 +615,7 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     assert res["first_stage"].startswith("distilled") and built["seconds"] > 0 and built["bytes"] > 600 * 3 * 8 * 4
     assert built["fit"]["head_pairs"] > 0 and built["describe"].startswith("distilled: 3 segments x 8 dims")
     assert res["zero_shot_recall"]["xpool"] == {"20": pytest.approx(xpool_exact[20]), "600": 1.0}
-    assert [x["recall"] for x in res["rows"]][-1] == 1.0 and "distilled / the zero-shot pooled shortlist" in r.output
+    assert [x["recall"] for x in res["rows"]][-1] == 1.0 and "its first stage's / the zero-shot pooled shortlist" in r.output
 
 
 def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):

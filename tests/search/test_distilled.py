@@ -99,10 +99,10 @@ def test_the_scorer_learns_the_heads_ranking_far_better_than_zero_shot_ranks_it(
     assert distilled > 0.5 and distilled > zs + 0.25, (distilled, zs)
 
 
-def _run(store, out):
+def _run(store, out, method="xpool"):
     from tvrpipe.training.fit import TrainConfig, fit
 
-    fit(store, "xpool", out, TrainConfig(epochs=1, batch_size=64), progress=False)
+    fit(store, method, out, TrainConfig(epochs=1, batch_size=64), progress=False)
     return out
 
 
@@ -150,3 +150,34 @@ def test_bad_settings_and_searches_without_a_run_a_shortlist_or_in_shards_are_re
     with pytest.raises(ConfigError, match="--first-stage distilled runs in this process: leave out --shards 2"):
         search(run, ["a", "b"], candidates=10, first_stage="distilled", texts=texts, shards=2, address="local")
     assert not (gen / DISTILLED_DIR).exists()
+
+
+def test_a_heads_own_embedding_ranks_as_its_exhaustive_search_and_is_kept(gen, tmp_path):
+    """seqtransf's video embedding, indexed: the two stages at K = 10 keep the first stage's hits, which are the
+    exhaustive search's, scores to float rounding; a head without such an embedding is refused, naming the ones
+    with one."""
+    from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
+    from tvrpipe.search.distilled import head_stage
+    from tvrpipe.search.engine import exhaustive, keeps_first_stage, two_stage
+
+    shutil.copytree(gen, tmp_path / "store")
+    store = open_store(tmp_path / "store")
+    run = _run(tmp_path / "store", tmp_path / "run", "seqtransf")
+    head = load_head(run / CHECKPOINTS / BEST).eval()
+    config = stage_config("head-embedding")
+    stage = head_stage(store, head, run, "head-embedding", config)
+    assert stage.pooled.shape == (len(searchable_rows(store)), D) and keeps_first_stage(head, stage)
+    texts = text_batch(store, np.flatnonzero(store.texts["split"].to_numpy() == "test"), tokens=False)
+    full = exhaustive(head, texts, store, stage.rows, 10)
+    two = two_stage(head, texts, store, stage, 10, 10)
+    np.testing.assert_array_equal(two.rows, full.rows)
+    np.testing.assert_allclose(two.scores, full.scores, rtol=1e-5, atol=1e-6)
+    (folder,) = (tmp_path / "store" / DISTILLED_DIR).iterdir()
+    meta = json.loads((folder / "distilled.json").read_text())
+    assert meta["first_stage"] == "head-embedding" and meta["fit"] is None and meta["build_seconds"] > 0
+    assert isinstance(head_stage(store, head, run, "head-embedding", config).pooled, np.memmap)  # read back
+    xpool = _run(tmp_path / "store", tmp_path / "xpool")
+    with pytest.raises(ConfigError, match="--first-stage head-embedding: xpool has no video embedding that is the "
+                                          "same for every query .* meanpool, seqtransf have one\\); use "
+                                          "--first-stage distilled"):
+        head_stage(store, load_head(xpool / CHECKPOINTS / BEST).eval(), xpool, "head-embedding", config)

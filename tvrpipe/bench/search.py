@@ -183,11 +183,12 @@ class SearchBench:
                            f"R@1 {t['test_R@1']:.1f} %")
             if t is not None and "first_stage" in t:
                 fs = t["first_stage"]
-                out.append(f"{m}: distilled first stage built in {fs['seconds']:.1f} s (fit {fs['fit']['seconds']:.1f} "
-                           f"s on {fs['fit']['head_pairs']:,} head scores), {fs['bytes'] / 2**20:,.1f} MiB on disk, "
-                           f"peak {fs['peak_gb']:.2f} GB")
+                how = ("every video encoded by the head" if fs["fit"] is None else
+                       f"fit {fs['fit']['seconds']:.1f} s on {fs['fit']['head_pairs']:,} head scores")
+                out.append(f"{m}: its first stage ({fs['describe']}) built in {fs['seconds']:.1f} s ({how}), "
+                           f"{fs['bytes'] / 2**20:,.1f} MiB on disk, peak {fs['peak_gb']:.2f} GB")
             if m in self.zero_shot_recall:
-                out.append(f"{m}: recall@10 with the distilled / the zero-shot pooled shortlist: " + ", ".join(
+                out.append(f"{m}: recall@10 with its first stage's / the zero-shot pooled shortlist: " + ", ".join(
                     f"K={kk} {self.recall(m).get(kk, float('nan')):.3f} / {v:.3f}"
                     for kk, v in self.zero_shot_recall[m].items()))
             if k is None:
@@ -290,7 +291,7 @@ def _arm(job: _Arm) -> dict:
 
     from tvrpipe.features.store import open_store
     from tvrpipe.rundir import load_head
-    from tvrpipe.search.engine import exhaustive, shortlist_is_head_aware, two_stage
+    from tvrpipe.search.engine import exhaustive, keeps_first_stage, two_stage
 
     torch.set_num_threads(os.cpu_count() or 1)
     store = open_store(job.store)
@@ -321,7 +322,7 @@ def _arm(job: _Arm) -> dict:
     peak = _peak_bytes()
     if stage is None:
         encoded = len(job.rows)
-    elif head.ranks_as_first_stage and not shortlist_is_head_aware(stage):  # the first stage's cosines are kept
+    elif keeps_first_stage(head, stage):  # the first stage's scores are kept: no video is encoded
         encoded = 0
     else:
         encoded = len(np.unique(stage.top(texts.sentence.numpy(), ranked.candidates)[0]))
@@ -331,12 +332,12 @@ def _arm(job: _Arm) -> dict:
 
 def _stage(store, head, job: _Arm):
     """The arm's first stage: the store's kept one, or the distilled one of the arm's run."""
-    from tvrpipe.search.distilled import distilled_stage
+    from tvrpipe.search.distilled import head_stage
     from tvrpipe.search.first_stages import first_stage_class, stage_config
     from tvrpipe.search.index import first_stage
 
     if first_stage_class(job.first_stage).head_aware:
-        return distilled_stage(store, head, job.run, stage_config(job.first_stage, job.settings))
+        return head_stage(store, head, job.run, job.first_stage, stage_config(job.first_stage, job.settings))
     return first_stage(store, job.first_stage, settings=job.settings)
 
 
@@ -355,18 +356,19 @@ def _build(job: _Build) -> dict:
     from tvrpipe.features.store import open_store
     from tvrpipe.files import file_sha256
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
-    from tvrpipe.search.distilled import DISTILLED_DIR, distilled_key, distilled_stage
+    from tvrpipe.search.distilled import DISTILLED_DIR, distilled_key, head_stage
     from tvrpipe.search.first_stages import first_stage_class, stage_config
     from tvrpipe.search.index import INDEX_DIR, first_stage
 
     store = open_store(job.store)
     if job.run:
         head = load_head(Path(job.run) / CHECKPOINTS / BEST).eval()
-        config = stage_config(first_stage_class(job.first_stage).name, job.settings)
-        key = distilled_key(store, file_sha256(Path(job.run) / CHECKPOINTS / BEST), config)
+        name = first_stage_class(job.first_stage).name
+        config = stage_config(name, job.settings)
+        key = distilled_key(store, file_sha256(Path(job.run) / CHECKPOINTS / BEST), config, name)
         shutil.rmtree(Path(job.store) / DISTILLED_DIR / key, ignore_errors=True)  # this head's only
         t = time.perf_counter()
-        stage = distilled_stage(store, head, job.run, config)
+        stage = head_stage(store, head, job.run, name, config)
         return {"seconds": time.perf_counter() - t, "peak": _peak_bytes(), "describe": stage.describe(),
                 "fit": stage.record["fit"], "bytes": stage.record["bytes"]}
     shutil.rmtree(Path(job.store) / INDEX_DIR, ignore_errors=True)

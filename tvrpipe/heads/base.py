@@ -189,6 +189,15 @@ class Head(nn.Module):
     # L2-normalised mean of the L2-normalised frames, :mod:`tvrpipe.search.index`): a two-stage search then
     # keeps the first stage's order and cosines instead of reading the shortlist's frames to score them again.
     ranks_as_first_stage: ClassVar[bool] = False
+    # (text key, video key) where ``similarity`` is exactly the inner product of those two embeddings and the
+    # text's reads the sentence alone (CLIP4Clip's meanP and seqTransf): the video side is then a fixed vector
+    # per video, which a search's ``head-embedding`` first stage indexes (its ranking is the head's own).
+    embedding_keys: ClassVar[tuple[str, str] | None] = None
+
+    def indexable(self) -> tuple[str, str] | None:
+        """:attr:`embedding_keys`, unless this head mixes in the zero-shot score (``zero_shot_start``), which
+        is not one inner product."""
+        return None if self.config.zero_shot_start or self.uses_tokens else self.embedding_keys
 
     def init_from_clip(self, clip: nn.Module) -> Copied:
         """Initialise modules from the live CLIP where the head's paper does (finetune ``--init-from-clip``;

@@ -58,6 +58,8 @@ class MeanPool(Head):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
 
+    embedding_keys = ("sentence", "video")  # similarity: their inner product
+
     def encode_texts(self, texts: TextBatch) -> Emb:
         return {"sentence": F.normalize(texts.sentence, dim=-1)}  # (B, D)
 

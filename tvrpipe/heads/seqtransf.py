@@ -265,6 +265,8 @@ class SeqTransf(Head):
             )
         return sequence_transformer(frames, frame_mask, self.frame_position_embeddings.weight, self.blocks)
 
+    embedding_keys = ("sentence", "video")  # similarity: their inner product
+
     def encode_texts(self, texts: TextBatch) -> Emb:
         return {"sentence": F.normalize(texts.sentence, dim=-1)}  # (B, D)
 

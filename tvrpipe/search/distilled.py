@@ -1,15 +1,17 @@
-"""The distilled first stage of a run (:mod:`tvrpipe.search.first_stages.distilled`): fitted to the run's head
-on the run's own store, applied to the searched store, and kept beside that store.
+"""The first stages built from a run's head, kept beside the searched store: the distilled one
+(:mod:`tvrpipe.search.first_stages.distilled`: fitted to the head on the run's own store, applied to the
+searched store) and the head's own video embedding (:mod:`tvrpipe.search.first_stages.head_embedding`).
 
     <store>/search-distilled/<key>/
-      scorer.npz       the query and video maps (D x d) and the segments a video
-      vectors.npy      float32 (n x segments, d): the searchable videos' segment vectors (read as a memory map)
+      scorer.npz       the distilled stage's query and video maps (D x d) and the segments a video
+      vectors.npy      float32 (n x vectors a video, d): the searchable videos' vectors (read as a memory map)
       rows.npy         int64 (n,): their rows in the store
       distilled.json   what it was built from (the store's key, the run, its checkpoint's sha256, the build
                        settings), the fit's record and the build's cost
 
-``key`` hashes the store's key (:func:`tvrpipe.search.index.store_key`), the checkpoint's sha256 and the build
-settings, so a store extracted again, another run or other settings build anew; each is built once and reused.
+``key`` hashes the store's key (:func:`tvrpipe.search.index.store_key`), the checkpoint's sha256, the first stage
+and its build settings, so a store extracted again, another run or other settings build anew; each is built once
+and reused.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ from tvrpipe.files import atomic_replace_folder, file_sha256
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
 from tvrpipe.search.first_stages.base import normalised
 from tvrpipe.search.first_stages.distilled import Distilled, Scorer, segment_means
+from tvrpipe.search.first_stages.head_embedding import HeadEmbedding, check_indexable
 from tvrpipe.search.index import searchable_rows, store_key
 
 log = logging.getLogger(__name__)
@@ -184,48 +189,83 @@ def _run_store(run: Path, config: dict) -> FeatureStore:
                           f"and it cannot be opened ({e}); use a pooled first stage (--first-stage exact)") from e
 
 
-def distilled_key(store: FeatureStore, checkpoint_sha: str, config: Distilled.Config) -> str:
-    """The cache folder's name: the store's state, the head's weights and the build settings."""
+def distilled_key(store: FeatureStore, checkpoint_sha: str, config: Any, name: str = Distilled.name) -> str:
+    """The cache folder's name: the store's state, the head's weights, the first stage and its build settings."""
     ident = {"store": store_key(store), "checkpoint": checkpoint_sha, "settings": dataclasses.asdict(config)}
+    if name != Distilled.name:  # the distilled stage's folders keep the name they had before there were others
+        ident["first_stage"] = name
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def distilled_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], config: Distilled.Config,
-                    cache: bool = True, progress: bool = False) -> Any:
-    """The distilled first stage of ``run``'s ``head`` over ``store``: read from ``<store>/search-distilled/``
-    where it was built for this store state, checkpoint and settings, else fitted on the run's store, applied to
-    every searchable video of ``store``, and kept there (where the folder is writable and ``cache``).
+@dataclass
+class _Recipe:
+    """How a head-fitted first stage makes its vectors and its index: ``per_video`` vectors of ``dim`` a video
+    from ``encode(frames, mask)``; ``index(vectors)``; ``scorer``: the distilled maps (None: the head's own)."""
+
+    per_video: int
+    dim: int
+    encode: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    index: Callable[[np.ndarray], Any]
+    scorer: Scorer | None = None
+
+
+def _recipe(name: str, head: Head, store: FeatureStore, config: Any, scorer: Scorer | None) -> _Recipe:
+    if name == Distilled.name:
+        return _Recipe(scorer.segments, config.dim, scorer.videos, lambda v: Distilled.over(v, config, scorer), scorer)
+    _, video_key = head.indexable()
+
+    @torch.inference_mode()
+    def encode(frames: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        batch = VideoBatch(torch.from_numpy(frames.astype(np.float32)), torch.from_numpy(mask))
+        return head.encode_videos(batch)[video_key].float().numpy()
+
+    return _Recipe(1, int(store.array("videos/frames").shape[2]), encode,
+                   lambda v: HeadEmbedding.over(v, config, head))
+
+
+def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], name: str, config: Any,
+               cache: bool = True, progress: bool = False) -> Any:
+    """The first stage ``name`` fitted to ``run``'s ``head`` over ``store`` (``distilled``: a scorer fitted on the
+    run's store and applied to every searchable video of ``store``; ``head-embedding``: every searchable video
+    encoded by the head): read from ``<store>/search-distilled/`` where it was built for this store state,
+    checkpoint, first stage and settings, else built and kept there (where the folder is writable and ``cache``).
 
     Returns:
-        A :class:`~tvrpipe.search.index.FirstStage` (pooled: the segment vectors; index: :class:`Distilled`).
+        A :class:`~tvrpipe.search.index.FirstStage` (pooled: its vectors; index: the first stage).
 
     Raises:
-        ConfigError: the run's store cannot be opened, or its train split cannot teach (:func:`fit_scorer`);
-            no video of ``store`` has a decoded frame.
+        ConfigError: the run's store cannot be opened, or its train split cannot teach (:func:`fit_scorer`); a
+            head with no video embedding of its own for ``head-embedding``; no video of ``store`` has a decoded
+            frame.
     """
     from tvrpipe.rundir import BEST, CHECKPOINTS, read_config
     from tvrpipe.search.index import FirstStage, check_searchable
 
+    if name == HeadEmbedding.name:
+        check_indexable(head)
     run = Path(run)
     sha = file_sha256(run / CHECKPOINTS / BEST)
-    folder = Path(store.dir) / DISTILLED_DIR / distilled_key(store, sha, config)
-    kept = _load(folder, config)
+    folder = Path(store.dir) / DISTILLED_DIR / distilled_key(store, sha, config, name)
+    kept = _load(folder, name, head, store, config)
     if kept is not None:
         return kept
     t0 = time.perf_counter()
-    scorer, record = fit_scorer(head, _run_store(run, read_config(run)), config, progress)
+    scorer, record = (fit_scorer(head, _run_store(run, read_config(run)), config, progress) if name == Distilled.name
+                      else (None, None))
+    recipe = _recipe(name, head, store, config, scorer)
     rows = searchable_rows(store)
     check_searchable(store, rows)
-    meta = {"store_key": store_key(store), "run": str(run.resolve()), "checkpoint_sha256": sha,
-            "method": head.name, "settings": dataclasses.asdict(config), "fit": record}
+    meta = {"store_key": store_key(store), "run": str(run.resolve()), "checkpoint_sha256": sha, "method": head.name,
+            "first_stage": name, "settings": dataclasses.asdict(config), "fit": record}
 
     def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
-        np.savez(tmp / "scorer.npz", query_map=scorer.query_map, video_map=scorer.video_map,
-                 segments=np.int64(scorer.segments))
+        if scorer is not None:
+            np.savez(tmp / "scorer.npz", query_map=scorer.query_map, video_map=scorer.video_map,
+                     segments=np.int64(scorer.segments))
         vectors = np.lib.format.open_memmap(tmp / "vectors.npy", mode="w+", dtype=np.float32,
-                                            shape=(len(rows) * scorer.segments, config.dim))
-        _fill(store, rows, scorer, vectors, progress)
+                                            shape=(len(rows) * recipe.per_video, recipe.dim))
+        _fill(store, rows, recipe, vectors, progress)
         vectors.flush()
         del vectors
         np.save(tmp / "rows.npy", rows)
@@ -236,43 +276,52 @@ def distilled_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str]
     if cache:
         try:
             atomic_replace_folder(folder, write)
-            kept = _load(folder, config)
+            kept = _load(folder, name, head, store, config)
             if kept is not None:
                 return kept
         except (OSError, WriteError) as e:
-            log.info("%s: the distilled first stage is not kept (%s); it is built again next time", folder, e)
-    vectors = np.empty((len(rows) * scorer.segments, config.dim), np.float32)
-    _fill(store, rows, scorer, vectors, progress)
-    return FirstStage(vectors, rows, Distilled.over(vectors, config, scorer))
+            log.info("%s: the %s first stage is not kept (%s); it is built again next time", folder, name, e)
+    vectors = np.empty((len(rows) * recipe.per_video, recipe.dim), np.float32)
+    _fill(store, rows, recipe, vectors, progress)
+    return FirstStage(vectors, rows, recipe.index(vectors), record=meta)
 
 
-def _fill(store: FeatureStore, rows: np.ndarray, scorer: Scorer, out: np.ndarray, progress: bool) -> None:
-    """``out`` (n x segments, d) gets the scorer's segment vectors of ``rows``, a block of videos at a time."""
+def distilled_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], config: Distilled.Config,
+                    cache: bool = True, progress: bool = False) -> Any:
+    """:func:`head_stage` of the distilled first stage."""
+    return head_stage(store, head, run, Distilled.name, config, cache, progress)
+
+
+def _fill(store: FeatureStore, rows: np.ndarray, recipe: _Recipe, out: np.ndarray, progress: bool) -> None:
+    """``out`` (n x per video, d) gets the vectors of ``rows``, a block of videos at a time."""
     from tvrpipe.progress import progress_bar
 
-    S = scorer.segments
+    S = recipe.per_video
     with progress_bar(enabled=progress, transient=True) as bar:
-        task = bar.add_task(f"the distilled first stage's vectors of {len(rows):,} videos", total=len(rows))
+        task = bar.add_task(f"the first stage's vectors of {len(rows):,} videos", total=len(rows))
         for a in range(0, len(rows), _BLOCK):
             part = rows[a : a + _BLOCK]
-            out[a * S : (a + len(part)) * S] = scorer.videos(store.read("videos/frames", part),
+            out[a * S : (a + len(part)) * S] = recipe.encode(store.read("videos/frames", part),
                                                              store.read("videos/frame_mask", part))
             bar.advance(task, len(part))
 
 
-def _load(folder: Path, config: Distilled.Config) -> Any:
+def _load(folder: Path, name: str, head: Head, store: FeatureStore, config: Any) -> Any:
     """The kept first stage in ``folder``, or None where there is none whole (built again then)."""
     from tvrpipe.search.index import FirstStage
 
     try:
         meta = json.loads((folder / "distilled.json").read_text())
-        z = np.load(folder / "scorer.npz")
-        scorer = Scorer(z["query_map"], z["video_map"], int(z["segments"]))
+        scorer = None
+        if name == Distilled.name:
+            z = np.load(folder / "scorer.npz")
+            scorer = Scorer(z["query_map"], z["video_map"], int(z["segments"]))
         vectors, rows = np.load(folder / "vectors.npy", mmap_mode="r"), np.load(folder / "rows.npy")
     except (OSError, ValueError, KeyError) as e:
         if folder.exists():
-            log.warning("%s: the distilled first stage cannot be read (%s); building it again", folder, e)
+            log.warning("%s: the %s first stage cannot be read (%s); building it again", folder, name, e)
         return None
-    if len(vectors) != len(rows) * scorer.segments:
+    recipe = _recipe(name, head, store, config, scorer)
+    if len(vectors) != len(rows) * recipe.per_video:
         return None
-    return FirstStage(vectors, rows, Distilled.over(vectors, config, scorer), record=meta)
+    return FirstStage(vectors, rows, recipe.index(vectors), record=meta)

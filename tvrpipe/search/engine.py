@@ -436,7 +436,7 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
     """
     K = min(candidates, len(stage))
     pos, first = stage.top(texts.sentence.cpu().numpy(), K)  # (Q, K) positions into stage.rows
-    if head.ranks_as_first_stage and not shortlist_is_head_aware(stage):  # the head's scores are these cosines
+    if keeps_first_stage(head, stage):  # the head's scores are these: its ranking of the K is theirs
         top = min(k, K)
         return Ranked(stage.rows[pos[:, :top]], first[:, :top].astype(np.float32),
                       np.full((len(texts), top), np.nan, np.float32), K)
@@ -672,13 +672,13 @@ def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, cand
 
 def searcher_stage(searcher: Searcher, first_stage: str, settings: Sequence[str] | Mapping[str, Any] = (),
                    progress: bool = False) -> Any:
-    """The first stage ``first_stage`` of a search by ``searcher``: a head-aware one (``distilled``) fitted to its
-    run's head (:mod:`tvrpipe.search.distilled`), any other the store's own (:func:`tvrpipe.search.index.first_stage`).
+    """The first stage ``first_stage`` of a search by ``searcher``: a head-aware one (``distilled``,
+    ``head-embedding``) built from its run's head (:mod:`tvrpipe.search.distilled`), any other the store's own (:func:`tvrpipe.search.index.first_stage`).
 
     Raises:
         ConfigError: a head-aware first stage for zero-shot search (no run); as the builders raise.
     """
-    from tvrpipe.search.distilled import distilled_stage
+    from tvrpipe.search.distilled import head_stage
     from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage, stage_config
     from tvrpipe.search.first_stages.base import head_aware_refusal
     from tvrpipe.search.index import first_stage as make_stage
@@ -688,13 +688,21 @@ def searcher_stage(searcher: Searcher, first_stage: str, settings: Sequence[str]
         return make_stage(searcher.store, first_stage, settings=settings, progress=progress)
     if searcher.run is None:
         raise ConfigError(head_aware_refusal(cls.name))
-    return distilled_stage(searcher.store, searcher.head, searcher.run, stage_config(cls.name, settings),
-                           progress=progress)
+    return head_stage(searcher.store, searcher.head, searcher.run, cls.name, stage_config(cls.name, settings),
+                      progress=progress)
 
 
 def shortlist_is_head_aware(stage: Any) -> bool:
-    """Whether ``stage`` ranks as a run's head does (a distilled first stage), not by the pooled cosine."""
+    """Whether ``stage`` is built from a run's head (distilled, head-embedding), not from the pooled cosine."""
     return bool(getattr(getattr(stage, "index", None), "head_aware", False))
+
+
+def keeps_first_stage(head: Head, stage: Any) -> bool:
+    """Whether the two stages keep the first stage's order and scores (no frame read): the head scores as the
+    pooled first stage does (meanpool), or the first stage is the head's own index (``ranks_as_head``)."""
+    if getattr(getattr(stage, "index", None), "ranks_as_head", False):
+        return True
+    return head.ranks_as_first_stage and not shortlist_is_head_aware(stage)
 
 
 def check_head_aware(searcher: Searcher, first_stage: str, candidates: int | None, shards: int | None) -> None:

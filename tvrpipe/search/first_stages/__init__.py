@@ -29,4 +29,5 @@ from tvrpipe.search.first_stages import (
     exact,  # noqa: F401
     faiss_hnsw,  # noqa: F401
     faiss_ivfpq,  # noqa: F401
+    head_embedding,  # noqa: F401
 )

@@ -59,6 +59,8 @@ class FirstStageIndex(ABC):
         install: what to install where :meth:`available` is False (a sentence after "needs").
         head_aware: ranks as a run's head does, so it is built from the head (:mod:`tvrpipe.search.distilled`),
             not from the pooled embeddings alone, and needs ``--run``.
+        ranks_as_head: its top k and scores are the head's own (a head's indexed embedding): the two stages
+            keep them and read no frame.
     """
 
     name: ClassVar[str] = ""  # set by register_first_stage
@@ -71,6 +73,7 @@ class FirstStageIndex(ABC):
     exact: ClassVar[bool] = False
     install: ClassVar[str] = ""
     head_aware: ClassVar[bool] = False
+    ranks_as_head: ClassVar[bool] = False  # its ranking and scores are the head's: nothing to re-rank
 
     def __init__(self, pooled: np.ndarray, config: StageConfig) -> None:
         self.pooled = pooled  # (n, D) float32, L2-normalised; a memory map where read from a folder
