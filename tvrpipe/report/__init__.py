@@ -108,8 +108,36 @@ def write_report(
         >>> write_report(["runs/"], "report", video_root="data/videos", manifest="data/manifest")  # doctest: +SKIP
         PosixPath('report/report.md')
     """
-    from tvrpipe.features.outputs import check_output_folder
     from tvrpipe.files import atomic_write_text
+
+    found, skipped, chosen = _found_runs(runs, out, gallery_queries, gallery_run)
+    sections = group_runs(found)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("curves.png", "r1.png", "uncertainty.png", "gallery.png"):  # no stale plot of an earlier report
+        (out_dir / name).unlink(missing_ok=True)
+    plots, notes = _plots(sections, out_dir)
+    chosen = chosen or _best_run(found, manifest)
+    if chosen is None:
+        notes.append("gallery: no train-head run (with a feature store) to score; choose one with --gallery-run")
+    else:
+        _gallery(chosen, video_root, manifest, gallery_queries, seed, out_dir, plots, notes)
+    text = render_markdown(sections, skipped, out_dir, plots, notes, runs)
+    atomic_write_text(out_dir / "report.md", text)
+    rows = csv_rows(sections)
+    atomic_write_text(out_dir / "report.csv", pd.DataFrame(rows).to_csv(index=False))
+    log.info("report of %d runs written to %s", len(found), out_dir / "report.md")
+    return out_dir / "report.md"
+
+
+def _found_runs(runs, out, gallery_queries: int, gallery_run):
+    """The options checked, and the finished runs under ``runs``, those skipped (each logged), and the run
+    ``--gallery-run`` names (None: not given).
+
+    Raises:
+        ConfigError: as :func:`write_report` says.
+    """
+    from tvrpipe.features.outputs import check_output_folder
     from tvrpipe.lock import check_writable
 
     if gallery_queries < 1:
@@ -129,12 +157,12 @@ def write_report(
         chosen = next((r for r in found if r.dir.resolve() == Path(gallery_run).resolve()), None)
         if chosen is None:
             raise ConfigError(f"--gallery-run {gallery_run}: not one of the finished runs reported")
-    sections = group_runs(found)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("curves.png", "r1.png", "uncertainty.png", "gallery.png"):  # no stale plot of an earlier report
-        (out_dir / name).unlink(missing_ok=True)
+    return found, skipped, chosen
 
+
+def _plots(sections, out_dir: Path) -> tuple[dict[str, str], list[str]]:
+    """The curves, R@1 and uncertainty plots drawn into ``out_dir``: each drawn plot's caption, and a note for
+    each that had nothing to draw."""
     plots: dict[str, str] = {}
     notes: list[str] = []
     if plot_curves(sections, out_dir / "curves.png"):
@@ -149,22 +177,19 @@ def write_report(
                                     "(runs that log readouts; colour: epoch)")
     else:
         notes.append("uncertainty: no run logs uncertainty readouts")
-    chosen = chosen or _best_run(found, manifest)
-    if chosen is None:
-        notes.append("gallery: no train-head run (with a feature store) to score; choose one with --gallery-run")
-    else:
-        try:
-            g = gallery_data(chosen.dir, video_root, manifest, gallery_queries, seed)
-            plot_gallery(g, out_dir / "gallery.png")
-            plots["gallery.png"] = (f"Retrieval gallery of {chosen.dir} ({chosen.method}): top-{GALLERY_TOP} test "
-                                    f"videos by raw score for {len(g.queries)} test captions (seed {seed}), middle "
-                                    "frames; green: the correct video")
-        except TvrpipeError as e:  # no store, no videos, a damaged checkpoint: the tables still stand
-            log.warning("gallery skipped: %s", e)
-            notes.append(f"gallery: {e}")
-    text = render_markdown(sections, skipped, out_dir, plots, notes, runs)
-    atomic_write_text(out_dir / "report.md", text)
-    rows = csv_rows(sections)
-    atomic_write_text(out_dir / "report.csv", pd.DataFrame(rows).to_csv(index=False))
-    log.info("report of %d runs written to %s", len(found), out_dir / "report.md")
-    return out_dir / "report.md"
+    return plots, notes
+
+
+def _gallery(chosen, video_root, manifest, gallery_queries: int, seed: int, out_dir: Path, plots: dict[str, str],
+             notes: list[str]) -> None:
+    """The gallery of ``chosen`` drawn into ``out_dir`` (its caption into ``plots``), or, where it cannot be (no
+    store, no videos, a damaged checkpoint), why, into ``notes``: the tables still stand."""
+    try:
+        g = gallery_data(chosen.dir, video_root, manifest, gallery_queries, seed)
+        plot_gallery(g, out_dir / "gallery.png")
+        plots["gallery.png"] = (f"Retrieval gallery of {chosen.dir} ({chosen.method}): top-{GALLERY_TOP} test "
+                                f"videos by raw score for {len(g.queries)} test captions (seed {seed}), middle "
+                                "frames; green: the correct video")
+    except TvrpipeError as e:
+        log.warning("gallery skipped: %s", e)
+        notes.append(f"gallery: {e}")
