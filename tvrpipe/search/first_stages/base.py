@@ -117,6 +117,26 @@ class FirstStageIndex(ABC):
         return {k: v for k, v in dataclasses.asdict(config).items() if k not in cls.search_fields}
 
 
+class HeadAwareIndex(FirstStageIndex):
+    """A first stage built from a run's head (:mod:`tvrpipe.search.distilled` builds it): its vectors and what they
+    were made with (``source``: a fitted scorer, the head). Built from pooled embeddings alone, it is refused."""
+
+    head_aware = True
+
+    def __init__(self, vectors: np.ndarray, config: StageConfig, source: Any = None) -> None:
+        super().__init__(vectors, config)
+        self.source = source
+
+    @classmethod
+    def build(cls, pooled: np.ndarray, config: StageConfig | None = None) -> HeadAwareIndex:
+        raise ConfigError(head_aware_refusal(cls.name))
+
+    @classmethod
+    def over(cls, vectors: np.ndarray, config: StageConfig, source: Any) -> HeadAwareIndex:
+        """The index over ``vectors`` (the searchable videos', in order), made with ``source``."""
+        return cls(vectors, config, source)
+
+
 S = TypeVar("S", bound=type[FirstStageIndex])
 _STAGES: dict[str, type[FirstStageIndex]] = {}
 _ALIASES: dict[str, str] = {}

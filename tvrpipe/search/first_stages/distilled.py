@@ -36,9 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tvrpipe.search.first_stages.base import (
-    FirstStageIndex,
+    HeadAwareIndex,
     StageConfig,
-    head_aware_refusal,
     normalised,
     register_first_stage,
 )
@@ -85,7 +84,7 @@ class Scorer:
 
 
 @register_first_stage("distilled")
-class Distilled(FirstStageIndex):
+class Distilled(HeadAwareIndex):
     """A run's head distilled into a late-interaction scorer over segment vectors, ranked exactly."""
 
     @dataclass(frozen=True)
@@ -112,25 +111,13 @@ class Distilled(FirstStageIndex):
 
     summary = ("a scorer distilled from the run's head (needs --run): segment vectors of each video against a "
                "mapped sentence, their best segment ranked exactly; built once per run and store")
-    head_aware = True
 
-    def __init__(self, vectors: np.ndarray, config: StageConfig, scorer: Scorer) -> None:
-        super().__init__(vectors, config)
-        self.scorer = scorer
+    @property
+    def scorer(self) -> Scorer:
+        return self.source
 
     def __len__(self) -> int:
         return len(self.pooled) // self.scorer.segments
-
-    @classmethod
-    def build(cls, pooled: np.ndarray, config: StageConfig | None = None) -> Distilled:
-        from tvrpipe.errors import ConfigError
-
-        raise ConfigError(head_aware_refusal(cls.name))
-
-    @classmethod
-    def over(cls, vectors: np.ndarray, config: StageConfig, scorer: Scorer) -> Distilled:
-        """The index over ``vectors`` (:meth:`Scorer.videos` of the searchable videos, in order)."""
-        return cls(vectors, config, scorer)
 
     def top(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` best videos by their best segment; ``queries`` are sentence embeddings (mapped here)."""

@@ -17,16 +17,15 @@ from typing import Any
 import numpy as np
 
 from tvrpipe.search.first_stages.base import (
-    FirstStageIndex,
+    HeadAwareIndex,
     StageConfig,
-    head_aware_refusal,
     register_first_stage,
 )
 from tvrpipe.search.first_stages.exact import exact_top
 
 
 @register_first_stage("head-embedding")
-class HeadEmbedding(FirstStageIndex):
+class HeadEmbedding(HeadAwareIndex):
     """A head's query-independent video embeddings, ranked exactly against its encoding of the query."""
 
     @dataclass(frozen=True)
@@ -35,23 +34,11 @@ class HeadEmbedding(FirstStageIndex):
 
     summary = ("the run's head's own video embedding, indexed, for a head that has one (meanpool, seqtransf; needs "
                "--run): exact, its ranking is the head's")
-    head_aware = True
     ranks_as_head = True
 
-    def __init__(self, vectors: np.ndarray, config: StageConfig, head: Any = None) -> None:
-        super().__init__(vectors, config)
-        self.head = head
-
-    @classmethod
-    def build(cls, pooled: np.ndarray, config: StageConfig | None = None) -> HeadEmbedding:
-        from tvrpipe.errors import ConfigError
-
-        raise ConfigError(head_aware_refusal(cls.name))
-
-    @classmethod
-    def over(cls, vectors: np.ndarray, config: StageConfig, head: Any) -> HeadEmbedding:
-        """The index over ``vectors`` (the head's video embeddings of the searchable videos, in order)."""
-        return cls(vectors, config, head)
+    @property
+    def head(self) -> Any:
+        return self.source
 
     def queries(self, sentences: np.ndarray) -> np.ndarray:
         """The head's text embedding of each sentence (its :attr:`embedding_keys` text side), ``(Q, D)``."""
