@@ -125,6 +125,11 @@ def test_a_distilled_stage_is_kept_reused_and_rebuilt_for_other_settings(gen, tm
     assert isinstance(again.pooled, np.memmap)
     distilled_stage(store, head, run, stage_config("distilled", [*FAST[1:], "steps=6"]))
     assert len(list((tmp_path / "store" / DISTILLED_DIR).iterdir())) == 2
+    # a store whose folder cannot be written: built in memory, its record says so
+    unkept = distilled_stage(store, head, run, stage_config("distilled", [*FAST[1:], "steps=7"]), cache=False)
+    assert unkept.record["bytes"] == 0 and unkept.record["build_seconds"] > 0 and not isinstance(unkept.pooled,
+                                                                                                 np.memmap)
+    assert len(list((tmp_path / "store" / DISTILLED_DIR).iterdir())) == 2
 
 
 def test_bad_settings_and_searches_without_a_run_a_shortlist_or_in_shards_are_refused(gen, tmp_path):

@@ -283,7 +283,9 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
             log.info("%s: the %s first stage is not kept (%s); it is built again next time", folder, name, e)
     vectors = np.empty((len(rows) * recipe.per_video, recipe.dim), np.float32)
     _fill(store, rows, recipe, vectors, progress)
-    return FirstStage(vectors, rows, recipe.index(vectors), record=meta)
+    # not kept: nothing on disk, and the build is paid again next time
+    return FirstStage(vectors, rows, recipe.index(vectors),
+                      record={**meta, "build_seconds": time.perf_counter() - t0, "bytes": 0})
 
 
 def distilled_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], config: Distilled.Config,
