@@ -673,7 +673,8 @@ def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, cand
 def searcher_stage(searcher: Searcher, first_stage: str, settings: Sequence[str] | Mapping[str, Any] = (),
                    progress: bool = False) -> Any:
     """The first stage ``first_stage`` of a search by ``searcher``: a head-aware one (``distilled``,
-    ``head-embedding``) built from its run's head (:mod:`tvrpipe.search.distilled`), any other the store's own (:func:`tvrpipe.search.index.first_stage`).
+    ``head-embedding``) built from its run's head (:mod:`tvrpipe.search.distilled`), any other the store's own
+    (:func:`tvrpipe.search.index.first_stage`).
 
     Raises:
         ConfigError: a head-aware first stage for zero-shot search (no run); as the builders raise.
@@ -706,7 +707,8 @@ def keeps_first_stage(head: Head, stage: Any) -> bool:
 
 
 def check_head_aware(searcher: Searcher, first_stage: str, candidates: int | None, shards: int | None) -> None:
-    """A first stage fitted to a run's head (``distilled``) needs that run, a shortlist, and one process.
+    """A first stage built from a run's head (``distilled``, ``head-embedding``) needs that run, a shortlist, and
+    one process.
 
     Raises:
         ConfigError: zero-shot (no ``--run``), no ``--candidates`` (the head would score every video: nothing
