@@ -901,3 +901,11 @@ def test_listen_holds_the_port_it_reports():
             listen("127.0.0.1", held.port)
         assert held.hosts().refusal([f"localhost:{held.port}"]) is None
         assert held.hosts().refusal(["localhost:8000"])[0] == 421
+
+
+def test_serve_refuses_a_head_built_first_stage_without_a_run_or_a_shortlist_before_loading_anything(site, cli):
+    store, root, _ = site
+    r = cli("serve", "--features", store, "--video-root", root, "--first-stage", "distilled", "--candidates", "5",
+            "--port", "0")
+    assert r.exit_code == 1 and "--first-stage distilled is fitted to a run's head: give --run" in r.output
+    assert not (Path(store) / "search-distilled").exists()
