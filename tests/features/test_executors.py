@@ -81,7 +81,9 @@ def _collection(tmp_path: Path, data: Path, names: dict[str, int]) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("cutting", [Cutting(2.0, 1.0), Cutting(shots=True)], ids=["windows", "shots"])
+# windows in make test-all (about 13 s): shots, the cutting with more to go wrong, runs by default
+@pytest.mark.parametrize("cutting", [pytest.param(Cutting(2.0, 1.0), marks=pytest.mark.slow), Cutting(shots=True)],
+                         ids=["windows", "shots"])
 def test_a_collection_cut_into_moments_and_updated_gives_the_same_bytes(ray_session, data, tmp_path, cutting):
     """A collection cut into overlapping windows or at its shots, then updated after a file was added, one
     changed and one removed: the store of each step is the same under either executor."""

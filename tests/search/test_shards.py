@@ -77,7 +77,8 @@ def _hits(cli, tmp_path, name, *args):
     return json.loads(out.read_text()), " ".join(r.output.split())
 
 
-@pytest.mark.parametrize("stage", STAGES)
+# the FAISS one in make test-all (about 14 s, its Ray shards started again): the exact one runs by default
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) if s != "exact" else s for s in STAGES])
 def test_two_shards_find_the_hits_of_one_index_zero_shot_and_with_a_trained_head(ray_local, store, run, stage,
                                                                                  tmp_path, cli):
     """`--address local --shards 2`: the same rows and scores as one index, for zero-shot CLIP and an X-Pool run
