@@ -102,7 +102,8 @@ def fit_scorer(head: Head, store: FeatureStore, config: Distilled.Config,
     :mod:`tvrpipe.search.first_stages.distilled`); the scorer and the fit's record: its seconds, the head
     evaluations it cost, the final loss and, on the tenth of the captions held out of the fit, the 95th
     percentile rank (as a share of the teacher videos) of the head's top 10 under the scorer and under zero-shot
-    CLIP's pooled cosine.
+    CLIP's cosine with the normalised mean of the video's segments (its pooled embedding but for each segment's
+    normalisation).
 
     Raises:
         ConfigError: the store's train split has fewer than 10 videos with frames, or no caption.
@@ -134,7 +135,7 @@ def fit_scorer(head: Head, store: FeatureStore, config: Distilled.Config,
     vec = scorer.from_segments(segs).reshape(len(vrows), config.segments, -1)
     top = np.argsort(-target[held], 1, kind="stable")[:, : min(10, len(vrows))]
     student = np.einsum("qd,nsd->qns", scorer.queries(sent[held]), vec).max(2)
-    pooled = normalised(segs.mean(1))
+    pooled = normalised(segs.mean(1))  # the segments are normalised: near, not equal to, the pooled embedding
     zero_shot = sent[held] @ pooled.T
     share = lambda r: float(np.percentile(r, 95)) / len(vrows)  # noqa: E731
     record = {"seconds": time.perf_counter() - t0, "captions": int(len(trows)), "videos": int(len(vrows)),
