@@ -63,6 +63,12 @@ class TextBatch:
         cast = (lambda x: x.to(device, dtype)) if dtype else (lambda x: x.to(device))
         return TextBatch(cast(self.tokens), self.token_mask.to(device), cast(self.sentence))
 
+    @classmethod
+    def of_sentences(cls, sentence: Tensor) -> TextBatch:
+        """Sentences alone, for a head that reads no word tokens: empty ``(B, 0, D)`` tokens and ``(B, 0)`` mask."""
+        B, D = sentence.shape
+        return cls(torch.zeros((B, 0, D)), torch.zeros((B, 0), dtype=torch.bool), sentence)
+
     def __len__(self) -> int:
         return self.sentence.shape[0]
 

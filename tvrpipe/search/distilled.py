@@ -50,8 +50,7 @@ def text_batch(store: FeatureStore, rows: np.ndarray, tokens: bool = True) -> Te
     """Captions ``rows`` (sorted) of a store as a float32 TextBatch (word tokens only where ``tokens``)."""
     sentence = torch.from_numpy(store.read("texts/sentence", rows).astype(np.float32))
     if not tokens:
-        return TextBatch(torch.zeros((len(rows), 0, sentence.shape[1])), torch.zeros((len(rows), 0), dtype=torch.bool),
-                         sentence)
+        return TextBatch.of_sentences(sentence)
     return TextBatch(torch.from_numpy(store.read("texts/tokens", rows).astype(np.float32)),
                      torch.from_numpy(store.read("texts/token_mask", rows)), sentence)
 

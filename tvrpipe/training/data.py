@@ -115,18 +115,17 @@ class SplitData(SplitBatches):
         padding never enters its computation, and does less work (training batches; an evaluation
         concatenates batches, which must then share one length).
         """
-        if tokens:
-            if self.tokens.shape[1] == 0:  # a split loaded with tokens keeps at least one column
-                raise ValueError(f"the {self.name} split was loaded without word tokens (load_split(..., "
-                                 "tokens=False)); load it with tokens for a head that reads them")
-            mask_np = self.token_mask[idx]
-            length = real_width(mask_np) if trim else mask_np.shape[1]
-            tok = as_float32(self.tokens[idx, :length])
-            mask = torch.from_numpy(np.ascontiguousarray(mask_np[:, :length]))
-        else:
-            tok = torch.zeros((len(idx), 0, self.tokens.shape[-1]))
-            mask = torch.zeros((len(idx), 0), dtype=torch.bool)
-        return TextBatch(tokens=tok, token_mask=mask, sentence=as_float32(self.sentence[idx]))
+        sentence = as_float32(self.sentence[idx])
+        if not tokens:
+            return TextBatch.of_sentences(sentence)
+        if self.tokens.shape[1] == 0:  # a split loaded with tokens keeps at least one column
+            raise ValueError(f"the {self.name} split was loaded without word tokens (load_split(..., "
+                             "tokens=False)); load it with tokens for a head that reads them")
+        mask_np = self.token_mask[idx]
+        length = real_width(mask_np) if trim else mask_np.shape[1]
+        tok = as_float32(self.tokens[idx, :length])
+        mask = torch.from_numpy(np.ascontiguousarray(mask_np[:, :length]))
+        return TextBatch(tokens=tok, token_mask=mask, sentence=sentence)
 
     def video_batch(self, idx: np.ndarray) -> VideoBatch:
         """Videos ``idx`` as a float32 VideoBatch."""

@@ -236,8 +236,7 @@ class StoreSplit(SplitBatches):
         rows = self.text_rows[np.asarray(idx)]
         sentence = as_float32(self.store.read("texts/sentence", rows))
         if not tokens:
-            D = sentence.shape[-1]
-            return TextBatch(torch.zeros((len(rows), 0, D)), torch.zeros((len(rows), 0), dtype=torch.bool), sentence)
+            return TextBatch.of_sentences(sentence)
         mask = self.store.read("texts/token_mask", rows, self.width)
         length = real_width(mask) if trim else mask.shape[1]
         tok = self.store.read("texts/tokens", rows, length)
@@ -353,8 +352,7 @@ class StreamedPairs:
     def _batch(self, out: dict[str, np.ndarray]) -> TextBatch:
         sentence = as_float32(out["sentence"])
         if not self.uses_tokens:
-            return TextBatch(torch.zeros((len(sentence), 0, sentence.shape[-1])),
-                             torch.zeros((len(sentence), 0), dtype=torch.bool), sentence)
+            return TextBatch.of_sentences(sentence)
         length = real_width(out["token_mask"])  # the batch's real columns, as an in-memory batch is trimmed
         return TextBatch(as_float32(out["tokens"][:, :length]),
                          torch.from_numpy(np.ascontiguousarray(out["token_mask"][:, :length])), sentence)

@@ -46,8 +46,7 @@ class HeadEmbedding(HeadAwareIndex):
 
         from tvrpipe.heads.base import TextBatch
 
-        s = torch.from_numpy(np.asarray(sentences, np.float32))
-        texts = TextBatch(torch.zeros((len(s), 0, s.shape[1])), torch.zeros((len(s), 0), dtype=torch.bool), s)
+        texts = TextBatch.of_sentences(torch.from_numpy(np.asarray(sentences, np.float32)))
         with torch.inference_mode():
             q = self.head.encode_texts(texts)[self.head.indexable()[0]]
         return np.ascontiguousarray(q.float().numpy())
