@@ -136,9 +136,9 @@ def test_bad_settings_and_searches_without_a_run_a_shortlist_or_in_shards_are_re
     from tvrpipe.search.engine import Searcher, search
     from tvrpipe.search.index import first_stage
 
-    with pytest.raises(ConfigError, match="--first-stage-set steps=0: at least 1"):
+    with pytest.raises(ConfigError, match="--first-stage-set of distilled: steps must be >= 1, got 0"):
         stage_config("distilled", ["steps=0"])
-    with pytest.raises(ConfigError, match="--first-stage-set lr=0.0, temperature=0.25: both above 0"):
+    with pytest.raises(ConfigError, match="--first-stage-set of distilled: lr must be > 0, got 0.0"):
         stage_config("distilled", ["lr=0"])
     store = open_store(gen)
     refusal = "--first-stage distilled is fitted to a run's head: give --run"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tvrpipe.config import above, at_least
 from tvrpipe.search.first_stages.base import (
     HeadAwareIndex,
     StageConfig,
@@ -89,25 +90,15 @@ class Distilled(HeadAwareIndex):
 
     @dataclass(frozen=True)
     class Config(StageConfig):
-        segments: int = 3  # choice: a few scenes a video (the generated world's multi-scene videos have 3)
-        dim: int = 128  # choice: 128 matched 512 in recall at a quarter of the index (measured, docs/search.md)
-        captions: int = 2000  # teacher captions of the run's train split (head evaluations: captions x videos)
-        videos: int = 2000  # teacher videos of the run's train split
-        steps: int = 300  # choice: 100 to 1,000 steps changed recall by under 0.02 (docs/search.md)
-        batch: int = 256  # captions a step
-        lr: float = 1e-3
-        temperature: float = 0.25  # of the standardised head scores: the target weighs each caption's top few
+        segments: int = at_least(1, 3)  # choice: a few scenes a video (the generated world's multi-scene have 3)
+        dim: int = at_least(1, 128)  # choice: 128 matched 512 in recall at a quarter of the index (docs/search.md)
+        captions: int = at_least(1, 2000)  # teacher captions of the run's train split (head scores: captions x videos)
+        videos: int = at_least(1, 2000)  # teacher videos of the run's train split
+        steps: int = at_least(1, 300)  # choice: 100 to 1,000 steps changed recall by under 0.02 (docs/search.md)
+        batch: int = at_least(1, 256)  # captions a step
+        lr: float = above(0, 1e-3)
+        temperature: float = above(0, 0.25)  # of the standardised head scores: the target weighs each caption's top few
         seed: int = 0
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            from tvrpipe.errors import ConfigError
-
-            for name in ("segments", "dim", "captions", "videos", "steps", "batch"):
-                if getattr(self, name) < 1:
-                    raise ConfigError(f"--first-stage-set {name}={getattr(self, name)}: at least 1")
-            if self.lr <= 0 or self.temperature <= 0:
-                raise ConfigError(f"--first-stage-set lr={self.lr}, temperature={self.temperature}: both above 0")
 
     summary = ("a scorer distilled from the run's head (needs --run): segment vectors of each video against a "
                "mapped sentence, their best segment ranked exactly; built once per run and store")
