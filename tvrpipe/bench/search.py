@@ -220,16 +220,6 @@ def benchmark_spec(collection: GenSpec, train_videos: int) -> GenSpec:
                    captions_per_train_video=CAPTIONS_PER_TRAIN_VIDEO)
 
 
-def query_batch(store, rows: np.ndarray):
-    """Captions ``rows`` (sorted) of a store as a float32 TextBatch, every token column (as a search encodes)."""
-    import torch
-
-    from tvrpipe.heads.base import TextBatch
-
-    f32 = lambda name: torch.from_numpy(store.read(name, rows).astype(np.float32))  # noqa: E731
-    return TextBatch(f32("texts/tokens"), torch.from_numpy(store.read("texts/token_mask", rows)), f32("texts/sentence"))
-
-
 def _text_rows(texts, a: int, b: int):
     """Queries ``a`` to ``b`` of a TextBatch."""
     from tvrpipe.heads.base import TextBatch
@@ -291,13 +281,15 @@ def _arm(job: _Arm) -> dict:
 
     from tvrpipe.features.store import open_store
     from tvrpipe.rundir import load_head
-    from tvrpipe.search.engine import exhaustive, keeps_first_stage, two_stage
+    from tvrpipe.search.distilled import text_batch
+    from tvrpipe.search.engine import exhaustive, first_stage_for, keeps_first_stage, two_stage
 
     torch.set_num_threads(os.cpu_count() or 1)
     store = open_store(job.store)
     head = load_head(job.checkpoint).eval()
-    texts = query_batch(store, job.query_rows)
-    stage = _stage(store, head, job) if job.candidates is not None else None
+    texts = text_batch(store, job.query_rows)
+    stage = (first_stage_for(store, job.first_stage, job.settings, head, job.run or None)
+             if job.candidates is not None else None)
 
     def search(t, rows=job.rows):
         if stage is None:
@@ -328,17 +320,6 @@ def _arm(job: _Arm) -> dict:
         encoded = len(np.unique(stage.top(texts.sentence.numpy(), ranked.candidates)[0]))
     return {"seconds": seconds, "peak": peak, "extra": None if before is None else peak - before,
             "rows": ranked.rows, "encoded": int(encoded), "threads": torch.get_num_threads(), "alone": alone}
-
-
-def _stage(store, head, job: _Arm):
-    """The arm's first stage: the store's kept one, or the distilled one of the arm's run."""
-    from tvrpipe.search.distilled import head_stage
-    from tvrpipe.search.first_stages import first_stage_class, stage_config
-    from tvrpipe.search.index import first_stage
-
-    if first_stage_class(job.first_stage).head_aware:
-        return head_stage(store, head, job.run, job.first_stage, stage_config(job.first_stage, job.settings))
-    return first_stage(store, job.first_stage, settings=job.settings)
 
 
 @dataclass(frozen=True)
@@ -588,6 +569,7 @@ def _zero_shot_stage(plan: _Plan) -> tuple[SearchBench, _Shared]:
     the exact pooled stage's), the queries drawn, and the first stage's figures alone."""
     from tvrpipe.bench.extract import in_fresh_process
     from tvrpipe.features.store import open_store
+    from tvrpipe.search.distilled import text_batch
     from tvrpipe.search.first_stages.exact import exact_top
     from tvrpipe.search.index import first_stage as build_first_stage
 
@@ -602,7 +584,7 @@ def _zero_shot_stage(plan: _Plan) -> tuple[SearchBench, _Shared]:
     qrows = np.sort(rng.choice(len(store.texts), plan.queries, replace=False))
     sample = np.sort(rng.permutation(plan.queries)[: plan.exhaustive_queries or plan.queries])
     truth = store.texts["video_row"].to_numpy()[qrows]
-    sentences = query_batch(store, qrows).sentence.numpy()
+    sentences = text_batch(store, qrows).sentence.numpy()
     ks = plan.ks
     t = time.perf_counter()
     pos, _ = stage.top(sentences, ks[-1])

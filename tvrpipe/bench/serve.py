@@ -152,8 +152,8 @@ class StoredCaptions:
         self.seconds: list[float] = []
 
     def __call__(self, queries: Sequence[str]):
-        from tvrpipe.bench.search import query_batch
         from tvrpipe.heads.base import TextBatch
+        from tvrpipe.search.distilled import text_batch
         from tvrpipe.search.engine import check_queries
 
         t = time.perf_counter()
@@ -164,7 +164,7 @@ class StoredCaptions:
                               "so its queries are its captions' stored embeddings, asked for by caption id")
         rows = np.array([self.rows[q] for q in queries])
         order = np.argsort(rows)
-        got = query_batch(self.store, rows[order])  # the store reads sorted rows
+        got = text_batch(self.store, rows[order])  # the store reads sorted rows
         back = np.argsort(order)
         texts = TextBatch(got.tokens[back], got.token_mask[back], got.sentence[back])
         self.seconds.append(time.perf_counter() - t)

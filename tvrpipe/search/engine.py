@@ -39,7 +39,8 @@ import torch
 
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.features.store import FeatureStore, open_store
-from tvrpipe.heads.base import Head, TextBatch, VideoBatch
+from tvrpipe.heads.base import Head, TextBatch
+from tvrpipe.search.distilled import video_batch
 from tvrpipe.search.results import Hit
 
 log = logging.getLogger(__name__)
@@ -379,11 +380,6 @@ def same_architecture(run_model: str, store: Mapping[str, Any]) -> bool:
 # ------------------------------------------------------------------------------------------- ranking
 
 
-def _video_batch(store: FeatureStore, rows: np.ndarray, device: str) -> VideoBatch:
-    frames, mask = store.read("videos/frames", rows), store.read("videos/frame_mask", rows)
-    return VideoBatch(torch.from_numpy(frames.astype(np.float32)).to(device), torch.from_numpy(mask).to(device))
-
-
 def _top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``k`` of each row, best first; equal scores keep the lower position first (stable)."""
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
@@ -411,7 +407,7 @@ def exhaustive(head: Head, texts: TextBatch, store: FeatureStore, rows: np.ndarr
     best_p = torch.zeros((Q, 0), dtype=torch.long)
     best_u = torch.zeros((Q, 0))
     for a in range(0, len(rows), VIDEO_BLOCK):
-        ve = head.encode_videos(_video_batch(store, rows[a : a + VIDEO_BLOCK], device))
+        ve = head.encode_videos(video_batch(store, rows[a : a + VIDEO_BLOCK]).to(device))
         s = head.similarity(te, ve).float().cpu()
         u = head.pair_uncertainty(te, ve)
         u = torch.full_like(s, torch.nan) if u is None else u.float().cpu()
@@ -447,7 +443,7 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
     scores = torch.empty(len(texts), len(union))
     unc = torch.full((len(texts), len(union)), torch.nan)
     for a in range(0, len(union), VIDEO_BLOCK):
-        ve = head.encode_videos(_video_batch(store, urows[a : a + VIDEO_BLOCK], device))
+        ve = head.encode_videos(video_batch(store, urows[a : a + VIDEO_BLOCK]).to(device))
         s = head.similarity(te, ve).float().cpu()
         scores[:, a : a + s.shape[1]] = s
         u = head.pair_uncertainty(te, ve)
@@ -630,7 +626,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
         stage = sharded_first_stage(store, first_stage, first_stage_settings, shards, address, candidates)
     else:
         stage = (exported_stage(index, store, first_stage_settings) if index is not None
-                 else searcher_stage(searcher, first_stage, first_stage_settings, progress))
+                 else first_stage_for(store, first_stage, first_stage_settings, searcher.head, searcher.run,
+                                      progress))
     k = hits_asked(k, len(stage), store, candidates)
     depth = ranking_depth(store.videos, k, per_video, len(stage) if candidates is None else min(candidates, len(stage)))
     if candidates is None or candidates >= len(stage):
@@ -670,14 +667,14 @@ def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, cand
         check_candidates(candidates, k)
 
 
-def searcher_stage(searcher: Searcher, first_stage: str, settings: Sequence[str] | Mapping[str, Any] = (),
-                   progress: bool = False) -> Any:
-    """The first stage ``first_stage`` of a search by ``searcher``: a head-aware one (``distilled``,
-    ``head-embedding``) built from its run's head (:mod:`tvrpipe.search.distilled`), any other the store's own
+def first_stage_for(store: FeatureStore, first_stage: str, settings: Sequence[str] | Mapping[str, Any] = (),
+                    head: Head | None = None, run: str | os.PathLike[str] | None = None, progress: bool = False) -> Any:
+    """The first stage ``first_stage`` over ``store``: a head-aware one (``distilled``, ``head-embedding``) built
+    from ``run``'s ``head`` (:func:`tvrpipe.search.distilled.head_stage`), any other the store's own
     (:func:`tvrpipe.search.index.first_stage`).
 
     Raises:
-        ConfigError: a head-aware first stage for zero-shot search (no run); as the builders raise.
+        ConfigError: a head-aware first stage without a run (zero-shot search); as the builders raise.
     """
     from tvrpipe.search.distilled import head_stage
     from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage, stage_config
@@ -686,11 +683,10 @@ def searcher_stage(searcher: Searcher, first_stage: str, settings: Sequence[str]
 
     cls = first_stage_class(resolve_first_stage(first_stage))
     if not cls.head_aware:
-        return make_stage(searcher.store, first_stage, settings=settings, progress=progress)
-    if searcher.run is None:
+        return make_stage(store, first_stage, settings=settings, progress=progress)
+    if run is None or head is None:
         raise ConfigError(head_aware_refusal(cls.name))
-    return head_stage(searcher.store, searcher.head, searcher.run, cls.name, stage_config(cls.name, settings),
-                      progress=progress)
+    return head_stage(store, head, run, cls.name, stage_config(cls.name, settings), progress=progress)
 
 
 def shortlist_is_head_aware(stage: Any) -> bool:

@@ -359,14 +359,15 @@ def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
     same one (a reopen after an extract), else loaded and tried on a warm-up query (``warm_up`` False: not loaded,
     for a server given another encoder). With ``shards``, the first stage is new Ray actors (``old``'s end when
     its last request drops them)."""
-    from tvrpipe.search.engine import check_head_aware, open_searcher, searcher_stage
+    from tvrpipe.search.engine import check_head_aware, first_stage_for, open_searcher
     from tvrpipe.search.shards import sharded_first_stage
 
     searcher = open_searcher(features, run, device, pretrained, video_root)
     check_head_aware(searcher, first_stage, candidates, shards)  # before the query CLIP loads
     if warm_up and (old is None or not searcher.share_clip(old.searcher)):
         searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
-    stage = (searcher_stage(searcher, first_stage, first_stage_settings, progress) if shards is None else
+    stage = (first_stage_for(searcher.store, first_stage, first_stage_settings, searcher.head, searcher.run,
+                             progress) if shards is None else
              sharded_first_stage(searcher.store, first_stage, first_stage_settings, shards, address, candidates))
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
