@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 DISTILLED_DIR = "search-distilled"
 _BLOCK = 4096  # videos read at a time (their frames: 50 MB at F = 12, D = 512 in float16)
-_TEACHER_BLOCK = 256  # videos a head scores at a time while teaching
+_TEACHER_BLOCK = 256  # videos encoded, and captions and videos scored, at a time while teaching
 
 
 def text_batch(store: FeatureStore, rows: np.ndarray, tokens: bool = True) -> TextBatch:
@@ -64,19 +64,22 @@ def video_batch(store: FeatureStore, rows: np.ndarray) -> VideoBatch:
 @torch.inference_mode()
 def teacher_scores(head: Head, texts: TextBatch, store: FeatureStore, rows: np.ndarray,
                    progress: bool = False) -> np.ndarray:
-    """The head's scores of every caption of ``texts`` against every video of ``rows``: ``(C, V)`` float32."""
+    """The head's scores of every caption of ``texts`` against every video of ``rows``: ``(C, V)`` float32, by the
+    evaluation's block-wise similarity (every video encoded once, then blocks of captions x videos)."""
+    from tvrpipe.evaluation.engine import encode_all, similarity_matrix, slice_emb
     from tvrpipe.progress import progress_bar
 
     te = head.encode_texts(texts)
+    ve = encode_all(head.encode_videos, (video_batch(store, rows[a : a + _TEACHER_BLOCK])
+                                         for a in range(0, len(rows), _TEACHER_BLOCK)))
     out = np.empty((len(texts), len(rows)), np.float32)
     with progress_bar(enabled=progress, transient=True) as bar:
         task = bar.add_task(f"distilling {head.name}: its scores of {len(texts):,} x {len(rows):,} pairs",
-                            total=len(rows))
-        for a in range(0, len(rows), _TEACHER_BLOCK):
-            ve = head.encode_videos(video_batch(store, rows[a : a + _TEACHER_BLOCK]))
-            s = head.similarity(te, ve).float().numpy()
-            out[:, a : a + s.shape[1]] = s
-            bar.advance(task, s.shape[1])
+                            total=len(texts))
+        for a in range(0, len(texts), _TEACHER_BLOCK):
+            b = min(a + _TEACHER_BLOCK, len(texts))
+            out[a:b] = similarity_matrix(head, slice_emb(te, a, b), ve, block_videos=_TEACHER_BLOCK).numpy()
+            bar.advance(task, b - a)
     return out
 
 
