@@ -13,7 +13,7 @@ import torch
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import open_store
 from tvrpipe.heads.base import create_head
-from tvrpipe.search.distilled import DISTILLED_DIR, distilled_stage, fit_scorer, teacher_scores, text_batch
+from tvrpipe.search.distilled import DISTILLED_DIR, fit_scorer, head_stage, teacher_scores, text_batch
 from tvrpipe.search.first_stages import stage_config
 from tvrpipe.search.first_stages.distilled import Distilled, Scorer, segment_means
 from tvrpipe.search.index import searchable_rows
@@ -114,19 +114,19 @@ def test_a_distilled_stage_is_kept_reused_and_rebuilt_for_other_settings(gen, tm
     run = _run(tmp_path / "store", tmp_path / "run")
     head = load_head(run / CHECKPOINTS / BEST).eval()
     config = stage_config("distilled", [*FAST[1:], "steps=5"])
-    stage = distilled_stage(store, head, run, config)
+    stage = head_stage(store, head, run, "distilled", config)
     assert len(stage) == len(searchable_rows(store)) and stage.pooled.shape == (len(stage) * 3, 16)
     (folder,) = (tmp_path / "store" / DISTILLED_DIR).iterdir()
     meta = json.loads((folder / "distilled.json").read_text())
     assert meta["method"] == "xpool" and meta["settings"]["steps"] == 5 and meta["fit"]["head_pairs"] == 400 * 200
     assert meta["bytes"] >= (folder / "vectors.npy").stat().st_size > len(stage) * 3 * 16 * 4
-    again = distilled_stage(store, head, run, config)  # read back, not fitted again: the same maps
+    again = head_stage(store, head, run, "distilled", config)  # read back, not fitted again: the same maps
     np.testing.assert_array_equal(again.index.scorer.query_map, stage.index.scorer.query_map)
     assert isinstance(again.pooled, np.memmap)
-    distilled_stage(store, head, run, stage_config("distilled", [*FAST[1:], "steps=6"]))
+    head_stage(store, head, run, "distilled", stage_config("distilled", [*FAST[1:], "steps=6"]))
     assert len(list((tmp_path / "store" / DISTILLED_DIR).iterdir())) == 2
     # a store whose folder cannot be written: built in memory, its record says so
-    unkept = distilled_stage(store, head, run, stage_config("distilled", [*FAST[1:], "steps=7"]), cache=False)
+    unkept = head_stage(store, head, run, "distilled", stage_config("distilled", [*FAST[1:], "steps=7"]), cache=False)
     assert unkept.record["bytes"] == 0 and unkept.record["build_seconds"] > 0 and not isinstance(unkept.pooled,
                                                                                                  np.memmap)
     assert len(list((tmp_path / "store" / DISTILLED_DIR).iterdir())) == 2
@@ -162,7 +162,6 @@ def test_a_heads_own_embedding_ranks_as_its_exhaustive_search_and_is_kept(gen, t
     exhaustive search's, scores to float rounding; a head without such an embedding is refused, naming the ones
     with one."""
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
-    from tvrpipe.search.distilled import head_stage
     from tvrpipe.search.engine import exhaustive, keeps_first_stage, two_stage
 
     shutil.copytree(gen, tmp_path / "store")

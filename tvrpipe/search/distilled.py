@@ -291,12 +291,6 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
                       record={**meta, "build_seconds": time.perf_counter() - t0, "bytes": 0})
 
 
-def distilled_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], config: Distilled.Config,
-                    cache: bool = True, progress: bool = False) -> Any:
-    """:func:`head_stage` of the distilled first stage."""
-    return head_stage(store, head, run, Distilled.name, config, cache, progress)
-
-
 def _fill(store: FeatureStore, rows: np.ndarray, recipe: _Recipe, out: np.ndarray, progress: bool) -> None:
     """``out`` (n x per video, d) gets the vectors of ``rows``, a block of videos at a time."""
     from tvrpipe.progress import progress_bar
