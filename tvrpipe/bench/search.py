@@ -335,9 +335,8 @@ def _build(job: _Build) -> dict:
     (pooling every video's frames, and its index; a distilled one's fit too), the process's resident peak and,
     for a distilled one, its record and its files' size."""
     from tvrpipe.features.store import open_store
-    from tvrpipe.files import file_sha256
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
-    from tvrpipe.search.distilled import DISTILLED_DIR, distilled_key, head_stage
+    from tvrpipe.search.distilled import head_stage
     from tvrpipe.search.first_stages import first_stage_class, stage_config
     from tvrpipe.search.index import INDEX_DIR, first_stage
 
@@ -346,10 +345,8 @@ def _build(job: _Build) -> dict:
         head = load_head(Path(job.run) / CHECKPOINTS / BEST).eval()
         name = first_stage_class(job.first_stage).name
         config = stage_config(name, job.settings)
-        key = distilled_key(store, file_sha256(Path(job.run) / CHECKPOINTS / BEST), config, name)
-        shutil.rmtree(Path(job.store) / DISTILLED_DIR / key, ignore_errors=True)  # this head's only
         t = time.perf_counter()
-        stage = head_stage(store, head, job.run, name, config)
+        stage = head_stage(store, head, job.run, name, config, rebuild=True)  # this head's only: others kept
         return {"seconds": time.perf_counter() - t, "peak": _peak_bytes(), "describe": stage.describe(),
                 "fit": stage.record["fit"], "bytes": stage.record["bytes"]}
     shutil.rmtree(Path(job.store) / INDEX_DIR, ignore_errors=True)

@@ -227,11 +227,12 @@ def _recipe(name: str, head: Head, store: FeatureStore, config: Any, scorer: Sco
 
 
 def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], name: str, config: Any,
-               cache: bool = True, progress: bool = False) -> Any:
+               cache: bool = True, progress: bool = False, rebuild: bool = False) -> Any:
     """The first stage ``name`` fitted to ``run``'s ``head`` over ``store`` (``distilled``: a scorer fitted on the
     run's store and applied to every searchable video of ``store``; ``head-embedding``: every searchable video
     encoded by the head): read from ``<store>/search-distilled/`` where it was built for this store state,
-    checkpoint, first stage and settings, else built and kept there (where the folder is writable and ``cache``).
+    checkpoint, first stage and settings, else built and kept there (where the folder is writable and ``cache``);
+    ``rebuild``: built anew (and kept) even where it was kept (a bench timing the build).
 
     Returns:
         A :class:`~tvrpipe.search.index.FirstStage` (pooled: its vectors; index: the first stage).
@@ -249,7 +250,7 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
     run = Path(run)
     sha = file_sha256(run / CHECKPOINTS / BEST)
     folder = Path(store.dir) / DISTILLED_DIR / distilled_key(store, sha, config, name)
-    kept = _load(folder, name, head, store, config)
+    kept = None if rebuild else _load(folder, name, head, store, config)
     if kept is not None:
         return kept
     t0 = time.perf_counter()
