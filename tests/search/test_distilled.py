@@ -130,6 +130,19 @@ def test_a_distilled_stage_is_kept_reused_and_rebuilt_for_other_settings(gen, tm
     assert unkept.record["bytes"] == 0 and unkept.record["build_seconds"] > 0 and not isinstance(unkept.pooled,
                                                                                                  np.memmap)
     assert len(list((tmp_path / "store" / DISTILLED_DIR).iterdir())) == 2
+    # a run whose store has moved: said with what to use instead, before anything is fitted or written
+    import yaml
+
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)
+    config = yaml.safe_load((moved / "config.yaml").read_text())
+    config["features"] = str(tmp_path / "gone")
+    (moved / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=f"--run {moved} trained on {tmp_path / 'gone'}, which the distilled first "
+                                          "stage learns the head on, and it cannot be opened .*use a pooled first "
+                                          "stage \\(--first-stage exact\\)"):
+        head_stage(store, head, moved, "distilled", stage_config("distilled", [*FAST[1:], "steps=8"]))
+    assert len(list((tmp_path / "store" / DISTILLED_DIR).iterdir())) == 2
 
 
 def test_bad_settings_and_searches_without_a_run_a_shortlist_or_in_shards_are_refused(gen, tmp_path):
