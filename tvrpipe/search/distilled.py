@@ -274,7 +274,7 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
         del vectors
         np.save(tmp / "rows.npy", rows)
         done = {**meta, "build_seconds": time.perf_counter() - t0,
-                "bytes": sum(f.stat().st_size for f in tmp.iterdir()) + 1024}
+                "bytes": sum(f.stat().st_size for f in tmp.iterdir())}  # its files but this record
         (tmp / "distilled.json").write_text(json.dumps(done, indent=2) + "\n")
 
     if cache:
