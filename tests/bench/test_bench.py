@@ -608,11 +608,11 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     xpool_exact = {x["candidates"]: x["recall"] for x in (json.loads((tmp_path / "r.json").read_text()))["rows"]
                    if x["method"] == "xpool"}
     r = bench("--candidates", "20", "--candidates", "600", "--method", "xpool", "--first-stage-set", "steps=5",
-              "--first-stage-set", "dim=8", "--latency-queries", "0")  # distilled: the default
+              "--first-stage-set", "dim=8", "--latency-queries", "0")  # head (xpool's: distilled): the default
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     built = res["trained"]["xpool"]["first_stage"]
-    assert res["first_stage"].startswith("distilled") and built["seconds"] > 0 and built["bytes"] > 600 * 3 * 8 * 4
+    assert res["first_stage"].startswith("head, built for each head") and built["seconds"] > 0 and built["bytes"] > 600 * 3 * 8 * 4
     assert built["fit"]["head_pairs"] > 0 and built["describe"].startswith("distilled: 3 segments x 8 dims")
     assert res["zero_shot_recall"]["xpool"] == {"20": pytest.approx(xpool_exact[20]), "600": 1.0}
     assert [x["recall"] for x in res["rows"]][-1] == 1.0 and "its first stage's / the zero-shot pooled shortlist" in r.output

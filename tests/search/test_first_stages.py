@@ -99,8 +99,11 @@ def test_names_aliases_and_auto_come_from_the_registry(monkeypatch):
     assert resolve_first_stage("auto") == "exact"
     with pytest.raises(ConfigError, match="--first-stage faiss-hnsw needs faiss-cpu .* or use --first-stage exact"):
         resolve_first_stage("faiss-hnsw")
-    with pytest.raises(ConfigError, match="choose one of auto, distilled, exact, "):
+    with pytest.raises(ConfigError, match="choose one of auto, head, distilled, exact, "):
         resolve_first_stage("annoy")
+    with pytest.raises(ConfigError, match="--first-stage head is fitted to a run's head: give --run"):
+        resolve_first_stage("head")  # zero-shot: no head to build one for
+    assert "head: the first stage made for the run's head" in text
     with pytest.raises(ConfigError, match=r"--first-stage 'auto': choose one of distilled, exact, faiss-hnsw \(or faiss\), "):
         first_stage_class("auto")  # where auto is not taken (export), it is not offered
     with pytest.raises(ConfigError, match="has no setting 'nprobes'"):
@@ -330,3 +333,15 @@ def test_an_ivfpq_export_is_searched_with_its_search_settings_only(store, tmp_pa
         np.testing.assert_allclose(a, b, rtol=1e-6)
     with pytest.raises(ConfigError, match="nlist is a build setting of faiss-ivfpq; set only nprobe, probe_share, refine"):
         exported_stage(out, store, ["nlist=3"])
+
+
+def test_head_resolves_to_the_first_stage_made_for_each_head():
+    """``--first-stage head``: a head's own embedding where its score is one (meanpool, seqtransf), the token-wise
+    interaction where it scores word by frame (tokenwise, uatvr), else a distilled scorer."""
+    from tvrpipe.heads.base import create_head, list_heads
+
+    want = {"meanpool": "head-embedding", "seqtransf": "head-embedding", "tokenwise": "late-interaction",
+            "uatvr": "late-interaction", "xpool": "distilled", "tmass": "distilled", "duq": "distilled",
+            "prota": "distilled"}
+    got = {m: resolve_first_stage("head", create_head(m, embed_dim=16)) for m in list_heads()}
+    assert {m: got[m] for m in want} == want

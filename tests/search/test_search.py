@@ -311,7 +311,7 @@ def test_bad_input_is_one_line_naming_it(store, captions, tmp_path):
         # no --top-k given: the default is named as the default, not as an option the user never typed
         ({"candidates": 3}, f"--candidates 3 is fewer than the {min(10, n)} hits a query returns by default: give "
                             rf"at least {min(10, n)} candidates, or ask for fewer hits \(--top-k N\)"),
-        ({"first_stage": "ann"}, r"--first-stage 'ann': choose one of auto, distilled, exact, faiss-hnsw \(or faiss\)"),
+        ({"first_stage": "ann"}, r"--first-stage 'ann': choose one of auto, head, distilled, exact, faiss-hnsw \(or faiss\)"),
         ({"index": tmp_path, "first_stage": "exact"}, "is the first stage; leave out --first-stage exact"),
     ]:
         with pytest.raises(ConfigError, match=match):
@@ -802,3 +802,23 @@ def test_the_cli_searches_with_a_first_stage_distilled_from_the_run(tiny_copy, t
     assert len(list((tiny_copy / "search-distilled").iterdir())) == 1  # reused
     r = cli("search", "a dog", "--features", tiny_copy, "--first-stage", "distilled", "--candidates", "5")
     assert r.exit_code == 1 and "--first-stage distilled is fitted to a run's head: give --run" in _text(r)
+
+
+def test_the_cli_searches_a_token_wise_run_with_the_first_stage_made_for_it(tiny_copy, tmp_path, cli):
+    """`--first-stage head` with a tokenwise run builds the late-interaction stage (its record in the kept
+    folder) and, at a K of every video but one, gives the head's own top hits in its own scores; the query's words
+    reach the first stage."""
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    run = tmp_path / "run"
+    fit(tiny_copy, "tokenwise", run, TrainConfig(epochs=1, batch_size=8), progress=False)
+    args = ("search", "a dog", "--features", tiny_copy, "--run", run, "--top-k", "3", "--first-stage", "head")
+    r = cli(*args, "--candidates", "39", "--json", tmp_path / "h.json")
+    assert r.exit_code == 0, r.output
+    (kept,) = (tiny_copy / "search-distilled").iterdir()
+    assert json.loads((kept / "distilled.json").read_text())["first_stage"] == "late-interaction"
+    r = cli("search", "a dog", "--features", tiny_copy, "--run", run, "--top-k", "3", "--json", tmp_path / "x.json")
+    assert r.exit_code == 0, r.output
+    got, want = (json.loads((tmp_path / f).read_text()) for f in ("h.json", "x.json"))
+    hits = lambda found: [(h["video_id"], round(h["score"], 5)) for h in found]  # noqa: E731
+    assert hits(got) == hits(want) and len(hits(got)) == 3

@@ -317,7 +317,7 @@ def _arm(job: _Arm) -> dict:
     elif keeps_first_stage(head, stage):  # the first stage's scores are kept: no video is encoded
         encoded = 0
     else:
-        encoded = len(np.unique(stage.top(texts.sentence.numpy(), ranked.candidates)[0]))
+        encoded = len(np.unique(stage.top_texts(texts, ranked.candidates)[0]))
     return {"seconds": seconds, "peak": peak, "extra": None if before is None else peak - before,
             "rows": ranked.rows, "encoded": int(encoded), "threads": torch.get_num_threads(), "alone": alone}
 
@@ -337,13 +337,13 @@ def _build(job: _Build) -> dict:
     from tvrpipe.features.store import open_store
     from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
     from tvrpipe.search.distilled import head_stage
-    from tvrpipe.search.first_stages import first_stage_class, stage_config
+    from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.index import INDEX_DIR, first_stage
 
     store = open_store(job.store)
     if job.run:
         head = load_head(Path(job.run) / CHECKPOINTS / BEST).eval()
-        name = first_stage_class(job.first_stage).name
+        name = resolve_first_stage(job.first_stage, head)
         config = stage_config(name, job.settings)
         t = time.perf_counter()
         stage = head_stage(store, head, job.run, name, config, rebuild=True)  # this head's only: others kept
@@ -443,7 +443,7 @@ def bench_search(
     queries: int = 64,
     candidates: Sequence[int] = CANDIDATES,
     methods: list[str] | None = None,
-    first_stage: str = "distilled",
+    first_stage: str = "head",
     first_stage_settings: Sequence[str] = (),
     train_videos: int = 2000,
     train_epochs: int | None = None,
@@ -464,8 +464,8 @@ def bench_search(
         candidates: the K measured (each between 10 and ``videos``).
         methods: heads (default: every registered head).
         first_stage: a registered first stage or ``auto``
-            (:func:`~tvrpipe.search.first_stages.resolve_first_stage`); by default ``distilled``, fitted to each
-            head, and the two stages' recall with zero-shot CLIP's exact pooled shortlist is reported beside it.
+            (:func:`~tvrpipe.search.first_stages.resolve_first_stage`); by default ``head``: each head's own
+            (head-embedding, late-interaction or distilled, :func:`~tvrpipe.search.first_stages.first_stage_for_head`), and the two stages' recall with zero-shot CLIP's exact pooled shortlist is reported beside it.
         first_stage_settings: ``KEY=VALUE`` settings of the first stage (``--first-stage-set``, as search's);
             an unknown one fails before anything is generated.
         train_videos: captioned train videos of the heads' benchmark.
@@ -528,16 +528,27 @@ class _Plan:
 def _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stage_settings, train_videos,
           train_epochs, dim, seed, exhaustive_queries, latency_queries) -> _Plan:
     """Every option checked (an unknown head, first stage or setting fails here), and the room the stores need."""
-    from tvrpipe.heads.base import head_class, list_heads
-    from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage, stage_config
+    from tvrpipe.heads.base import create_head, head_class, list_heads
+    from tvrpipe.search.first_stages import (
+        FOR_HEAD,
+        first_stage_class,
+        first_stage_for_head,
+        resolve_first_stage,
+        stage_config,
+    )
 
     ks = _check(videos, queries, candidates, train_videos, train_epochs, dim, exhaustive_queries, latency_queries)
     methods = methods or list_heads()
     for m in methods:
         head_class(m)
-    kind = resolve_first_stage(first_stage)
     first_stage_settings = tuple(first_stage_settings)
-    stage_config(kind, first_stage_settings)
+    if first_stage == FOR_HEAD:  # each head's own, resolved from the trained head; its settings checked for each now
+        kind = FOR_HEAD
+        for m in methods:
+            stage_config(first_stage_for_head(create_head(m, embed_dim=dim)), first_stage_settings)
+    else:
+        kind = resolve_first_stage(first_stage)
+        stage_config(kind, first_stage_settings)
     out = Path(out_dir)
     coll_spec = collection_spec(videos, dim, seed=seed)
     bench_spec = benchmark_spec(coll_spec, train_videos)
@@ -545,7 +556,7 @@ def _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stag
     check_room("bench search", out, search_needs(out, coll_spec, bench_spec, names),
                "--videos, --train-videos or --dim")
     return _Plan(out, out / "stores" / names[0], out / "stores" / names[1], coll_spec, bench_spec, methods, ks, kind,
-                 first_stage_settings, first_stage_class(kind).head_aware, queries, exhaustive_queries,
+                 first_stage_settings, kind == FOR_HEAD or first_stage_class(kind).head_aware, queries, exhaustive_queries,
                  latency_queries, train_videos, train_epochs, seed)
 
 
@@ -575,7 +586,7 @@ def _zero_shot_stage(plan: _Plan) -> tuple[SearchBench, _Shared]:
                              "building the first stage")
     store = open_store(plan.coll_dir)
     stage = build_first_stage(store, pooled_kind, cache=True, settings=pooled_settings)
-    what = built["describe"] if not plan.head_aware else f"{plan.kind}, fitted to each head (zero-shot figures: exact)"
+    what = built["describe"] if not plan.head_aware else f"{plan.kind}, built for each head (zero-shot figures: exact)"
     # the queries: held-out captions, and each one's video; the exhaustive search's sample of them
     rng = np.random.default_rng([plan.seed, 45])
     qrows = np.sort(rng.choice(len(store.texts), plan.queries, replace=False))

@@ -199,6 +199,11 @@ class Head(nn.Module):
     # text's reads the sentence alone (CLIP4Clip's meanP and seqTransf): the video side is then a fixed vector
     # per video, which a search's ``head-embedding`` first stage indexes (its ranking is the head's own).
     embedding_keys: ClassVar[tuple[str, str] | None] = None
+    # (text vectors, text mask, video vectors, video mask) where ``similarity`` is the token-wise interaction of
+    # UATVR Eq. 7 (:func:`tvrpipe.heads.tokenwise.token_wise_similarity`) of those encodings, each side's vectors
+    # independent of the other (tokenwise, uatvr): a search's ``late-interaction`` first stage indexes the video
+    # side, shrunk to a few segments.
+    token_wise_keys: ClassVar[tuple[str, str, str, str] | None] = None
 
     def indexable(self) -> tuple[str, str] | None:
         """:attr:`embedding_keys`, unless this head mixes in the zero-shot score (``zero_shot_start``), which

@@ -106,6 +106,8 @@ class TokenWise(Head):
 
     Config = Config
 
+    token_wise_keys = ("tokens", "token_mask", "frames", "frame_mask")  # similarity: token_wise_similarity of these
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
 

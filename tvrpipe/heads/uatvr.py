@@ -155,6 +155,8 @@ class UATVR(Head):
     Config = Config
     default_lr = DEFAULT_LR
 
+    token_wise_keys = ("tokens", "token_mask", "frames", "frame_mask")  # similarity: token_wise_similarity of these
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         d = config.embed_dim

@@ -1,9 +1,12 @@
 """The first stages built from a run's head, kept beside the searched store: the distilled one
 (:mod:`tvrpipe.search.first_stages.distilled`: fitted to the head on the run's own store, applied to the
-searched store) and the head's own video embedding (:mod:`tvrpipe.search.first_stages.head_embedding`).
+searched store), the late-interaction one (:mod:`tvrpipe.search.first_stages.late_interaction`: a token-wise
+head's own interaction over a few segments a video) and the head's own video embedding
+(:mod:`tvrpipe.search.first_stages.head_embedding`).
 
     <store>/search-distilled/<key>/
-      scorer.npz       the distilled stage's query and video maps (D x d) and the segments a video
+      scorer.npz       the distilled stage's query and video maps (D x d) and the segments a video; the
+                       late-interaction stage's axes (D x d) and segments
       vectors.npy      float32 (n x vectors a video, d): the searchable videos' vectors (read as a memory map)
       rows.npy         int64 (n,): their rows in the store
       distilled.json   what it was built from (the store's key, the run, its checkpoint's sha256, the build
@@ -37,6 +40,12 @@ from tvrpipe.heads.base import Head, TextBatch, VideoBatch
 from tvrpipe.search.first_stages.base import normalised
 from tvrpipe.search.first_stages.distilled import Distilled, Scorer, segment_means
 from tvrpipe.search.first_stages.head_embedding import HeadEmbedding, check_indexable
+from tvrpipe.search.first_stages.late_interaction import (
+    LateInteraction,
+    TokenProjection,
+    check_token_wise,
+    segment_token_wise,
+)
 from tvrpipe.search.index import searchable_rows, store_key
 
 log = logging.getLogger(__name__)
@@ -112,16 +121,7 @@ def fit_scorer(head: Head, store: FeatureStore, config: Distilled.Config,
     """
     t0 = time.perf_counter()
     rng = np.random.default_rng([config.seed, 57])
-    split_v = store.videos["split"].to_numpy()
-    searchable = searchable_rows(store)
-    vrows = searchable[split_v[searchable] == "train"]
-    trows = np.flatnonzero(store.texts["split"].to_numpy() == "train")
-    trows = trows[np.isin(store.texts["video_row"].to_numpy()[trows], vrows)]
-    if len(vrows) < 10 or not len(trows):
-        raise ConfigError(f"{store.dir}: the distilled first stage learns the run's head on its store's train split, "
-                          f"which has {len(vrows)} videos with frames and {len(trows)} captions (needs 10 and 1)")
-    vrows = np.sort(rng.choice(vrows, min(config.videos, len(vrows)), replace=False))
-    trows = np.sort(rng.choice(trows, min(config.captions, len(trows)), replace=False))
+    vrows, trows = _train_sample(store, config, rng, Distilled.name)
     texts = text_batch(store, trows, tokens=head.uses_tokens)
     target = teacher_scores(head, texts, store, vrows, progress)
     segs = np.concatenate([segment_means(store.read("videos/frames", vrows[a : a + _BLOCK]),
@@ -135,15 +135,77 @@ def fit_scorer(head: Head, store: FeatureStore, config: Distilled.Config,
     qmap, vmap, loss = _fit_maps(sent[fit], segs, target[fit], axes, config, progress)
     scorer = Scorer(qmap, vmap, config.segments)
     vec = scorer.from_segments(segs).reshape(len(vrows), config.segments, -1)
-    top = np.argsort(-target[held], 1, kind="stable")[:, : min(10, len(vrows))]
     student = np.einsum("qd,nsd->qns", scorer.queries(sent[held]), vec).max(2)
-    pooled = normalised(segs.mean(1))  # the segments are normalised: near, not equal to, the pooled embedding
-    zero_shot = sent[held] @ pooled.T
-    share = lambda r: float(np.percentile(r, 95)) / len(vrows)  # noqa: E731
     record = {"seconds": time.perf_counter() - t0, "captions": int(len(trows)), "videos": int(len(vrows)),
               "head_pairs": int(len(trows) * len(vrows)), "loss": loss, "held_out_captions": int(len(held)),
-              "rank_p95": share(_ranks(student, top)), "zero_shot_rank_p95": share(_ranks(zero_shot, top))}
+              **_rank_record(target[held], student, sent[held], segs)}
     return scorer, record
+
+
+def _train_sample(store: FeatureStore, config: Any, rng: np.random.Generator, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``config.videos`` train videos with frames and ``config.captions`` of their captions, drawn from ``store``
+    (sorted store rows of each).
+
+    Raises:
+        ConfigError: fewer than 10 such videos, or no caption.
+    """
+    split_v = store.videos["split"].to_numpy()
+    searchable = searchable_rows(store)
+    vrows = searchable[split_v[searchable] == "train"]
+    trows = np.flatnonzero(store.texts["split"].to_numpy() == "train")
+    trows = trows[np.isin(store.texts["video_row"].to_numpy()[trows], vrows)]
+    if len(vrows) < 10 or not len(trows):
+        raise ConfigError(f"{store.dir}: the {name} first stage is built from the run's head on its store's train "
+                          f"split, which has {len(vrows)} videos with frames and {len(trows)} captions (needs 10 and 1)")
+    vrows = np.sort(rng.choice(vrows, min(config.videos, len(vrows)), replace=False))
+    trows = np.sort(rng.choice(trows, min(config.captions, len(trows)), replace=False))
+    return vrows, trows
+
+
+def _rank_record(target: np.ndarray, student: np.ndarray, sentences: np.ndarray, segs: np.ndarray) -> dict[str, float]:
+    """How deep the head's top 10 (by ``target``, captions x videos) lie in a first stage's ranking (``student``)
+    and in zero-shot CLIP's (the sentence's cosine with the normalised mean of the video's ``segs``, each
+    normalised: near, not equal to, the pooled embedding): the 95th percentile rank, as a share of the videos."""
+    top = np.argsort(-target, 1, kind="stable")[:, : min(10, target.shape[1])]
+    zero_shot = normalised(sentences) @ normalised(_unit_rows(segs).mean(1)).T
+    share = lambda r: float(np.percentile(r, 95)) / target.shape[1]  # noqa: E731
+    return {"rank_p95": share(_ranks(student, top)), "zero_shot_rank_p95": share(_ranks(zero_shot, top))}
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def fit_projection(head: Head, store: FeatureStore, config: LateInteraction.Config,
+                   progress: bool = False) -> tuple[TokenProjection, dict[str, Any]]:
+    """The late-interaction stage's projection (module doc of :mod:`tvrpipe.search.first_stages.late_interaction`)
+    for ``head``, from ``store``'s train split: the principal axes of its sampled videos' segments and captions'
+    words as the head encodes them. The record: its seconds, and the 95th percentile rank of the head's top 10
+    of each sampled caption under the stage's score and under zero-shot CLIP's (:func:`_rank_record`), which costs
+    the head's scores of the captions x videos.
+
+    Raises:
+        ConfigError: the store's train split has fewer than 10 videos with frames, or no caption.
+    """
+    t0 = time.perf_counter()
+    rng = np.random.default_rng([config.seed, 57])
+    vrows, trows = _train_sample(store, config, rng, LateInteraction.name)
+    texts = text_batch(store, trows)
+    flat = TokenProjection(head, np.eye(store.array("videos/frames").shape[2], dtype=np.float32), config.segments)
+    words, counts = flat.words(texts)
+    segs = np.concatenate([segment_means(*flat.head_vectors(store.read("videos/frames", vrows[a : a + _BLOCK]),
+                                                            store.read("videos/frame_mask", vrows[a : a + _BLOCK])),
+                                         config.segments) for a in range(0, len(vrows), _BLOCK)])
+    axes = _principal_axes(np.concatenate([_unit_rows(segs).reshape(-1, segs.shape[-1]), words]), config.dim)
+    projection = TokenProjection(head, axes, config.segments)
+    target = teacher_scores(head, texts, store, vrows, progress)
+    vectors = projection.from_segments(segs).reshape(len(vrows), config.segments, -1)
+    student = segment_token_wise(projection.words(texts)[0], counts, vectors)
+    record = {"seconds": time.perf_counter() - t0, "captions": int(len(trows)), "videos": int(len(vrows)),
+              "head_pairs": int(len(trows) * len(vrows)),
+              **_rank_record(target, student, texts.sentence.numpy(), segment_means(
+                  store.read("videos/frames", vrows), store.read("videos/frame_mask", vrows), config.segments))}
+    return projection, record
 
 
 def _fit_maps(sent: np.ndarray, segs: np.ndarray, target: np.ndarray, axes: np.ndarray, config: Distilled.Config,
@@ -209,12 +271,15 @@ class _Recipe:
     dim: int
     encode: Callable[[np.ndarray, np.ndarray], np.ndarray]
     index: Callable[[np.ndarray], Any]
-    scorer: Scorer | None = None
+    scorer: Scorer | TokenProjection | None = None
 
 
-def _recipe(name: str, head: Head, store: FeatureStore, config: Any, scorer: Scorer | None) -> _Recipe:
+def _recipe(name: str, head: Head, store: FeatureStore, config: Any, scorer: Any) -> _Recipe:
     if name == Distilled.name:
         return _Recipe(scorer.segments, config.dim, scorer.videos, lambda v: Distilled.over(v, config, scorer), scorer)
+    if name == LateInteraction.name:
+        return _Recipe(scorer.segments, scorer.axes.shape[1], scorer.videos,
+                       lambda v: LateInteraction.over(v, config, scorer), scorer)
     _, video_key = head.indexable()
 
     @torch.inference_mode()
@@ -229,8 +294,9 @@ def _recipe(name: str, head: Head, store: FeatureStore, config: Any, scorer: Sco
 def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], name: str, config: Any,
                cache: bool = True, progress: bool = False, rebuild: bool = False) -> Any:
     """The first stage ``name`` fitted to ``run``'s ``head`` over ``store`` (``distilled``: a scorer fitted on the
-    run's store and applied to every searchable video of ``store``; ``head-embedding``: every searchable video
-    encoded by the head): read from ``<store>/search-distilled/`` where it was built for this store state,
+    run's store and applied to every searchable video of ``store``; ``late-interaction``: the head's video
+    vectors of every searchable video in segments, projected on axes taken from the run's store;
+    ``head-embedding``: every searchable video encoded by the head): read from ``<store>/search-distilled/`` where it was built for this store state,
     checkpoint, first stage and settings, else built and kept there (where the folder is writable and ``cache``);
     ``rebuild``: built anew (and kept) even where it was kept (a bench timing the build).
 
@@ -239,7 +305,8 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
 
     Raises:
         ConfigError: the run's store cannot be opened, or its train split cannot teach (:func:`fit_scorer`); a
-            head with no video embedding of its own for ``head-embedding``; no video of ``store`` has a decoded
+            head with no video embedding of its own for ``head-embedding``, or that does not score token-wise for
+            ``late-interaction``; no video of ``store`` has a decoded
             frame.
     """
     from tvrpipe.rundir import BEST, CHECKPOINTS, read_config
@@ -247,6 +314,8 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
 
     if name == HeadEmbedding.name:
         check_indexable(head)
+    if name == LateInteraction.name:
+        check_token_wise(head)
     run = Path(run)
     sha = file_sha256(run / CHECKPOINTS / BEST)
     folder = Path(store.dir) / DISTILLED_DIR / distilled_key(store, sha, config, name)
@@ -254,8 +323,8 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
     if kept is not None:
         return kept
     t0 = time.perf_counter()
-    scorer, record = (fit_scorer(head, _run_store(run, read_config(run)), config, progress) if name == Distilled.name
-                      else (None, None))
+    fit = {Distilled.name: fit_scorer, LateInteraction.name: fit_projection}.get(name)
+    scorer, record = fit(head, _run_store(run, read_config(run)), config, progress) if fit else (None, None)
     recipe = _recipe(name, head, store, config, scorer)
     rows = searchable_rows(store)
     check_searchable(store, rows)
@@ -264,9 +333,11 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
 
     def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
-        if scorer is not None:
+        if isinstance(scorer, Scorer):
             np.savez(tmp / "scorer.npz", query_map=scorer.query_map, video_map=scorer.video_map,
                      segments=np.int64(scorer.segments))
+        elif scorer is not None:
+            np.savez(tmp / "scorer.npz", axes=scorer.axes, segments=np.int64(scorer.segments))
         vectors = np.lib.format.open_memmap(tmp / "vectors.npy", mode="w+", dtype=np.float32,
                                             shape=(len(rows) * recipe.per_video, recipe.dim))
         _fill(store, rows, recipe, vectors, progress)
@@ -316,6 +387,9 @@ def _load(folder: Path, name: str, head: Head, store: FeatureStore, config: Any)
         if name == Distilled.name:
             z = np.load(folder / "scorer.npz")
             scorer = Scorer(z["query_map"], z["video_map"], int(z["segments"]))
+        elif name == LateInteraction.name:
+            z = np.load(folder / "scorer.npz")
+            scorer = TokenProjection(head, z["axes"], int(z["segments"]))
         vectors, rows = np.load(folder / "vectors.npy", mmap_mode="r"), np.load(folder / "rows.npy")
     except (OSError, ValueError, KeyError) as e:
         if folder.exists():

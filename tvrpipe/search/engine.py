@@ -64,6 +64,10 @@ class Shortlister(Protocol):
         """``(positions into rows (Q, k), scores (Q, k))``, best first, for ``(Q, D)`` sentence embeddings."""
         ...
 
+    def top_texts(self, texts: TextBatch, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`top` for a batch of queries (a first stage that reads their words takes them)."""
+        ...
+
 
 @dataclass
 class Searcher:
@@ -431,7 +435,7 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
     however many queries shortlist it, and the work is never more than the exhaustive search's.
     """
     K = min(candidates, len(stage))
-    pos, first = stage.top(texts.sentence.cpu().numpy(), K)  # (Q, K) positions into stage.rows
+    pos, first = stage.top_texts(texts, K)  # (Q, K) positions into stage.rows
     if keeps_first_stage(head, stage):  # the head's scores are these: its ranking of the K is theirs
         top = min(k, K)
         return Ranked(stage.rows[pos[:, :top]], first[:, :top].astype(np.float32),
@@ -657,7 +661,7 @@ def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, cand
         raise ConfigError(f"--index {index} is the first stage; leave out --first-stage {first_stage}")
     check_sharding(shards, address, candidates, index)
     if index is None:  # an unknown name, a missing library or an unknown setting: refused before the queries
-        stage_config(resolve_first_stage(first_stage), first_stage_settings)
+        stage_config(resolve_first_stage(first_stage, searcher.head if searcher.run else None), first_stage_settings)
         check_head_aware(searcher, first_stage, candidates, shards)
     if min_score is not None:
         check_min_score(searcher, min_score)
@@ -681,7 +685,7 @@ def first_stage_for(store: FeatureStore, first_stage: str, settings: Sequence[st
     from tvrpipe.search.first_stages.base import head_aware_refusal
     from tvrpipe.search.index import first_stage as make_stage
 
-    cls = first_stage_class(resolve_first_stage(first_stage))
+    cls = first_stage_class(resolve_first_stage(first_stage, head if run is not None else None))
     if not cls.head_aware:
         return make_stage(store, first_stage, settings=settings, progress=progress)
     if run is None or head is None:
@@ -713,7 +717,7 @@ def check_head_aware(searcher: Searcher, first_stage: str, candidates: int | Non
     from tvrpipe.search.first_stages import first_stage_class, resolve_first_stage
     from tvrpipe.search.first_stages.base import head_aware_refusal
 
-    cls = first_stage_class(resolve_first_stage(first_stage))
+    cls = first_stage_class(resolve_first_stage(first_stage, searcher.head if searcher.run else None))
     if not cls.head_aware:
         return
     if searcher.run is None:

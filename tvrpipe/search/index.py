@@ -94,6 +94,14 @@ class FirstStage:
             return self.index.top(q, k)
         return exact_top(self.pooled, q, k)  # every video: their exact order, whichever index
 
+    def top_texts(self, texts: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`top` for a TextBatch of queries: a first stage that ranks by their words
+        (:meth:`~tvrpipe.search.first_stages.base.FirstStageIndex.top_texts`) takes them, the others their
+        sentence embeddings."""
+        if self.index.head_aware:
+            return self.index.top_texts(texts, min(k, len(self)))
+        return self.top(texts.sentence.cpu().numpy(), k)
+
 
 def searchable_rows(store: FeatureStore) -> np.ndarray:
     """The store rows of the videos with a decoded frame, in order, read from the frame masks alone (a bit per

@@ -145,6 +145,10 @@ class ShardedFirstStage:
         each = f"{sizes[0]:,}" if sizes.min() == sizes.max() else f"{sizes.min():,}-{sizes.max():,}"
         return f"{self.description}, in {self.shards} Ray shard{'s' * (self.shards > 1)} of {each} videos"
 
+    def top_texts(self, texts: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`top` of a TextBatch's sentence embeddings (the shards hold pooled first stages alone)."""
+        return self.top(texts.sentence.cpu().numpy(), k)
+
     def top(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``k`` best videos of each query over every shard: ``(positions into rows (Q, k), cosines (Q, k))``,
         best first; each shard ranks the batch at once, in parallel."""

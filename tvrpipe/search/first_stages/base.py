@@ -32,6 +32,7 @@ from tvrpipe.config import check_fields, parse_fields, split_item
 from tvrpipe.errors import ConfigError
 
 AUTO = "auto"  # not a first stage: the available one of highest auto_rank (FirstStageIndex.auto_rank)
+FOR_HEAD = "head"  # not a first stage: the head-aware one made for the run's head (first_stage_for_head)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class FirstStageIndex(ABC):
         """The ``k`` best rows of ``pooled`` for each query (``(Q, D)`` float32, L2-normalised; ``k`` at most
         the rows): ``(positions (Q, k) int64, scores (Q, k) float32)``, best first, no position missing."""
 
+    def top_texts(self, texts: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`top` for a TextBatch of queries: their sentence embeddings, normalised (a first stage that
+        ranks by the words overrides it)."""
+        return self.top(normalised(texts.sentence.cpu().numpy()), k)
+
     def save(self, folder: Path) -> None:
         """Write :attr:`files` into ``folder`` (which exists); nothing where there are none."""
 
@@ -152,7 +158,7 @@ def register_first_stage(name: str, aliases: tuple[str, ...] = ()) -> Callable[[
     """
 
     def deco(cls: S) -> S:
-        taken = [n for n in (name, *aliases) if n in _STAGES or n in _ALIASES or n == AUTO]
+        taken = [n for n in (name, *aliases) if n in _STAGES or n in _ALIASES or n in (AUTO, FOR_HEAD)]
         if taken:
             raise ValueError(f"first stage {taken[0]!r} registered twice")
         if not (dataclasses.is_dataclass(cls.Config) and cls.Config.__dataclass_params__.frozen):
@@ -187,11 +193,12 @@ def exportable_first_stages() -> list[str]:
 
 
 def first_stage_choices(auto: bool = True) -> str:
-    """What ``--first-stage`` accepts, for messages: ``auto, exact, faiss-hnsw (or faiss), ...`` (``auto``
-    left out where the option does not take it, as ``export``'s)."""
+    """What ``--first-stage`` accepts, for messages: ``auto, head, exact, faiss-hnsw (or faiss), ...`` (``auto``
+    and ``head`` left out where the option does not take them, as ``export``'s)."""
     _import_all()
     alias = {n: [a for a, m in _ALIASES.items() if m == n] for n in _STAGES}
-    return ", ".join([AUTO] * auto + [n + (f" (or {', '.join(alias[n])})" if alias[n] else "") for n in sorted(_STAGES)])
+    return ", ".join([AUTO, FOR_HEAD] * auto + [n + (f" (or {', '.join(alias[n])})" if alias[n] else "")
+                                                 for n in sorted(_STAGES)])
 
 
 def first_stage_help() -> str:
@@ -201,7 +208,9 @@ def first_stage_help() -> str:
     order = sorted((c for c in _STAGES.values() if c.auto_rank is not None), key=lambda c: -c.auto_rank)
     auto = ", else ".join(f"{c.name}" + (" where installed" if c is not order[-1] else "") for c in order)
     alias = {n: [a for a, m in _ALIASES.items() if m == n] for n in _STAGES}
-    return "; ".join([f"{AUTO}: {auto}"] + [n + (f" (or {', '.join(alias[n])})" if alias[n] else "") +
+    head = (f"{FOR_HEAD}: the first stage made for the run's head (needs --run): head-embedding where the head has "
+            f"its own video embedding, late-interaction where it scores word by frame, else distilled")
+    return "; ".join([f"{AUTO}: {auto}", head] + [n + (f" (or {', '.join(alias[n])})" if alias[n] else "") +
                                              f": {_STAGES[n].summary}" for n in sorted(_STAGES)])
 
 
@@ -218,14 +227,29 @@ def first_stage_class(name: str, auto: bool = False) -> type[FirstStageIndex]:
     return _STAGES[name]
 
 
-def resolve_first_stage(name: str) -> str:
+def first_stage_for_head(head: Any) -> str:
+    """The head-aware first stage made for ``head``: ``head-embedding`` where its score is the inner product with a
+    query-independent video embedding (its ranking is the head's), ``late-interaction`` where it scores by the
+    token-wise interaction of words and frames, else ``distilled``."""
+    if head.indexable() is not None:
+        return "head-embedding"
+    return "late-interaction" if head.token_wise_keys is not None else "distilled"
+
+
+def resolve_first_stage(name: str, head: Any = None) -> str:
     """The registered name ``name`` stands for: ``auto`` -> the available first stage of highest
-    ``auto_rank`` (``faiss-hnsw`` where faiss-cpu is installed, else ``exact``); an alias -> its name.
+    ``auto_rank`` (``faiss-hnsw`` where faiss-cpu is installed, else ``exact``); ``head`` -> the one made for the
+    run's ``head`` (:func:`first_stage_for_head`); an alias -> its name.
 
     Raises:
-        ConfigError: an unknown name, or a first stage whose library is not installed (saying what to install).
+        ConfigError: an unknown name, ``head`` without a run's head, or a first stage whose library is not
+            installed (saying what to install).
     """
     _import_all()
+    if name == FOR_HEAD:
+        if head is None:
+            raise ConfigError(head_aware_refusal(FOR_HEAD))
+        return first_stage_for_head(head)
     if name == AUTO:
         ranked = [c for c in _STAGES.values() if c.auto_rank is not None and c.available()]
         return max(ranked, key=lambda c: c.auto_rank).name

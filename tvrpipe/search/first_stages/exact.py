@@ -7,6 +7,7 @@ approximate first stages where their index returns fewer than k videos.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,10 +21,18 @@ def exact_top(emb: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
     """The exact top ``k`` rows of ``emb`` by inner product with each row of ``q``, best first, equal scores
     by row (also at the cut: of identical videos, the first rows are kept), over blocks of :data:`_BLOCK`
     rows so the score matrix never holds more than one block per query."""
-    best_s = np.full((len(q), 0), -np.inf, np.float32)
-    best_i = np.zeros((len(q), 0), np.int64)
-    for a in range(0, len(emb), _BLOCK):
-        s = q @ emb[a : a + _BLOCK].T  # (Q, block)
+    return top_by_blocks(len(emb), len(q), k, lambda a, b: q @ emb[a:b].T, _BLOCK)
+
+
+def top_by_blocks(n: int, queries: int, k: int, score: Callable[[int, int], np.ndarray],
+                  block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The exact top ``k`` of ``n`` items for each of ``queries`` queries, where ``score(a, b)`` gives the
+    ``(queries, b - a)`` scores of items ``a`` to ``b``: ``(items (queries, k) int64, scores (queries, k))``, best
+    first, equal scores by item (also at the cut), computed ``block`` items at a time."""
+    best_s = np.full((queries, 0), -np.inf, np.float32)
+    best_i = np.zeros((queries, 0), np.int64)
+    for a in range(0, n, block):
+        s = score(a, min(a + block, n))  # (Q, block)
         i = np.broadcast_to(np.arange(a, a + s.shape[1]), s.shape)
         # the kept rows all precede this block, so each row of best_* stays in ascending row order
         best_s, best_i = np.concatenate([best_s, s], 1), np.concatenate([best_i, i], 1)
@@ -31,7 +40,7 @@ def exact_top(emb: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
             cut = -np.partition(-best_s, k - 1, axis=1)[:, k - 1 : k]  # each query's k-th best score
             above, at = best_s > cut, best_s == cut
             keep = above | (at & (np.cumsum(at, axis=1) <= k - above.sum(1, keepdims=True)))  # k per query
-            best_s, best_i = best_s[keep].reshape(len(q), k), best_i[keep].reshape(len(q), k)
+            best_s, best_i = best_s[keep].reshape(queries, k), best_i[keep].reshape(queries, k)
     order = np.lexsort((best_i, -best_s), axis=1)  # score descending, then row ascending
     return np.take_along_axis(best_i, order, 1), np.take_along_axis(best_s, order, 1)
 

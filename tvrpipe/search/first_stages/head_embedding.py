@@ -71,7 +71,8 @@ def check_indexable(head: Any, name: str = "head-embedding") -> None:
         have = [n for n in list_heads() if head_class(n).embedding_keys is not None]
         raise ConfigError(f"--first-stage {name}: {head.name} has no video embedding that is the same for every "
                           f"query (its score depends on the query's words or pools frames by the sentence; "
-                          f"{', '.join(have)} have one); use --first-stage distilled")
+                          f"{', '.join(have)} have one); use --first-stage "
+                          + ("late-interaction" if head.token_wise_keys is not None else "distilled"))
 
 
 
