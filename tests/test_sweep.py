@@ -218,10 +218,10 @@ def test_sweep_on_a_ray_start_cluster(tmp_path, ray_head, interrupt_call):
 
     # a memory budget below the store's splits: each run streams them, as train-head does, and says so
     r = _sweep(["--features", store, "--methods", "meanpool", "--seeds", "6", "--epochs", "1", "--batch-size", "8",
-                "--memory-budget", "8kB", "--out", tmp_path / "streamed"], local_env)
+                "--memory-budget", "20kB", "--out", tmp_path / "streamed"], local_env)
     assert r.returncode == 0, r.stdout + r.stderr
     data = yaml.safe_load((tmp_path / "streamed" / "meanpool__seed6" / "config.yaml").read_text())["data"]
-    assert data["mode"] == "streamed" and data["budget"] == "8.0 kB (--memory-budget)"
+    assert data["mode"] == "streamed" and data["budget"] == "20.0 kB (--memory-budget)"
 
 
 def test_sweep_names_an_unreachable_cluster(tmp_path):

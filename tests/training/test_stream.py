@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from tvrpipe.errors import ConfigError
+from tvrpipe.training.stream import gb
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +20,27 @@ def opened(store):
 
     s = open_store(store)
     return s, store_split_rows(s)
+
+
+def reserve(s, rows, tokens: bool, method: str | None = None) -> int:
+    """What a plan keeps out of the buffer's share of the budget: one evaluation and the store's tables (with
+    ``method``: its head's embeddings, as train-head measures them)."""
+    from tvrpipe.heads.base import create_head
+    from tvrpipe.training.stream import plan_data
+
+    head = create_head(method, embed_dim=int(s.provenance["embed_dim"])) if method else None
+    plan = plan_data(s, rows, tokens, 1, budget=10**12, head=head)
+    return plan.evaluation + plan.tables
+
+
+def run_reserve(store, method: str) -> int:
+    """:func:`reserve` of a train-head run of ``method`` on ``store``."""
+    from tvrpipe.features.store import open_store
+    from tvrpipe.heads.base import head_class
+    from tvrpipe.training.data import store_split_rows
+
+    s = open_store(store)
+    return reserve(s, store_split_rows(s), head_class(method).uses_tokens, method)
 
 
 def test_rows_read_in_place_equal_zarr_reads(tmp_path):
@@ -56,7 +78,43 @@ def test_plan_in_memory_when_it_fits_and_its_bytes(opened):
     assert held <= plan.needs == held + sum((width - sp.tokens.shape[1]) * sp.n_texts * (32 * 2 + 1) for sp in loaded)
     assert n_t == len(rows.train_texts) + len(rows.val_texts) + len(rows.test_texts)
     assert not plan.streamed and plan.record()["mode"] == "in memory"
-    assert plan_data(s, rows, True, 16, budget=plan.needs).streamed is False  # fitting exactly is fitting
+    # one evaluation (the larger split's embeddings, without a head the features in float32, and two float32 score
+    # matrices) and the store's tables count too
+    F, D = 4, 32
+    assert plan.evaluation == max(len(t) * (D * 4 + width * (D * 4 + 1)) + len(v) * F * (D * 4 + 1) + 8 * len(t) * len(v)
+                                  for t, v in ((rows.val_texts, rows.val_videos), (rows.test_texts, rows.test_videos)))
+    assert plan.tables == s.videos.memory_usage(deep=True).sum() + s.texts.memory_usage(deep=True).sum() > 0
+    assert plan.record()["evaluation"] == gb(plan.evaluation) and plan.record()["tables"] == gb(plan.tables)
+    every = plan.needs + plan.evaluation + plan.tables
+    assert plan_data(s, rows, True, 16, budget=every).streamed is False  # fitting exactly is fitting
+    assert plan_data(s, rows, True, 16, budget=every - 1).streamed
+
+
+def test_the_evaluation_is_counted_with_the_heads_own_embeddings(opened):
+    """With a head, an evaluation's embeddings are the head's: per item, what it holds for a batch of the store's
+    own captions and videos (tokenwise: its masked word and frame vectors, exactly)."""
+    import torch
+
+    from tvrpipe.heads.base import create_head
+    from tvrpipe.training.data import load_split
+    from tvrpipe.training.stream import item_bytes, plan_data
+
+    s, rows = opened
+    val = load_split(s, "val", rows)
+    width = val.tokens.shape[1]
+    for method in ("xpool", "tokenwise", "uatvr", "prota"):
+        head = create_head(method, embed_dim=32).eval()
+        with torch.inference_mode():
+            held = [sum(v.numel() * v.element_size() for v in emb.values() if isinstance(v, torch.Tensor)) / 5
+                    for emb in (head.encode_texts(val.text_batch(np.arange(5), head.uses_tokens)),
+                                head.encode_videos(val.video_batch(np.arange(5))))]
+        assert item_bytes(head, 4, width) == tuple(held), method
+    assert item_bytes(create_head("tokenwise", embed_dim=32), 4, 8) == (8 * (32 * 4 + 1), 4 * (32 * 4 + 1))
+    uatvr = create_head("uatvr", embed_dim=32)
+    per_text, per_video = item_bytes(uatvr, 4, width)
+    plan = plan_data(s, rows, True, 16, budget=10**9, head=uatvr)
+    assert plan.evaluation == max(len(t) * per_text + len(v) * per_video + 8 * len(t) * len(v)
+                                  for t, v in ((rows.val_texts, rows.val_videos), (rows.test_texts, rows.test_videos)))
 
 
 def test_plan_streams_above_the_budget_and_sizes_the_buffer(opened):
@@ -64,9 +122,11 @@ def test_plan_streams_above_the_budget_and_sizes_the_buffer(opened):
 
     s, rows = opened
     needs = plan_data(s, rows, False, 16, budget=10**9).needs
-    plan = plan_data(s, rows, False, 16, budget=needs - 1)
+    kept = reserve(s, rows, False)
+    plan = plan_data(s, rows, False, 16, budget=needs + kept - 1)
     each = pair_bytes(s, 0)
     assert each == 4 * 32 * 2 + 4 + 32 * 2  # F x D float16 frames, F mask bytes, a D float16 sentence
+    # the buffer's share is of what the budget leaves beside the evaluation and the tables
     assert plan.streamed and plan.buffer_videos == int((needs - 1) * BUFFER_SHARE) // each
     assert plan.block_videos == block_size(32, plan.buffer_videos)
     # whole store chunks (32 videos) that fit 1/16 of the buffer, or part of one chunk
@@ -75,7 +135,7 @@ def test_plan_streams_above_the_budget_and_sizes_the_buffer(opened):
     assert rec["mode"] == "streamed" and rec["buffer_videos"] == plan.buffer_videos and "--memory-budget" in rec["budget"]
     assert pair_bytes(s, split_width(s, rows.train_texts)) > each
     # each split's token width is read once, for the plan, and handed to the splits read on use
-    tokens = plan_data(s, rows, True, 16, budget=60_000)
+    tokens = plan_data(s, rows, True, 16, budget=reserve(s, rows, True) + 60_000)
     assert tokens.streamed
     assert tokens.widths == {n: split_width(s, getattr(rows, f"{n}_texts")) for n in ("train", "val", "test")}
     assert plan.widths == {}
@@ -90,8 +150,13 @@ def test_plan_refuses_a_budget_below_a_batch_and_a_block(opened):
     from tvrpipe.training.stream import plan_data
 
     s, rows = opened
-    with pytest.raises(ConfigError, match=r"--memory-budget .*streaming them needs a shuffle buffer of at least a batch"):
-        plan_data(s, rows, True, 16, budget=4000)
+    kept = reserve(s, rows, True)
+    with pytest.raises(ConfigError, match=r"--memory-budget .*evaluating the validation or test split holds .* and the "
+                                          r"store's tables .*streaming the training split beside them needs a shuffle "
+                                          r"buffer of at least a batch"):
+        plan_data(s, rows, True, 16, budget=kept + 4000)
+    with pytest.raises(ConfigError, match="shuffle buffer of at least a batch"):
+        plan_data(s, rows, True, 16, budget=kept // 2)  # not even the evaluation fits
 
 
 def test_default_budget_is_half_the_memory_limit(opened, monkeypatch):
@@ -160,7 +225,7 @@ def test_streamed_epoch_visits_every_video_once_with_its_own_caption(opened):
     from tvrpipe.training.stream import StreamedPairs, open_splits, plan_data
 
     s, rows = opened
-    plan = plan_data(s, rows, True, 8, budget=30_000)
+    plan = plan_data(s, rows, True, 8, budget=reserve(s, rows, True) + 30_000)
     assert plan.streamed and plan.buffer_videos < len(rows.train_videos)
     train = open_splits(s, rows, plan, True).train
     mem = load_split(s, "train", rows)
@@ -191,7 +256,7 @@ def test_streamed_epoch_holds_a_buffer_not_the_split(opened):
     from tvrpipe.training.stream import StreamedPairs, open_splits, plan_data
 
     s, rows = opened
-    plan = plan_data(s, rows, False, 4, budget=12_000)
+    plan = plan_data(s, rows, False, 4, budget=reserve(s, rows, False) + 12_000)
     pairs = StreamedPairs(open_splits(s, rows, plan, False).train, plan, False)
     reads = []
     real = pairs._read
@@ -209,16 +274,16 @@ def test_fit_streamed_against_in_memory(store, tmp_path):
     from tvrpipe.training.settings import TrainConfig
 
     runs = {}
-    for name, budget in (("memory", None), ("streamed", 20_000)):
+    for name, budget in (("memory", None), ("streamed", run_reserve(store, "xpool") + 20_000)):
         fit(store, "xpool", tmp_path / name, TrainConfig(epochs=3, batch_size=8, memory_budget=budget), progress=False)
         runs[name] = yaml.safe_load((tmp_path / name / "config.yaml").read_text())
     c_mem, c_str = runs["memory"], runs["streamed"]
     assert c_mem["data"]["mode"] == "in memory" and c_str["data"]["mode"] == "streamed"
     assert c_mem["data"]["order"] == "every training video once an epoch, in a random permutation"
-    assert "shuffle buffer" in c_str["data"]["order"] and c_str["train"]["memory_budget"] == 20_000
+    assert "shuffle buffer" in c_str["data"]["order"] and c_str["train"]["memory_budget"] == run_reserve(store, "xpool") + 20_000
     # untrained (--epochs 0), both modes score the same: evaluation reads the same batches
     zero = [fit(store, "xpool", tmp_path / f"zero-{b}", TrainConfig(epochs=0, memory_budget=b), progress=False)
-            for b in (None, 20_000)]
+            for b in (None, run_reserve(store, "xpool") + 20_000)]
     assert zero[0]["test"] == zero[1]["test"] and zero[0]["val"] == zero[1]["val"]
 
 
@@ -236,7 +301,7 @@ def test_streamed_training_trains_as_in_memory_training_does(tmp_path):
         train_videos=512, val_videos=400, test_videos=20, captions_per_train_video=4, embed_dim=64, intrinsic_dim=64,
         frames=4, seed=0, **CALIBRATED), progress=False)
     runs = {}
-    for name, budget in (("memory", None), ("streamed", 200_000)):
+    for name, budget in (("memory", None), ("streamed", run_reserve(store, "xpool") + 200_000)):
         m = fit(store, "xpool", tmp_path / name, TrainConfig(epochs=30, memory_budget=budget), progress=False)
         mode = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["data"]["mode"]
         epochs = pd.read_csv(tmp_path / name / "epochs.csv")
@@ -261,15 +326,16 @@ def test_cli_refuses_a_budget_that_is_not_a_size(cli, store, tmp_path, size):
 
 
 def test_cli_streams_under_a_small_budget_and_says_so(cli, store, tmp_path):
+    budget = run_reserve(store, "meanpool") + 20_000
     r = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", 1, "--batch-size", 8,
-            "--out", tmp_path / "run", "--memory-budget", "20kB")
+            "--out", tmp_path / "run", "--memory-budget", f"{budget}B")
     assert r.exit_code == 0, r.output
     data = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]
-    assert data["mode"] == "streamed" and data["budget"] == "20.0 kB (--memory-budget)"
+    assert data["mode"] == "streamed" and data["budget"] == f"{gb(budget)} (--memory-budget)"
     assert "streamed from the store: its splits need" in " ".join(r.output.split())
     tiny = cli("train-head", "--features", store, "--method", "meanpool", "--epochs", 1, "--out", tmp_path / "r2",
                "--memory-budget", "2kB")
-    assert tiny.exit_code == 1 and "streaming them needs a shuffle buffer of at least a batch" in tiny.output
+    assert tiny.exit_code == 1 and "needs a shuffle buffer of at least a batch" in " ".join(tiny.output.split())
     assert not (tmp_path / "r2").exists()
 
 
@@ -279,7 +345,7 @@ def test_streamed_rows_are_checked_finite_once_each(opened, monkeypatch):
     from tvrpipe.training.stream import StreamedPairs, open_splits, plan_data
 
     s, rows = opened
-    plan = plan_data(s, rows, True, 8, budget=30_000)
+    plan = plan_data(s, rows, True, 8, budget=reserve(s, rows, True) + 30_000)
     pairs = StreamedPairs(open_splits(s, rows, plan, True).train, plan, True)
     checked: dict[str, list[int]] = {}
     real = type(s).check_finite
@@ -319,4 +385,5 @@ def test_a_run_recorded_before_the_data_record_resumes_in_memory_only(store, tmp
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["mode"] == "in memory"
     with pytest.raises(ConfigError, match=r"was trained with its data in memory .* would read it streamed .*"
                                           r"give the --memory-budget that reads it as before"):
-        fit(store, "meanpool", run, TrainConfig(epochs=1, batch_size=8, memory_budget=20_000), progress=False)
+        fit(store, "meanpool", run, TrainConfig(epochs=1, batch_size=8,
+                                                memory_budget=run_reserve(store, "meanpool") + 20_000), progress=False)

@@ -128,7 +128,7 @@ def bench_train_head_cmd(
     prefetch: Annotated[bool, typer.Option(help="Train with batch prefetching (as train-head does by default).")] = BT.prefetch,
     streamed: Annotated[bool, typer.Option(
         "--streamed", help="Instead: train on a store larger than --memory-budget, streamed, and compare streamed "
-                           "with in-memory training on a store that fits (one head: --method, default tokenwise).")
+                           "with in-memory training on a store that fits (one head: --method, default xpool).")
     ] = False,
     memory_budget: Annotated[str, typer.Option(
         metavar="SIZE", help="With --streamed: the budget the large store is streamed under (e.g. 2GB).")] = "1GB",
@@ -179,14 +179,17 @@ def _bench_streamed(ctx: typer.Context, out: Path, method: Optional[list[str]], 
                   f"({r.store_factor:.1f}x the {g(r.budget)} budget; {g(r.large_disk)} on disk), streamed for "
                   f"{epochs} epoch(s) at {r.large_samples_per_s:,.0f} samples/s ({r.large_data['order']})")
     console.print(f"  peak RSS {g(r.large_peak)} vs budget + model {g(r.budget + r.model_peak)} (model alone "
-                  f"{g(r.model_peak)}): under {mark(r.under_budget)}; the streamed epoch alone, without a model, adds "
-                  f"{g(r.stream_added)}")
+                  f"{g(r.model_peak)}): under {mark(r.under_budget)}; the budget held one evaluation of "
+                  f"{r.large_test_videos:,} test videos ({g(r.large_evaluation)}) and the store's tables "
+                  f"({g(r.large_tables)}); the streamed epoch alone, without a model, adds {g(r.stream_added)}")
     console.print(f"{r.small_videos:,} training videos ({g(r.small_needs)}), in memory vs streamed: "
                   f"{r.memory_samples_per_s:,.0f} vs {r.streamed_samples_per_s:,.0f} samples/s = "
                   f"{r.throughput_ratio:.2f}x (target >= 0.8: {mark(r.throughput_ratio >= 0.8)}); peak RSS "
                   f"{g(r.memory_peak)} vs {g(r.streamed_peak)}")
-    console.print(f"  validation t2v R@1 {r.memory_val_r1:.1f} vs {r.streamed_val_r1:.1f} on {r.val_n} captions "
-                  f"(noise sd of the difference {r.noise_sd:.1f}): within 2 sd {mark(r.within_noise)}")
+    console.print(f"  last trained epoch: loss {r.memory_loss:.3f} vs {r.streamed_loss:.3f}, validation t2v R@1 "
+                  f"{r.memory_val_r1:.1f} vs {r.streamed_val_r1:.1f} on {r.val_n} captions (untrained "
+                  f"{r.untrained_val_r1:.1f}; noise sd of a difference {r.noise_sd:.1f}): both trained "
+                  f"{mark(r.both_trained)}, within 2 sd of each other {mark(r.within_noise)}")
     _write_json(json_out, r.record())
 
 

@@ -85,7 +85,7 @@ log = logging.getLogger(__name__)
 
 # config.yaml's keys that a resumed run may change (config.yaml keeps the first invocation's and lists the changes
 # under resumed_execution): the execution settings, and what the data plan measured of this machine
-EXECUTION = (*(f"train.{k}" for k in EXECUTION_FIELDS), "data.budget", "data.needs")
+EXECUTION = (*(f"train.{k}" for k in EXECUTION_FIELDS), "data.budget", "data.needs", "data.evaluation", "data.tables")
 
 
 def check_device(device: str) -> None:
@@ -207,7 +207,8 @@ def fit(
     # in memory when the splits fit the budget, else streamed from the store (no word tokens for a sentence head)
     rows, uses_tokens = store_split_rows(store), head_class(method).uses_tokens
     batch = 0 if train.epochs == 0 else min(train.batch_size, len(rows.train_videos))  # --epochs 0 draws none
-    data = plan_data(store, rows, uses_tokens, batch, train.memory_budget)
+    # the evaluation's share of the budget is measured on the head's own embeddings (a throwaway instance)
+    data = plan_data(store, rows, uses_tokens, batch, train.memory_budget, head_class(method)(head_cfg))
     splits: Splits = open_splits(store, rows, data, uses_tokens)
     train_split = splits.train
     if train_split.n_videos < 2:

@@ -23,6 +23,7 @@ import resource
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,6 +126,8 @@ class DataPlan:
         streamed: False: every split in memory; True: streamed.
         needs: bytes the splits would hold in memory.
         budget, budget_source: the memory budget and where it comes from.
+        evaluation: bytes one evaluation holds (:func:`evaluation_bytes`), kept out of the buffer's share.
+        tables: bytes of the store's video and caption tables (:func:`table_bytes`), kept out of it too.
         buffer_videos, block_videos: a streamed run's shuffle buffer and read block, in videos (0 in memory).
         widths: each split's real token columns (:func:`split_width`), read once for the plan and kept for the
             splits read on use; empty for a head that reads no word tokens.
@@ -134,6 +137,8 @@ class DataPlan:
     needs: int
     budget: int
     budget_source: str
+    evaluation: int = 0
+    tables: int = 0
     buffer_videos: int = 0
     block_videos: int = 0
     widths: Mapping[str, int] = field(default_factory=dict)
@@ -150,17 +155,49 @@ class DataPlan:
         """What the run's ``config.yaml`` says of its data (``data``)."""
         return {"mode": "streamed" if self.streamed else "in memory", "order": self.order,
                 "needs": gb(self.needs), "budget": f"{gb(self.budget)} ({self.budget_source})",
+                "evaluation": gb(self.evaluation), "tables": gb(self.tables),
                 **({"buffer_videos": self.buffer_videos, "block_videos": self.block_videos} if self.streamed else {})}
 
 
-def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: int,
-              budget: int | None = None) -> DataPlan:
-    """In memory when the three splits fit ``budget`` bytes (default :data:`MEMORY_SHARE` of
-    :func:`memory_limit`), else streamed, with a shuffle buffer of :data:`BUFFER_SHARE` of the budget.
+def item_bytes(head: Any, frames: int, width: int) -> tuple[int, int]:
+    """The bytes of ``head``'s embedding of one caption (``width`` token columns) and of one video (``frames``
+    frames), as evaluation holds them: measured by encoding one of each."""
+    F, D = frames, head.config.embed_dim
+    gen = torch.Generator().manual_seed(0)
+    text = TextBatch(torch.randn(1, width, D, generator=gen), torch.ones(1, width, dtype=torch.bool),
+                     torch.randn(1, D, generator=gen))
+    video = VideoBatch(torch.randn(1, F, D, generator=gen), torch.ones(1, F, dtype=torch.bool))
+    if not head.uses_tokens:
+        text = TextBatch.of_sentences(text.sentence)
+    with torch.inference_mode():
+        size = lambda emb: sum(v.numel() * v.element_size() for v in emb.values() if isinstance(v, torch.Tensor))  # noqa: E731
+        return size(head.encode_texts(text)), size(head.encode_videos(video))
+
+
+def evaluation_bytes(rows: SplitRows, per_text: int, per_video: int) -> int:
+    """What one evaluation holds beside the model, for the larger of the validation and the test split: every
+    caption's and video's embedding (``per_text`` and ``per_video`` bytes each: :func:`item_bytes`) and two float32
+    n_text x n_video score matrices (the raw scores, and one variant's at a time: a direction's, DSL's)."""
+    return max(len(t) * per_text + len(v) * per_video + 2 * 4 * len(t) * len(v)
+               for t, v in ((rows.val_texts, rows.val_videos), (rows.test_texts, rows.test_videos)))
+
+
+def table_bytes(store: FeatureStore) -> int:
+    """The store's video and caption tables in memory (they grow with the store, whichever way its features are
+    read)."""
+    return int(store.videos.memory_usage(deep=True).sum() + store.texts.memory_usage(deep=True).sum())
+
+
+def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: int, budget: int | None = None,
+              head: Any = None) -> DataPlan:
+    """In memory when the three splits, one evaluation and the store's tables fit ``budget`` bytes (default
+    :data:`MEMORY_SHARE` of :func:`memory_limit`), else streamed, with a shuffle buffer of :data:`BUFFER_SHARE`
+    of what the budget leaves beside the evaluation and the tables. The evaluation's embeddings are ``head``'s
+    (:func:`item_bytes`); without a head, the features' own size in float32.
 
     Raises:
         ConfigError: the split does not fit and the budget cannot hold a streamed run's buffer (a batch and a
-            read block).
+            read block) beside the evaluation and the tables.
     """
     if budget is None:
         limit, source = memory_limit()
@@ -175,19 +212,23 @@ def plan_data(store: FeatureStore, rows: SplitRows, uses_tokens: bool, batch: in
     width = max(widths.values()) if widths and n_texts else 0
     F, D = store.group["videos/frames"].shape[1:]
     needs = videos * (F * D * 2 + F) + n_texts * (D * 2 + width * (D * 2 + 1))
-    if needs <= budget:
-        return DataPlan(False, needs, budget, budget_source, widths=widths)
+    per_text, per_video = (item_bytes(head, F, width) if head is not None
+                           else (D * 4 + width * (D * 4 + 1), F * (D * 4 + 1)))
+    evaluation, tables = evaluation_bytes(rows, per_text, per_video), table_bytes(store)
+    if needs + evaluation + tables <= budget:
+        return DataPlan(False, needs, budget, budget_source, evaluation, tables, widths=widths)
     each = pair_bytes(store, widths.get("train", 0))
     chunk = store.group["videos/frames"].chunks[0]
-    buffer = int(budget * BUFFER_SHARE) // each
-    block = block_size(chunk, buffer)
+    buffer = int(max(0, budget - evaluation - tables) * BUFFER_SHARE) // each
+    block = block_size(chunk, max(buffer, 1))
     if buffer < batch + block:
         raise ConfigError(
-            f"--memory-budget {gb(budget)}: the splits of {store.dir} need {gb(needs)} in memory, and streaming them "
-            f"needs a shuffle buffer of at least a batch and a read block ({batch + block} pairs of {each:,} bytes: "
-            f"{gb((batch + block) * each / BUFFER_SHARE)} of budget); give a larger --memory-budget or a smaller "
-            "--batch-size")
-    return DataPlan(True, needs, budget, budget_source, buffer, block, widths)
+            f"--memory-budget {gb(budget)}: the splits of {store.dir} need {gb(needs)} in memory; evaluating the "
+            f"validation or test split holds {gb(evaluation)} and the store's tables {gb(tables)}, and streaming the "
+            f"training split beside them needs a shuffle buffer of at least a batch and a read block "
+            f"({batch + block} pairs of {each:,} bytes: {gb(evaluation + tables + (batch + block) * each / BUFFER_SHARE)}"
+            f" of budget in all); give a larger --memory-budget or a smaller --batch-size")
+    return DataPlan(True, needs, budget, budget_source, evaluation, tables, buffer, block, widths)
 
 
 BLOCKS_IN_BUFFER = 16  # a full buffer mixes at least this many read blocks
