@@ -70,6 +70,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -384,11 +385,23 @@ def _share_sources(spec: GenSpec, split: np.ndarray, parts: np.ndarray, offsets:
 
 
 def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _Latents:
+    """Every latent of the world, drawn in one order from the seed: its space, the videos' contents, then the
+    captions' layout (each stage draws from the same generator, after the one before)."""
     rng = np.random.default_rng([spec.seed, 0])
-    D, S, P, K = spec.embed_dim, spec.scenes, spec.concept_words, spec.concepts
-    F, L = spec.frames, spec.max_words
+    space = _space(spec, rng)
+    parts, offsets, multi, dup_group, z = _video_contents(spec, rng, videos, space["concepts"])
+    n_frames, video_row, scene, n_valid = _caption_layout(spec, rng, videos, captions, multi)
+    return _Latents(
+        **space, parts=parts, z=z.astype(np.float32), z_whole=_unit(z.mean(axis=1)).astype(np.float32),
+        dup_group=dup_group, multi=multi, n_frames=n_frames, video_row=video_row, scene=scene, n_valid=n_valid,
+    )
+
+
+def _space(spec: GenSpec, rng: np.random.Generator) -> dict[str, Any]:
+    """The world's space: its content basis, residual bank, concepts, stop words, styles, scales and modality
+    means, the words' vectors and noise bank, and the start token."""
+    D, K = spec.embed_dim, spec.concepts
     d = _intrinsic(spec)
-    nv, nt = len(videos), len(captions)
     full = _orthonormal(rng, D, min(D, d + 2))
     basis, outside = full[:, :d], full[:, d:]  # content inside; the modality means outside (below)
     residual = (RESIDUAL / np.sqrt(2) * _unit(rng.standard_normal((BANK, D)))).astype(np.float32)
@@ -421,7 +434,18 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
     word_noise = (WORD_NOISE * sigma / np.sqrt(2)) * rng.standard_normal((BANK, d)) @ basis.T
     word_noise += RESIDUAL / np.sqrt(2) * _unit(rng.standard_normal((BANK, D)))
     sot = (scale_t * np.sqrt(var_t) * _unit(rng.standard_normal(D)) + mu_t).astype(np.float32)
+    return dict(basis=basis, residual=residual, words=words.astype(np.float32),
+                word_noise=word_noise.astype(np.float32), concepts=concepts, stop=stop, sot=sot, mu_v=mu_v,
+                mu_t=mu_t, style_v=style_v, style_t=style_t, scale_v=float(scale_v), scale_t=float(scale_t),
+                shift=shift)
 
+
+def _video_contents(spec: GenSpec, rng: np.random.Generator, videos: pd.DataFrame,
+                    concepts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each video's scenes: their concepts (``parts``), its offset, whether it is multi-scene, its
+    near-duplicate group, and the scenes' unit content vectors ``z`` (nv, S, d)."""
+    S, P, K, d = spec.scenes, spec.concept_words, spec.concepts, concepts.shape[1]
+    nv = len(videos)
     parts = rng.integers(0, K, size=(nv, S, P))
     # one offset per video, shared by its scenes (the shots of a clip share their setting and look)
     offsets = np.repeat(_unit(rng.standard_normal((nv, 1, d))).astype(np.float32), S, axis=1)
@@ -443,7 +467,15 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
     # a one-scene video repeats its scene 0 in every scene slot: its frames all show it
     parts[~multi, 1:], offsets[~multi, 1:] = parts[~multi, :1], offsets[~multi, :1]
     z = _unit(concepts[parts].sum(axis=2) / np.sqrt(P) + OFFSET * offsets)  # (nv, S, d)
+    return parts, offsets, multi, dup_group, z
 
+
+def _caption_layout(spec: GenSpec, rng: np.random.Generator, videos: pd.DataFrame, captions: pd.DataFrame,
+                    multi: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each video's frame count, and each caption's video row, the scene it describes (-1: the whole video)
+    and its valid token count (SOT, words, EOS)."""
+    S, P, F, L = spec.scenes, spec.concept_words, spec.frames, spec.max_words
+    nv, nt = len(videos), len(captions)
     lo = F if spec.min_frames is None else spec.min_frames
     n_frames = rng.integers(lo, F + 1, size=nv)
     video_row = pd.Series(np.arange(nv), index=videos["video_id"]).loc[captions["video_id"]].to_numpy()
@@ -458,14 +490,7 @@ def _latents(spec: GenSpec, videos: pd.DataFrame, captions: pd.DataFrame) -> _La
     n_content[~multi[video_row]] = P
     n_stop = 1 + rng.poisson(MEAN_STOP_WORDS - 1, size=nt)
     n_valid = np.minimum(L, 2 + n_content + n_stop)  # SOT, words, EOS
-    return _Latents(
-        basis=basis, residual=residual, words=words.astype(np.float32),
-        word_noise=word_noise.astype(np.float32),
-        concepts=concepts, stop=stop, sot=sot, mu_v=mu_v, mu_t=mu_t, style_v=style_v, style_t=style_t,
-        scale_v=float(scale_v), scale_t=float(scale_t), parts=parts, z=z.astype(np.float32),
-        z_whole=_unit(z.mean(axis=1)).astype(np.float32), dup_group=dup_group, multi=multi, n_frames=n_frames,
-        video_row=video_row, scene=scene, n_valid=n_valid, shift=shift,
-    )
+    return n_frames, video_row, scene, n_valid
 
 
 def _embed(lat: _Latents, x: np.ndarray, pick: np.ndarray, scale: float, mu: np.ndarray) -> np.ndarray:
