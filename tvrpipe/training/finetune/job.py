@@ -10,19 +10,23 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
 
+from tvrpipe.data.manifest import Manifest
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.outputs import check_output_folder
-from tvrpipe.heads.base import TextBatch, VideoBatch, clip_head_config, head_class
+from tvrpipe.heads.base import Copied, TextBatch, VideoBatch, clip_head_config, head_class
 from tvrpipe.training.core import check_group_lr, check_head_inputs, lr_groups, setting_source
 from tvrpipe.training.finetune.config import EXECUTION, FinetuneConfig
 from tvrpipe.training.finetune.failures import check_files
 from tvrpipe.training.videodata import TrainPairs, VideoTable, epoch_steps
+
+if TYPE_CHECKING:  # a hint only: CLIP's module imports open_clip, which loads when a job is built, not on import
+    from tvrpipe.features.clip import ClipBundle
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +73,7 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
     """
     from tvrpipe.data.manifest import check_max_words, open_manifest
     from tvrpipe.evaluation.engine import check_post
-    from tvrpipe.features.clip import load_clip, preprocess_description
-    from tvrpipe.features.decode import FRAME_SAMPLING
-    from tvrpipe.features.store import manifest_sha256
-    from tvrpipe.features.weights import resolve_pretrained
-    from tvrpipe.training.data import split_rows
+    from tvrpipe.features.clip import load_clip
 
     # ---- options (cfg checked itself), manifest and weights are checked before anything is written or Ray starts
     post = check_post(post)
@@ -81,6 +81,21 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
     check_output_folder(out_dir, "--out", may_be="a run")  # a run resumes; one inside another run's folder would not
     bundle = load_clip(cfg.model, cfg.pretrained, device="cpu", seed=cfg.seed)
     check_max_words(L, bundle.context_length)
+    head_cfg, cfg, rates, copied = _resolve_settings(method, cfg, overrides, recipe, bundle, F, L)
+    job = _assemble_job(out_dir, method, head_cfg, cfg, manifest, root, manifest_dir, post, progress, rates)
+    pairs = train_pairs(job, recipe)  # the batch fits the training set: checked before the run directory is written
+    check_files(job.table.paths, job.video_ids, {"training": job.train_videos, "test": job.test[0]}, root,
+                cfg.max_failed_fraction)
+    recipe = _recipe_record(recipe, manifest, cfg, head_cfg)
+    return job, pairs, _config_record(job, manifest_dir, manifest, root, bundle, copied, recipe), bundle
+
+
+def _resolve_settings(method: str, cfg: FinetuneConfig, overrides: dict[str, Any] | None,
+                      recipe: dict[str, Any] | None, bundle: ClipBundle, F: int,
+                      L: int) -> tuple[Any, FinetuneConfig, dict[str, dict[str, Any]], Copied | None]:
+    """Settings stage: the head's config, the settings as the run uses them, each group's rate, what CLIP gives."""
+    from tvrpipe.features.weights import resolve_pretrained
+
     head_cfg = clip_head_config(method, bundle.embed_dim, bundle.logit_scale, overrides)  # D, CLIP's scale
     # what the run uses: the manifest's frames and words where not given, a checkpoint by its absolute path (the
     # run's workers and a later `extract --pretrained` reach it from any folder)
@@ -90,6 +105,15 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
         log.warning("--init-from-clip: %s, so nothing is copied: %s keeps its own initialisation", copied.reason,
                     method)
         cfg = dataclasses.replace(cfg, init_from_clip=False)
+    return head_cfg, cfg, rates, copied
+
+
+def _assemble_job(out_dir: str | os.PathLike[str], method: str, head_cfg: Any, cfg: FinetuneConfig,
+                  manifest: Manifest, root: Path, manifest_dir: str | os.PathLike[str], post: tuple[str, ...],
+                  progress: bool, rates: dict[str, dict[str, Any]]) -> FinetuneJob:
+    """Data stage: the video table and each split's rows of the manifest, in the job a training process gets."""
+    from tvrpipe.training.data import split_rows
+
     videos, captions = manifest.videos, manifest.captions
     vrow = pd.Series(np.arange(len(videos)), index=videos["video_id"])
     text_video = vrow.loc[captions["video_id"]].to_numpy()
@@ -100,43 +124,58 @@ def build_job(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLik
                        starts.astype(float).to_numpy(), ends.astype(float).to_numpy(),
                        captions["text"].astype(str).to_numpy(dtype=object))
     out = Path(out_dir)
-    job = FinetuneJob(out=str(out.resolve()), method=method, head_cfg=head_cfg, cfg=cfg, table=table, frames=F, max_words=L,
-               train_videos=rows.train_videos, train_texts=rows.train_texts, text_video=text_video,
-               val=(rows.val_videos, rows.val_texts), test=(rows.test_videos, rows.test_texts),
-               video_ids=videos["video_id"].astype(str).to_numpy(), caption_ids=captions["caption_id"].astype(str).to_numpy(),
-               val_source=rows.val_source, post=post, progress=progress, lr_groups=rates)
-    pairs = train_pairs(job, recipe)  # the batch fits the training set: checked before the run directory is written
-    check_files(table.paths, job.video_ids, {"training": job.train_videos, "test": job.test[0]}, root,
-                cfg.max_failed_fraction)
-    if recipe:  # how the run differs from its recipe: the manifest's data, and every setting as cfg runs it
-        from tvrpipe.training.recipes import OPTION_SETTINGS, deviations
+    return FinetuneJob(out=str(out.resolve()), method=method, head_cfg=head_cfg, cfg=cfg, table=table,
+                       frames=cfg.frames, max_words=cfg.max_words, train_videos=rows.train_videos,
+                       train_texts=rows.train_texts, text_video=text_video, val=(rows.val_videos, rows.val_texts),
+                       test=(rows.test_videos, rows.test_texts), video_ids=videos["video_id"].astype(str).to_numpy(),
+                       caption_ids=captions["caption_id"].astype(str).to_numpy(), val_source=rows.val_source,
+                       post=post, progress=progress, lr_groups=rates)
 
-        recipe = deviations(recipe, {"dataset": manifest.meta.get("dataset"), "split_set": manifest.meta.get("split_set"),
-                                     # CLIP's rate only where CLIP trains
-                                     **{k: getattr(cfg, k) for k in OPTION_SETTINGS if k != "clip_lr" or cfg.end_to_end},
-                                     "head": dataclasses.asdict(head_cfg)})
+
+def _recipe_record(recipe: dict[str, Any] | None, manifest: Manifest, cfg: FinetuneConfig,
+                   head_cfg: Any) -> dict[str, Any] | None:
+    """Recipe stage: how the run differs from its ``recipe``: the manifest's data, and every setting as cfg runs it."""
+    if not recipe:
+        return recipe
+    from tvrpipe.training.recipes import OPTION_SETTINGS, deviations
+
+    return deviations(recipe, {"dataset": manifest.meta.get("dataset"), "split_set": manifest.meta.get("split_set"),
+                               # CLIP's rate only where CLIP trains
+                               **{k: getattr(cfg, k) for k in OPTION_SETTINGS if k != "clip_lr" or cfg.end_to_end},
+                               "head": dataclasses.asdict(head_cfg)})
+
+
+def _config_record(job: FinetuneJob, manifest_dir: str | os.PathLike[str], manifest: Manifest, root: Path,
+                   bundle: ClipBundle, copied: Copied | None, recipe: dict[str, Any] | None) -> dict[str, Any]:
+    """Record stage: what ``config.yaml`` holds of the run (its settings as it uses them, and what they resolved to)."""
+    from tvrpipe.features.clip import preprocess_description
+    from tvrpipe.features.decode import FRAME_SAMPLING
+    from tvrpipe.features.store import manifest_sha256
+
+    cfg, videos, captions = job.cfg, manifest.videos, manifest.captions
     settings = dataclasses.asdict(cfg)
-    config = {
-        "method": method,
-        "head": dataclasses.asdict(head_cfg),
+    return {
+        "method": job.method,
+        "head": dataclasses.asdict(job.head_cfg),
         "finetune": {k: v for k, v in settings.items() if k not in EXECUTION},
         "execution": {k: settings[k] for k in EXECUTION},
-        "post": list(post),
+        "post": list(job.post),
         "manifest": str(Path(manifest_dir).resolve()),
         "video_root": str(root.resolve()),
         "features": None,  # live features: evaluate needs a store extracted with the run's CLIP
         # what a store must match for `tvrpipe evaluate` (metrics.json adds the finetuned weights' hash)
-        "provenance": {"frames": F, "max_words": L, "embed_dim": bundle.embed_dim, "frame_sampling": FRAME_SAMPLING,
-                       "image_size": bundle.image_size, "preprocessing": preprocess_description(bundle),
+        "provenance": {"frames": job.frames, "max_words": job.max_words, "embed_dim": bundle.embed_dim,
+                       "frame_sampling": FRAME_SAMPLING, "image_size": bundle.image_size,
+                       "preprocessing": preprocess_description(bundle),
                        "manifest_sha256": manifest_sha256(videos, captions)},
-        "validation": rows.val_source,
+        "validation": job.val_source,
         # what ran, where the options alone do not say it: each parameter group's rate, what CLIP initialised
-        "resolved": {"lr_groups": rates,
+        "resolved": {"lr_groups": job.lr_groups,
                      "init_from_clip": list(copied) if copied else (f"nothing: {copied.reason}" if copied is not None
                                                                     else None)},
         **({"recipe": recipe} if recipe else {}),
     }
-    return job, pairs, config, bundle
+
 
 def probe_head(method: str, head_cfg: Any, cfg: FinetuneConfig, bundle, recipe: dict[str, Any] | None):
     """Before anything is written, on a throwaway head (the run's random stream untouched): the rate each

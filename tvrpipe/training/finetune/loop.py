@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +37,15 @@ from tvrpipe.training.finetune.failures import all_failures, too_many_failed, wr
 from tvrpipe.training.finetune.job import FinetuneJob, steps_per_epoch, train_pairs
 from tvrpipe.training.live import LiveModel, pairs_in_step, param_groups
 from tvrpipe.training.step import step_gradients
-from tvrpipe.training.videodata import ClipBatch, Collate, DecodedClips, PlannedBatches, epoch_plan
+from tvrpipe.training.videodata import (
+    ClipBatch,
+    Collate,
+    DecodedClips,
+    Key,
+    PlannedBatches,
+    TrainPairs,
+    epoch_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +104,41 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
             cpus: int | None = None) -> dict | None:
     """The training loop of one process (rank ``rank`` of ``world``, ``cpus`` CPUs: default all this
     process may use); rank 0 returns the metrics."""
-    cfg, out = job.cfg, Path(job.out)
+    cfg = job.cfg
     pairs = train_pairs(job)
     steps = steps_per_epoch(pairs, cfg)
-    schedule = Schedule.fixed(steps, cfg.epochs, cfg.warmup_fraction)
+    run = _start(job, Schedule.fixed(steps, cfg.epochs, cfg.warmup_fraction), rank, world, device)
+    # DataLoader workers decode; an epoch's batches are planned from (seed, epoch)
+    train_sampler, train_loader, loader_for = loaders(job, run.model.bundle.image_size, cpus)
+    with run.loop.progress(f"finetune {job.method}", enabled=job.progress and world == 1):
+        for epoch in run.loop.epochs():
+            t_epoch = time.perf_counter()
+            train_sampler.plan = _plan_epoch(run, job, pairs, epoch)
+            timing = _train_epoch(run, job, epoch, steps, train_loader)
+            _end_epoch(run, job, epoch, loader_for, timing, t_epoch)
+    if rank != 0:
+        return None
+    return _finish(run.model, run.loop, loader_for, job, run.failures)
 
-    # ---- model, optimiser
+
+@dataclass
+class _Run:
+    """The live state of one process's run: what :func:`_start` builds and each epoch's stages update."""
+
+    model: LiveModel
+    wrapped: nn.Module  # the model under DDP with several workers, the model itself with one
+    opt: torch.optim.Optimizer | None
+    scaler: torch.amp.GradScaler
+    loop: RunLoop
+    failures: dict[str, str]  # video id -> error, every video that failed to decode
+    progress: ProgressFile  # what the driver of Ray Train workers shows
+    rank: int
+    world: int
+
+
+def _start(job: FinetuneJob, schedule: Schedule, rank: int, world: int, device: str | torch.device) -> _Run:
+    """Start stage: the live model and its optimiser, resumed after the last committed epoch if any."""
+    cfg, out = job.cfg, Path(job.out)
     model = live_model(job, device)
     bundle, head = model.bundle, model.head
     groups = param_groups(model, cfg.clip_lr, cfg.head_lr, cfg.weight_decay, cfg.group_lr)
@@ -107,8 +146,8 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
     scaler = torch.amp.GradScaler(bundle.device.type, enabled=cfg.precision == "fp16")
     loop = RunLoop(out, schedule, {"clip_": lambda path: save_clip(model.clip, path, {"model": cfg.model}),
                                    "": lambda path: save_head(head, path)}, rank, world)
-    failures: dict[str, str] = {}  # video id -> error, every video that failed to decode
-    progress = ProgressFile(out)  # what the driver of Ray Train workers shows
+    failures: dict[str, str] = {}
+    progress = ProgressFile(out)
 
     def restore(state: dict) -> None:
         from safetensors.torch import load_file
@@ -123,75 +162,93 @@ def run_job(job: FinetuneJob, rank: int = 0, world: int = 1, device: str | torch
     loop.resume(restore, barrier=lambda: _barrier(world))
     if rank == 0 and failures:
         write_failures(failures, out)
-    wrapped = distributed(model, world)  # DDP over Ray Train's workers (the model itself with one)
+    # DDP broadcasts rank 0's weights when it wraps the model: after the resume, so they are the resumed ones
+    wrapped = distributed(model, world)
+    return _Run(model, wrapped, opt, scaler, loop, failures, progress, rank, world)
 
-    # ---- data: DataLoader workers decode; an epoch's batches are planned from (seed, epoch)
-    train_sampler, train_loader, loader_for = loaders(job, bundle.image_size, cpus)
+
+def _plan_epoch(run: _Run, job: FinetuneJob, pairs: TrainPairs, epoch: int) -> list[list[Key]]:
+    """Plan stage: this rank's batches of epoch ``epoch``, drawn from (seed, epoch), without the failed videos."""
+    cfg = job.cfg
     id_row = {str(v): i for i, v in enumerate(job.video_ids)}
+    skip = frozenset(id_row[v] for v in run.failures if v in id_row)
+    return epoch_plan(pairs, cfg.seed, epoch, cfg.batch_size, run.rank, run.world, skip, cfg.max_steps,
+                      cfg.epoch_pairs)
 
-    # ---- loop
-    with loop.progress(f"finetune {job.method}", enabled=job.progress and world == 1):
-        for epoch in loop.epochs():
-            t_epoch = time.perf_counter()
-            model.train()
-            if not cfg.end_to_end:
-                model.clip.eval()  # frozen: CLIP stays in inference mode
-            skip = frozenset(id_row[v] for v in failures if v in id_row)
-            train_sampler.plan = epoch_plan(pairs, cfg.seed, epoch, cfg.batch_size, rank, world, skip, cfg.max_steps,
-                                            cfg.epoch_pairs)
-            new_failed = []
-            timing = []  # (seconds waiting for the batch, seconds of the step, clips) per step
+
+def _train_epoch(run: _Run, job: FinetuneJob, epoch: int, steps: int,
+                 train_loader: Iterable[ClipBatch]) -> list[tuple[float, float, int]]:
+    """Run stage: epoch ``epoch``'s steps; each step's (seconds waiting, seconds stepping, clips)."""
+    cfg, loop, world = job.cfg, run.loop, run.world
+    run.model.train()
+    if not cfg.end_to_end:
+        run.model.clip.eval()  # frozen: CLIP stays in inference mode
+    new_failed: list[tuple[int, str]] = []  # (manifest row, error) of this rank's videos that failed to decode
+    timing: list[tuple[float, float, int]] = []
+    t0 = time.perf_counter()
+    for step, batch in enumerate(train_loader):
+        t1 = time.perf_counter()
+        new_failed += batch.failed
+        if pairs_in_step(len(batch.videos), world, run.model.bundle.device) == 0:  # no video of the step decoded
+            loop.advance(f"epoch {epoch + 1}/{cfg.epochs}: a step whose videos all failed to decode, skipped")
             t0 = time.perf_counter()
-            for step, batch in enumerate(train_loader):
-                batch: ClipBatch
-                t1 = time.perf_counter()
-                new_failed += batch.failed
-                if pairs_in_step(len(batch.videos), world, bundle.device) == 0:  # no video of the step decoded
-                    loop.advance(f"epoch {epoch + 1}/{cfg.epochs}: a step whose videos all failed to decode, skipped")
-                    t0 = time.perf_counter()
-                    continue
-                # the head's own noise (sampling heads) is the same on every rank and after a resume
-                seed_step(cfg.seed, epoch, step)
+            continue
+        total_loss, loss_terms = _step(run, job, epoch, step, batch)
+        t2 = time.perf_counter()
+        timing.append((t1 - t0, t2 - t1, len(batch.videos) * world))
+        loss = loop.record(total_loss, loss_terms)
+        info = (f"epoch {epoch + 1}/{cfg.epochs} loss {loss:.3f} "
+                f"{len(batch.videos) * world / (t2 - t0):.1f} clips/s")
+        loop.advance(info)
+        if world > 1 and run.rank == 0:  # the driver shows Ray workers' progress from this file
+            run.progress.write((epoch - loop.start_epoch) * steps + step + 1,
+                               steps * (cfg.epochs - loop.start_epoch), info)
+        t0 = time.perf_counter()
+    run.failures.update(all_failures(new_failed, job.video_ids, world))
+    return timing
 
-                def check(total: torch.Tensor, terms: dict) -> None:
-                    check_finite_loss(total, terms, epoch, step, job.video_ids[batch.videos],
-                                      job.caption_ids[batch.captions], "--clip-lr / --head-lr" if cfg.end_to_end
-                                      else "--head-lr")
-                if opt is not None:
-                    start_step(opt, loop.lr(epoch, step))
-                total_loss, loss_terms = step_gradients(model, wrapped, batch.frames, batch.frame_mask, batch.texts,
-                                                        job.max_words, cfg.chunk_size, scaler, opt is not None, check)
-                if opt is not None:
-                    apply_step(opt, scaler, cfg.grad_clip)
-                if bundle.device.type == "cuda":
-                    torch.cuda.synchronize(bundle.device)
-                t2 = time.perf_counter()
-                timing.append((t1 - t0, t2 - t1, len(batch.videos) * world))
-                loss = loop.record(total_loss, loss_terms)
-                info = f"epoch {epoch + 1}/{cfg.epochs} loss {loss:.3f} {len(batch.videos) * world / (t2 - t0):.1f} clips/s"
-                loop.advance(info)
-                if world > 1 and rank == 0:  # the driver shows Ray workers' progress from this file
-                    progress.write((epoch - loop.start_epoch) * steps + step + 1,
-                                   steps * (cfg.epochs - loop.start_epoch), info)
-                t0 = time.perf_counter()
-            failures.update(all_failures(new_failed, job.video_ids, world))
-            if rank == 0:
-                loop.end_epoch(epoch, evaluate(model, loader_for, job.val, job, failures), {
-                    **group_rates(opt),  # the rate each parameter group stepped at last
-                    **_throughput(timing), "failed_videos": len(failures),
-                    "seconds": time.perf_counter() - t_epoch,  # wall time of the epoch, validation included
-                }, {"failures": failures, "optimizer": opt.state_dict() if opt else None, "scaler": scaler.state_dict()})
-                if failures:
-                    write_failures(failures, out)
-            _barrier(world)
-            message = too_many_failed(failures, job.train_videos, job.video_ids, cfg.max_failed_fraction,
-                                      "training videos failed to decode",
-                                      f"training stopped after epoch {epoch + 1}, which is kept.", out / "failures.csv")
-            if message:
-                raise RunError(message)
-    if rank != 0:
-        return None
-    return _finish(model, loop, loader_for, job, failures)
+
+def _step(run: _Run, job: FinetuneJob, epoch: int, step: int, batch: ClipBatch) -> tuple[torch.Tensor, dict]:
+    """Step stage: one optimizer step on ``batch``; returns its loss and the loss's terms."""
+    cfg, opt = job.cfg, run.opt
+    # the head's own noise (sampling heads) is the same on every rank and after a resume
+    seed_step(cfg.seed, epoch, step)
+
+    def check(total: torch.Tensor, terms: dict) -> None:
+        check_finite_loss(total, terms, epoch, step, job.video_ids[batch.videos],
+                          job.caption_ids[batch.captions], "--clip-lr / --head-lr" if cfg.end_to_end
+                          else "--head-lr")
+    if opt is not None:
+        start_step(opt, run.loop.lr(epoch, step))
+    total_loss, loss_terms = step_gradients(run.model, run.wrapped, batch.frames, batch.frame_mask, batch.texts,
+                                            job.max_words, cfg.chunk_size, run.scaler, opt is not None, check)
+    if opt is not None:
+        apply_step(opt, run.scaler, cfg.grad_clip)
+    device = run.model.bundle.device
+    if device.type == "cuda":  # the step's time is the GPU's, not only its launch
+        torch.cuda.synchronize(device)
+    return total_loss, loss_terms
+
+
+def _end_epoch(run: _Run, job: FinetuneJob, epoch: int, loader_for: Callable,
+               timing: list[tuple[float, float, int]], t_epoch: float) -> None:
+    """Record stage: rank 0 validates and commits epoch ``epoch``; every rank stops on too many failed videos."""
+    cfg, out, opt, failures = job.cfg, Path(job.out), run.opt, run.failures
+    if run.rank == 0:
+        run.loop.end_epoch(epoch, evaluate(run.model, loader_for, job.val, job, failures), {
+            **group_rates(opt),  # the rate each parameter group stepped at last
+            **_throughput(timing), "failed_videos": len(failures),
+            "seconds": time.perf_counter() - t_epoch,  # wall time of the epoch, validation included
+        }, {"failures": failures, "optimizer": opt.state_dict() if opt else None,
+            "scaler": run.scaler.state_dict()})
+        if failures:
+            write_failures(failures, out)
+    _barrier(run.world)
+    message = too_many_failed(failures, job.train_videos, job.video_ids, cfg.max_failed_fraction,
+                              "training videos failed to decode",
+                              f"training stopped after epoch {epoch + 1}, which is kept.", out / "failures.csv")
+    if message:
+        raise RunError(message)
 
 
 def live_model(job: FinetuneJob, device: str | torch.device, bundle=None, precision: str | None = None) -> LiveModel:
