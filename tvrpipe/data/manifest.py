@@ -222,6 +222,18 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
         source: what the tables were built from, named in error messages.
         collection: a collection (``meta["kind"] == "collection"``): its videos need no caption.
     """
+    _check_columns(videos, captions, source)
+    if videos.empty:
+        raise ManifestError(f"{source}: no videos")
+    _check_ids(videos, captions, source)
+    _check_paths(videos, source)
+    _check_clips(videos, source)
+    _check_caption_text(captions, source)
+    _check_caption_videos(videos, captions, source, collection)
+
+
+def _check_columns(videos: pd.DataFrame, captions: pd.DataFrame, source: str) -> None:
+    """Validation stage, shape: each table has exactly its columns."""
     for name, table, cols in (
         ("videos", videos, VIDEO_COLUMNS),
         ("captions", captions, CAPTION_COLUMNS),
@@ -232,9 +244,10 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
         extra = [c for c in table.columns if c not in cols]
         if extra:
             raise ManifestError(f"{source}: {name} table has unexpected column(s) {extra}")
-    if videos.empty:
-        raise ManifestError(f"{source}: no videos")
 
+
+def _check_ids(videos: pd.DataFrame, captions: pd.DataFrame, source: str) -> None:
+    """Validation stage, rows: every video and caption has an id of its own and a known split."""
     for name, table, key in (("video", videos, "video_id"), ("caption", captions, "caption_id")):
         ids = table[key]
         blank = table.index[ids.isna() | (ids.astype(str).str.strip() == "")]
@@ -251,6 +264,9 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
                 f"expected one of {', '.join(SPLITS)}"
             )
 
+
+def _check_paths(videos: pd.DataFrame, source: str) -> None:
+    """Validation stage, paths: every video's path is a name a file can have, inside the video root."""
     no_path = videos.loc[videos["path"].isna() | (videos["path"].astype(str).str.strip() == "")]
     if len(no_path):
         raise ManifestError(f"{source}: empty path for video(s) {_name_some(no_path['video_id'])}")
@@ -265,6 +281,10 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
             f"({first['path']!r}); paths are relative to the video root and stay inside it: write them relative "
             "to one folder that holds every video, and give that folder as the video root (--video-root of "
             "manifest build, extract and finetune)")
+
+
+def _check_clips(videos: pd.DataFrame, source: str) -> None:
+    """Validation stage, clips: a clip's bounds, where given, satisfy 0 <= start_s < end_s."""
     clipped = videos.dropna(subset=["start_s", "end_s"])
     bad_clip = clipped.loc[~(clipped["start_s"] < clipped["end_s"]) | (clipped["start_s"] < 0)]
     if len(bad_clip):
@@ -272,6 +292,9 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
             f"{source}: video(s) {_name_some(bad_clip['video_id'])} need 0 <= start_s < end_s"
         )
 
+
+def _check_caption_text(captions: pd.DataFrame, source: str) -> None:
+    """Validation stage, caption text: every caption holds a character that shows."""
     text = captions["text"].astype(str)
     wordless = ~text.str.contains(r"\w", regex=True)  # a caption with a letter or digit shows: only the rest is looked at
     invisible = pd.Series(False, index=captions.index)
@@ -279,6 +302,11 @@ def validate(videos: pd.DataFrame, captions: pd.DataFrame, source: str = "manife
     empty = captions.loc[captions["text"].isna() | invisible]
     if len(empty):
         raise ManifestError(f"{source}: empty text in caption(s) {_name_some(empty['caption_id'])}")
+
+
+def _check_caption_videos(videos: pd.DataFrame, captions: pd.DataFrame, source: str, collection: bool) -> None:
+    """Validation stage, links: each caption names a video of its split, and each video (but a collection's) has a
+    caption."""
     split_of = videos.set_index("video_id")["split"]
     unknown = captions.loc[~isin_mask(captions["video_id"], videos["video_id"])]
     if len(unknown):

@@ -392,75 +392,100 @@ def scan_folder(folder: str | os.PathLike[str], skip: tuple[str | os.PathLike[st
     Raises:
         ManifestError: ``folder`` is not a directory.
     """
-    from tvrpipe.data.manifest import VIDEO_EXTENSIONS
-
     root = Path(folder)
     if not root.is_dir():
         raise ManifestError(f"--videos {root}: not a directory")
+    limits = _path_limits(root)
+    seen = _folder_ids((root, *skip))
+    found = FolderScan([], [], [], [])  # filled folder by folder, sorted at the end
+    for here, dirs, names, fd in os.fwalk(root, follow_symlinks=True):
+        rel = Path(here).relative_to(root)
+        dirs[:] = _folders_to_enter(rel, dirs, fd, seen, found)
+        _classify_files(rel, names, fd, limits, found)
+    return FolderScan(sorted(found.videos), sorted(found.others), sorted(found.unusable), sorted(found.hidden))
+
+
+def _path_limits(root: Path) -> tuple[int, int]:
+    """Scan plan: the bytes of ``root``'s longest absolute form and the system's path limit, ``(root_len, path_max)``."""
     # the path extract opens (the folder as given, made absolute) or search opens (the folder resolved)
     root_len = max(len(os.fsencode(os.path.abspath(root))), len(os.fsencode(root.resolve())))
     path_max = os.pathconf(root, "PC_PATH_MAX")  # bytes with the closing NUL: 4096 on Linux
-    videos, others, unusable, hidden = [], [], [], []
-    seen = set()
-    for p in (root, *skip):
+    return root_len, path_max
+
+
+def _folder_ids(folders: tuple[str | os.PathLike[str], ...]) -> set[tuple[int, int]]:
+    """Scan plan: the ``(st_dev, st_ino)`` of the folders never entered (again): the root and those skipped."""
+    seen: set[tuple[int, int]] = set()
+    for p in folders:
         try:
             st = os.stat(p)
             seen.add((st.st_dev, st.st_ino))
         except OSError:
             pass  # a --out not made yet
-    for here, dirs, names, fd in os.fwalk(root, follow_symlinks=True):
-        rel = Path(here).relative_to(root)
-        keep = []
-        for d in sorted(dirs):
-            if d.startswith("."):
-                hidden.append(_shown_path((rel / d).as_posix()) + "/")
-                continue
-            try:
-                st = os.stat(d, dir_fd=fd)
-                os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd))
-            except OSError as e:
-                unusable.append((_shown_path((rel / d).as_posix()) + "/",
-                                 f"a folder that cannot be listed ({e.strerror or e}): its files are not looked at"))
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                keep.append(d)
-        dirs[:] = keep
-        for name in names:
-            if name.startswith("."):
-                hidden.append(_shown_path((rel / name).as_posix()))
-                continue
-            path = (rel / name).as_posix()
-            shown = _shown_path(path)
-            try:
-                st = os.stat(name, dir_fd=fd)
-            except FileNotFoundError:
-                if _is_link(name, fd):
-                    unusable.append((shown, "broken link: what it points to does not exist"))
-                continue  # removed since the folder was listed
-            except OSError as e:
-                why = ("broken link: a loop of links" if e.errno == errno.ELOOP
-                       else f"cannot stat it ({e.strerror or e})")
-                unusable.append((shown, why))
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                unusable.append((shown, _not_regular(st.st_mode)))
-                continue
-            if Path(name).suffix.lower() not in VIDEO_EXTENSIONS:
-                others.append(shown)
-                continue
-            if shown != path:  # parquet holds UTF-8 text only, and an id must name the file exactly
-                unusable.append((shown, "its name is not UTF-8 text (a legacy encoding such as Latin-1?): rename "
-                                        "it in UTF-8 to include it"))
-                continue
-            length = root_len + 1 + len(os.fsencode(path))
-            if length >= path_max:
-                unusable.append((shown, f"path too long: {length} bytes from /, over the system's limit of "
-                                        f"{path_max - 1} (PATH_MAX), so no program can open it by name; move it "
-                                        "to a shallower folder or shorten its names to include it"))
-                continue
-            videos.append(path)
-    return FolderScan(sorted(videos), sorted(others), sorted(unusable), sorted(hidden))
+    return seen
+
+
+def _folders_to_enter(rel: Path, dirs: list[str], fd: int, seen: set[tuple[int, int]],
+                      found: FolderScan) -> list[str]:
+    """Walk stage, subfolders: those of folder ``rel`` (open as ``fd``) to enter, sorted; the hidden and the
+    unlistable recorded in ``found``, and a folder already entered (a link back up) left out."""
+    keep = []
+    for d in sorted(dirs):
+        if d.startswith("."):
+            found.hidden.append(_shown_path((rel / d).as_posix()) + "/")
+            continue
+        try:
+            st = os.stat(d, dir_fd=fd)
+            os.close(os.open(d, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd))
+        except OSError as e:
+            found.unusable.append((_shown_path((rel / d).as_posix()) + "/",
+                                   f"a folder that cannot be listed ({e.strerror or e}): its files are not looked at"))
+            continue
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            keep.append(d)
+    return keep
+
+
+def _classify_files(rel: Path, names: list[str], fd: int, limits: tuple[int, int], found: FolderScan) -> None:
+    """Walk stage, files: each file of folder ``rel`` (open as ``fd``) into its list of ``found``."""
+    from tvrpipe.data.manifest import VIDEO_EXTENSIONS
+
+    root_len, path_max = limits
+    for name in names:
+        if name.startswith("."):
+            found.hidden.append(_shown_path((rel / name).as_posix()))
+            continue
+        path = (rel / name).as_posix()
+        shown = _shown_path(path)
+        try:
+            st = os.stat(name, dir_fd=fd)
+        except FileNotFoundError:
+            if _is_link(name, fd):
+                found.unusable.append((shown, "broken link: what it points to does not exist"))
+            continue  # removed since the folder was listed
+        except OSError as e:
+            why = ("broken link: a loop of links" if e.errno == errno.ELOOP
+                   else f"cannot stat it ({e.strerror or e})")
+            found.unusable.append((shown, why))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            found.unusable.append((shown, _not_regular(st.st_mode)))
+            continue
+        if Path(name).suffix.lower() not in VIDEO_EXTENSIONS:
+            found.others.append(shown)
+            continue
+        if shown != path:  # parquet holds UTF-8 text only, and an id must name the file exactly
+            found.unusable.append((shown, "its name is not UTF-8 text (a legacy encoding such as Latin-1?): rename "
+                                          "it in UTF-8 to include it"))
+            continue
+        length = root_len + 1 + len(os.fsencode(path))
+        if length >= path_max:
+            found.unusable.append((shown, f"path too long: {length} bytes from /, over the system's limit of "
+                                          f"{path_max - 1} (PATH_MAX), so no program can open it by name; move it "
+                                          "to a shallower folder or shorten its names to include it"))
+            continue
+        found.videos.append(path)
 
 
 def _is_link(name: str, dir_fd: int) -> bool:
@@ -597,12 +622,37 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
         (812, [{'path': 'notes.txt', 'reason': 'not a video file (.txt)'}])
     """
     from tvrpipe.data.datasets import load_spec
-    from tvrpipe.data.manifest import VIDEO_EXTENSIONS
     from tvrpipe.features.decode import probe_video
 
     root, out = Path(videos_dir).expanduser(), Path(out_dir)
     scan = scan_folder(root, skip=(out,))
     root_abs = str(root.resolve())
+    candidates, unusable = _plan_candidates(root, scan)
+    previous = _previous(out, root_abs)
+    cutting = _plan_cutting(out, previous, cutting)
+    prints, reasons, to_probe = _fingerprint_all(root, candidates, previous.known)
+    known = len(candidates) - len(to_probe) - sum(p not in prints for p in candidates)  # unchanged since the last build
+    reasons.update(zip(to_probe, _probe_all([root / p for p in to_probe], probe_video, progress)))
+    good, bad = _split_decoded(root, candidates, prints, reasons, unusable)
+    skipped = _skipped_entries(scan, bad, reasons, prints, unusable)
+    spec = load_spec("custom")  # the same sampling defaults as a table of one's own videos
+    meta: dict[str, Any] = {"kind": COLLECTION, "dataset": COLLECTION, "video_root": root_abs,
+                            "frames": spec.frames, "max_words": spec.max_words, "skipped": skipped}
+    rows, cut_meta = _cut_rows(root, good, to_probe, previous, cutting, progress)
+    meta.update(cut_meta)
+    m = _write_collection(out, root, rows, prints, meta)
+    return CollectionBuild(m, probed=len(to_probe), known=known, undecodable=len(bad), not_videos=len(scan.others),
+                           unusable=len(unusable), hidden=len(scan.hidden), cutting=cutting)
+
+
+def _plan_candidates(root: Path, scan: FolderScan) -> tuple[list[str], list[tuple[str, str]]]:
+    """Plan stage: the video paths a manifest can name, and every entry left out as unusable, sorted.
+
+    Raises:
+        ManifestError: no video file a manifest can name; the message names a few of the files there.
+    """
+    from tvrpipe.data.manifest import VIDEO_EXTENSIONS
+
     # a file named `..\x.mp4` or (in a folder `C:`) `C:/x.mp4`: a legal name here, refused by the manifest
     # because Windows reads it as leaving the folder; the file is skipped, the folder still built
     refused = [(p, "its path reads as leaving the folder on Windows (a backslash, or a drive such as 'C:/'), "
@@ -614,18 +664,33 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
         held_text = (f"it holds {len(held)} files, e.g. {', '.join(held[:_SHOW])}" if held
                      else "it holds no file (hidden files and folders are skipped)")
         raise ManifestError(f"no video file ({', '.join(sorted(VIDEO_EXTENSIONS))}) under {root}: {held_text}")
-    previous = _previous(out, root_abs)
+    return candidates, unusable
+
+
+def _plan_cutting(out: Path, previous: _Previous, cutting: Cutting | None) -> Cutting:
+    """Plan stage: the cutting of this build, the one given or else the last build's (``previous``).
+
+    Raises:
+        ManifestError: none is given and the last build's cannot be read.
+    """
     if previous.damaged is not None:
         if cutting is None:  # the cutting to keep is unknown: never guessed as whole files
             raise ManifestError(previous.damaged)
         log.warning("%s is damaged and set aside: the cutting given is used and every file is probed again",
                     out / META_FILE)
-    before, durations = previous.known, previous.durations
     cutting = previous.cutting if cutting is None else cutting
     if cutting.shots:
         from tvrpipe.features.decode.shots import require_scenedetect
 
         require_scenedetect()  # before any file is probed
+    return cutting
+
+
+def _fingerprint_all(
+    root: Path, candidates: list[str], before: dict[str, tuple[int, int, str | None]]
+) -> tuple[dict[str, tuple[int, int]], dict[str, str | None], list[str]]:
+    """Run stage, fingerprints: each candidate's ``(bytes, mtime_ns)``, the reasons known already (a file that
+    cannot be stat'ed, an unchanged one's from the last build, ``before``) and the files left to probe."""
     prints: dict[str, tuple[int, int]] = {}
     reasons: dict[str, str | None] = {}
     to_probe = []
@@ -640,8 +705,16 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
             reasons[path] = old[2]
         else:
             to_probe.append(path)
-    known = len(candidates) - len(to_probe) - sum(p not in prints for p in candidates)
-    reasons.update(zip(to_probe, _probe_all([root / p for p in to_probe], probe_video, progress)))
+    return prints, reasons, to_probe
+
+
+def _split_decoded(root: Path, candidates: list[str], prints: dict[str, tuple[int, int]],
+             reasons: dict[str, str | None], unusable: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """Check stage: the candidates that decode and those that do not, ``(good, bad)``.
+
+    Raises:
+        ManifestError: none decodes; the message names a few of them, and of the ``unusable``.
+    """
     good = [p for p in candidates if p in prints and reasons[p] is None]
     bad = [p for p in candidates if reasons[p] is not None]
     if not good:
@@ -650,6 +723,12 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
         also = (f"; {len(unusable)} more cannot be taken as named: "
                 + ", ".join(f"{p} ({why})" for p, why in unusable[:_SHOW]) if unusable else "")
         raise ManifestError(f"none of the {len(bad)} video files under {root} decodes: {shown}{also}")
+    return good, bad
+
+
+def _skipped_entries(scan: FolderScan, bad: list[str], reasons: dict[str, str | None],
+                     prints: dict[str, tuple[int, int]], unusable: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Record stage: ``meta.json``'s ``skipped``, each file left out with the reason, sorted by path."""
     skipped: list[dict[str, Any]] = [
         {"path": p, "reason": reasons[p], **({"bytes": prints[p][0], "mtime_ns": prints[p][1]} if p in prints else {})}
         for p in bad]
@@ -659,29 +738,36 @@ def build_collection(videos_dir: str | os.PathLike[str], out_dir: str | os.PathL
     skipped += [{"path": p, "reason": "a hidden folder (its name starts with a dot): not looked into" if p.endswith("/")
                  else "hidden (its name starts with a dot)"} for p in scan.hidden]
     skipped.sort(key=lambda s: s["path"])
-    spec = load_spec("custom")  # the same sampling defaults as a table of one's own videos
-    meta = {"kind": COLLECTION, "dataset": COLLECTION, "video_root": root_abs, "frames": spec.frames,
-            "max_words": spec.max_words, "skipped": skipped}
+    return skipped
+
+
+def _cut_rows(root: Path, good: list[str], to_probe: list[str], previous: _Previous, cutting: Cutting,
+              progress: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run stage, cutting: the manifest rows of the ``good`` files as ``cutting`` cuts them, and what ``meta.json``
+    records of it (``moments``, ``one_shot``); the last build's cuts kept for the files not probed again."""
     if cutting.shots:
-        meta["moments"] = cutting.record()
         # an unchanged file keeps the shots the last build found with the same detector and cap
         kept = {p: b for p, b in previous.bounds.items() if p not in to_probe} if previous.cutting == cutting else {}
         rows, one_shot = _shot_moments(root, good, kept, previous.one_shot, cutting, progress)
-        meta["one_shot"] = one_shot
-    elif cutting.moments:
-        meta["moments"] = cutting.record()
-        rows = _moments(root, good, {p: d for p, d in durations.items() if p not in to_probe}, cutting, progress)
-    else:
-        rows = [{"video_id": p, "path": p, "split": SPLIT} for p in good]
+        return rows, {"moments": cutting.record(), "one_shot": one_shot}
+    if cutting.moments:
+        durations = {p: d for p, d in previous.durations.items() if p not in to_probe}
+        return _moments(root, good, durations, cutting, progress), {"moments": cutting.record()}
+    return [{"video_id": p, "path": p, "split": SPLIT} for p in good], {}
+
+
+def _write_collection(out: Path, root: Path, rows: list[dict[str, Any]], prints: dict[str, tuple[int, int]],
+                      meta: dict[str, Any]) -> Manifest:
+    """Write stage: the manifest of ``rows``, with each row's file fingerprint in ``files.parquet``."""
     videos, captions = make_tables(rows, [])
     files = pd.DataFrame({"video_id": [r["video_id"] for r in rows],
                           "bytes": [prints[r["path"]][0] for r in rows],
                           "mtime_ns": [prints[r["path"]][1] for r in rows]}).astype({"bytes": "int64", "mtime_ns": "int64"})
     m = write_manifest(out, videos, captions, meta, source=str(root), files=files)
-    if skipped:
-        log.info("%d files under %s were left out (the reasons are in %s)", len(skipped), root, out / META_FILE)
-    return CollectionBuild(m, probed=len(to_probe), known=known, undecodable=len(bad), not_videos=len(scan.others),
-                           unusable=len(unusable), hidden=len(scan.hidden), cutting=cutting)
+    if meta["skipped"]:
+        log.info("%d files under %s were left out (the reasons are in %s)", len(meta["skipped"]), root,
+                 out / META_FILE)
+    return m
 
 
 def _moments(root: Path, paths: list[str], known: dict[str, float], cutting: Cutting,
