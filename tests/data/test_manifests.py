@@ -397,3 +397,17 @@ def test_a_damaged_meta_json_is_an_error_naming_it(tmp_path, text, said):
     (tmp_path / "m" / "meta.json").write_text(text)
     with pytest.raises(ManifestError, match=f"{tmp_path / 'm' / 'meta.json'}: {said}"):
         read_manifest(tmp_path / "m")
+
+
+def test_a_null_or_invisible_caption_text_is_named_as_empty():
+    """A caption whose text is missing (null in the table) or shows nothing is named, as a ManifestError, never a
+    TypeError from reading the null as text."""
+    from tvrpipe.data.manifest import validate
+
+    videos = pd.DataFrame({"video_id": ["a", "b"], "path": ["a.mp4", "b.mp4"], "split": ["train", "train"],
+                           "start_s": [None, None], "end_s": [None, None]})
+    for text in (None, float("nan"), "\u200b \t"):
+        captions = pd.DataFrame({"caption_id": ["a#0", "b#0"], "video_id": ["a", "b"], "text": ["a dog", text],
+                                 "split": ["train", "train"]})
+        with pytest.raises(ManifestError, match=r"m\.csv: empty text in caption\(s\) .*b#0"):
+            validate(videos, captions, "m.csv")

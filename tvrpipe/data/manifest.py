@@ -295,11 +295,13 @@ def _check_clips(videos: pd.DataFrame, source: str) -> None:
 
 def _check_caption_text(captions: pd.DataFrame, source: str) -> None:
     """Validation stage, caption text: every caption holds a character that shows."""
-    text = captions["text"].astype(str)
+    missing = captions["text"].isna()
+    # a null stays null under astype(str) in pandas 3: it is named as empty, not read as text
+    text = captions["text"].where(~missing, "").astype(str)
     wordless = ~text.str.contains(r"\w", regex=True)  # a caption with a letter or digit shows: only the rest is looked at
     invisible = pd.Series(False, index=captions.index)
     invisible[wordless] = ~text[wordless].map(visible).astype(bool)
-    empty = captions.loc[captions["text"].isna() | invisible]
+    empty = captions.loc[missing | invisible]
     if len(empty):
         raise ManifestError(f"{source}: empty text in caption(s) {_name_some(empty['caption_id'])}")
 
