@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tvrpipe.data.manifest import COLLECTION, check_max_words, open_manifest
+from tvrpipe.data.manifest import COLLECTION, Manifest, check_max_words, open_manifest
 from tvrpipe.features.extract.config import (
     ExtractConfig,
     ExtractionError,
@@ -24,7 +24,7 @@ from tvrpipe.features.extract.config import (
 )
 from tvrpipe.features.extract.executor import Executor, LocalExecutor
 from tvrpipe.features.extract.pipeline import Early, Pipeline, decode_early
-from tvrpipe.features.extract.plan import plan_run, write_copied
+from tvrpipe.features.extract.plan import Plan, plan_run, write_copied
 from tvrpipe.features.outputs import check_store_out
 from tvrpipe.features.store import (
     FeatureStore,
@@ -191,6 +191,50 @@ def extract(
     """
     cfg = config or ExtractConfig()
     t0, started = time.perf_counter(), time.time()
+    run = _prepare(manifest_dir, video_root, out_dir, cfg, t0, started)
+    try:
+        facts = _weights(run)
+        check_max_words(run.max_words, facts["context_length"])
+        provenance = _provenance(run, facts)
+        reason = _write(run, facts, provenance)
+    finally:
+        if run.executor is not None:
+            run.executor.stop()
+    run.summary.seconds = time.perf_counter() - t0
+    if reason:
+        raise ExtractionError(reason, run.summary)
+    return run.summary
+
+
+@dataclasses.dataclass
+class _Run:
+    """One extraction's shared state: its checked inputs, the tables it writes, its executor and summary."""
+
+    cfg: ExtractConfig
+    manifest: Manifest
+    manifest_dir: str | os.PathLike[str]
+    root: Path
+    frames: int
+    max_words: int
+    out: Path
+    key: str
+    videos: pd.DataFrame
+    sidecar: pd.DataFrame
+    texts: pd.DataFrame
+    summary: ExtractSummary
+    t0: float
+    started: float
+    executor: Executor | None = None
+    early: Early | None = None
+
+    def reached(self, phase: str) -> None:
+        """Records the seconds from the start to the first time ``phase`` is reached."""
+        self.summary.phases.setdefault(phase, time.perf_counter() - self.t0)
+
+
+def _prepare(manifest_dir: str | os.PathLike[str], video_root: str | os.PathLike[str],
+             out_dir: str | os.PathLike[str], cfg: ExtractConfig, t0: float, started: float) -> _Run:
+    """Check stage: the inputs checked, the store's tables built and the summary begun, before any worker."""
     # Everything that can be checked without the weights is checked before a decoder starts (cfg checked itself)
     manifest, root, F, L = open_manifest(manifest_dir, video_root, out_dir, cfg.frames, cfg.max_words)
     check_store_out(out_dir, {"--manifest": manifest_dir, "--video-root": root})
@@ -202,10 +246,6 @@ def extract(
     # recorded as a path that reaches the file from any folder (the sha256 stays the weights' identity)
     cfg = dataclasses.replace(cfg, pretrained=resolve_pretrained(cfg.pretrained))
     out = Path(out_dir)
-
-    def reached(phase: str) -> None:
-        summary.phases.setdefault(phase, time.perf_counter() - t0)
-
     key = weights_key(cfg.model, cfg.pretrained, cfg.seed)
     videos = manifest.videos[["video_id", "split", "path", "start_s", "end_s"]]
     sidecar = videos  # the store's videos.parquet: a collection's also names each file's fingerprint
@@ -216,84 +256,110 @@ def extract(
         ["caption_id", "video_id", "video_row", "split", "text"]
     ]
     summary = ExtractSummary(out=out, videos_total=len(videos), texts_total=len(texts))
-    reached("checks")
-    executor: Executor | None = None
-    early: Early | None = None
-    try:
-        # a rerun may have nothing to do, an interrupted update nothing but copies: no encoder, no decoder yet
-        if not cfg.overwrite and (_complete(out) or manifest.is_collection and update_interrupted(out)):
-            # cached facts only where the store resumed or replaced records the same: a new store's facts
-            # come from that store or from the weights, never from the cache alone
-            facts = confirmed_facts(cached_facts(key), _recorded(out)) or _loaded_facts(cfg, key)
-        else:  # the encoders that do the work report the weights' facts; the driver loads no model
-            executor = start_executor(cfg)
-            reached("workers")
-            early = decode_early(executor, cfg, out, videos, root, F, by_file=manifest.is_collection)
-            facts = _reported_facts(executor, key)
-            reached("weights")
-            if early and early.image_size != facts["image_size"]:  # the architecture file was not the model's
-                early = None
-        check_max_words(L, facts["context_length"])
-        from tvrpipe.features.decode import FRAME_SAMPLING
+    run = _Run(cfg, manifest, manifest_dir, root, F, L, out, key, videos, sidecar, texts, summary, t0,
+               started)
+    run.reached("checks")
+    return run
 
-        provenance = make_provenance(
-            dataset=manifest.meta.get("dataset", "unknown"), split_set=manifest.meta.get("split_set"),
-            model=cfg.model, pretrained=cfg.pretrained, weights_sha256=facts["weights_sha256"],
-            frames=F, max_words=L, embed_dim=facts["embed_dim"], frame_sampling=FRAME_SAMPLING,
-            image_size=facts["image_size"], preprocessing=facts["preprocessing"],
-            manifest_sha256=manifest_sha256(manifest.videos, manifest.captions,
-                                            manifest.files if manifest.is_collection else None),
-            logit_scale=facts["logit_scale"],  # CLIP's learned scale: every head starts from it (train-head)
-            precision=cfg.encode_precision,  # what the rows are computed in (not an identity key)
-            seed=cfg.seed,  # rebuilds the weights of --pretrained none
-            video_root=str(root.resolve()),  # where the rows were decoded from (search shows frames from there)
-            manifest=str(Path(manifest_dir).resolve()),  # what the advice to update or extract it again names
-            **({"kind": COLLECTION} if manifest.is_collection else {}),
-        )
-        with StoreWriter(out, sidecar, texts.drop(columns="text"), provenance, cfg.video_shard, cfg.text_shard,
-                         cfg.overwrite, update=manifest.is_collection) as writer:
-            plan = plan_run(writer, sidecar, cfg.retry_failed)
-            summary.reused = plan.reused
-            if plan.copied:
-                write_copied(writer, plan.copied, plan.copies, cfg.progress)
-            summary.repaired = plan.damaged
-            summary.retried = plan.retried
-            summary.texts_skipped = len(texts) - sum(s.stop - s.start for s in plan.texts)
-            failed_before = set(writer.failures()["video_id"])
-            processed = 0
-            if plan.jobs or plan.texts:
-                check_precision(writer, cfg)
-                if executor is None:  # a complete store whose failed videos are retried
-                    executor = start_executor(cfg)
-                    reached("workers")
-                summary.executor, summary.encoders = executor.name, executor.encoders
-                if plan.jobs and cfg.fits_device:  # the encoders measure what fits their GPUs
-                    summary.fitted_frames = executor.fitted_frames(F)
-                per_call = cfg.videos_per_call(F, summary.fitted_frames or None)
-                summary.videos_per_call = per_call if plan.jobs else 0
-                pipeline = Pipeline(writer, executor, summary, videos, texts, root, frames=F, max_words=L,
-                                    image_size=facts["image_size"], videos_per_call=per_call,
-                                    first=lambda: reached("first_batch"), by_file=manifest.is_collection,
-                                    started=started)
-                processed = pipeline.run(plan, early, cfg.progress)
-            failures = writer.failures()
-            failed_now = set(failures["video_id"])
-            ids = videos["video_id"].to_numpy()
-            redone = {str(i) for s, rows in plan.jobs
-                      for i in ids[np.arange(s.start, s.stop) if rows is None else rows]}
-            retried = {str(i) for rows in plan.retry.values() for i in ids[rows]}
-            summary.failed = len(failures)
-            summary.videos_done = processed - len(failed_now & redone)
-            summary.videos_skipped = summary.videos_total - summary.videos_done - summary.reused - summary.failed
-            summary.recovered = len((failed_before & retried) - failed_now)
-            summary.failure_kinds = dict(Counter(e.split(":", 1)[0] for e in failures["error"]))
-            reason = too_many_failures(failures, videos, root, out, cfg)
-            writer.finalize(incomplete_reason=reason)
-    finally:
-        if executor is not None:
-            executor.stop()
-    summary.seconds = time.perf_counter() - t0
-    if reason:
-        raise ExtractionError(reason, summary)
-    return summary
 
+def _weights(run: _Run) -> dict[str, Any]:
+    """Weights stage: the weights' facts, from the cache or the encoders started (and decoding early) here."""
+    cfg, out = run.cfg, run.out
+    # a rerun may have nothing to do, an interrupted update nothing but copies: no encoder, no decoder yet
+    if not cfg.overwrite and (_complete(out) or run.manifest.is_collection and update_interrupted(out)):
+        # cached facts only where the store resumed or replaced records the same: a new store's facts
+        # come from that store or from the weights, never from the cache alone
+        return confirmed_facts(cached_facts(run.key), _recorded(out)) or _loaded_facts(cfg, run.key)
+    # the encoders that do the work report the weights' facts; the driver loads no model
+    run.executor = start_executor(cfg)
+    run.reached("workers")
+    run.early = decode_early(run.executor, cfg, out, run.videos, run.root, run.frames,
+                             by_file=run.manifest.is_collection)
+    facts = _reported_facts(run.executor, run.key)
+    run.reached("weights")
+    if run.early and run.early.image_size != facts["image_size"]:  # the architecture file was not the model's
+        run.early = None
+    return facts
+
+
+def _provenance(run: _Run, facts: Mapping[str, Any]) -> dict[str, Any]:
+    """Provenance stage: what the store records of its inputs, weights and settings."""
+    from tvrpipe.features.decode import FRAME_SAMPLING
+
+    cfg, manifest = run.cfg, run.manifest
+    return make_provenance(
+        dataset=manifest.meta.get("dataset", "unknown"), split_set=manifest.meta.get("split_set"),
+        model=cfg.model, pretrained=cfg.pretrained, weights_sha256=facts["weights_sha256"],
+        frames=run.frames, max_words=run.max_words, embed_dim=facts["embed_dim"],
+        frame_sampling=FRAME_SAMPLING, image_size=facts["image_size"], preprocessing=facts["preprocessing"],
+        manifest_sha256=manifest_sha256(manifest.videos, manifest.captions,
+                                        manifest.files if manifest.is_collection else None),
+        logit_scale=facts["logit_scale"],  # CLIP's learned scale: every head starts from it (train-head)
+        precision=cfg.encode_precision,  # what the rows are computed in (not an identity key)
+        seed=cfg.seed,  # rebuilds the weights of --pretrained none
+        video_root=str(run.root.resolve()),  # where the rows were decoded from (search shows frames from there)
+        manifest=str(Path(run.manifest_dir).resolve()),  # what the advice to update or extract it again names
+        **({"kind": COLLECTION} if manifest.is_collection else {}),
+    )
+
+
+def _write(run: _Run, facts: Mapping[str, Any], provenance: dict[str, Any]) -> str | None:
+    """Write stage: plans, computes and records the store's rows; the reason it stays incomplete, if any."""
+    cfg = run.cfg
+    with StoreWriter(run.out, run.sidecar, run.texts.drop(columns="text"), provenance, cfg.video_shard,
+                     cfg.text_shard, cfg.overwrite, update=run.manifest.is_collection) as writer:
+        plan = _plan(run, writer)
+        failed_before = set(writer.failures()["video_id"])
+        processed = _encode(run, writer, plan, facts) if plan.jobs or plan.texts else 0
+        reason = _record(run, writer, plan, failed_before, processed)
+        writer.finalize(incomplete_reason=reason)
+    return reason
+
+
+def _plan(run: _Run, writer: StoreWriter) -> Plan:
+    """Plan stage: what the store already holds, copies or must compute; rows copied from a replaced store."""
+    plan = plan_run(writer, run.sidecar, run.cfg.retry_failed)
+    run.summary.reused = plan.reused
+    if plan.copied:
+        write_copied(writer, plan.copied, plan.copies, run.cfg.progress)
+    run.summary.repaired = plan.damaged
+    run.summary.retried = plan.retried
+    run.summary.texts_skipped = len(run.texts) - sum(s.stop - s.start for s in plan.texts)
+    return plan
+
+
+def _encode(run: _Run, writer: StoreWriter, plan: Plan, facts: Mapping[str, Any]) -> int:
+    """Run stage: the pipeline decodes and encodes what the plan left to do; the videos it processed."""
+    cfg, summary, F = run.cfg, run.summary, run.frames
+    check_precision(writer, cfg)
+    if run.executor is None:  # a complete store whose failed videos are retried
+        run.executor = start_executor(cfg)
+        run.reached("workers")
+    summary.executor, summary.encoders = run.executor.name, run.executor.encoders
+    if plan.jobs and cfg.fits_device:  # the encoders measure what fits their GPUs
+        summary.fitted_frames = run.executor.fitted_frames(F)
+    per_call = cfg.videos_per_call(F, summary.fitted_frames or None)
+    summary.videos_per_call = per_call if plan.jobs else 0
+    pipeline = Pipeline(writer, run.executor, summary, run.videos, run.texts, run.root, frames=F,
+                        max_words=run.max_words, image_size=facts["image_size"], videos_per_call=per_call,
+                        first=lambda: run.reached("first_batch"), by_file=run.manifest.is_collection,
+                        started=run.started)
+    return pipeline.run(plan, run.early, cfg.progress)
+
+
+def _record(run: _Run, writer: StoreWriter, plan: Plan, failed_before: set[str],
+            processed: int) -> str | None:
+    """Record stage: the summary's done, skipped, failed and recovered counts, and the failure check."""
+    summary = run.summary
+    failures = writer.failures()
+    failed_now = set(failures["video_id"])
+    ids = run.videos["video_id"].to_numpy()
+    redone = {str(i) for s, rows in plan.jobs
+              for i in ids[np.arange(s.start, s.stop) if rows is None else rows]}
+    retried = {str(i) for rows in plan.retry.values() for i in ids[rows]}
+    summary.failed = len(failures)
+    summary.videos_done = processed - len(failed_now & redone)
+    summary.videos_skipped = summary.videos_total - summary.videos_done - summary.reused - summary.failed
+    summary.recovered = len((failed_before & retried) - failed_now)
+    summary.failure_kinds = dict(Counter(e.split(":", 1)[0] for e in failures["error"]))
+    return too_many_failures(failures, run.videos, run.root, run.out, run.cfg)
