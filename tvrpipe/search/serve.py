@@ -86,7 +86,12 @@ from tvrpipe.errors import ConfigError, TvrpipeError
 from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
 
-if TYPE_CHECKING:  # the engine imports torch: `tvrpipe serve --help` reads this module's defaults without it
+# the engine imports torch and Starlette is an extra: `tvrpipe serve --help` reads this module's defaults without them
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
     from tvrpipe.heads.base import TextBatch
     from tvrpipe.search.engine import Found, Searcher, Shortlister
 
@@ -777,21 +782,23 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
     Raises:
         ConfigError: Starlette is not installed (naming the extra).
     """
-    try:
-        from python_multipart.multipart import parse_options_header
+    try:  # the 'serve' extra: Starlette, and python-multipart, whose parser the picture forms extend
         from starlette.applications import Starlette
-        from starlette.datastructures import Headers
-        from starlette.exceptions import HTTPException
-        from starlette.formparsers import MultiPartException
         from starlette.middleware import Middleware
-        from starlette.requests import Request
-        from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
-        from starlette.routing import Route
+        form_parser = _picture_form_parser()
     except ImportError:
         raise ConfigError(INSTALL) from None
 
     hosts = allowed_hosts(DEFAULT_HOST, DEFAULT_PORT) if hosts is None else hosts
-    form_parser = _picture_form_parser()
+    searches = _Searches(server, form_parser)
+    return Starlette(routes=[_page_route(searches), _search_route(searches), _media_route(server)],
+                     middleware=[Middleware(_host_check(hosts))])
+
+
+def _host_check(hosts: Hosts) -> type:
+    """The middleware answering only the Host headers ``hosts`` allows, on every route."""
+    from starlette.datastructures import Headers
+    from starlette.responses import PlainTextResponse
 
     class HostCheck:
         """Every route answers only the Host headers ``hosts`` allows: a page that rebinds its own name to this
@@ -810,10 +817,25 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
                     return
             await self.app(scope, receive, send)
 
-    async def read_picture(request: Request, missing: str) -> tuple[str, bytes, str | None]:
+    return HostCheck
+
+
+@dataclass(frozen=True)
+class _Searches:
+    """What the page's and the JSON's routes share: the server, and reading and searching a query or picture."""
+
+    server: Server
+    form_parser: type
+
+    async def read_picture(self, request: Request, missing: str) -> tuple[str, bytes, str | None]:
         """The POSTed picture's name (:func:`upload_name`) and bytes, and the form's ``min_score``. Starlette caps
         a form's fields but not its files, so the body is counted here, refused past the cap before it is read
         (Content-Length) or as it streams in (chunked)."""
+        from python_multipart.multipart import parse_options_header
+        from starlette.exceptions import HTTPException
+        from starlette.formparsers import MultiPartException
+        from starlette.requests import Request
+
         cap = MAX_IMAGE_BYTES + FORM_BYTES
         length = request.headers.get("content-length", "")
         if length.isascii() and length.isdigit() and int(length) > cap:
@@ -823,7 +845,7 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
         if parse_options_header(request.headers.get("content-type"))[0] == b"multipart/form-data":
             try:
                 async with contextlib.aclosing(capped.stream()) as stream:
-                    form = await form_parser(capped.headers, stream, **limits).parse()
+                    form = await self.form_parser(capped.headers, stream, **limits).parse()
             except MultiPartException as e:
                 raise _unreadable_form(e) from None
         else:  # a urlencoded form, or none: no file in it, so "no picture"
@@ -846,22 +868,34 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
         finally:
             await form.close()
 
-    def search_picture(name: str, data: bytes, k: int | None,
+    def search_picture(self, name: str, data: bytes, k: int | None,
                        min_score: float | None) -> tuple[list[Hit], str | None]:
+        """The hits of a POSTed picture, and the note of what ``min_score`` cut, in the words of its name."""
         with tempfile.TemporaryDirectory(prefix="tvrpipe-serve-") as d:
             # a fixed name: the client's never becomes a path (Pillow reads the format from the bytes)
             path = os.path.join(d, "picture")
             Path(path).write_bytes(data)
             try:
-                found = server.search([path], k, images=True, min_score=min_score)
+                found = self.server.search([path], k, images=True, min_score=min_score)
             except ConfigError as e:  # the upload's name, not the temporary file's
                 raise ConfigError(str(e).replace(f"--image {path}", f"the picture {name!r}")
                                   .replace(path, repr(name))) from None
         return [dataclasses.replace(h, query=name) for h in found.hits], _noted(found.note(path), min_score)
 
-    def search_text(q: str, k: int | None, min_score: float | None) -> tuple[list[Hit], str | None]:
-        found = server.search([q], k, min_score=min_score)
+    def search_text(self, q: str, k: int | None, min_score: float | None) -> tuple[list[Hit], str | None]:
+        """The hits of a sentence, and the note of what ``min_score`` cut."""
+        found = self.server.search([q], k, min_score=min_score)
         return found.hits, _noted(found.note(q), min_score)
+
+
+_NO_PICTURE_PAGE = "no picture: choose or drop a picture file"
+_NO_PICTURE_JSON = "no picture: POST one as the form field 'image' (a sentence: GET /search?q=...)"
+
+
+def _page_route(searches: _Searches) -> Route:
+    """``/``: the page, with the hits of the address's query or of a POSTed picture."""
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
 
     async def page(request: Request) -> Response:
         q = request.query_params.get("q", "")
@@ -872,31 +906,41 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
             k = _k(k_text)
             min_score = _min_score(score_text)
             if request.method == "POST":
-                name, data, form_score = await read_picture(request, "no picture: choose or drop a picture file")
+                name, data, form_score = await searches.read_picture(request, _NO_PICTURE_PAGE)
                 if form_score is not None:  # the picture form's field, over the address's
                     score_text, min_score = form_score, _min_score(form_score)
                 query, heading = name, "Picture"
-                hits, note = await _threaded(search_picture, name, data, k, min_score)
+                hits, note = await _threaded(searches.search_picture, name, data, k, min_score)
             elif q.strip():
-                hits, note = await _threaded(search_text, q, k, min_score)
+                hits, note = await _threaded(searches.search_text, q, k, min_score)
         except (ConfigError, StoreBusy, TooLarge) as e:
             error, status = str(e), _status(e)
-        body = await _threaded(render_page, server, query if heading == "Query" else "", k_text or "", hits,
-                               error, heading, query, note, score_text)
+        body = await _threaded(render_page, searches.server, query if heading == "Query" else "", k_text or "",
+                               hits, error, heading, query, note, score_text)
         return HTMLResponse(body, status_code=status)
+
+    return Route("/", page, methods=["GET", "POST"])
+
+
+def _search_route(searches: _Searches) -> Route:
+    """``/search``: the hits of a sentence (GET) or a picture (POST) as JSON."""
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    server = searches.server
 
     async def search_json(request: Request) -> Response:
         try:
             k = _k(request.query_params.get("k"))
             min_score = _min_score(request.query_params.get("min_score"))
             if request.method == "POST":
-                name, data, form_score = await read_picture(request, "no picture: POST one as the form field "
-                                                                     "'image' (a sentence: GET /search?q=...)")
+                name, data, form_score = await searches.read_picture(request, _NO_PICTURE_JSON)
                 if form_score is not None:
                     min_score = _min_score(form_score)
-                hits, note = await _threaded(search_picture, name, data, k, min_score)
+                hits, note = await _threaded(searches.search_picture, name, data, k, min_score)
             else:
-                hits, note = await _threaded(search_text, request.query_params.get("q", ""), k, min_score)
+                hits, note = await _threaded(searches.search_text, request.query_params.get("q", ""), k,
+                                             min_score)
         except (ConfigError, StoreBusy, TooLarge) as e:
             return JSONResponse({"error": str(e)}, status_code=_status(e))
         head, has_file = server.searcher.head, server.servable()  # one resolution per video of this answer
@@ -905,17 +949,21 @@ def make_app(server: Server, hosts: Hosts | None = None) -> Any:
                              "shards": getattr(server.stage, "shards", None),
                              "hits": [_record(h, has_file) for h in hits]})
 
+    return Route("/search", search_json, methods=["GET", "POST"])
+
+
+def _media_route(server: Server) -> Route:
+    """``/media/ID``: the file of the store's video ID, looked up by id (:meth:`Server.media_file`), else 404."""
+    from starlette.responses import FileResponse, PlainTextResponse
+    from starlette.routing import Route
+
     async def media(request: Request) -> Response:
         path = server.media_file(request.path_params["video_id"])
         if path is None:
             return PlainTextResponse("no such video", status_code=404)
         return FileResponse(path)  # Range requests answered with 206 and the bytes asked for
 
-    return Starlette(routes=[
-        Route("/", page, methods=["GET", "POST"]),
-        Route("/search", search_json, methods=["GET", "POST"]),
-        Route("/media/{video_id:path}", media, methods=["GET", "HEAD"]),
-    ], middleware=[Middleware(HostCheck)])
+    return Route("/media/{video_id:path}", media, methods=["GET", "HEAD"])
 
 
 async def _threaded(fn: Any, *args: Any) -> Any:
