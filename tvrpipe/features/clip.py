@@ -139,7 +139,32 @@ def load_clip(
     register_tiny_config()
     torch_device = _resolve_device(device)
     cfg = _model_config(model_name)
+    checkpoint, tag, quick_gelu = _weights_source(model_name, pretrained, cfg)
+    model = _create_model(model_name, tag, quick_gelu, seed, skip_init=pretrained != "none")
+    if checkpoint is not None:
+        _load_checkpoint(model, model_name, checkpoint)
+    model.eval().requires_grad_(False)
+    sha = state_dict_sha256(model)
+    model.to(torch_device)
+    image_size, pp = _image_preprocessing(model, model_name)
+    return ClipBundle(
+        model=model,
+        model_name=model_name,
+        pretrained=pretrained,
+        weights_sha256=sha,
+        image_size=image_size,
+        mean=_triple(pp["mean"]),
+        std=_triple(pp["std"]),
+        embed_dim=int(cfg["embed_dim"]),
+        context_length=int(model.context_length),
+        device=torch_device,
+        quick_gelu_forced=quick_gelu,
+        logit_scale=clip_logit_scale(model),
+    )
 
+
+def _weights_source(model_name: str, pretrained: str, cfg: dict) -> tuple[str | None, str | None, bool]:
+    """Plan stage: ``(checkpoint, tag, quick_gelu)`` for ``--pretrained``; a bad one fails before any load."""
     quick_gelu = False
     checkpoint: str | None = None
     tag: str | None = None
@@ -166,13 +191,19 @@ def load_clip(
         tag = pretrained
         quick_gelu = bool(tag_cfg.get("quick_gelu", False)) and not cfg.get("quick_gelu", False)
         check_download(model_name, tag)  # open_clip would retry a download that cannot succeed for minutes
+    return checkpoint, tag, quick_gelu
 
+
+def _create_model(
+    model_name: str, tag: str | None, quick_gelu: bool, seed: int, skip_init: bool
+) -> torch.nn.Module:
+    """Build stage: the open_clip model on the CPU, with a tag's weights or a seeded random init."""
     # open_clip initialises every model from the global RNG (then overwrites it when loading
     # weights): fork it so the init is seeded and the caller's RNG state is left alone.
-    with torch.random.fork_rng(devices=[]), _init_skipped(pretrained != "none"):
+    with torch.random.fork_rng(devices=[]), _init_skipped(skip_init):
         torch.manual_seed(seed)
         try:
-            model = open_clip.create_model(
+            return open_clip.create_model(
                 model_name, pretrained=tag, device="cpu", force_quick_gelu=quick_gelu
             )
         except RuntimeError as exc:
@@ -182,18 +213,21 @@ def load_clip(
                 f"--pretrained {tag}: cannot fetch or load the weights of {model_name!r} ({_reason(exc)}); "
                 f"offline, pass a local checkpoint file instead: --pretrained /path/to/file.safetensors (or .pt)"
             ) from exc
-    if checkpoint is not None:
-        try:
-            open_clip.load_checkpoint(model, checkpoint, strict=True)
-        except Exception as exc:  # torch.load / safetensors / load_state_dict all raise differently
-            raise ConfigError(
-                f"--pretrained: cannot load checkpoint {checkpoint} into {model_name!r} ({_reason(exc)}); "
-                f"give a state dict saved from this architecture"
-            ) from exc
-    model.eval().requires_grad_(False)
-    sha = state_dict_sha256(model)
-    model.to(torch_device)
 
+
+def _load_checkpoint(model: torch.nn.Module, model_name: str, checkpoint: str) -> None:
+    """Load stage: overwrite every weight of ``model`` from a local checkpoint file."""
+    try:
+        open_clip.load_checkpoint(model, checkpoint, strict=True)
+    except Exception as exc:  # torch.load / safetensors / load_state_dict all raise differently
+        raise ConfigError(
+            f"--pretrained: cannot load checkpoint {checkpoint} into {model_name!r} ({_reason(exc)}); "
+            f"give a state dict saved from this architecture"
+        ) from exc
+
+
+def _image_preprocessing(model: torch.nn.Module, model_name: str) -> tuple[int, dict]:
+    """Preprocess stage: the image side and open_clip's preprocessing config; refuses non-square input."""
     pp = open_clip.get_model_preprocess_cfg(model)
     size = pp["size"]
     height, width = (size, size) if isinstance(size, int) else tuple(size)
@@ -206,20 +240,7 @@ def load_clip(
             "%s was trained with resize_mode=%s; tvrpipe's decoder resizes the short side and "
             "centre-crops", model_name, pp["resize_mode"],
         )
-    return ClipBundle(
-        model=model,
-        model_name=model_name,
-        pretrained=pretrained,
-        weights_sha256=sha,
-        image_size=int(height),
-        mean=_triple(pp["mean"]),
-        std=_triple(pp["std"]),
-        embed_dim=int(cfg["embed_dim"]),
-        context_length=int(model.context_length),
-        device=torch_device,
-        quick_gelu_forced=quick_gelu,
-        logit_scale=clip_logit_scale(model),
-    )
+    return int(height), pp
 
 
 def _reason(exc: BaseException, limit: int = 200) -> str:
