@@ -45,6 +45,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import av
 import decord
@@ -718,7 +719,22 @@ def synthesize(
     frames_per_scene = _frames_per_scene(scene_seconds, fps)
     plans = plan_videos(n_videos, seed, size, captions_per_video, multi_scene_fraction,
                         distractor_fraction, split_fractions, caption_templates)
+    _write_videos(out, plans, size, fps, frames_per_scene, progress)
+    _write_table(attribute_rows(plans, size, frames_per_scene), _ATTRIBUTE_SCHEMA, out / ATTRIBUTES_FILE)
+    videos, captions = _manifest_tables(plans)
+    meta = _meta(plans, n_videos=n_videos, seed=seed, size=size, fps=fps, scene_seconds=scene_seconds,
+                 captions_per_video=captions_per_video, multi_scene_fraction=multi_scene_fraction,
+                 distractor_fraction=distractor_fraction, split_fractions=split_fractions,
+                 caption_templates=caption_templates)
+    manifest = write_manifest(out / MANIFEST_DIR, videos, captions, meta, source="synth")
+    log.info("synthesised %d videos (%s) into %s", len(plans),
+             ", ".join(f"{k}: {v}" for k, v in meta["synth"]["kinds"].items()), out)
+    return manifest
 
+
+def _write_videos(out: Path, plans: Sequence[VideoPlan], size: int, fps: int, frames_per_scene: int,
+                  progress: bool) -> None:
+    """Render stage: clear an earlier run, then render, encode and spot-check every video."""
     _clear_previous(out, {p.video_id for p in plans})
     vdir = out / VIDEOS_DIR
     vdir.mkdir(parents=True, exist_ok=True)
@@ -730,9 +746,10 @@ def synthesize(
         if i == 0:
             _check_readable(vdir / f"{p.video_id}.mp4", len(frames), size)
 
-    _write_table(attribute_rows(plans, size, frames_per_scene), _ATTRIBUTE_SCHEMA, out / ATTRIBUTES_FILE)
 
-    videos, captions = make_tables(
+def _manifest_tables(plans: Sequence[VideoPlan]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Table stage: the manifest's videos and captions tables, one row per video and per caption."""
+    return make_tables(
         [{"video_id": p.video_id, "path": f"{p.video_id}.mp4", "split": p.split} for p in plans],
         [
             {"caption_id": f"{p.video_id}#{k}", "video_id": p.video_id, "text": text, "split": p.split}
@@ -740,8 +757,26 @@ def synthesize(
             for k, text in enumerate(p.captions)
         ],
     )
+
+
+def _meta(
+    plans: Sequence[VideoPlan],
+    *,
+    n_videos: int,
+    seed: int,
+    size: int,
+    fps: int,
+    scene_seconds: float,
+    captions_per_video: int,
+    multi_scene_fraction: float,
+    distractor_fraction: float,
+    split_fractions: Sequence[float],
+    caption_templates: Sequence[int] | None,
+) -> dict[str, Any]:
+    """Record stage: meta.json's contents, the settings and kind counts that reproduce the dataset."""
     kinds = pd.Series([p.kind for p in plans]).value_counts()
-    meta = {
+    # Key order is meta.json's byte order: keep it stable so the same seed gives the same file.
+    return {
         "dataset": "synthetic",
         "split_set": "synthetic",
         "frames": DEFAULT_FRAMES,
@@ -765,7 +800,3 @@ def synthesize(
         },
         "tvrpipe_version": tvrpipe.__version__,
     }
-    manifest = write_manifest(out / MANIFEST_DIR, videos, captions, meta, source="synth")
-    log.info("synthesised %d videos (%s) into %s", len(plans),
-             ", ".join(f"{k}: {v}" for k, v in meta["synth"]["kinds"].items()), out)
-    return manifest
