@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.outputs import check_output_folder
 from tvrpipe.features.store import open_store, store_identity
-from tvrpipe.heads.base import HeadConfig, clip_head_config, head_class
+from tvrpipe.heads.base import Head, HeadConfig, clip_head_config, head_class
 from tvrpipe.lock import check_writable, locked
 from tvrpipe.rundir import (
     BEST,
@@ -277,18 +278,53 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
            progress: bool, max_steps: int | None, features, on_epoch: Callable[[dict], None] | None,
            recipe: dict[str, Any] | None, clip: torch.nn.Module | None = None) -> dict:
     """The training run proper, with the run directory locked; ``data``: how the splits are read; ``clip``: the
-    store's CLIP, for a head that starts from it (``train.init_from_clip``)."""
-    train_split = splits.train
+    store's CLIP, for a head that starts from it (``train.init_from_clip``). Its stages: the plan (schedule and
+    learning rate), the model, the run's record, the epochs, and the selected epoch's test."""
+    plan = _plan_schedule(method, train, head_cfg, recipe, splits.train.n_videos, max_steps)
+    head, train, copied = _model(method, head_cfg, train, clip, splits.train)
+    groups, rates, lr, lr_source, batch = _record_start(store, splits, data, method, head, head_cfg, out, train, post,
+                                                         plan, recipe, copied, features, max_steps)
+    # every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does; docs/training.md)
+    opt = make_optimizer(train.optimizer, [
+        {"params": [p for p in params if p.requires_grad], "lr": rates[g]["lr"], "base_lr": rates[g]["lr"],
+         "weight_decay": train.weight_decay, "name": g} for g, params in groups.items() if g in rates])
+    loop = RunLoop(out, plan.schedule, {"": lambda path: save_head(head, path)}, on_epoch=on_epoch)
+    _epochs(loop, head, opt, splits, data, method, train, plan, batch, out, progress)
+    return _finish(loop, head, store, splits, method, head_cfg, train, post, plan, rates, lr, lr_source, batch, out)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A run's schedule: its steps an epoch, the schedule, and the open-ended run's limits (where it has them)."""
+
+    lr: float
+    lr_source: str
+    steps_per_epoch: int
+    schedule: Schedule
+    patience: int | None
+    plateau: int | None
+    max_epochs: int | None
+
+
+def _plan_schedule(method: str, train: TrainConfig, head_cfg, recipe: dict[str, Any] | None, n_videos: int,
+                   max_steps: int | None) -> _Plan:
+    """The plan: the learning rate (and where it comes from), the steps an epoch and the schedule."""
     lr, lr_source = resolved_lr(method, train, head_cfg.embed_dim)
     lr_source = setting_source("head_lr", recipe, lr_source)
-    steps_per_epoch = max(1, train_split.n_videos // train.batch_size)
+    steps_per_epoch = max(1, n_videos // train.batch_size)
     if max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, max_steps)
     patience, plateau, max_epochs, every = open_ended_epochs(train, steps_per_epoch)
     schedule = (Schedule.open_ended(steps_per_epoch, max_epochs, patience, plateau, every) if train.epochs is None
                 else Schedule.fixed(steps_per_epoch, train.epochs, train.warmup_fraction))
+    return _Plan(lr, lr_source, steps_per_epoch, schedule, patience, plateau, max_epochs)
 
-    # ---- model, and the rate each of its parameter groups trains at (what the run records)
+
+def _model(method: str, head_cfg, train: TrainConfig, clip: torch.nn.Module | None,
+           train_split) -> tuple[Head, TrainConfig, Any]:
+    """The model: the head from the run's seed (from the store's CLIP where asked), on the device, checked on two
+    pairs of the data before anything is written; ``train`` as it ran (``init_from_clip`` off where nothing was
+    copied) and what was copied."""
     device = torch.device(train.device)
     torch.manual_seed(train.seed)
     head = head_class(method)(head_cfg)
@@ -302,6 +338,16 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
     caps = np.array([np.flatnonzero(train_split.text_video == v)[0] for v in vids])
     check_head_inputs(head, train_split.text_batch(caps, head.uses_tokens, trim=True).to(device),
                       train_split.video_batch(vids).to(device))
+    return head, train, copied
+
+
+def _record_start(store, splits: Splits, data: DataPlan, method: str, head: Head, head_cfg, out: Path,
+                  train: TrainConfig, post: tuple[str, ...], plan: _Plan, recipe: dict[str, Any] | None, copied: Any,
+                  features, max_steps: int | None) -> tuple[dict, dict, float, str, int]:
+    """The run's record: each parameter group's rate, checked, and ``config.yaml`` written (or a resumed run's
+    compared); the groups, their rates, the learning rate and its source as recorded, and the batch size."""
+    lr, lr_source, steps_per_epoch, schedule = plan.lr, plan.lr_source, plan.steps_per_epoch, plan.schedule
+    train_split = splits.train
     groups = check_group_lr(head, train.group_lr)
     steps = 0 if train.epochs == 0 else steps_per_epoch
     rates = lr_groups(groups, lr, lr_source, train.group_lr, lambda g: setting_source(f"group_lr.{g}", recipe, "--group-lr")) if steps else {}
@@ -329,13 +375,15 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
         **({"not_in_papers": {"zero_shot_start": ZERO_SHOT_START}} if head_cfg.zero_shot_start else {}),
     }, ignore=EXECUTION, explain=lambda old, new: _lr_changed(out, old, new, lr, lr_source)
        or _data_changed(out, old, new), assumed={"data": {"mode": "in memory", "order": IN_MEMORY_ORDER}})
+    return groups, rates, lr, lr_source, batch
 
-    # ---- optimiser: every parameter decays here (finetune exempts gains and biases, as CLIP's recipe does;
-    # docs/training.md)
-    opt = make_optimizer(train.optimizer, [
-        {"params": [p for p in params if p.requires_grad], "lr": rates[g]["lr"], "base_lr": rates[g]["lr"],
-         "weight_decay": train.weight_decay, "name": g} for g, params in groups.items() if g in rates])
-    loop = RunLoop(out, schedule, {"": lambda path: save_head(head, path)}, on_epoch=on_epoch)
+
+def _epochs(loop: RunLoop, head: Head, opt, splits: Splits, data: DataPlan, method: str, train: TrainConfig,
+            plan: _Plan, batch: int, out: Path, progress: bool) -> None:
+    """The epochs: resumed where the run stopped, the untrained head validated (it competes in the selection),
+    then every epoch's steps of ``batch`` pairs, validated every epoch (or every ``validate_every``)."""
+    device, schedule, steps_per_epoch = torch.device(train.device), plan.schedule, plan.steps_per_epoch
+    train_split = splits.train
 
     def restore(state: dict) -> None:
         head.load_state_dict(load_head(loop.checkpoints.folder / LAST, str(device)).state_dict())
@@ -387,6 +435,12 @@ def _train(store, splits: Splits, data: DataPlan, method: str, head_cfg, out: Pa
             }, {"optimizer": opt.state_dict() if opt else None})
             t_period, t_data, t_step, n_steps = time.perf_counter(), 0.0, 0.0, 0
 
+
+def _finish(loop: RunLoop, head: Head, store, splits: Splits, method: str, head_cfg, train: TrainConfig,
+            post: tuple[str, ...], plan: _Plan, rates: dict, lr: float, lr_source: str, batch: int, out: Path) -> dict:
+    """The selected epoch evaluated once on test, beside zero-shot CLIP on the same test set; ``metrics.json``."""
+    device, schedule, steps_per_epoch = torch.device(train.device), plan.schedule, plan.steps_per_epoch
+    patience, plateau, max_epochs = plan.patience, plan.plateau, plan.max_epochs
     # ---- the selected epoch, evaluated once on test
     loop.selected(lambda: evaluate_split(head, splits.val, train.device, train.eval_batch, train.block_texts))
     selected = load_head(loop.checkpoints.folder / BEST, train.device)
