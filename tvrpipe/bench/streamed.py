@@ -10,8 +10,8 @@ Three runs, each in a process of its own (peak memory is its own), on generated 
    memory is compared with the budget plus the model: the peak of a run of the same head on a store with the
    same shapes but two batches of training videos and one batch each of validation and test videos, trained for
    as many steps as the large run (the head, its optimizer, a step's activations, and what the allocator keeps
-   after that many steps: what does not grow with the store). The data path alone is also measured: one streamed epoch
-   in a process without a model, and the memory it adds.
+   after that many steps: what does not grow with the store). The data path alone is also measured: one
+   streamed epoch in a process without a model, and the memory it adds.
 2. **Both ways on a store that fits.** A smaller generated store (its features a quarter of the budget)
    trains the same epochs in memory and streamed (a budget of a third of its features beside its evaluation and
    tables, so its shuffle buffer holds the same share of the split as run 1's). Throughput is samples/s of the
@@ -40,7 +40,7 @@ from tvrpipe.progress import stages
 COMMAND = "bench train-head --streamed"
 VIDEO_SHARD = 64  # generate_store's videos per chunk: a read block is whole chunks
 COMMAND_NAME = f"tvrpipe {COMMAND}"
-EVAL_SHARE = 0.25  # of the budget: one evaluation of the large store's test split, about
+EVAL_SHARE = 0.25  # of the budget: about what one evaluation of the large store's validation or test split holds
 
 
 def _fit_one(args: tuple[str, str, str, int, int, int | None, int]) -> dict:
