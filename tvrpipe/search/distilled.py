@@ -44,6 +44,8 @@ from tvrpipe.search.first_stages.late_interaction import (
     LateInteraction,
     TokenProjection,
     check_token_wise,
+    head_video_vectors,
+    head_words,
     segment_token_wise,
 )
 from tvrpipe.search.index import searchable_rows, store_key
@@ -127,7 +129,7 @@ def fit_scorer(head: Head, store: FeatureStore, config: Distilled.Config,
     segs = np.concatenate([segment_means(store.read("videos/frames", vrows[a : a + _BLOCK]),
                                          store.read("videos/frame_mask", vrows[a : a + _BLOCK]), config.segments)
                            for a in range(0, len(vrows), _BLOCK)])
-    segs /= np.maximum(np.linalg.norm(segs, axis=-1, keepdims=True), 1e-12)
+    segs = normalised(segs)
     sent = normalised(texts.sentence.numpy())
     axes = _principal_axes(np.concatenate([segs.reshape(-1, segs.shape[-1]), sent]), config.dim)
     held = rng.permutation(len(trows))[: max(1, len(trows) // 10)]
@@ -167,13 +169,9 @@ def _rank_record(target: np.ndarray, student: np.ndarray, sentences: np.ndarray,
     and in zero-shot CLIP's (the sentence's cosine with the normalised mean of the video's ``segs``, each
     normalised: near, not equal to, the pooled embedding): the 95th percentile rank, as a share of the videos."""
     top = np.argsort(-target, 1, kind="stable")[:, : min(10, target.shape[1])]
-    zero_shot = normalised(sentences) @ normalised(_unit_rows(segs).mean(1)).T
+    zero_shot = normalised(sentences) @ normalised(normalised(segs).mean(1)).T
     share = lambda r: float(np.percentile(r, 95)) / target.shape[1]  # noqa: E731
     return {"rank_p95": share(_ranks(student, top)), "zero_shot_rank_p95": share(_ranks(zero_shot, top))}
-
-
-def _unit_rows(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def fit_projection(head: Head, store: FeatureStore, config: LateInteraction.Config,
@@ -191,20 +189,22 @@ def fit_projection(head: Head, store: FeatureStore, config: LateInteraction.Conf
     rng = np.random.default_rng([config.seed, 57])
     vrows, trows = _train_sample(store, config, rng, LateInteraction.name)
     texts = text_batch(store, trows)
-    flat = TokenProjection(head, np.eye(store.array("videos/frames").shape[2], dtype=np.float32), config.segments)
-    words, counts = flat.words(texts)
-    segs = np.concatenate([segment_means(*flat.head_vectors(store.read("videos/frames", vrows[a : a + _BLOCK]),
-                                                            store.read("videos/frame_mask", vrows[a : a + _BLOCK])),
-                                         config.segments) for a in range(0, len(vrows), _BLOCK)])
-    axes = _principal_axes(np.concatenate([_unit_rows(segs).reshape(-1, segs.shape[-1]), words]), config.dim)
+    words, counts = head_words(head, texts)  # unit length, in the head's own space
+    segs, raw = [], []  # the head's vectors' segments (the index's), the frames' own (zero-shot's)
+    for a in range(0, len(vrows), _BLOCK):
+        frames, mask = store.read("videos/frames", vrows[a : a + _BLOCK]), store.read("videos/frame_mask",
+                                                                                      vrows[a : a + _BLOCK])
+        segs.append(segment_means(*head_video_vectors(head, frames, mask), config.segments))
+        raw.append(segment_means(frames, mask, config.segments))
+    segs = np.concatenate(segs)
+    axes = _principal_axes(np.concatenate([normalised(segs).reshape(-1, segs.shape[-1]), words]), config.dim)
     projection = TokenProjection(head, axes, config.segments)
     target = teacher_scores(head, texts, store, vrows, progress)
     vectors = projection.from_segments(segs).reshape(len(vrows), config.segments, -1)
-    student = segment_token_wise(projection.words(texts)[0], counts, vectors)
+    student = segment_token_wise(projection.project(words), counts, vectors)
     record = {"seconds": time.perf_counter() - t0, "captions": int(len(trows)), "videos": int(len(vrows)),
               "head_pairs": int(len(trows) * len(vrows)),
-              **_rank_record(target, student, texts.sentence.numpy(), segment_means(
-                  store.read("videos/frames", vrows), store.read("videos/frame_mask", vrows), config.segments))}
+              **_rank_record(target, student, texts.sentence.numpy(), np.concatenate(raw))}
     return projection, record
 
 

@@ -298,6 +298,6 @@ def head_aware_refusal(name: str) -> str:
 
 
 def normalised(queries: np.ndarray) -> np.ndarray:
-    """``(Q, D)`` float32 rows of unit length (a zero row stays zero)."""
+    """``(..., D)`` float32 vectors (the last axis) of unit length (a zero vector stays zero)."""
     q = np.asarray(queries, np.float32)
-    return np.ascontiguousarray(q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12))
+    return np.ascontiguousarray(q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), 1e-12))

@@ -49,8 +49,7 @@ def segment_means(frames: np.ndarray, mask: np.ndarray, segments: int) -> np.nda
     """``(n, segments, D)`` float32: each video's valid frames, L2-normalised, cut into ``segments`` contiguous
     blocks of (nearly) equal size in order, each block's mean; a block with no frame (fewer valid frames than
     segments) takes the mean of all the video's valid frames. Rows are not normalised here."""
-    f = np.asarray(frames, np.float32)
-    f = f / np.maximum(np.linalg.norm(f, axis=-1, keepdims=True), 1e-12)
+    f = normalised(frames)
     m = np.asarray(mask, bool)
     valid = m.sum(1, keepdims=True)
     block = ((np.cumsum(m, 1) - 1) * segments) // np.maximum(valid, 1)  # each valid frame's block, in order
@@ -80,8 +79,7 @@ class Scorer:
 
     def from_segments(self, seg: np.ndarray) -> np.ndarray:
         """:meth:`videos` of :func:`segment_means` already taken: ``(n, segments, D)`` to ``(n x segments, d)``."""
-        seg = seg / np.maximum(np.linalg.norm(seg, axis=-1, keepdims=True), 1e-12)
-        return normalised((seg @ self.video_map).reshape(-1, self.video_map.shape[1]))
+        return normalised((normalised(seg) @ self.video_map).reshape(-1, self.video_map.shape[1]))
 
 
 @register_first_stage("distilled")

@@ -46,10 +46,6 @@ from tvrpipe.search.first_stages.exact import top_by_blocks
 _CELLS = 1 << 24  # word x segment scores held at once while ranking (64 MiB of float32)
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
 def segment_token_wise(words: np.ndarray, counts: np.ndarray, segments: np.ndarray) -> np.ndarray:
     """UATVR Eq. 7 with segments for frames: ``(Q, n)`` scores of Q queries against n videos.
 
@@ -78,34 +74,45 @@ class TokenProjection:
     def words(self, texts: Any) -> tuple[np.ndarray, np.ndarray]:
         """The head's word vectors of a TextBatch, projected and normalised: ``(sum of words, d)`` float32, query
         after query, and each query's count of words."""
-        import torch
+        unit, counts = head_words(self.head, texts)
+        return self.project(unit), counts
 
-        tkey, mkey = self.head.token_wise_keys[:2]
-        with torch.inference_mode():
-            e = self.head.encode_texts(texts)
-        mask = e[mkey].cpu().numpy().astype(bool)
-        vectors = e[tkey].float().cpu().numpy()[mask]
-        return np.ascontiguousarray(_unit(_unit(vectors) @ self.axes), np.float32), mask.sum(1)
-
-    def head_vectors(self, frames: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The head's encoded video vectors and their mask, ``(n, M, D)`` float32 and ``(n, M)`` bool."""
-        import torch
-
-        from tvrpipe.heads.base import VideoBatch
-
-        vkey, mkey = self.head.token_wise_keys[2:]
-        with torch.inference_mode():
-            e = self.head.encode_videos(VideoBatch(torch.from_numpy(np.asarray(frames, np.float32)),
-                                                   torch.from_numpy(np.asarray(mask, bool))))
-        return e[vkey].float().cpu().numpy(), e[mkey].cpu().numpy().astype(bool)
+    def project(self, unit: np.ndarray) -> np.ndarray:
+        """Unit vectors ``(n, D)`` on the axes, normalised: ``(n, d)``."""
+        return normalised(unit @ self.axes)
 
     def videos(self, frames: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """``(n x segments, d)`` unit rows: each video's segments of the head's vectors, projected, in order."""
-        return self.from_segments(segment_means(*self.head_vectors(frames, mask), self.segments))
+        return self.from_segments(segment_means(*head_video_vectors(self.head, frames, mask), self.segments))
 
     def from_segments(self, seg: np.ndarray) -> np.ndarray:
         """:func:`segment_means` already taken: ``(n, segments, D)`` to ``(n x segments, d)`` unit rows."""
-        return np.ascontiguousarray(normalised((_unit(seg) @ self.axes).reshape(-1, self.axes.shape[1])))
+        return self.project(normalised(seg).reshape(-1, seg.shape[-1]))
+
+
+def head_words(head: Any, texts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A token-wise head's encoded words of a TextBatch, unit length: ``(sum of words, D)`` float32, query after
+    query, and each query's count of words (the head's own mask)."""
+    import torch
+
+    tkey, mkey = head.token_wise_keys[:2]
+    with torch.inference_mode():
+        e = head.encode_texts(texts)
+    mask = e[mkey].cpu().numpy().astype(bool)
+    return normalised(e[tkey].float().cpu().numpy()[mask]), mask.sum(1)
+
+
+def head_video_vectors(head: Any, frames: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A token-wise head's encoded video vectors and their mask, ``(n, M, D)`` float32 and ``(n, M)`` bool."""
+    import torch
+
+    from tvrpipe.heads.base import VideoBatch
+
+    vkey, mkey = head.token_wise_keys[2:]
+    with torch.inference_mode():
+        e = head.encode_videos(VideoBatch(torch.from_numpy(np.asarray(frames, np.float32)),
+                                          torch.from_numpy(np.asarray(mask, bool))))
+    return e[vkey].float().cpu().numpy(), e[mkey].cpu().numpy().astype(bool)
 
 
 @register_first_stage("late-interaction")
