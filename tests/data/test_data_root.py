@@ -56,6 +56,27 @@ def test_prepare_dataset_builds_then_reuses_the_manifest(synth, tmp_path):
     assert len(pd.read_parquet(lay.manifest / "videos.parquet")) == 8
 
 
+def test_a_generated_dataset_is_made_by_the_generator_it_is_given(tmp_path):
+    from tvrpipe.data.layout import prepare_dataset
+    from tvrpipe.errors import ConfigError
+
+    root = tmp_path / "data"
+    with pytest.raises(ConfigError, match=r"synthetic: the generated dataset is not in .*synthetic yet: make it with "
+                                          r"`tvrpipe synth --out .*synthetic`"):
+        prepare_dataset("synthetic", root)
+    calls = []
+
+    def generate(folder, progress):
+        calls.append((folder, progress))
+        (folder / "manifest").mkdir(parents=True)
+        (folder / "manifest" / "videos.parquet").write_bytes(b"")
+
+    lay = prepare_dataset("synthetic", root, progress=False, generate=generate)
+    assert calls == [(root / "synthetic", False)] and lay.manifest == root / "synthetic" / "manifest"
+    prepare_dataset("synthetic", root, generate=generate)  # made once: not made again
+    assert len(calls) == 1
+
+
 def test_a_missing_layout_is_one_line_naming_the_folder_and_what_to_pass(tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)
     result = cli("extract", "--dataset", "msrvtt", "--model", "tvrpipe-tiny", "--pretrained", "none")

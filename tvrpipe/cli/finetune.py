@@ -145,10 +145,12 @@ def finetune_cmd(
             import tempfile
 
             from tvrpipe.data.layout import prepare_dataset
+            from tvrpipe.data.synth import generate_dataset
 
             # a dry run builds a manifest it needs in a scratch folder, removed when the command ends
             scratch = ctx.with_resource(tempfile.TemporaryDirectory(prefix="tvrpipe-dry-run-")) if dry_run else None
-            lay = prepare_dataset(r.dataset, data_root, r.split_set.value, video_root=video_root, scratch=scratch)
+            lay = prepare_dataset(r.dataset, data_root, r.split_set.value, video_root=video_root, scratch=scratch,
+                                  generate=generate_dataset)
             manifest, video_root = lay.manifest, lay.videos
         elif video_root is None:
             raise ConfigError(f"--manifest {manifest}: give --video-root too")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def dataset_layout(dataset: str, root: str | os.PathLike[str] | None = None) -> 
 
 def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, split_set: str | None = None,
                     progress: bool = True, *, video_root: str | os.PathLike[str] | None = None,
-                    scratch: str | os.PathLike[str] | None = None) -> DatasetLayout:
+                    scratch: str | os.PathLike[str] | None = None,
+                    generate: Callable[[Path, bool], object] | None = None) -> DatasetLayout:
     """The dataset's manifest under the data root, ready: reused when it was built from the annotation
     files there as they are now, with its videos checked in the same video folder; else built from them
     (checking every video under the video folder); the synthetic dataset is generated once. The default
@@ -83,6 +85,10 @@ def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, sp
         scratch: a dry run: whatever would be built under the data root (the manifest, the synthetic
             dataset) is built in this folder instead, with every check of a real build, and the returned
             layout points there; nothing under the data root is written. The caller removes the folder.
+        generate: makes a generated dataset (its videos and manifest) in the folder it is given, with or
+            without a progress bar; the commands pass :func:`tvrpipe.data.synth.generate_dataset`. The
+            data floor renders nothing itself. None: a generated dataset not made yet is an error naming
+            the command that makes it.
 
     Returns:
         Where the manifest and the videos are.
@@ -114,9 +120,10 @@ def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, sp
             folder = Path(scratch) / dataset
             lay = dataclasses.replace(lay, folder=folder, videos=folder / lay.videos.relative_to(lay.folder),
                                       manifest=folder / MANIFEST_DIR)
-        from tvrpipe.data.synth import synthesize
-
-        synthesize(lay.folder, 200, seed=0, progress=progress)
+        if generate is None:
+            raise ConfigError(f"{dataset}: the generated dataset is not in {lay.folder} yet: make it with "
+                              f"`tvrpipe synth --out {lay.folder}`")
+        generate(lay.folder, progress)
         return lay
     if split_set and split_set != default:  # another split set's manifest lives beside the default's
         lay = dataclasses.replace(lay, manifest=lay.folder / f"{MANIFEST_DIR}-{split_set}")

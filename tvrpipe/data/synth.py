@@ -732,6 +732,12 @@ def synthesize(
     return manifest
 
 
+def generate_dataset(folder: str | os.PathLike[str], progress: bool = True) -> None:
+    """The data root's ``synthetic`` dataset: ``tvrpipe synth``'s defaults (200 videos, seed 0) written to
+    ``folder``. ``prepare_dataset`` calls it, passed in by the commands, when the dataset is first asked for."""
+    synthesize(folder, 200, seed=0, progress=progress)
+
+
 def _write_videos(out: Path, plans: Sequence[VideoPlan], size: int, fps: int, frames_per_scene: int,
                   progress: bool) -> None:
     """Render stage: clear an earlier run, then render, encode and spot-check every video."""
