@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tvrpipe.features.genstore import CALIBRATED, ONE_SCENE, GenSpec, generate_store
 from tvrpipe.features.store import open_store
-from tvrpipe.features.worldstats import TARGETS, measure
+from tvrpipe.worlds.features import CALIBRATED, ONE_SCENE, GenSpec, generate_store
+from tvrpipe.worlds.stats import TARGETS, measure
 
 SHOWN = tuple(t.name for t in TARGETS)
 

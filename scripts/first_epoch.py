@@ -15,10 +15,10 @@ from pathlib import Path
 
 from tvrpipe.bench.convergence import SIZES
 from tvrpipe.bench.search import benchmark_spec, collection_spec
-from tvrpipe.features.genstore import generate_store
 from tvrpipe.rundir import read_epochs, read_metrics
 from tvrpipe.training.fit import fit
 from tvrpipe.training.settings import TrainConfig
+from tvrpipe.worlds.features import generate_store
 
 STORES = {**SIZES, "search": benchmark_spec(collection_spec(2000, 512), 2000)}
 HEADS = ("xpool", "seqtransf", "tmass", "uatvr", "prota", "duq")

@@ -50,10 +50,10 @@ import torch.nn.functional as F
 
 from tvrpipe.errors import TvrpipeError
 from tvrpipe.evaluation.metrics import t2v_ranks
-from tvrpipe.features import genstore
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import STORE_NAME, open_store
 from tvrpipe.heads.meanpool import mean_video
+from tvrpipe.worlds import features as genstore
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 SIZES = (100, 200, 500, 900, 1000)  # the validation sizes docs/training.md discusses
 READ_ROWS = 1024  # videos read from the store at a time

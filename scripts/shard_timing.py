@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from tvrpipe.cluster import ray_init, stop_ray
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import open_store
 from tvrpipe.search.index import first_stage
 from tvrpipe.search.shards import sharded_first_stage
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 
 def _timed(stage, q: np.ndarray, k: int, repeats: int) -> tuple[float, tuple[np.ndarray, np.ndarray]]:

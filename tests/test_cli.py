@@ -81,7 +81,7 @@ def test_help_shows_the_configs_defaults(cli, monkeypatch, command, config, rena
     (("bench", "train-head"), "tvrpipe.bench.heads:bench_train_head", {}),
     (("bench", "eval"), "tvrpipe.bench.heads:bench_eval", {}),
     (("bench", "allocator"), "tvrpipe.bench.heads:bench_allocator", {}),
-    (("synth",), "tvrpipe.data.synth:synthesize", {}),
+    (("synth",), "tvrpipe.worlds.videos:synthesize", {}),
 ])
 def test_commands_without_a_config_take_their_defaults_from_the_function_they_call(command, function, renamed):
     import importlib
@@ -142,7 +142,7 @@ def test_manifest_build_and_show(cli, shared_annotations, tmp_path):
 def test_manifest_build_videos_and_show(cli, tmp_path):
     """A folder of videos without annotations: a collection, its skipped files counted in a yellow line,
     and `manifest show` says what it is."""
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     synthesize(tmp_path / "s", 2, seed=0, progress=False)
     folder = tmp_path / "mine"
@@ -240,9 +240,9 @@ def test_synth_bad_option_names_it(cli, tmp_path):
 
 def test_quickstart_end_to_end(tmp_path):
     """The README's main command, as a user runs it (a process of its own, Ray included), --fast."""
-    from tvrpipe.data.synth import DESCRIPTIVE_TEMPLATES, SHORT_TEMPLATES
     from tvrpipe.features.store import open_store
     from tvrpipe.heads.base import list_heads
+    from tvrpipe.worlds.videos import DESCRIPTIVE_TEMPLATES, SHORT_TEMPLATES
 
     r = subprocess.run([sys.executable, "-m", "tvrpipe", "quickstart", "--out", str(tmp_path / "q"), "--fast",
                         "--videos", "40"], capture_output=True, text=True, timeout=900)
@@ -445,8 +445,8 @@ def test_manifest_paths_stay_inside_the_video_root(cli, tmp_path):
 
 
 def test_export_into_its_own_store_is_refused_and_repair_hints_name_a_command(cli, tmp_path):
-    from tvrpipe.features.genstore import GenSpec, generate_store
     from tvrpipe.features.store import open_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=8, test_videos=4, frames=4, max_words=6,
                                                    embed_dim=8, seed=0))
@@ -469,7 +469,7 @@ def test_a_signal_says_so_and_the_same_command_resumes(tmp_path, sig, code, word
     and the same command resumes from the last finished epoch."""
     import time
 
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=64, test_videos=8, frames=4, max_words=6,
                                                    embed_dim=16, seed=0))
@@ -506,7 +506,7 @@ def test_a_full_disk_is_one_line_naming_the_file(cli, tmp_path, monkeypatch, whe
     import safetensors.torch
     import torch
 
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6,
                                                    embed_dim=8, seed=0))
@@ -532,7 +532,7 @@ def test_export_checks_the_room_it_needs_before_writing(cli, tmp_path, monkeypat
     import shutil as sh
     from collections import namedtuple
 
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6,
                                                    embed_dim=8, seed=0))

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from tvrpipe.errors import LockError, NonFiniteError, RunError
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import (
     ARRAYS,
     PROGRESS,
@@ -30,6 +29,7 @@ from tvrpipe.features.store import (
 )
 from tvrpipe.lock import LOCK_NAME, DirLock
 from tvrpipe.training.fit import TrainConfig, fit
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 SPEC = GenSpec(train_videos=40, test_videos=12, captions_per_train_video=2, frames=4, max_words=6, embed_dim=16,
                seed=3)
@@ -181,7 +181,7 @@ def test_damaged_store_refused_by_every_reader_cli(store, tmp_path, cli):
 
 def test_nonfinite_features_with_valid_checksums_are_reported(tmp_path, monkeypatch):
     """A store whose writer stored NaN (checksums fine): verify names the rows, training stops."""
-    from tvrpipe.features import genstore
+    from tvrpipe.worlds import features as genstore
 
     real = genstore._text_shard
 
@@ -374,8 +374,8 @@ def test_lock_leaves_nothing_behind_in_a_directory_it_created(tmp_path):
 @pytest.mark.slow  # ~1 min of Ray start-up on 2 cores; `make test-all` runs it
 def test_two_extract_processes_one_refused(tmp_path):
     """Two real `tvrpipe extract` processes on one --out: the second exits 1 naming the first."""
-    from tvrpipe.data.synth import synthesize
     from tvrpipe.features.clip import TINY_MODEL
+    from tvrpipe.worlds.videos import synthesize
 
     synthesize(tmp_path / "s", 4, seed=1, progress=False)
     d = tmp_path / "s"

@@ -21,7 +21,7 @@ LAYERS = {
     "tvrpipe.rundir": 2,  # the run directory: trainers write it, report and evaluation read it (heads for its weights)
     "tvrpipe.data": 2,
     "tvrpipe.features": 3, "tvrpipe.evaluation": 3,
-    "tvrpipe.training": 4,
+    "tvrpipe.training": 4, "tvrpipe.worlds": 4,  # generated worlds write manifests and stores
     "tvrpipe.report": 5, "tvrpipe.bench": 5, "tvrpipe.sweep": 5, "tvrpipe.search": 5,
     "tvrpipe.quickstart": 6,
     "tvrpipe.cli": 7, "tvrpipe.__main__": 7,

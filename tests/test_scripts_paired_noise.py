@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from tvrpipe.features.genstore import CALIBRATED, GenSpec, generate_store
 from tvrpipe.features.store import open_store
-from tvrpipe.features.worldstats import measure as world_measure
+from tvrpipe.worlds.features import CALIBRATED, GenSpec, generate_store
+from tvrpipe.worlds.stats import measure as world_measure
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.sweep import plan_sweep, summarize
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 BIN = Path(sys.executable).parent
 STORE = GenSpec(train_videos=40, val_videos=10, test_videos=20, captions_per_train_video=2,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.clip import TINY_MODEL
+from tvrpipe.worlds.videos import synthesize
 
 # [x], [/x] and [bold] in folder and file names: Rich would read each as markup (and [/x] as a closing tag
 # with nothing open: a MarkupError)
@@ -188,7 +188,7 @@ def test_an_output_that_is_a_device_or_pipe_is_refused_and_a_link_is_written_thr
 
 
 def test_a_run_is_never_written_inside_another_runs_folder(cli, tmp_path):
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     store = generate_store(tmp_path / "s", GenSpec(train_videos=24, test_videos=8, frames=4, max_words=6,
                                                   embed_dim=8))

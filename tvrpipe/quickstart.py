@@ -87,7 +87,6 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     """
     import pandas as pd
 
-    from tvrpipe.data.synth import ATTRIBUTES_FILE, DESCRIPTIVE_TEMPLATES, SHORT_TEMPLATES, synthesize
     from tvrpipe.features.clip import TINY_MODEL
     from tvrpipe.features.extract import ExtractConfig, extract
     from tvrpipe.features.store import open_store
@@ -96,6 +95,7 @@ def run_quickstart(out: str | os.PathLike[str], plan: QuickstartPlan = Quickstar
     from tvrpipe.training.data import load_split
     from tvrpipe.training.finetune import FinetuneConfig, finetune
     from tvrpipe.training.fit import TrainConfig, fit
+    from tvrpipe.worlds.videos import ATTRIBUTES_FILE, DESCRIPTIVE_TEMPLATES, SHORT_TEMPLATES, synthesize
 
     out = Path(out)
     data = out / "data"

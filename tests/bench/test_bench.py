@@ -73,7 +73,7 @@ def test_bench_convergence_tables_and_curves(tmp_path):
     import csv
 
     from tvrpipe.bench.convergence import bench_convergence
-    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.worlds.features import GenSpec
 
     spec = GenSpec(train_videos=96, val_videos=32, test_videos=16, captions_per_train_video=2, frames=4,
                    max_words=6, embed_dim=16, seed=1)
@@ -152,7 +152,7 @@ def test_bench_step_cli_reports_each_heads_rate_against_the_reference(cli, tmp_p
     """`tvrpipe bench step`: train-head's step for each head and width beside the reference head's (X-Pool's
     by default), in a fresh process, and the ratio of their step times; with --features, on train-head's first
     batch of a store (its width, frames and caption lengths), where --dim is refused."""
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     r = cli("bench", "step", "--method", "prota", "--dim", "8", "--dim", "16", "--steps", "1", "--batch-size", "4",
             "--words", "5", "--frames", "3", "--json", tmp_path / "s.json")
@@ -245,8 +245,8 @@ def test_bench_convergence_only_default_runs_the_default_alone_and_resumes(tmp_p
     import csv
 
     from tvrpipe.bench.convergence import bench_convergence
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.worlds.features import GenSpec
 
     spec = GenSpec(**TINY_STORE)
     base = TrainConfig(**TINY_TRAINER)
@@ -275,7 +275,7 @@ def tiny_convergence_size(monkeypatch):
 
     import tvrpipe.bench.convergence as conv
     import tvrpipe.training.fit as fit_module
-    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.worlds.features import GenSpec
 
     monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(**TINY_STORE))
     monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, **TINY_TRAINER))
@@ -330,7 +330,7 @@ def test_bench_convergence_keeps_other_heads_and_recovers_runs_missing_from_the_
     import csv
 
     from tvrpipe.bench.convergence import bench_convergence
-    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.worlds.features import GenSpec
 
     spec = GenSpec(**TINY_STORE)
     from tvrpipe.training.fit import TrainConfig
@@ -363,8 +363,8 @@ def test_bench_convergence_keeps_the_rows_of_a_bench_running_beside_it(tmp_path,
     import shutil
 
     import tvrpipe.bench.convergence as conv
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.worlds.features import GenSpec
 
     spec = GenSpec(**TINY_STORE)
     base = TrainConfig(**TINY_TRAINER)
@@ -393,9 +393,9 @@ def test_bench_convergence_follows_a_changed_default_lr(tmp_path, monkeypatch):
     import csv
 
     from tvrpipe.bench.convergence import bench_convergence
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.heads.base import head_class
     from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.worlds.features import GenSpec
 
     spec = GenSpec(**TINY_STORE)
     base = TrainConfig(**TINY_TRAINER)
@@ -431,9 +431,9 @@ def test_bench_convergence_reads_a_per_width_default_lr_at_each_stores_width(tmp
     import csv
 
     from tvrpipe.bench.convergence import bench_convergence
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.heads.base import head_class
     from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.worlds.features import GenSpec
 
     monkeypatch.setattr(head_class("xpool"), "default_lr", {16: 2e-3, 32: 5e-4})
     sizes = {"d16": GenSpec(**TINY_STORE), "d32": GenSpec(**{**TINY_STORE, "embed_dim": 32})}
@@ -485,8 +485,8 @@ def test_bench_convergence_resumes_an_interrupted_run_and_sums_its_seconds(tmp_p
 
     import tvrpipe.training.fit as fit_module
     from tvrpipe.bench.convergence import bench_convergence
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.worlds.features import GenSpec
 
     spec = GenSpec(**TINY_STORE)
     base = TrainConfig(**TINY_TRAINER)
@@ -515,9 +515,9 @@ def test_bench_convergence_no_grid_compares_open_ended_lrs(tmp_path):
     import csv
 
     from tvrpipe.bench.convergence import bench_convergence
-    from tvrpipe.features.genstore import GenSpec
     from tvrpipe.heads.base import head_class
     from tvrpipe.training.fit import TrainConfig
+    from tvrpipe.worlds.features import GenSpec
 
     spec = GenSpec(**TINY_STORE)
     base = TrainConfig(**TINY_TRAINER)

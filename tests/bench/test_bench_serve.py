@@ -78,8 +78,8 @@ def test_a_server_given_stored_captions_serves_a_generated_store(tmp_path):
 
     from tvrpipe.bench.search import collection_spec
     from tvrpipe.bench.serve import StoredCaptions
-    from tvrpipe.features.genstore import generate_store
     from tvrpipe.search.serve import make_app, open_server
+    from tvrpipe.worlds.features import generate_store
 
     store = generate_store(tmp_path / "c", collection_spec(60, 16, frames=4, words=8))
     lookup = StoredCaptions(store)

@@ -8,7 +8,7 @@ import pytest
 from tvrpipe.bench import room
 from tvrpipe.bench.room import Needs, check_room, still_to_write, stores_needs
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 FREE = 10 * 2**30  # the disk each test pretends to have
 

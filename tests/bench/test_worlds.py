@@ -12,8 +12,8 @@ from tvrpipe.bench.convergence import SIZES
 from tvrpipe.bench.search import bench_search, benchmark_spec, collection_spec
 from tvrpipe.bench.worlds import bench_worlds, world_spec
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.genstore import CALIBRATED, ONE_SCENE
 from tvrpipe.features.store import open_store
+from tvrpipe.worlds.features import CALIBRATED, ONE_SCENE
 
 
 def test_world_specs_are_the_worlds_they_name():

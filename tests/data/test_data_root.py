@@ -13,7 +13,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     root = tmp_path_factory.mktemp("layout-videos")
     synthesize(root, 12, seed=0, progress=False)

@@ -27,7 +27,7 @@ IDS = [f"video{i}" for i in range(9)]  # 6 in the 9k training list, 3 in the 1k-
 
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> list[Path]:
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     root = tmp_path_factory.mktemp("probe-videos")
     synthesize(root, 9, seed=0, progress=False)

@@ -9,7 +9,7 @@ def synth_with_broken_videos(d: Path, n: int, seed: int) -> Path:
     """``n`` generated videos and their manifest in ``d``, plus a zero-byte and a corrupt video (a good file's
     header, then garbage) in the manifest, each with a caption: two videos every extraction records as failed."""
     from tvrpipe.data.manifest import make_tables, read_manifest, write_manifest
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     synthesize(d, n, seed=seed, progress=False)
     root = d / "videos"

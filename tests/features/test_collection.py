@@ -16,12 +16,12 @@ import pandas as pd
 import pytest
 
 from tvrpipe.data.manifest import read_manifest
-from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError, ManifestError
 from tvrpipe.features.clip import TINY_MODEL
 from tvrpipe.features.collection import Cutting, build_collection
 from tvrpipe.features.extract import ExtractConfig, driver, executor, extract
 from tvrpipe.features.store import PREVIOUS, StoreError, open_store
+from tvrpipe.worlds.videos import synthesize
 
 VIDEO_ARRAYS = ("videos/frames", "videos/frame_mask", "videos/timestamps")
 # before: 5 videos; after: b/removed.mp4 gone, b/changed.MP4 rewritten, b/new1.mp4 and d/new2.mov added.
@@ -545,7 +545,7 @@ def test_weights_that_cannot_be_downloaded_fail_in_seconds_before_a_model_loads(
 
 def _long_video(path: Path, seconds: float, fps: int = 8, seed: int = 0) -> Path:
     """An H.264 file of ``seconds`` (a whole number of frames at ``fps``) whose frames all differ."""
-    from tvrpipe.data.synth import write_mp4
+    from tvrpipe.worlds.videos import write_mp4
 
     n = int(round(seconds * fps))
     rng = np.random.default_rng(seed)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tvrpipe.data.manifest import read_manifest
-from tvrpipe.data.synth import write_mp4
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.collection import Cutting, build_collection, cutting_of
+from tvrpipe.worlds.videos import write_mp4
 
 pytest.importorskip("scenedetect")
 

@@ -235,7 +235,7 @@ def test_a_full_disk_while_writing_a_shard_names_its_chunk(tmp_path, monkeypatch
 
 
 def _tiny_store(path):
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     return generate_store(path, GenSpec(train_videos=16, test_videos=4, frames=4, max_words=6, embed_dim=8, seed=0))
 

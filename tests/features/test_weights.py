@@ -162,7 +162,7 @@ def test_a_cached_tag_is_not_downloaded(no_download_cache, monkeypatch):
 
 def test_the_cli_fails_in_one_line_for_weights_it_cannot_download(no_download_cache, cli, tmp_path):
     """finetune loads the weights in its own process: the same line, before any video is read."""
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     synthesize(tmp_path / "d", 2, seed=0, progress=False)
     r = cli("finetune", "--manifest", tmp_path / "d" / "manifest", "--video-root", tmp_path / "d" / "videos",

@@ -116,9 +116,9 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def test_a_store_extracted_on_the_gpu_matches_one_extracted_on_the_cpu_in_fp32(device, weights, tmp_path, record):
-    from tvrpipe.data.synth import synthesize
     from tvrpipe.features.extract import ExtractConfig, extract
     from tvrpipe.features.store import open_store
+    from tvrpipe.worlds.videos import synthesize
 
     data = tmp_path / "data"
     synthesize(data, 6, seed=0, progress=False)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from tvrpipe.features.clip import TINY_MODEL, load_clip
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.training.finetune import FinetuneConfig, finetune
 from tvrpipe.training.fit import TrainConfig, fit
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,7 @@ def test_train_head_on_the_gpu_selects_the_cpu_epoch_with_the_cpu_metrics(tmp_pa
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     d = tmp_path_factory.mktemp("videos")
     synthesize(d, 40, seed=1, progress=False)

@@ -268,8 +268,8 @@ def test_bad_config_is_named():
 def test_learns_near_duplicate_store_far_above_chance(tmp_path):
     import csv
 
-    from tvrpipe.features.genstore import GenSpec, generate_store
     from tvrpipe.training.fit import TrainConfig, fit
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=300, val_videos=60, test_videos=100, captions_per_train_video=4, near_duplicates=0.3,
                    embed_dim=32, intrinsic_dim=32, frames=8, max_words=10, seed=4)
@@ -284,7 +284,7 @@ def test_learns_near_duplicate_store_far_above_chance(tmp_path):
 
 
 def test_train_head_cli_prints_reranked_rows_and_readouts(cli, tmp_path):
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     store = generate_store(tmp_path / "store", GenSpec(train_videos=64, val_videos=16, test_videos=16,
                                                        captions_per_train_video=2, embed_dim=16, frames=4,

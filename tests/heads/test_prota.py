@@ -413,8 +413,8 @@ def test_readouts_are_the_mean_token_variance_and_the_margin():
 def test_learns_far_above_chance_and_logs_readouts(tmp_path):
     import csv
 
-    from tvrpipe.features.genstore import GenSpec, generate_store
     from tvrpipe.training.fit import TrainConfig, fit
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=300, val_videos=60, test_videos=100, captions_per_train_video=4, embed_dim=32,
                    intrinsic_dim=32, frames=8, max_words=10, seed=3)

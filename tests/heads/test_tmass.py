@@ -286,8 +286,8 @@ def test_pair_readout_is_the_radius_l1_and_the_engine_splits_match_from_nonmatch
 
 
 def test_learns_multi_scene_store_far_above_chance_and_logs_the_radius(tmp_path):
-    from tvrpipe.features.genstore import GenSpec, generate_store
     from tvrpipe.training.fit import TrainConfig, fit
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=400, val_videos=60, test_videos=100, captions_per_train_video=4, scenes=2,
                    caption_describes="scene", embed_dim=32, intrinsic_dim=32, frames=8, seed=1)

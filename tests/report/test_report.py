@@ -14,7 +14,6 @@ import pytest
 import yaml
 from PIL import Image
 
-from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 from tvrpipe.evaluation.engine import EvalInputs, EvalOptions, evaluate_head
 from tvrpipe.evaluation.metrics import (
@@ -23,12 +22,13 @@ from tvrpipe.evaluation.metrics import (
     retrieval_metrics,
     t2v_ranks,
 )
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import StoreWriter, make_provenance, manifest_sha256, open_store
 from tvrpipe.report import find_runs, gallery_data, group_runs, write_report
 from tvrpipe.rundir import load_head
 from tvrpipe.training.data import load_splits
 from tvrpipe.training.fit import TrainConfig, fit
+from tvrpipe.worlds.features import GenSpec, generate_store
+from tvrpipe.worlds.videos import synthesize
 
 METRICS = ("R@1", "R@5", "R@10", "MdR", "MnR")
 GREEN = np.array([0x1A, 0x9E, 0x3A])  # the gallery's frame around the correct video

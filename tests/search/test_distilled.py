@@ -59,7 +59,7 @@ def test_the_distilled_top_is_the_exact_ranking_by_the_best_segment():
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
     """A generated store with the calibrated world's share: 200 train videos (2 captions each), 100 test."""
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=200, test_videos=100, captions_per_train_video=2, frames=4, max_words=8,
                    embed_dim=D, seed=3, min_frames=2)

@@ -139,7 +139,7 @@ def test_the_cli_help_lists_every_registered_first_stage(cli, monkeypatch):
 
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=48, test_videos=40, captions_per_train_video=1, frames=4, max_words=8,
                    embed_dim=32, seed=3, min_frames=2)
@@ -286,8 +286,8 @@ def test_ivfpq_probes_a_share_of_its_lists_for_sentence_queries_across_the_modal
     from dataclasses import replace
 
     from tvrpipe.bench.search import collection_spec
-    from tvrpipe.features.genstore import generate_store
     from tvrpipe.search.index import pooled_rows
+    from tvrpipe.worlds.features import generate_store
 
     store = open_store(generate_store(tmp_path / "s", replace(collection_spec(6000, 64), frames=4, max_words=4)))
     pooled, _ = pooled_rows(store)

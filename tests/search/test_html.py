@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.clip import TINY_MODEL
 from tvrpipe.features.decode import DecodeFailure, decode_video, frames_at, sample_indices
@@ -30,6 +29,7 @@ from tvrpipe.search import html as search_html
 from tvrpipe.search.html import THUMB_HEIGHT, write_html
 from tvrpipe.search.meanings import SCALE
 from tvrpipe.search.results import Hit
+from tvrpipe.worlds.videos import synthesize
 
 N_VIDEOS = 6
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")

@@ -17,7 +17,6 @@ import pytest
 import torch
 from PIL import Image, TiffImagePlugin
 
-from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.clip import TINY_MODEL
 from tvrpipe.features.decode import decode_video
@@ -28,6 +27,7 @@ from tvrpipe.features.store import FeatureStore, open_store
 from tvrpipe.heads.base import TextBatch, create_head, head_class, list_heads
 from tvrpipe.search.engine import Searcher, image_heads, open_searcher, search
 from tvrpipe.search.index import INDEX_DIR
+from tvrpipe.worlds.videos import synthesize
 
 N_VIDEOS, FRAMES, SIZE, S = 6, 6, 96, 64  # videos 96 px square, resized to the tiny CLIP's 64
 
@@ -519,7 +519,7 @@ def test_bad_pictures_and_mixed_queries_are_one_line_naming_them_and_nothing_is_
 
 
 def test_a_generated_store_refuses_a_picture_naming_its_maker(tmp_path):
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     out = generate_store(tmp_path / "gen", GenSpec(train_videos=4, test_videos=4, captions_per_train_video=1,
                                                     frames=2, max_words=4, embed_dim=8, seed=0),

@@ -47,7 +47,7 @@ D = 32
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
     """A generated store: 48 train and 40 test videos, 4 frames, 8 words, D = 32."""
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=48, test_videos=40, captions_per_train_video=1, frames=4, max_words=8,
                    embed_dim=D, seed=3, min_frames=2)
@@ -394,7 +394,7 @@ def test_a_run_of_quickgelu_weights_from_their_tag_shares_the_stores_architectur
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A store of the tiny CLIP's width (D = 64): 24 train and 16 test videos, 4 frames, 8 words."""
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=24, test_videos=16, captions_per_train_video=1, frames=4, max_words=8,
                    embed_dim=64, seed=5)
@@ -499,7 +499,7 @@ def test_a_search_while_an_extract_writes_the_store_names_the_writer(tiny_copy, 
 
 
 def test_a_generated_store_is_refused_before_anything_is_written_naming_its_maker(tmp_path, cli):
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     out = tmp_path / "gen"
     assert cli("synth", "--features-only", "--out", out, "--set", "train_videos=8", "--set", "test_videos=4",
@@ -561,7 +561,7 @@ def test_a_run_of_another_clip_is_told_where_its_clip_is_and_how_to_extract_with
     extract command of the searched store's videos with them, and the store the run trained on."""
     import yaml
 
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=8, test_videos=4, frames=4, max_words=8, embed_dim=64, seed=2)
     own = as_tiny_clip_store(generate_store(tmp_path / "own", spec), seed=1)

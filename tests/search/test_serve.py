@@ -49,7 +49,7 @@ def _mp4(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
     """A small H.264 mp4 (Chromium plays it), a colour ramp so frames differ. Written with tvrpipe's own writer:
     libvpx (WebM) cannot be opened once decord's bundled libavcodec is loaded in the process, as it is when the
     whole suite runs."""
-    from tvrpipe.data.synth import write_mp4
+    from tvrpipe.worlds.videos import write_mp4
 
     n = int(seconds * fps)
     frames = np.stack([np.full((48, 64, 3), (i * 6) % 256, np.uint8) for i in range(n)])
@@ -58,7 +58,7 @@ def _mp4(path: Path, seconds: float = 4.0, fps: int = 10) -> None:
 
 def _tiny_clip_store(path: Path, seed: int, train: int = 8, test: int = 4) -> Path:
     """A generated store of the tiny CLIP's width (the world of ``seed``), relabelled as extracted with it."""
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=train, test_videos=test, captions_per_train_video=1, frames=4, max_words=8,
                    embed_dim=64, seed=seed)

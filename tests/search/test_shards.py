@@ -52,7 +52,7 @@ def ray_local():
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A store of the tiny CLIP's width (D = 64), relabelled as extracted with it: 40 videos, 4 frames."""
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=24, test_videos=16, captions_per_train_video=1, frames=4, max_words=8,
                    embed_dim=64, seed=11)

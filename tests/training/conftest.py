@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
     """40 generated videos with their manifest (``tvrpipe synth``)."""
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     root = tmp_path_factory.mktemp("synth-data")
     synthesize(root, 40, seed=0, progress=False)
@@ -19,7 +19,7 @@ def synth(tmp_path_factory):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A generated feature store: 64 training and 16 test videos, 4 frames, 8 words, D = 32."""
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     spec = GenSpec(train_videos=64, test_videos=16, captions_per_train_video=2, frames=4, max_words=8,
                    embed_dim=32, seed=0)

@@ -47,7 +47,7 @@ def test_fit_tunes_the_allocator_so_a_step_block_is_not_faulted_in_again(tmp_pat
     """Before fit, every 32 MiB block is a fresh mapping (8,192 faults); once fit has run, the heap
     reuses it. fit on a tiny generated store is the path every head trains through."""
     res = _run(f"""
-from tvrpipe.features.genstore import GenSpec, generate_store
+from tvrpipe.worlds.features import GenSpec, generate_store
 from tvrpipe.training import allocator
 from tvrpipe.training.fit import TrainConfig, fit
 before = faults_per_block()

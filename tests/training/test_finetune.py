@@ -23,7 +23,7 @@ TINY = dict(model="tvrpipe-tiny", pretrained="none", loader_workers=0)
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     root = tmp_path_factory.mktemp("ftdata")
     synthesize(root, 200, seed=0, progress=False)
@@ -237,7 +237,7 @@ def test_search_finds_the_captioned_video_above_chance_through_the_cli(e2e, data
 
 
 def test_search_bad_input_is_one_line(e2e, tmp_path, cli):
-    from tvrpipe.features.genstore import GenSpec, generate_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     out, metrics, store = e2e
     no_export = tmp_path / "run"
@@ -316,7 +316,7 @@ def test_options_are_checked_before_anything_runs(data, tmp_path):
 
 
 def _small(tmp_path, n=30):
-    from tvrpipe.data.synth import synthesize
+    from tvrpipe.worlds.videos import synthesize
 
     synthesize(tmp_path / "d", n, seed=1, progress=False)
     return tmp_path / "d"

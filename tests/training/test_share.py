@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from tvrpipe.evaluation.metrics import paired_recall_difference
-from tvrpipe.features.genstore import CALIBRATED, GenSpec, generate_store
 from tvrpipe.rundir import read_test_ranks
 from tvrpipe.training.fit import fit
 from tvrpipe.training.settings import TrainConfig
+from tvrpipe.worlds.features import CALIBRATED, GenSpec, generate_store
 
 pytestmark = pytest.mark.numerics
 

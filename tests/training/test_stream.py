@@ -293,9 +293,9 @@ def test_streamed_training_trains_as_in_memory_training_does(tmp_path):
     not on the selected one (epoch 0 competes in selection, so a trainer that never trains would still select)."""
     import pandas as pd
 
-    from tvrpipe.features.genstore import CALIBRATED, GenSpec, generate_store
     from tvrpipe.training.fit import fit
     from tvrpipe.training.settings import TrainConfig
+    from tvrpipe.worlds.features import CALIBRATED, GenSpec, generate_store
 
     store = generate_store(tmp_path / "store", GenSpec(
         train_videos=512, val_videos=400, test_videos=20, captions_per_train_video=4, embed_dim=64, intrinsic_dim=64,

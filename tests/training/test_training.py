@@ -18,7 +18,6 @@ import yaml
 
 from tvrpipe.environment import versions
 from tvrpipe.errors import ConfigError, RunError
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.features.store import StoreError
 from tvrpipe.heads.base import list_heads
 from tvrpipe.rundir import load_head
@@ -26,6 +25,7 @@ from tvrpipe.training import core
 from tvrpipe.training import fit as fit_module
 from tvrpipe.training.evaluate import evaluate_run
 from tvrpipe.training.fit import TrainConfig, fit
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
 

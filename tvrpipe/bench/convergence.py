@@ -35,9 +35,9 @@ from pathlib import Path
 
 from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError, RunError
-from tvrpipe.features.genstore import CALIBRATED, ONE_SCENE, GenSpec, generate_store
 from tvrpipe.lock import DirLock
 from tvrpipe.rundir import CHECKPOINTS, METRICS_FILE, RunResults, read_epochs, read_results
+from tvrpipe.worlds.features import CALIBRATED, ONE_SCENE, GenSpec, generate_store
 
 log = logging.getLogger(__name__)
 

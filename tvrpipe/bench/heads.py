@@ -25,8 +25,8 @@ from pathlib import Path
 
 from tvrpipe.bench.extract import in_fresh_process
 from tvrpipe.bench.room import Needs, batch_needs, check_room, stores_needs
-from tvrpipe.features.genstore import GenSpec, generate_store
 from tvrpipe.progress import stages
+from tvrpipe.worlds.features import GenSpec, generate_store
 
 MSRVTT_9K = GenSpec(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20,
                     captions_per_test_video=1, frames=12, max_words=32, embed_dim=512, seed=0)

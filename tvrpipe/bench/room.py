@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tvrpipe.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.worlds.features import GenSpec
 
 DISK_SPARE = 2**30  # choice: the disk keeps a GiB free after the plan (logs, the OS's own writes)
 # the bench videos' bytes per pixel and frame, over: 0.072-0.077 measured (x264 ultrafast, crf 23, 320x240 to 720p)

@@ -3,7 +3,7 @@ a real collection.
 
 What runs:
 
-1. **Two generated stores of one latent world** (:mod:`tvrpipe.features.genstore`; their :class:`GenSpec`
+1. **Two generated stores of one latent world** (:mod:`tvrpipe.worlds.features`; their :class:`GenSpec`
    differ only in the split sizes, so the concepts, subspaces, styles and scales are the same): the
    *collection*, ``videos`` videos (default 100,000; 12 frames, 32 words, D = 512 as ViT-B/32), one caption
    each, and a small *benchmark*, ``train_videos`` captioned train videos (5 captions each) and a test split
@@ -57,7 +57,7 @@ import numpy as np
 
 from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError, RunError
-from tvrpipe.features.genstore import CALIBRATED, GenSpec, generate_store
+from tvrpipe.worlds.features import CALIBRATED, GenSpec, generate_store
 
 log = logging.getLogger(__name__)
 

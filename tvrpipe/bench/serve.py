@@ -428,8 +428,8 @@ def _plan(out_dir, videos, queries, methods, candidates, first_stage, first_stag
 def _stores(plan: _Plan, progress: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The collection (and the heads' benchmark) generated once; the warm-up and the timed requests' caption ids."""
     from tvrpipe.bench.search import benchmark_spec
-    from tvrpipe.features.genstore import generate_store
     from tvrpipe.features.store import open_store
+    from tvrpipe.worlds.features import generate_store
 
     generate_store(plan.coll_dir, plan.coll_spec, progress=progress, wait=True, made_by="tvrpipe bench serve")
     if plan.bench_dir is not None:

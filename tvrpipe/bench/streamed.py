@@ -34,8 +34,8 @@ from pathlib import Path
 
 from tvrpipe.bench.extract import in_fresh_process
 from tvrpipe.bench.room import Needs, check_room, stores_needs
-from tvrpipe.features.genstore import CALIBRATED, GenSpec, generate_store
 from tvrpipe.progress import stages
+from tvrpipe.worlds.features import CALIBRATED, GenSpec, generate_store
 
 COMMAND = "bench train-head --streamed"
 VIDEO_SHARD = 64  # generate_store's videos per chunk: a read block is whole chunks

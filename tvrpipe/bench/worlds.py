@@ -1,6 +1,6 @@
 """``tvrpipe bench worlds``: every head against zero-shot CLIP on the calibrated generated worlds.
 
-Two worlds with real CLIP ViT-B/32's statistics on MSR-VTT (:mod:`tvrpipe.features.worldstats`): one scene
+Two worlds with real CLIP ViT-B/32's statistics on MSR-VTT (:mod:`tvrpipe.worlds.stats`): one scene
 per video with whole-video captions (``genstore.ONE_SCENE``), and the benchmark world with multi-scene
 videos, partial captions and near-duplicates (``genstore.CALIBRATED``). On each, every trainable head is
 trained with train-head's default lr and open-ended schedule, shortened for a CPU (patience ``patience``
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.genstore import CALIBRATED, ONE_SCENE, GenSpec, generate_store
+from tvrpipe.worlds.features import CALIBRATED, ONE_SCENE, GenSpec, generate_store
 
 log = logging.getLogger(__name__)
 

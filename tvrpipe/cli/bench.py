@@ -300,7 +300,7 @@ def bench_worlds_cmd(
 
     from tvrpipe.config import parse_fields
     from tvrpipe.errors import ConfigError
-    from tvrpipe.features.genstore import GenSpec
+    from tvrpipe.worlds.features import GenSpec
 
     if full_schedule and (max_epochs is not None or patience is not None):
         raise ConfigError("--max-epochs and --patience size the shortened schedule; --full-schedule trains with "

@@ -105,7 +105,7 @@ def extract_cmd(
             raise ConfigError("give --dataset NAME (its files under --data-root, docs/datasets.md), or --manifest "
                               "and --video-root")
         from tvrpipe.data.layout import prepare_dataset
-        from tvrpipe.data.synth import generate_dataset
+        from tvrpipe.worlds.videos import generate_dataset
 
         # --video-root, when given, is the folder the manifest's videos are checked in and extracted from
         lay = prepare_dataset(dataset, data_root, video_root=video_root, generate=generate_dataset)

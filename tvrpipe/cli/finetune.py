@@ -145,7 +145,7 @@ def finetune_cmd(
             import tempfile
 
             from tvrpipe.data.layout import prepare_dataset
-            from tvrpipe.data.synth import generate_dataset
+            from tvrpipe.worlds.videos import generate_dataset
 
             # a dry run builds a manifest it needs in a scratch folder, removed when the command ends
             scratch = ctx.with_resource(tempfile.TemporaryDirectory(prefix="tvrpipe-dry-run-")) if dry_run else None

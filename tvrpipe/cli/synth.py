@@ -11,8 +11,8 @@ import typer
 
 from tvrpipe.cli.app import TOOLS, app, console, defaults_of, explicit_options, finite_float
 from tvrpipe.cli.options import print_counts
-from tvrpipe.data.synth import synthesize
 from tvrpipe.errors import ConfigError
+from tvrpipe.worlds.videos import synthesize
 
 SY = defaults_of(synthesize)  # each option's default is synthesize's, declared there once
 # The rendering options: with --features-only they do not apply.
@@ -107,8 +107,8 @@ def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrit
 
     from tvrpipe.bench.convergence import SIZES
     from tvrpipe.config import parse_fields
-    from tvrpipe.features.genstore import GenSpec, generate_store
     from tvrpipe.features.store import open_store
+    from tvrpipe.worlds.features import GenSpec, generate_store
 
     if preset not in SIZES:
         raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(SIZES)}")
@@ -135,7 +135,7 @@ def describe_store(out: Path, split: str) -> None:
     from rich.table import Table
 
     from tvrpipe.features.store import open_store
-    from tvrpipe.features.worldstats import TARGETS, measure, table
+    from tvrpipe.worlds.stats import TARGETS, measure, table
 
     store = open_store(out)
     measured = measure(store, split)
@@ -161,8 +161,8 @@ def _describe_structure(generator: dict, numbered: int) -> None:
     """The generated world's learnable share and rates beside the calibrated world's and MSR-VTT's published ones."""
     from rich.table import Table
 
-    from tvrpipe.features.genstore import CALIBRATED
-    from tvrpipe.features.worldstats import structure_rows
+    from tvrpipe.worlds.features import CALIBRATED
+    from tvrpipe.worlds.stats import structure_rows
 
     t = Table(title="the world's structure (the generator's fields)", title_justify="left")
     for col, just in (("rate [source]", "left"), ("this store", "right"), ("calibrated world", "right"),

@@ -86,7 +86,7 @@ def prepare_dataset(dataset: str, root: str | os.PathLike[str] | None = None, sp
             dataset) is built in this folder instead, with every check of a real build, and the returned
             layout points there; nothing under the data root is written. The caller removes the folder.
         generate: makes a generated dataset (its videos and manifest) in the folder it is given, with or
-            without a progress bar; the commands pass :func:`tvrpipe.data.synth.generate_dataset`. The
+            without a progress bar; the commands pass :func:`tvrpipe.worlds.videos.generate_dataset`. The
             data floor renders nothing itself. None: a generated dataset not made yet is an error naming
             the command that makes it.
 

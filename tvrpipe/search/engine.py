@@ -330,9 +330,9 @@ def _other_clip(run: Path, config: dict, metrics: dict, want: Mapping[str, Any],
     """Why a run cannot search a store of another CLIP, and what works: the store extracted with the run's CLIP
     (the complete command: the store's videos, the run's weights, frames and words), or the run's own store."""
     from tvrpipe.features.extract import extract_command
-    from tvrpipe.features.genstore import MODEL as GENERATED
     from tvrpipe.features.store import STORE_NAME, StoreError, store_attributes
     from tvrpipe.rundir import run_clip
+    from tvrpipe.worlds.features import MODEL as GENERATED
 
     prov = store.provenance
     why = f"--run {run} learnt with another CLIP than --features {store.dir} holds ({'; '.join(diff)})"

@@ -45,7 +45,7 @@ keeps the difficulty from changing with D), plus a small full-rank residual:
 ``noise`` scales the per-coordinate standard deviation of the observation noise (``noise *
 NOISE_UNIT`` for captions, ``FRAME_NOISE`` times that per frame). The constants are calibrated so
 that :data:`CALIBRATED`'s world (D = 512, 1,000 test videos) shows real CLIP ViT-B/32's statistics
-on MSR-VTT 1k-A (:mod:`tvrpipe.features.worldstats` holds the targets and their sources;
+on MSR-VTT 1k-A (:mod:`tvrpipe.worlds.stats` holds the targets and their sources;
 ``tvrpipe synth --describe`` measures them): zero-shot t2v R@1 about 31 for mean pooling, 26 for
 the middle frame, 18 for token-wise matching; cosines 0.86 between frames of one video, 0.49
 between frames of two videos, 0.51 between sentences, 0.30 between a sentence and its frames,

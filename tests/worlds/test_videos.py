@@ -1,4 +1,4 @@
-"""tvrpipe.data.synth: real mp4 files whose pixels and captions agree with the attributes."""
+"""tvrpipe.worlds.videos: real mp4 files whose pixels and captions agree with the attributes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tvrpipe.data import synth
 from tvrpipe.data.manifest import read_manifest
-from tvrpipe.data.synth import COLOURS, MOTION_WORDS, SHAPE_WORDS, plan_videos, synthesize
 from tvrpipe.errors import ConfigError, VideoError
+from tvrpipe.worlds import videos as synth
+from tvrpipe.worlds.videos import COLOURS, MOTION_WORDS, SHAPE_WORDS, plan_videos, synthesize
 
 N = 24
 FPS = 8

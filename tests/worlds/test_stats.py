@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tvrpipe.features.genstore import (
+from tvrpipe.features.store import open_store
+from tvrpipe.worlds.features import (
     CALIBRATED,
     LATENT_TEXTS,
     LATENT_VIDEOS,
@@ -17,8 +18,7 @@ from tvrpipe.features.genstore import (
     GenSpec,
     generate_store,
 )
-from tvrpipe.features.store import open_store
-from tvrpipe.features.worldstats import TARGET, TARGETS, measure, table
+from tvrpipe.worlds.stats import TARGET, TARGETS, measure, table
 
 pytestmark = pytest.mark.numerics
 
@@ -135,7 +135,7 @@ def test_mixed_worlds_have_one_and_multi_scene_videos_and_partial_captions(tmp_p
 
 
 def test_structure_rows_show_a_stores_rates_beside_the_calibrated_worlds():
-    from tvrpipe.features.worldstats import STRUCTURE, structure_rows
+    from tvrpipe.worlds.stats import STRUCTURE, structure_rows
 
     spec = GenSpec(caption_shift=12.5, shared_sources=0.25, near_duplicates=0.1, scenes=1).to_dict()
     rows = {r[0]: r for r in structure_rows(spec, {**CALIBRATED, "caption_shift": 30.0})}
@@ -151,7 +151,7 @@ def test_structure_rows_show_a_stores_rates_beside_the_calibrated_worlds():
 
 
 def test_r1_counts_a_tie_against():
-    from tvrpipe.features.worldstats import _r1
+    from tvrpipe.worlds.stats import _r1
 
     assert _r1(np.array([[0.5, 0.5, 0.1], [0.0, 0.9, 0.2], [0.3, 0.3, 0.4]])) == pytest.approx(200 / 3)
 

@@ -84,7 +84,7 @@ TARGET = {t.name: t for t in TARGETS}
 
 @dataclass(frozen=True)
 class Structure:
-    """A rate of a generated world's structure (a :class:`~tvrpipe.features.genstore.GenSpec` field), beside
+    """A rate of a generated world's structure (a :class:`~tvrpipe.worlds.features.GenSpec` field), beside
     what is published about MSR-VTT.
 
     Attributes:

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.features.genstore import (
+from tvrpipe.features.store import IDENTITY_KEYS, STORE_NAME, StoreError, open_store
+from tvrpipe.worlds.features import (
     LATENT_TEXTS,
     LATENT_VIDEOS,
     GenSpec,
@@ -20,7 +21,6 @@ from tvrpipe.features.genstore import (
     generate_store,
     provenance_for,
 )
-from tvrpipe.features.store import IDENTITY_KEYS, STORE_NAME, StoreError, open_store
 
 pytestmark = pytest.mark.numerics  # floats that depend on the CPU: `make test` runs these under other code paths
 
