@@ -277,7 +277,7 @@ def tiny_convergence_size(monkeypatch):
     import tvrpipe.training.fit as fit_module
     from tvrpipe.worlds.features import GenSpec
 
-    monkeypatch.setitem(conv.SIZES, "tiny", GenSpec(**TINY_STORE))
+    monkeypatch.setitem(conv.PRESETS, "tiny", GenSpec(**TINY_STORE))
     monkeypatch.setattr(fit_module, "TrainConfig", functools.partial(fit_module.TrainConfig, **TINY_TRAINER))
 
 

@@ -8,12 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from tvrpipe.bench.convergence import SIZES
 from tvrpipe.bench.search import bench_search, benchmark_spec, collection_spec
 from tvrpipe.bench.worlds import bench_worlds, world_spec
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import open_store
-from tvrpipe.worlds.features import CALIBRATED, ONE_SCENE
+from tvrpipe.worlds.features import CALIBRATED, ONE_SCENE, PRESETS
 
 
 def test_world_specs_are_the_worlds_they_name():
@@ -23,7 +22,7 @@ def test_world_specs_are_the_worlds_they_name():
     assert all(getattr(world_spec("onescene", 80, 32), k) == v for k, v in ONE_SCENE.items())
     # the sized worlds keep their sizes whatever --train-videos and --dim say; the seed is bench worlds'
     for name in ("small", "medium", "msrvtt9k"):
-        assert world_spec(name, 80, 32, seed=5) == replace(SIZES[name], seed=5)
+        assert world_spec(name, 80, 32, seed=5) == replace(PRESETS[name], seed=5)
     default = {k: p.default for k, p in inspect.signature(bench_search).parameters.items()}
     search = world_spec("search", 80, 32, seed=2)
     assert search == benchmark_spec(collection_spec(1000, default["dim"], seed=2), default["train_videos"])

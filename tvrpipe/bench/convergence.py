@@ -37,23 +37,10 @@ from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.lock import DirLock
 from tvrpipe.rundir import CHECKPOINTS, METRICS_FILE, RunResults, read_epochs, read_results
-from tvrpipe.worlds.features import CALIBRATED, ONE_SCENE, GenSpec, generate_store
+from tvrpipe.worlds.features import PRESETS, GenSpec, generate_store
 
 log = logging.getLogger(__name__)
 
-# The generated stores: the calibrated world (real CLIP ViT-B/32's statistics on MSR-VTT, with
-# multi-scene videos, partial captions and near-duplicates; genstore.CALIBRATED), 4 captions per
-# train video, seed 4242; sizes differ in train and validation videos and in width.
-BASE = GenSpec(train_videos=2000, val_videos=200, test_videos=200, captions_per_train_video=4,
-               embed_dim=64, intrinsic_dim=64, seed=4242, **CALIBRATED)
-_MSRVTT = dict(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20, embed_dim=512,
-               seed=4242)  # validation carved by train-head
-SIZES: dict[str, GenSpec] = {
-    "small": replace(BASE, train_videos=500, val_videos=100, test_videos=100),
-    "medium": BASE,
-    "msrvtt9k": GenSpec(**_MSRVTT, **CALIBRATED),
-    "onescene": GenSpec(**_MSRVTT, **ONE_SCENE),
-}
 LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 EPOCHS = (5, 15, 40)
 
@@ -121,7 +108,7 @@ def bench_convergence(
 
     Args:
         out_dir: working directory (stores are generated once and reused).
-        sizes: names of :data:`SIZES` (default: small and medium), or ``{name: GenSpec}``.
+        sizes: names of :data:`~tvrpipe.worlds.features.PRESETS` (default: small and medium), or ``{name: GenSpec}``.
         methods: heads (default: every registered head).
         lrs: learning rates of the grid and of the open-ended runs.
         epochs: epoch counts of the grid.
@@ -180,10 +167,10 @@ def _checked(out: Path, sizes, methods: list[str], lrs, only_default: bool, no_g
         TrainConfig(lr=lr)
     if not isinstance(sizes, dict):
         names = sizes or ["small", "medium"]
-        unknown = [s for s in names if s not in SIZES]
+        unknown = [s for s in names if s not in PRESETS]
         if unknown:
-            raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(SIZES)}")
-        sizes = {name: SIZES[name] for name in names}
+            raise ConfigError(f"--size {unknown[0]!r} is not one of: {', '.join(PRESETS)}")
+        sizes = {name: PRESETS[name] for name in names}
     for method in methods:  # an unknown head fails here, before hours of store generation
         head_class(method)
     check_room("bench convergence", out, stores_needs({out / "stores" / size: spec for size, spec in sizes.items()})

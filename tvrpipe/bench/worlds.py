@@ -1,8 +1,8 @@
 """``tvrpipe bench worlds``: every head against zero-shot CLIP on the calibrated generated worlds.
 
 Two worlds with real CLIP ViT-B/32's statistics on MSR-VTT (:mod:`tvrpipe.worlds.stats`): one scene
-per video with whole-video captions (``genstore.ONE_SCENE``), and the benchmark world with multi-scene
-videos, partial captions and near-duplicates (``genstore.CALIBRATED``). On each, every trainable head is
+per video with whole-video captions (``worlds.features.ONE_SCENE``), and the benchmark world with multi-scene
+videos, partial captions and near-duplicates (``worlds.features.CALIBRATED``). On each, every trainable head is
 trained with train-head's default lr and open-ended schedule, shortened for a CPU (patience ``patience``
 epochs, at most ``max_epochs``, no scaling to 300 steps) or, with ``full_schedule``, train-head's defaults as they are,
 then again with ``zero_shot_start`` (not in the papers), and its test t2v R@1 is set beside zero-shot
@@ -57,9 +57,9 @@ def world_spec(world: str, train_videos: int, dim: int, seed: int = 0, fields: d
         default = {k: p.default for k, p in inspect.signature(bench_search).parameters.items()}
         spec = benchmark_spec(collection_spec(1000, default["dim"], seed=seed), default["train_videos"])
     elif world in SIZED:
-        from tvrpipe.bench.convergence import SIZES
+        from tvrpipe.worlds.features import PRESETS
 
-        spec = replace(SIZES[world], seed=seed)
+        spec = replace(PRESETS[world], seed=seed)
     else:
         raise ConfigError(f"--world {world!r} is not one of: {', '.join((*WORLDS, *SIZED))}")
     spec = replace(spec, **(fields or {}))

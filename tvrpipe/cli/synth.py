@@ -105,14 +105,13 @@ def synth(
 def _features_only(out: Path, preset: str, items: list[str], seed: int, overwrite: bool) -> None:
     import dataclasses
 
-    from tvrpipe.bench.convergence import SIZES
     from tvrpipe.config import parse_fields
     from tvrpipe.features.store import open_store
-    from tvrpipe.worlds.features import GenSpec, generate_store
+    from tvrpipe.worlds.features import PRESETS, GenSpec, generate_store
 
-    if preset not in SIZES:
-        raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(SIZES)}")
-    spec = dataclasses.replace(SIZES[preset], seed=seed, **parse_fields(GenSpec, items, "--set", "--set"))
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r} is not one of: {', '.join(PRESETS)}")
+    spec = dataclasses.replace(PRESETS[preset], seed=seed, **parse_fields(GenSpec, items, "--set", "--set"))
     spec.validate("--set")
     from tvrpipe.bench.room import check_room, stores_needs
 

@@ -260,6 +260,22 @@ class GenSpec:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
+# The presets (`tvrpipe synth --features-only --preset`, `bench convergence --size`, `bench worlds`): the
+# calibrated world (real CLIP ViT-B/32's statistics on MSR-VTT, with multi-scene videos, partial captions and
+# near-duplicates; CALIBRATED), 4 captions per train video, seed 4242; sizes differ in train and validation
+# videos and in width. msrvtt9k has MSR-VTT 9k's sizes, onescene the same in the one-scene world.
+_MEDIUM = GenSpec(train_videos=2000, val_videos=200, test_videos=200, captions_per_train_video=4,
+                  embed_dim=64, intrinsic_dim=64, seed=4242, **CALIBRATED)
+_MSRVTT = dict(train_videos=9000, val_videos=0, test_videos=1000, captions_per_train_video=20, embed_dim=512,
+               seed=4242)  # validation carved by train-head
+PRESETS: dict[str, GenSpec] = {
+    "small": dataclasses.replace(_MEDIUM, train_videos=500, val_videos=100, test_videos=100),
+    "medium": _MEDIUM,
+    "msrvtt9k": GenSpec(**_MSRVTT, **CALIBRATED),
+    "onescene": GenSpec(**_MSRVTT, **ONE_SCENE),
+}
+
+
 # ------------------------------------------------------------------------------ tables
 
 
