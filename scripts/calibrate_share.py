@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("pairs", nargs="+", help="ANGLE,NOISE: the caption shift in degrees and the noise")
     ap.add_argument("--seeds", type=int, default=3, help="worlds averaged per row (seeds 0..N-1)")
     ap.add_argument("--world", choices=tuple(WORLDS), default="calibrated",
-                    help="genstore.CALIBRATED (the presets' world) or genstore.ONE_SCENE")
+                    help="worlds.features.CALIBRATED (the presets' world) or worlds.features.ONE_SCENE")
     args = ap.parse_args()
     print(f"{args.world} world, seeds 0-{args.seeds - 1}")
     print("| shift | noise | " + " | ".join(SHOWN) + " | oracle R@1 | oracle gain |")

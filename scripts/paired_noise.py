@@ -3,14 +3,14 @@
 
 Selection compares two scorers (two epochs, two heads) on the same validation videos, so what decides
 it is the noise of their paired difference. This script measures it on the calibrated world: it
-generates a store of ``genstore.CALIBRATED`` (read at run time, so a recalibrated world reruns as it
+generates a store of ``worlds.features.CALIBRATED`` (read at run time, so a recalibrated world reruns as it
 is; D = 512, 12 frames, 32 words) with ``--pool`` test videos and no train or val split, then draws
 ``--draws`` validation sets of n videos without replacement from that pool, for each n of ``--sizes``.
 Each draw is scored as validation scores it: each video's first caption is a query, read against the
 draw's own gallery of n videos, t2v R@1 with ties counted against (``evaluation.metrics.t2v_ranks``),
 for two zero-shot scorers: mean pooling (the ``meanpool`` head's ``mean_video``: the cosine of the
 sentence and the mean of the L2-normalised frames) and the middle frame (the middle valid frame, as
-``worldstats`` takes it). Per n it prints the sd over draws of their difference (mean pooling minus
+``worlds.stats`` takes it). Per n it prints the sd over draws of their difference (mean pooling minus
 middle frame, in points) and of mean pooling's own R@1.
 
 Finite-population correction. The draws come from one pool of N videos, so they share videos (a draw
@@ -67,7 +67,7 @@ def world_spec(pool: int, seed: int) -> GenSpec:
 
 
 def middle_frame(frame_mask: np.ndarray) -> np.ndarray:
-    """Index of each video's middle valid frame, (n, F) -> (n,): ``valid[len(valid) // 2]``, as worldstats."""
+    """Index of each video's middle valid frame, (n, F) -> (n,): ``valid[len(valid) // 2]``, as worlds.stats."""
     return np.array([np.flatnonzero(row)[int(row.sum()) // 2] for row in frame_mask])
 
 

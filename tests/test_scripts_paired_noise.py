@@ -1,6 +1,6 @@
 """scripts/paired_noise.py (the validation noise figures of docs/training.md), against independent references:
 the finite-population correction against simulated sampling of a known Bernoulli population, a draw's R@1
-against a plain loop over its queries and against worldstats' zero-shot scorers, and the whole command on a
+against a plain loop over its queries and against worlds.stats' zero-shot scorers, and the whole command on a
 tiny pool."""
 
 from __future__ import annotations
@@ -72,11 +72,11 @@ def _plain_r1(store, rows, scorer):
     return 100.0 * hits / len(vrows)
 
 
-def test_a_draws_r1_is_a_plain_loops_and_worldstats(tiny_store):
+def test_a_draws_r1_is_a_plain_loops_and_worlds_stats(tiny_store):
     sent, mean, middle = paired_noise.pool_features(tiny_store)
     assert sent.shape == mean.shape == middle.shape == (48, 32)
     for seed, n in [(0, 12), (1, 30), (2, 48 - 1)]:
-        # worldstats.measure's draw of n test videos, scored by the script and by worldstats
+        # worlds.stats.measure's draw of n test videos, scored by the script and by worlds.stats
         rows = np.sort(np.random.default_rng(seed).choice(48, n, replace=False))
         got_mean, got_mid = paired_noise.draw_r1(sent, mean, rows), paired_noise.draw_r1(sent, middle, rows)
         assert got_mean == pytest.approx(_plain_r1(tiny_store, rows, "mean"))
