@@ -618,6 +618,19 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     assert [x["recall"] for x in res["rows"]][-1] == 1.0 and "its first stage's / the zero-shot pooled shortlist" in r.output
 
 
+def test_a_large_collection_captions_only_its_query_pool():
+    """bench search's collection: up to QUERY_POOL videos all have a caption (the spec as before); beyond it only
+    the pool does, or as many as the queries asked for; the benchmark the heads train on is captioned whole."""
+    from tvrpipe.bench.search import QUERY_POOL, benchmark_spec, collection_spec
+
+    assert collection_spec(6000, 64).captioned_test_videos is None
+    big = collection_spec(1_000_000, 512)
+    assert (big.captioned_test_videos, big.n_texts) == (QUERY_POOL, QUERY_POOL)
+    assert big.store_bytes() < 14 * 10**9  # the frames' 12 GB and a little: not the 44 GB of a caption per video
+    assert collection_spec(1_000_000, 512, captioned=20_000).n_texts == 20_000
+    assert benchmark_spec(big, 2000).captioned_test_videos is None
+
+
 def test_bench_search_refuses_bad_options_before_any_store(cli, tmp_path):
     out = tmp_path / "b"
     for args, said in ((("--candidates", "5"), "--candidates 5: each K must be between 10"),

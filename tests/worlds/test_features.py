@@ -308,3 +308,26 @@ def test_synth_features_only_rejects_bad_options(cli, tmp_path, args, message):
 def test_synth_generator_options_need_features_only(cli, tmp_path):
     r = cli("synth", "--out", tmp_path / "s", "--set", "noise=1")
     assert r.exit_code == 1 and "apply with --features-only" in r.output
+
+
+def test_a_collection_with_few_captioned_videos_keeps_the_same_videos(small, tmp_path):
+    """captioned_test_videos: only the first N test videos have captions; the videos are the world's all the
+    same (their frames are the fully captioned store's, exactly), the store holds fewer texts and says so in
+    its spec; unset, the field is not recorded, so an older store keeps its identity."""
+    few = replace(SMALL, captioned_test_videos=2)
+    d = generate_store(tmp_path / "few", few, video_shard=4, text_shard=8)
+    full, part = _arrays(small), _arrays(d)
+    for k in ("videos/frames", "videos/frame_mask", "videos/timestamps"):
+        np.testing.assert_array_equal(full[k], part[k], err_msg=k)
+    s = open_store(d)
+    test_ids = s.videos.loc[s.videos["split"] == "test", "video_id"].tolist()
+    captioned = s.texts.loc[s.texts["split"] == "test", "video_id"]
+    assert sorted(set(captioned)) == test_ids[:2] and len(captioned) == 2 * 2  # 2 captions per test video
+    assert len(s.texts) == few.n_texts == 7 * 3 + 3 * 2 + 2 * 2 < SMALL.n_texts
+    assert few.store_bytes() < SMALL.store_bytes()
+    assert s.provenance["generator"]["captioned_test_videos"] == 2
+    assert "captioned_test_videos" not in SMALL.to_dict() and "captioned_test_videos" not in open_store(
+        small).provenance["generator"]
+    with pytest.raises(ConfigError, match=r"GenSpec.captioned_test_videos must be between 0 and test_videos \(5\), "
+                                          r"got 6"):
+        replace(SMALL, captioned_test_videos=6).validate()

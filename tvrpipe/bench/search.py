@@ -67,6 +67,7 @@ CANDIDATES = (50, 100, 200, 500, 1000, 2000)  # K: the first stage's shortlist p
 FRAMES = 12  # F: ViT-B/32 extraction's default
 WORDS = 32  # L: CLIP4Clip's max_words
 CAPTIONS_PER_TRAIN_VIDEO = 5  # GenSpec's default; MSR-VTT has 20, which only slows generation here
+QUERY_POOL = 10_000  # the collection's captioned videos, among which the queries are drawn (more when more are asked)
 WARMUP_VIDEOS = 64  # videos of the warm-up search before each timed arm
 
 
@@ -206,10 +207,14 @@ class SearchBench:
 # ------------------------------------------------------------------------------------------------ stores
 
 
-def collection_spec(videos: int, dim: int, frames: int = FRAMES, words: int = WORDS, seed: int = 0) -> GenSpec:
-    """The searched collection: ``videos`` test videos, one caption each (the queries are drawn from them), in
-    the calibrated world (real CLIP's statistics, multi-scene videos, partial captions, near-duplicates)."""
-    return GenSpec(train_videos=0, val_videos=0, test_videos=videos, captions_per_test_video=1, frames=frames,
+def collection_spec(videos: int, dim: int, frames: int = FRAMES, words: int = WORDS, seed: int = 0,
+                    captioned: int = QUERY_POOL) -> GenSpec:
+    """The searched collection: ``videos`` test videos in the calibrated world (real CLIP's statistics,
+    multi-scene videos, partial captions, near-duplicates); the first ``captioned`` of them have one caption
+    each, from which the queries are drawn. The rest are gallery videos alone: their captions would be most of
+    the store (at a million videos of D = 512, 32 of 44 GB) and no search reads them."""
+    return GenSpec(train_videos=0, val_videos=0, test_videos=videos, captions_per_test_video=1,
+                   captioned_test_videos=None if captioned >= videos else captioned, frames=frames,
                    max_words=words, embed_dim=dim, seed=seed, **CALIBRATED)
 
 
@@ -217,7 +222,7 @@ def benchmark_spec(collection: GenSpec, train_videos: int) -> GenSpec:
     """The heads' training benchmark: the collection's world (every field but the split sizes), with
     ``train_videos`` train videos and a test split of a quarter of that (at most 1,000)."""
     return replace(collection, train_videos=train_videos, test_videos=max(2, min(1000, train_videos // 4)),
-                   captions_per_train_video=CAPTIONS_PER_TRAIN_VIDEO)
+                   captions_per_train_video=CAPTIONS_PER_TRAIN_VIDEO, captioned_test_videos=None)
 
 
 def _text_rows(texts, a: int, b: int):
@@ -550,7 +555,7 @@ def _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stag
         kind = resolve_first_stage(first_stage)
         stage_config(kind, first_stage_settings)
     out = Path(out_dir)
-    coll_spec = collection_spec(videos, dim, seed=seed)
+    coll_spec = collection_spec(videos, dim, seed=seed, captioned=max(QUERY_POOL, queries))
     bench_spec = benchmark_spec(coll_spec, train_videos)
     names = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
     check_room("bench search", out, search_needs(out, coll_spec, bench_spec, names),

@@ -403,7 +403,7 @@ def _plan(out_dir, videos, queries, methods, candidates, first_stage, first_stag
           dim, seed, text_model) -> _Plan:
     """Every option checked (an unknown head, first stage, setting or text model fails here), and the room."""
     from tvrpipe.bench.room import check_room
-    from tvrpipe.bench.search import benchmark_spec, collection_spec, search_needs
+    from tvrpipe.bench.search import QUERY_POOL, benchmark_spec, collection_spec, search_needs
     from tvrpipe.heads.base import head_class
     from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.serve import DEFAULT_TOP_K
@@ -417,7 +417,7 @@ def _plan(out_dir, videos, queries, methods, candidates, first_stage, first_stag
     stage_config(kind, first_stage_settings)
     out = Path(out_dir)
     _check_text_model(text_model)
-    coll_spec = collection_spec(videos, dim, seed=seed)
+    coll_spec = collection_spec(videos, dim, seed=seed, captioned=max(QUERY_POOL, queries + WARMUP))
     stores = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
     check_room("bench serve", out, search_needs(out, coll_spec, benchmark_spec(coll_spec, train_videos) if methods
                                                 else None, stores), "--videos, --train-videos or --dim")

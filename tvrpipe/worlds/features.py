@@ -132,6 +132,9 @@ class GenSpec:
         test_videos: videos of the test split.
         captions_per_train_video: captions per train video (MSR-VTT: 20).
         captions_per_test_video: captions per val/test video; > 1 is a multi-caption set (MSVD).
+        captioned_test_videos: if set, only the first this many test videos have captions; the others are
+            gallery videos alone. A collection searched by a sample of queries needs no caption per video:
+            at a million videos of D = 512 their word tokens would be 32 of the store's 44 GB.
         frames: F.
         max_words: L (SOT and EOT included).
         embed_dim: D (512 for ViT-B/32).
@@ -164,6 +167,7 @@ class GenSpec:
     test_videos: int = 100
     captions_per_train_video: int = 5
     captions_per_test_video: int = 1
+    captioned_test_videos: int | None = None
     frames: int = 12
     max_words: int = 32
     embed_dim: int = 64
@@ -201,6 +205,9 @@ class GenSpec:
                      "concepts", "concept_words", "intrinsic_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GenSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.captioned_test_videos is not None and not 0 <= self.captioned_test_videos <= self.test_videos:
+            raise ConfigError(f"GenSpec.captioned_test_videos must be between 0 and test_videos ({self.test_videos}), "
+                              f"got {self.captioned_test_videos}")
         if self.max_words < 2:
             raise ConfigError(f"GenSpec.max_words must be >= 2 (SOT and EOT), got {self.max_words}")
         if self.caption_describes not in ("whole", "scene", "mixed"):
@@ -232,9 +239,14 @@ class GenSpec:
     @property
     def n_texts(self) -> int:
         """The captions the store holds: ``captions_per_train_video`` a training video, ``captions_per_test_video``
-        a validation or test one."""
+        a validation or a captioned test one."""
         return (self.train_videos * self.captions_per_train_video
-                + (self.val_videos + self.test_videos) * self.captions_per_test_video)
+                + (self.val_videos + self.captioned_tests) * self.captions_per_test_video)
+
+    @property
+    def captioned_tests(self) -> int:
+        """The test videos that have captions (all but where ``captioned_test_videos`` says fewer)."""
+        return self.test_videos if self.captioned_test_videos is None else self.captioned_test_videos
 
     def store_bytes(self) -> int:
         """The bytes :func:`generate_store` writes for this spec, a little over: the float16 frames, sentences and
@@ -252,8 +264,12 @@ class GenSpec:
         return 1200 * (videos + self.n_texts) + shard + 200 * 2**20
 
     def to_dict(self) -> dict:
-        """The spec as a JSON-ready dict."""
-        return dataclasses.asdict(self)
+        """The spec as a JSON-ready dict. ``captioned_test_videos`` is left out when unset, so that a store
+        written before the field existed keeps its recorded spec and its identity."""
+        d = dataclasses.asdict(self)
+        if d["captioned_test_videos"] is None:
+            del d["captioned_test_videos"]
+        return d
 
     def sha256(self) -> str:
         """A hash of the spec: the store's ``weights_sha256`` (different specs never mix)."""
@@ -287,6 +303,7 @@ def _tables(spec: GenSpec) -> tuple[pd.DataFrame, pd.DataFrame]:
     videos = pd.DataFrame({"video_id": vid, "path": "", "split": splits, "start_s": np.nan, "end_s": np.nan},
                           columns=list(VIDEO_COLUMNS))
     per = np.where(splits == "train", spec.captions_per_train_video, spec.captions_per_test_video)
+    per[spec.train_videos + spec.val_videos + spec.captioned_tests:] = 0  # test videos with no caption
     rows = np.repeat(np.arange(n), per)
     k = np.arange(len(rows)) - np.repeat(np.cumsum(per) - per, per)
     cap_vid = vid[rows]
