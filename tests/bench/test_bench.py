@@ -729,9 +729,17 @@ def test_bench_streamed_trains_larger_than_its_budget_and_compares_both_ways(tmp
         last = pd.read_csv(tmp_path / "b" / "runs" / f"small-{mode}" / "epochs.csv").iloc[-1]
         assert (r1, loss) == (last["val_t2v_R@1"], pytest.approx(last["loss"]))
     assert r.record()["within_noise"] == (abs(r.memory_val_r1 - r.streamed_val_r1) <= 2 * r.noise_sd)
-    # the model alone took as many steps as the large run
-    model = yaml.safe_load((tmp_path / "b" / "runs" / "model" / "config.yaml").read_text())
-    assert model["train"]["epochs"] == (r.large_videos // 32) // 2 and model["data"]["mode"] == "in memory"
+    # the model alone took as many steps as the large run, in at most MODEL_EPOCHS epochs, its data streamed
+    # through a buffer of MODEL_BUFFER batches
+    from tvrpipe.bench.streamed import MODEL_BUFFER, MODEL_EPOCHS
+
+    run = tmp_path / "b" / "runs" / "model"
+    model = yaml.safe_load((run / "config.yaml").read_text())
+    per_epoch = json.loads((run / "metrics.json").read_text())["schedule"]["validate_every_steps"]
+    steps, epochs = r.large_videos // 32, model["train"]["epochs"]
+    assert 1 <= epochs <= MODEL_EPOCHS and len(pd.read_csv(run / "epochs.csv")) == epochs
+    assert steps <= epochs * per_epoch < steps + per_epoch
+    assert model["data"]["mode"] == "streamed" and model["data"]["buffer_videos"] >= MODEL_BUFFER * 32
 
 
 @pytest.mark.slow

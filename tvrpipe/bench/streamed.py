@@ -7,11 +7,12 @@ Three runs, each in a process of its own (peak memory is its own), on generated 
    are ``factor`` times ``--memory-budget`` trains one epoch streamed under that budget. Its validation and test
    splits are large: each as many videos as make one evaluation (the head's embeddings and two score matrices)
    about a quarter of the budget, which the plan keeps out of the shuffle buffer's share. Its peak resident
-   memory is compared with the budget plus the model: the peak of a run of the same head on a store with the
-   same shapes but two batches of training videos and one batch each of validation and test videos, trained for
-   as many steps as the large run (the head, its optimizer, a step's activations, and what the allocator keeps
-   after that many steps: what does not grow with the store). The data path alone is also measured: one
-   streamed epoch in a process without a model, and the memory it adds.
+   memory is compared with the budget plus the model: the peak of a run of the same head, trained for as many
+   steps as the large run, on a store of the same shapes whose training split gives those steps in at most
+   :data:`MODEL_EPOCHS` epochs, streamed through a shuffle buffer of :data:`MODEL_BUFFER` batches, with one batch
+   each of validation and test videos (the head, its optimizer, a step's activations, the streaming itself and
+   what the allocator keeps after that many steps: what does not grow with the store or the budget). The data
+   path alone is also measured: one streamed epoch in a process without a model, and the memory it adds.
 2. **Both ways on a store that fits.** A smaller generated store (its features a quarter of the budget)
    trains the same epochs in memory and streamed (a budget of a third of its features beside its evaluation and
    tables, so its shuffle buffer holds the same share of the split as run 1's). Throughput is samples/s of the
@@ -41,6 +42,10 @@ COMMAND = "bench train-head --streamed"
 VIDEO_SHARD = 64  # generate_store's videos per chunk: a read block is whole chunks
 COMMAND_NAME = f"tvrpipe {COMMAND}"
 EVAL_SHARE = 0.25  # of the budget: about what one evaluation of the large store's validation or test split holds
+# the model alone: its steps in few epochs (each validates and checkpoints: a thousand two-step epochs took 45 minutes
+# at 1 GB), its data streamed through a buffer of a few batches, so that what it holds of its data stays small
+MODEL_EPOCHS = 4
+MODEL_BUFFER = 4
 
 
 def _fit_one(args: tuple[str, str, str, int, int, int | None, int]) -> dict:
@@ -95,6 +100,17 @@ def _head(store, method: str):
     from tvrpipe.training.fit import store_head_config
 
     return head_class(method)(store_head_config(store, method))
+
+
+def model_budget(store: Path, method: str, batch: int) -> int:
+    """A budget under which train-head streams ``store`` through a shuffle buffer of :data:`MODEL_BUFFER` batches,
+    beside its evaluation and tables (the model alone's run)."""
+    from tvrpipe.features.store import open_store
+    from tvrpipe.training.stream import BUFFER_SHARE, pair_bytes
+
+    plan = _plan(store, method, batch, None)
+    each = pair_bytes(open_store(store), plan.widths.get("train", 0))
+    return plan.evaluation + plan.tables + math.ceil(MODEL_BUFFER * batch * each / BUFFER_SHARE)
 
 
 def _plan(store: Path, method: str, batch: int, budget: int | None):
@@ -203,7 +219,7 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
     if not factor >= 1:
         raise ConfigError(f"--store-factor must be >= 1, got {factor}")
     out = Path(out_dir)
-    specs = _specs(budget, factor, method, batch_size, frames, words, dim, seed)
+    specs = _specs(budget, factor, method, batch_size, frames, words, dim, seed, epochs)
     budget_needs = Needs(memory=budget, memory_what="the --memory-budget")
     check_room(COMMAND, out, stores_needs({out / name: spec for name, spec in specs.items()}) + budget_needs,
                "--memory-budget or --store-factor")
@@ -215,11 +231,12 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
     small_plan = _plan(stores["small"], method, batch_size, None)
     # the small store streamed: a third of its features beside its evaluation and tables
     small_budget = small_plan.needs // 3 + small_plan.evaluation + small_plan.tables
-    # the model alone takes as many steps as the large run: two an epoch
+    # the model alone takes as many steps as the large run (its store gives them in at most MODEL_EPOCHS epochs)
     steps = epochs * (specs_videos(specs, "large") // batch_size)
+    model_epochs = math.ceil(steps / (specs_videos(specs, "model") // batch_size))
     runs = {  # each in a process of its own, minutes each: a bar of the stages, with the time they take
-        "model": (_fit_one, (str(stores["model"]), method, str(out / "runs" / "model"), max(1, steps // 2),
-                             batch_size, None, seed), f"{method}: the model alone"),
+        "model": (_fit_one, (str(stores["model"]), method, str(out / "runs" / "model"), model_epochs, batch_size,
+                             model_budget(stores["model"], method, batch_size), seed), f"{method}: the model alone"),
         "alone": (_stream_alone, (str(stores["large"]), method, batch_size, budget),
                   f"{method}: the streamed epoch alone"),
         "big": (_fit_one, (str(stores["large"]), method, str(out / "runs" / "large-streamed"), epochs, batch_size,
@@ -231,9 +248,10 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
     named = {what: key for key, (_, _, what) in runs.items()}
     done = {named[what]: in_fresh_process(*runs[named[what]]) for what in stages(list(named), progress)}
     big, mem, stream = done["big"], done["mem"], done["stream"]
-    if mem["data"]["mode"] != "in memory" or stream["data"]["mode"] != "streamed" or big["data"]["mode"] != "streamed":
-        raise RuntimeError(f"the runs read their data otherwise than planned: {mem['data']}, {stream['data']}, "
-                           f"{big['data']}")
+    modes = {"mem": "in memory", "stream": "streamed", "big": "streamed", "model": "streamed"}
+    if any(done[key]["data"]["mode"] != mode for key, mode in modes.items()):
+        raise RuntimeError("the runs read their data otherwise than planned: "
+                           + ", ".join(f"{key}: {done[key]['data']}" for key in modes))
     return StreamedBench(
         method=method, budget=budget, large_needs=large_plan.needs, large_disk=_disk_bytes(stores["large"]),
         large_videos=specs_videos(specs, "large"), large_test_videos=big["test_n"],
@@ -247,15 +265,16 @@ def bench_streamed(out_dir: str | os.PathLike[str], budget: int = 10**9, factor:
 
 
 def specs_videos(specs: dict[str, GenSpec], kind: str) -> int:
-    """The training videos of the ``kind`` store (``large``, ``small``) of :func:`_specs`."""
+    """The training videos of the ``kind`` store (``large``, ``small``, ``model``) of :func:`_specs`."""
     return next(spec.train_videos for name, spec in specs.items() if name.startswith(f"{kind}-"))
 
 
 def _specs(budget: int, factor: float, method: str, batch: int, frames: int, words: int, dim: int,
-           seed: int) -> dict[str, GenSpec]:
+           seed: int, epochs: int = 1) -> dict[str, GenSpec]:
     """The three stores' specs (by folder name): the large one (``factor`` x the budget of training features, a test
     split whose evaluation is about :data:`EVAL_SHARE` of the budget), the small one (a quarter of the budget) and
-    the model alone's (two batches of training videos, one batch each of validation and test videos).
+    the model alone's (as many training batches as give the large run's ``epochs`` epochs of steps in at most
+    :data:`MODEL_EPOCHS` epochs, at least two; one batch each of validation and test videos).
 
     Raises:
         ConfigError: the budget cannot hold a streamed run's shuffle buffer (a batch and a read block) beside the
@@ -280,6 +299,7 @@ def _specs(budget: int, factor: float, method: str, batch: int, frames: int, wor
                           f"larger --memory-budget or a smaller --batch-size")
     large = math.ceil(factor * budget / each * 1.02)
     small = max(4 * batch, int(budget / 4 / each))
+    model = max(2, math.ceil(epochs * (large // batch) / MODEL_EPOCHS)) * batch
     return {f"large-{large}-t{test}": _spec(large, frames, words, dim, seed, val=test, test=test),
             f"small-{small}": _spec(small, frames, words, dim, seed),
-            f"model-{2 * batch}": _spec(2 * batch, frames, words, dim, seed, val=batch, test=batch)}
+            f"model-{model}": _spec(model, frames, words, dim, seed, val=batch, test=batch)}
