@@ -463,7 +463,9 @@ def test_export_into_its_own_store_is_refused_and_repair_hints_name_a_command(cl
     assert r.exit_code == 1 and "repair it by running `tvrpipe synth --features-only` again" in text, r.output
 
 
-@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+# SIGTERM takes the same path as SIGINT with its own exit code: the slower half of the pair runs in `make test-all`
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"),
+                                             pytest.param(signal.SIGTERM, 143, "terminated", marks=pytest.mark.slow)])
 def test_a_signal_says_so_and_the_same_command_resumes(tmp_path, sig, code, word):
     """Ctrl-C or SIGTERM (a scheduler's preemption): one line saying what to do, the conventional exit code,
     and the same command resumes from the last finished epoch."""
