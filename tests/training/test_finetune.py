@@ -198,6 +198,7 @@ def _true_ranks(hits: list[dict], truth: list[int], store, k: int) -> np.ndarray
                      for q, t in enumerate(truth)])
 
 
+@pytest.mark.slow  # 10 s: the finetuned run's searches; test_search_bad_input_is_one_line keeps the path in the default run
 def test_search_finds_the_captioned_video_above_chance_through_the_cli(e2e, data, tmp_path, cli):
     """tvrpipe search with the finetune run (queries encoded by its exported CLIP) and with a head trained on the
     exported store (queries encoded by the store's CLIP, two stages): over all 200 videos (many share a caption's
