@@ -12,7 +12,7 @@ import typer
 from tvrpipe.cli.app import TOOLS, app, console, defaults_of, explicit_options, finite_float
 from tvrpipe.cli.options import print_counts
 from tvrpipe.errors import ConfigError
-from tvrpipe.worlds.videos import synthesize
+from tvrpipe.worlds.videos import DATASET_VIDEOS, synthesize
 
 SY = defaults_of(synthesize)  # each option's default is synthesize's, declared there once
 # The rendering options: with --features-only they do not apply.
@@ -25,7 +25,7 @@ def synth(
     ctx: typer.Context,
     out: Annotated[Path, typer.Option(help="Output directory: videos/, manifest/, attributes.parquet (or, with "
                                            "--features-only, a feature store).")],
-    videos: Annotated[int, typer.Option(help="Number of videos to render.")] = 200,
+    videos: Annotated[int, typer.Option(help="Number of videos to render.")] = DATASET_VIDEOS,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same manifest bytes and frames.")] = SY.seed,
     size: Annotated[int, typer.Option(help="Frame width and height in pixels (even).")] = SY.size,
     fps: Annotated[int, typer.Option(help="Frames per second.")] = SY.fps,

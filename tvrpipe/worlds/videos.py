@@ -74,6 +74,7 @@ VIDEOS_DIR = "videos"
 MANIFEST_DIR = "manifest"
 ATTRIBUTES_FILE = "attributes.parquet"
 ID_PREFIX = "synth_"
+DATASET_VIDEOS = 200  # `tvrpipe synth`'s default --videos, and the data root's synthetic dataset
 
 # --- the visual vocabulary -------------------------------------------------------------------
 
@@ -733,9 +734,9 @@ def synthesize(
 
 
 def generate_dataset(folder: str | os.PathLike[str], progress: bool = True) -> None:
-    """The data root's ``synthetic`` dataset: ``tvrpipe synth``'s defaults (200 videos, seed 0) written to
+    """The data root's ``synthetic`` dataset: ``tvrpipe synth``'s defaults (:data:`DATASET_VIDEOS`, seed 0) written to
     ``folder``. ``prepare_dataset`` calls it, passed in by the commands, when the dataset is first asked for."""
-    synthesize(folder, 200, seed=0, progress=progress)
+    synthesize(folder, DATASET_VIDEOS, progress=progress)
 
 
 def _write_videos(out: Path, plans: Sequence[VideoPlan], size: int, fps: int, frames_per_scene: int,
