@@ -78,6 +78,14 @@ def remove_staged(folder: str | os.PathLike[str], names: Iterable[str] | None = 
     return removed
 
 
+def gb(n: float) -> str:
+    """Bytes for messages and records, in decimal units: 3.44 TB, 1.23 GB, 45.6 MB, 7.8 kB, 512 bytes."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.{2 if unit in ('GB', 'TB') else 1}f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def file_sha256(path: Path) -> str:
     """sha256 of a file's bytes, read 16 MiB at a time (a CLIP checkpoint is never all in memory)."""
     h = hashlib.sha256()

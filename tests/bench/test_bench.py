@@ -715,7 +715,7 @@ def test_bench_streamed_trains_larger_than_its_budget_and_compares_both_ways(tmp
     import pandas as pd
 
     from tvrpipe.bench.streamed import bench_streamed
-    from tvrpipe.training.stream import gb
+    from tvrpipe.files import gb
 
     r = bench_streamed(tmp_path / "b", budget=3_000_000, method="xpool", batch_size=32, frames=4, words=4, dim=256,
                        progress=False)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tvrpipe.errors import ConfigError
-from tvrpipe.training.stream import gb
+from tvrpipe.files import gb
 
 
 @pytest.fixture(scope="module")

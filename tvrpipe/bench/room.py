@@ -138,8 +138,9 @@ def check_room(command: str, out: str | os.PathLike[str] | None, needs: Needs, l
     Raises:
         ConfigError: one line: what the plan needs, what there is, and what to change.
     """
+    from tvrpipe.files import gb
     from tvrpipe.lock import check_writable
-    from tvrpipe.training.stream import gb, memory_limit
+    from tvrpipe.training.stream import memory_limit
 
     if out is not None:  # a folder that cannot be made says so, not "0 bytes free"
         check_writable(out, "--out")

@@ -281,8 +281,9 @@ def _specs(budget: int, factor: float, method: str, batch: int, frames: int, wor
             large store's evaluation, said before any store is generated (as train-head's plan would refuse it).
     """
     from tvrpipe.errors import ConfigError
+    from tvrpipe.files import gb
     from tvrpipe.heads.base import create_head
-    from tvrpipe.training.stream import BUFFER_SHARE, block_size, gb, item_bytes
+    from tvrpipe.training.stream import BUFFER_SHARE, block_size, item_bytes
 
     head = create_head(method, embed_dim=dim)
     # a training pair's in-memory bytes (video, caption, its tokens), and the head's embeddings of an evaluated

@@ -16,12 +16,12 @@ import numpy as np
 
 from tvrpipe.environment import versions_text
 from tvrpipe.evaluation.metrics import bootstrap_recall, paired_recall_difference
+from tvrpipe.files import gb
 from tvrpipe.report.runs import DIRECTIONS, RunRecord, Skipped
 from tvrpipe.rundir import METRICS, ordered_variants
 from tvrpipe.training.finetune.config import EXECUTION as FINETUNE_EXECUTION
 from tvrpipe.training.recipes import Published
 from tvrpipe.training.settings import EXECUTION_FIELDS as TRAIN_EXECUTION
-from tvrpipe.training.stream import gb
 
 HIGHER_IS_BETTER = {"R@1": True, "R@5": True, "R@10": True, "MdR": False, "MnR": False}
 # how each score variant is titled, and what it is; a variant not listed here is titled by its key

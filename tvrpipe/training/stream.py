@@ -30,6 +30,7 @@ import torch
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import FeatureStore
+from tvrpipe.files import gb
 from tvrpipe.heads.base import TextBatch, VideoBatch
 from tvrpipe.training.data import (
     CaptionPairs,
@@ -93,14 +94,6 @@ def memory_limit() -> tuple[int, str]:
     if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
         limits.append((soft, "ulimit -v"))
     return min(limits)
-
-
-def gb(n: float) -> str:
-    """Bytes for messages and records, in decimal units: 3.44 TB, 1.23 GB, 45.6 MB, 7.8 kB, 512 bytes."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:,.{2 if unit in ('GB', 'TB') else 1}f} {unit}"
-    return f"{int(n)} bytes"
 
 
 def pair_bytes(store: FeatureStore, width: int) -> int:
