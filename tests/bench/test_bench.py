@@ -593,14 +593,24 @@ def test_bench_search_cli_measures_both_searches_and_their_recall(cli, tmp_path)
     runs = {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")}
     assert {p.relative_to(out).parts[1] for p in stores} == {"collection-600-d32-s0", "benchmark-64-d32-s0"}
     assert {p.parent.name for p in runs} == {"meanpool-2ep", "xpool-2ep"}
-    # a rerun: the stores and the run are reused; the exhaustive search runs on 2 of the 6 queries
+    # a rerun: the stores and the run are reused; the exhaustive search runs on 2 of the 6 queries; xpool encodes
+    # every video once and its searches read those encodings: the same hits as from the frames
+    first = {x["candidates"]: x for x in res["rows"] if x["method"] == "xpool"}
     r = bench("--candidates", "600", "--method", "xpool", "--exhaustive-queries", "2", "--latency-queries", "0",
-              "--first-stage", "exact")
+              "--first-stage", "exact", "--encoded-videos")
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     full, two = res["rows"]
     assert res["exhaustive_queries"] == 2 and full["qps"] == pytest.approx(2 / full["seconds"])
     assert two["qps"] == pytest.approx(6 / two["seconds"]) and two["recall"] == 1.0 and two["p50_ms"] is None
+    assert (two["r1"], two["r10"]) == (first[600]["r1"], first[600]["r10"])
+    from tvrpipe.bench.search import encodings_bytes
+
+    enc = res["trained"]["xpool"]["encoded"]
+    assert res["encoded_videos"] and enc["seconds"] > 0 and enc["peak_gb"] > 0
+    assert enc["bytes_per_video"] == encodings_bytes(["xpool"], 32, res["frames"])
+    assert enc["bytes"] >= 600 * enc["bytes_per_video"] and "xpool: every video encoded once in" in r.output
+    assert len(list(out.glob("stores/collection-600-d32-s0/search-encoded/*/encoded.json"))) == 1
     assert {p: p.stat().st_mtime for p in out.glob(chunks) if p.is_file()} == stores
     assert {p: p.stat().st_mtime for p in out.glob("runs/*/*/metrics.json")} == runs
     # the distilled first stage: fitted to xpool after its (reused) training, its build measured; the zero-shot

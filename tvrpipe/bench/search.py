@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tvrpipe.bench.room import Needs, check_room, stores_needs
+from tvrpipe.bench.room import Needs, check_room, folder_bytes, stores_needs
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.worlds.features import CALIBRATED, GenSpec, generate_store
 
@@ -134,6 +134,7 @@ class SearchBench:
     latency_queries: int = 0  # the queries each two-stage arm also searched one at a time
     cpus: int = 0
     threads: int = 0
+    encoded_videos: bool = False  # the heads read their encodings kept beside the collection, not the frames
 
     def methods(self) -> list[str]:
         return list(dict.fromkeys(r.method for r in self.rows))
@@ -188,6 +189,11 @@ class SearchBench:
                        f"fit {fs['fit']['seconds']:.1f} s on {fs['fit']['head_pairs']:,} head scores")
                 out.append(f"{m}: its first stage ({fs['describe']}) built in {fs['seconds']:.1f} s ({how}), "
                            f"{fs['bytes'] / 2**20:,.1f} MiB on disk, peak {fs['peak_gb']:.2f} GB")
+            if t is not None and "encoded" in t:
+                e = t["encoded"]
+                out.append(f"{m}: every video encoded once in {e['seconds']:.1f} s, kept: {e['bytes'] / 1e9:,.2f} GB "
+                           f"({e['bytes_per_video'] / 1e3:,.1f} kB a video), peak {e['peak_gb']:.2f} GB; its searches "
+                           f"read those encodings, not the frames")
             if m in self.zero_shot_recall:
                 out.append(f"{m}: recall@10 with its first stage's / the zero-shot pooled shortlist: " + ", ".join(
                     f"K={kk} {self.recall(m).get(kk, float('nan')):.3f} / {v:.3f}"
@@ -277,6 +283,7 @@ class _Arm:
     settings: tuple[str, ...] = ()  # the first stage's --first-stage-set items
     latency: int = 0  # the two stages: the first queries also searched one at a time, each timed
     run: str = ""  # the head's run: a distilled first stage is fitted to it
+    encoded: bool = False  # the head reads its encodings kept beside the collection, not the frames
 
 
 def _arm(job: _Arm) -> dict:
@@ -287,6 +294,7 @@ def _arm(job: _Arm) -> dict:
     from tvrpipe.features.store import open_store
     from tvrpipe.rundir import load_head
     from tvrpipe.search.distilled import text_batch
+    from tvrpipe.search.encoded import head_encodings
     from tvrpipe.search.engine import exhaustive, first_stage_for, keeps_first_stage, two_stage
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -295,16 +303,18 @@ def _arm(job: _Arm) -> dict:
     texts = text_batch(store, job.query_rows)
     stage = (first_stage_for(store, job.first_stage, job.settings, head, job.run or None)
              if job.candidates is not None else None)
+    encoded = head_encodings(store, head, job.run) if job.encoded else None  # kept by the bench's build
 
     def search(t, rows=job.rows):
         if stage is None:
-            return exhaustive(head, t, store, rows, TOP)
-        return two_stage(head, t, store, stage, TOP, job.candidates)
+            return exhaustive(head, t, store, rows, TOP, encoded=encoded)
+        return two_stage(head, t, store, stage, TOP, job.candidates, encoded=encoded)
 
     if stage is None:
         search(_text_rows(texts, 0, 2), job.rows[:WARMUP_VIDEOS])
     else:
-        two_stage(head, _text_rows(texts, 0, 2), store, stage, TOP, min(job.candidates, WARMUP_VIDEOS))
+        two_stage(head, _text_rows(texts, 0, 2), store, stage, TOP, min(job.candidates, WARMUP_VIDEOS),
+                  encoded=encoded)
     gc.collect()
     reset = _reset_peak()
     before = _proc_status("VmRSS") if reset else None
@@ -358,6 +368,21 @@ def _build(job: _Build) -> dict:
     t = time.perf_counter()
     stage = first_stage(store, job.first_stage, cache=True, settings=job.settings)
     return {"seconds": time.perf_counter() - t, "peak": _peak_bytes(), "describe": stage.describe()}
+
+
+def _encode(job: _Arm) -> dict:
+    """The head's encodings of every searchable video, made afresh in this (fresh) process and kept beside the
+    collection for the arms: their time, the process's resident peak and their size on disk."""
+    from tvrpipe.features.store import open_store
+    from tvrpipe.rundir import load_head
+    from tvrpipe.search.encoded import head_encodings
+
+    store = open_store(job.store)
+    head = load_head(job.checkpoint).eval()
+    t = time.perf_counter()
+    enc = head_encodings(store, head, job.run, rebuild=True)
+    return {"seconds": time.perf_counter() - t, "peak_gb": _peak_bytes() / 2**30, "bytes": enc.record["bytes"],
+            "bytes_per_video": enc.record["bytes_per_video"]}
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -457,6 +482,7 @@ def bench_search(
     progress: bool = True,
     exhaustive_queries: int | None = None,
     latency_queries: int = 16,
+    encoded_videos: bool = False,
 ) -> SearchBench:
     """Generate (once) the collection and the benchmark, train every head (once), then measure each head's
     exhaustive search and its two stages at each K, each in a fresh process; ``<out>/results.json`` gets
@@ -484,6 +510,9 @@ def bench_search(
             minutes a query, so it runs on a sample.
         latency_queries: the first queries each two-stage arm also searches one at a time, each timed (p50
             and p95 latency: the interactive case); 0: none.
+        encoded_videos: each head encodes every video once, after its training (timed, kept beside the
+            collection: :mod:`tvrpipe.search.encoded`), and its arms, the exhaustive one too, read those
+            encodings instead of encoding frames (``tvrpipe search --encoded-videos``).
 
     Raises:
         ConfigError: an option out of range, an unknown head or first stage, or one whose library is missing.
@@ -495,7 +524,7 @@ def bench_search(
     from tvrpipe.progress import progress_bar
 
     plan = _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stage_settings, train_videos,
-                 train_epochs, dim, seed, exhaustive_queries, latency_queries)
+                 train_epochs, dim, seed, exhaustive_queries, latency_queries, encoded_videos)
     generate_store(plan.coll_dir, plan.coll_spec, progress=progress, wait=True, made_by="tvrpipe bench search")
     generate_store(plan.bench_dir, plan.bench_spec, progress=progress, wait=True, made_by="tvrpipe bench search")
     bench, shared = _zero_shot_stage(plan)
@@ -528,10 +557,27 @@ class _Plan:
     train_videos: int
     train_epochs: int | None
     seed: int
+    encoded: bool = False  # each head's arms read its encodings of the videos, made once
+
+
+def encodings_bytes(methods: Sequence[str], dim: int, frames: int) -> int:
+    """Bytes a video of every head's encoding together (``--encoded-videos`` keeps each), from an untrained head
+    of each: the encoding's shapes do not depend on the weights."""
+    import torch
+
+    from tvrpipe.heads.base import VideoBatch, create_head
+
+    video = VideoBatch(torch.zeros(1, frames, dim), torch.ones(1, frames, dtype=torch.bool))
+    total = 0
+    with torch.inference_mode():
+        for m in methods:
+            total += sum(v.numel() * v.element_size() for v in create_head(m, embed_dim=dim).eval()
+                         .encode_videos(video).values())
+    return total
 
 
 def _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stage_settings, train_videos,
-          train_epochs, dim, seed, exhaustive_queries, latency_queries) -> _Plan:
+          train_epochs, dim, seed, exhaustive_queries, latency_queries, encoded=False) -> _Plan:
     """Every option checked (an unknown head, first stage or setting fails here), and the room the stores need."""
     from tvrpipe.heads.base import create_head, head_class, list_heads
     from tvrpipe.search.first_stages import (
@@ -558,11 +604,18 @@ def _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stag
     coll_spec = collection_spec(videos, dim, seed=seed, captioned=max(QUERY_POOL, queries))
     bench_spec = benchmark_spec(coll_spec, train_videos)
     names = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
-    check_room("bench search", out, search_needs(out, coll_spec, bench_spec, names),
-               "--videos, --train-videos or --dim")
+    needs = search_needs(out, coll_spec, bench_spec, names)
+    if encoded:  # each head's encodings, kept beside the collection (those already there count as written)
+        from tvrpipe.search.encoded import ENCODED_DIR
+
+        kept = folder_bytes(out / "stores" / names[0] / ENCODED_DIR)
+        needs += Needs(disk=max(0, videos * encodings_bytes(methods, dim, coll_spec.frames) - kept),
+                       disk_what="the heads' encodings of the videos (--encoded-videos)")
+    check_room("bench search", out, needs, "--videos, --train-videos or --dim" + (", or leave out --encoded-videos"
+                                                                                   if encoded else ""))
     return _Plan(out, out / "stores" / names[0], out / "stores" / names[1], coll_spec, bench_spec, methods, ks, kind,
                  first_stage_settings, kind == FOR_HEAD or first_stage_class(kind).head_aware, queries, exhaustive_queries,
-                 latency_queries, train_videos, train_epochs, seed)
+                 latency_queries, train_videos, train_epochs, seed, encoded)
 
 
 @dataclass
@@ -616,7 +669,7 @@ def _zero_shot_stage(plan: _Plan) -> tuple[SearchBench, _Shared]:
         first_stage_seconds=first_seconds, first_stage_r1=_r_at(top, truth, 1), first_stage_r10=_r_at(top, truth, TOP),
         first_stage_hit={k: _r_at(top, truth, k) / 100 for k in ks}, first_stage_exact=exact,
         train_videos=plan.train_videos, train_epochs=plan.train_epochs, exhaustive_queries=len(sample),
-        latency_queries=plan.latency_queries, cpus=os.cpu_count() or 1)
+        latency_queries=plan.latency_queries, cpus=os.cpu_count() or 1, encoded_videos=plan.encoded)
     shared = _Shared(qrows, sample, truth, stage.rows, top)
     del stage, pos
     gc.collect()
@@ -638,13 +691,19 @@ def _measure_head(plan: _Plan, shared: _Shared, bench: SearchBench, method: str,
                               f"{method}: building its distilled first stage")
         bench.trained[method]["first_stage"] = {"seconds": fs["seconds"], "peak_gb": fs["peak"] / 2**30,
                                                 "bytes": fs["bytes"], "fit": fs["fit"], "describe": fs["describe"]}
+    checkpoint = str(run_dir / CHECKPOINTS / BEST)
+    if plan.encoded:
+        bar.update(task, description=f"{method}: encoding every video once")
+        bench.trained[method]["encoded"] = in_fresh_process(
+            _encode, _Arm(str(plan.coll_dir), checkpoint, shared.qrows[:0], shared.rows, None, plan.kind,
+                          run=str(run_dir)), f"{method}: encoding every video")
     bar.advance(task)
     full = None
     for k in (None, *plan.ks):
         bar.update(task, description=f"{method}: {'exhaustive' if k is None else f'two stages, K = {k}'}")
         searched = shared.sample if k is None else np.arange(plan.queries)
-        job = _Arm(str(plan.coll_dir), str(run_dir / CHECKPOINTS / BEST), shared.qrows[searched], shared.rows, k,
-                   plan.kind, plan.settings, plan.latency_queries, str(run_dir))
+        job = _Arm(str(plan.coll_dir), checkpoint, shared.qrows[searched], shared.rows, k, plan.kind, plan.settings,
+                   plan.latency_queries, str(run_dir), plan.encoded)
         r = in_fresh_process(_arm, job, f"{method} search, {'exhaustive' if k is None else f'K = {k}'}")
         full = r["rows"] if k is None else full
         if k is None and plan.head_aware:  # the two stages' recall had the shortlist been zero-shot CLIP's

@@ -459,6 +459,10 @@ def bench_search_cmd(
     latency_queries: Annotated[int, typer.Option(
         help="Queries each two-stage arm also searches one at a time, each timed: the p50 and p95 latency of "
              "one query (0: none).")] = BS.latency_queries,
+    encoded_videos: Annotated[bool, typer.Option(
+        "--encoded-videos", help="Each head encodes every video once after its training (timed, kept beside the "
+        "collection) and its searches read those encodings instead of the frames, as tvrpipe search "
+        "--encoded-videos.")] = BS.encoded_videos,
     json_out: JsonOut = None,
 ) -> None:
     """Per head, on a generated collection: queries/s and peak memory of the exhaustive search and of the two
@@ -468,11 +472,12 @@ def bench_search_cmd(
 
     r = bench_search(out, videos, queries, tuple(candidates or BS.candidates), method, first_stage,
                      tuple(first_stage_set or ()), train_videos, train_epochs, dim,
-                     exhaustive_queries=exhaustive_queries, latency_queries=latency_queries)
+                     exhaustive_queries=exhaustive_queries, latency_queries=latency_queries,
+                     encoded_videos=encoded_videos)
     table = Table(title=f"search of {r.videos:,} videos, {r.queries} queries as one batch (first stage: "
                         f"{r.first_stage}); recall@10 against the exhaustive top 10")
     for col in ("method", "search", "qps", "speed-up", "one query p50 / p95 ms", "peak GB", "extra GB",
-                "videos encoded", "recall@10", "R@1 %", "R@10 %"):
+                "encodings read" if r.encoded_videos else "videos encoded", "recall@10", "R@1 %", "R@10 %"):
         table.add_column(col, justify="right")
     for m in r.methods():
         full, k95 = r.row(m, None), r.k_reaching(m)

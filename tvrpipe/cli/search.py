@@ -68,6 +68,12 @@ def search_cmd(
         metavar="KEY=VALUE", help="A first-stage setting, KEY=VALUE (repeatable; e.g. nprobe=64 for faiss-ivfpq, ef_search=128 for "
              "faiss-hnsw; docs/search.md lists them). With --index, its search-time settings only.",
         show_default=False)] = None,
+    encoded_videos: Annotated[bool, typer.Option(
+        "--encoded-videos", help="Keep the run's head's encoding of every video in <features>/search-encoded/ "
+        "(made once, on the first such search: one pass of the head over the store, as an exhaustive search) and "
+        "read it instead of encoding the candidates' frames for every search: for a head whose video side is "
+        "heavy and the same for every query (prota, uatvr), a re-ranking then costs the sentence's side and the "
+        "pair scores only. Its size is the head's encoding (prota: 53 kB a video; docs/search.md).")] = False,
     index: Annotated[Optional[Path], typer.Option(
         help="An index folder written by `tvrpipe export --format faiss` for the first stage; it must be "
              "of this very store.")] = None,
@@ -132,7 +138,8 @@ def search_cmd(
     try:
         found = search(searcher, texts, top_k, candidates, first_stage, index,
                        first_stage_settings=first_stage_set or (), min_score=min_score, images=bool(image),
-                       per_video=per_video, shards=shards, address=address, progress=True)
+                       per_video=per_video, shards=shards, address=address, progress=True,
+                       encoded_videos=encoded_videos)
     finally:
         if ours:
             stop_ray()
@@ -140,7 +147,8 @@ def search_cmd(
     how = (f"all {found.searchable:,} searchable videos" if found.exhaustive
            else f"the first stage's {found.candidates:,} best of {found.searchable:,} searchable videos"
            + (f" (in {found.shards} Ray shards)" if found.shards else ""))
-    console.print(Text.assemble((searcher.label, "bold"), f" over {searcher.store.dir} ({how} scored by the head)"))
+    by = "the head, from its kept encodings" if found.encoded else "the head"
+    console.print(Text.assemble((searcher.label, "bold"), f" over {searcher.store.dir} ({how} scored by {by})"))
     if repeated:
         console.print(f"{repeated} repeated quer{'ies' if repeated > 1 else 'y'} searched once", highlight=False)
     for q in texts:

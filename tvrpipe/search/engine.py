@@ -41,6 +41,7 @@ from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.features.store import FeatureStore, open_store
 from tvrpipe.heads.base import Head, TextBatch
 from tvrpipe.search.distilled import video_batch
+from tvrpipe.search.encoded import EncodedVideos, head_encodings
 from tvrpipe.search.results import Hit
 
 log = logging.getLogger(__name__)
@@ -400,18 +401,28 @@ class Ranked:
     candidates: int  # videos the head scored per query
 
 
+def encoded_block(head: Head, store: FeatureStore, rows: np.ndarray, device: str = "cpu",
+                  encoded: EncodedVideos | None = None) -> dict[str, torch.Tensor]:
+    """The head's encodings of store rows ``rows``: read from ``encoded`` where given (the head's encodings kept
+    beside the store, :mod:`tvrpipe.search.encoded`), else encoded from their frames."""
+    if encoded is not None:
+        return encoded.batch(rows, device)
+    return head.encode_videos(video_batch(store, rows).to(device))
+
+
 @torch.inference_mode()
 def exhaustive(head: Head, texts: TextBatch, store: FeatureStore, rows: np.ndarray, k: int,
-               device: str = "cpu") -> Ranked:
+               device: str = "cpu", encoded: EncodedVideos | None = None) -> Ranked:
     """The head scores every video of ``rows`` for every query; the ``k`` best per query. The running top k
-    is merged block by block, so memory is one block of scores, not the (Q, n) matrix."""
+    is merged block by block, so memory is one block of scores, not the (Q, n) matrix. ``encoded``: the head's
+    encodings of the videos, read instead of encoding their frames (:func:`encoded_block`)."""
     te = head.encode_texts(texts.to(device))
     Q = len(texts)
     best_s = torch.full((Q, 0), -torch.inf)
     best_p = torch.zeros((Q, 0), dtype=torch.long)
     best_u = torch.zeros((Q, 0))
     for a in range(0, len(rows), VIDEO_BLOCK):
-        ve = head.encode_videos(video_batch(store, rows[a : a + VIDEO_BLOCK]).to(device))
+        ve = encoded_block(head, store, rows[a : a + VIDEO_BLOCK], device, encoded)
         s = head.similarity(te, ve).float().cpu()
         u = head.pair_uncertainty(te, ve)
         u = torch.full_like(s, torch.nan) if u is None else u.float().cpu()
@@ -424,7 +435,7 @@ def exhaustive(head: Head, texts: TextBatch, store: FeatureStore, rows: np.ndarr
 
 @torch.inference_mode()
 def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlister, k: int, candidates: int,
-              device: str = "cpu") -> Ranked:
+              device: str = "cpu", encoded: EncodedVideos | None = None) -> Ranked:
     """The first stage's ``candidates`` best videos per query, re-ranked by the head; the ``k`` best per query.
 
     A head whose score is the first stage's own cosine (meanpool, zero-shot CLIP: ``ranks_as_first_stage``) keeps
@@ -432,7 +443,8 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
     of the queries' shortlists, block by block as the
     exhaustive search scores every video, and each query keeps its own shortlist's scores: a head's
     per-video work (X-Pool's Gram matrices, a transformer over frames) is done once per shortlisted video
-    however many queries shortlist it, and the work is never more than the exhaustive search's.
+    however many queries shortlist it, and the work is never more than the exhaustive search's. ``encoded``: the
+    head's encodings of the videos, read instead of encoding the shortlisted videos' frames (:func:`encoded_block`).
     """
     K = min(candidates, len(stage))
     pos, first = stage.top_texts(texts, K)  # (Q, K) positions into stage.rows
@@ -447,7 +459,7 @@ def two_stage(head: Head, texts: TextBatch, store: FeatureStore, stage: Shortlis
     scores = torch.empty(len(texts), len(union))
     unc = torch.full((len(texts), len(union)), torch.nan)
     for a in range(0, len(union), VIDEO_BLOCK):
-        ve = head.encode_videos(video_batch(store, urows[a : a + VIDEO_BLOCK]).to(device))
+        ve = encoded_block(head, store, urows[a : a + VIDEO_BLOCK], device, encoded)
         s = head.similarity(te, ve).float().cpu()
         scores[:, a : a + s.shape[1]] = s
         u = head.pair_uncertainty(te, ve)
@@ -523,6 +535,7 @@ class Found:
         per_video: at most this many hits of one file per query (its best moments); None: no limit.
         shards: the Ray actors the first stage was split over (:mod:`tvrpipe.search.shards`); None: one index
             in this process.
+        encoded: the head read its kept encodings of the videos (:mod:`tvrpipe.search.encoded`), not their frames.
     """
 
     hits: list[Hit]
@@ -533,6 +546,7 @@ class Found:
     top_k: int = 0
     per_video: int | None = None
     shards: int | None = None
+    encoded: bool = False
 
     @property
     def exhaustive(self) -> bool:
@@ -577,7 +591,8 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
            first_stage: str = "auto", index: str | os.PathLike[str] | None = None,
            texts: TextBatch | None = None, first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
            min_score: float | None = None, images: bool = False, per_video: int | None = None,
-           shards: int | None = None, address: str | None = None, progress: bool = False) -> Found:
+           shards: int | None = None, address: str | None = None, progress: bool = False,
+           encoded_videos: bool = False) -> Found:
     """The ``k`` best videos of the store for each query.
 
     Args:
@@ -602,7 +617,11 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             part of the store's searchable videos; the head re-ranks their merged shortlist here. Needs
             ``address`` and ``candidates``; None: one index in this process.
         address: the Ray cluster of ``shards`` (``auto``, ``HOST:PORT``, or ``local``: a Ray started here).
-        progress: a bar while the first stage's index is built (it is kept beside the store: built once).
+        progress: a bar while the first stage's index is built (it is kept beside the store: built once), and
+            while the videos are encoded for ``encoded_videos``.
+        encoded_videos: the head reads its encodings of the videos, kept beside the store
+            (:mod:`tvrpipe.search.encoded`: encoded once, on the first such search), instead of encoding the
+            candidates' frames for every search; a search whose ranking is the first stage's reads neither.
 
     Returns:
         The hits (one per query and rank, queries in order, best first), how many videos were scored, and how
@@ -615,13 +634,14 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
             picture that cannot be searched (:meth:`Searcher.encode_images`); all before the index is built.
             ``shards`` without ``address`` (or the other way round), below 1, with ``index`` or without
             ``candidates``; above the searchable videos, or an unreachable ``address`` (before any shard is built).
+            ``encoded_videos`` without a run, or where the disk cannot hold the encodings.
     """
     from tvrpipe.search.index import exported_stage
     from tvrpipe.search.shards import sharded_first_stage
 
     store = searcher.store
     check_search(searcher, queries, k, candidates, first_stage, index, first_stage_settings, min_score, per_video,
-                 shards, address)
+                 shards, address, encoded_videos)
     # the queries first: a store whose sentences cannot be encoded (a generated one, a moved checkpoint) is refused
     # before its index is written
     if texts is None:
@@ -634,25 +654,34 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
                                       progress))
     k = hits_asked(k, len(stage), store, candidates)
     depth = ranking_depth(store.videos, k, per_video, len(stage) if candidates is None else min(candidates, len(stage)))
-    if candidates is None or candidates >= len(stage):
-        ranked = exhaustive(searcher.head, texts, store, stage.rows, depth, searcher.device)
+    whole = candidates is None or candidates >= len(stage)
+    encoded = None
+    if encoded_videos and (whole or not keeps_first_stage(searcher.head, stage)):
+        encoded = head_encodings(store, searcher.head, searcher.run, progress)
+    if whole:
+        ranked = exhaustive(searcher.head, texts, store, stage.rows, depth, searcher.device, encoded)
     else:
-        ranked = two_stage(searcher.head, texts, store, stage, depth, candidates, searcher.device)
+        ranked = two_stage(searcher.head, texts, store, stage, depth, candidates, searcher.device, encoded)
     hits = hits_of(queries, ranked, store.videos)
     if per_video is not None:
         hits = per_file(hits, per_video, k)
-    return replace(cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video), shards=shards)
+    return replace(cut_below(hits, min_score, len(stage), ranked.candidates, k, per_video), shards=shards,
+                   encoded=encoded is not None)
 
 
 def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, candidates: int | None, first_stage: str,
                  index: str | os.PathLike[str] | None, first_stage_settings: Sequence[str] | Mapping[str, Any],
-                 min_score: float | None, per_video: int | None, shards: int | None, address: str | None) -> None:
+                 min_score: float | None, per_video: int | None, shards: int | None, address: str | None,
+                 encoded_videos: bool = False) -> None:
     """Every option of :func:`search` that can be checked before a query is encoded or an index built (its
     Raises says what is refused)."""
     from tvrpipe.search.first_stages import resolve_first_stage, stage_config
     from tvrpipe.search.shards import check_sharding
 
     check_queries(queries)
+    if encoded_videos and searcher.run is None:
+        raise ConfigError("--encoded-videos keeps a trained head's encodings of the videos: give --run (zero-shot "
+                          "search ranks the pooled frames, which the store already holds)")
     if per_video is not None and per_video < 1:
         raise ConfigError(f"--per-video {per_video}: keep at least 1 hit of a file")
     if candidates is not None and candidates < 1:

@@ -1,0 +1,185 @@
+"""The run's head's encoding of every searchable video, kept beside the store: a search reads it instead of the
+frames, so the head's per-video work is done once, not once a query.
+
+A head's score is ``similarity(encode_texts(t), encode_videos(v))``. Where ``encode_videos`` is heavy and the same
+for every query (ProTA's and UATVR's transformer over frames: 2-3 ms a video on 2 cores), it is most of a
+re-ranking's time: ProTA re-ranking 200 candidates spends 95 % of its second encoding them. Kept here, a search
+reads the candidates' encodings (every entry of the head's video encoding, in its dtype) from memory maps, and
+only the sentence's side and the pair scores are left to compute. The ranking is the head's own (up to float
+rounding): the same encodings, computed once.
+
+    <store>/search-encoded/<key>/
+      <entry>.npy    one per entry of the head's video encoding, ``(n, ...)``: the searchable videos' (memory-mapped)
+      rows.npy       int64 (n,): their rows in the store, sorted
+      encoded.json   what it was built from (the store's key, the run, its checkpoint's sha256, the head), each
+                     entry's shape and dtype, the bytes a video and the build's cost
+
+``key`` hashes the store's key (:func:`tvrpipe.search.index.store_key`) and the checkpoint's sha256: a store
+extracted again or another run builds anew. Building it costs one pass of the head over every video (what one
+exhaustive search costs) and its size is the head's encoding, not the frames': ProTA's is 53 kB a video at
+F = 12, D = 512 (5.3 GB at 100,000 videos), UATVR's 35 kB; so it is worth keeping for a head whose video side is
+heavy, and not for one whose encoding is its frames (X-Pool, DUQ, T-MASS, token-wise: larger than the frames and
+no faster). docs/search.md has the measured figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tvrpipe.errors import ConfigError, WriteError
+from tvrpipe.features.store import FeatureStore
+from tvrpipe.files import atomic_replace_folder, file_sha256, gb
+from tvrpipe.heads.base import Head
+from tvrpipe.search.distilled import video_batch
+from tvrpipe.search.index import check_searchable, searchable_rows, store_key
+
+log = logging.getLogger(__name__)
+
+ENCODED_DIR = "search-encoded"
+_BLOCK = 256  # videos encoded at a time (ProTA: 14 MB of encodings a block)
+_SPARE = 2**30  # choice: the disk keeps a GiB free after the encodings are written
+
+
+@dataclass
+class EncodedVideos:
+    """A head's encodings of a store's searchable videos.
+
+    Attributes:
+        rows: their store rows, sorted.
+        entries: each entry of the head's video encoding, ``(len(rows), ...)`` (memory maps where kept).
+        record: what they were built from and what building them cost (``encoded.json``).
+    """
+
+    rows: np.ndarray
+    entries: dict[str, np.ndarray]
+    record: dict
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, rows: np.ndarray, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The encodings of store rows ``rows`` (each a searchable video), in their order, as ``encode_videos``
+        returns them."""
+        pos = np.searchsorted(self.rows, rows)
+        if len(rows) and (pos.max() >= len(self.rows) or not np.array_equal(self.rows[pos], rows)):
+            raise ValueError("rows outside the encoded videos")
+        return {k: torch.from_numpy(np.ascontiguousarray(v[pos])).to(device) for k, v in self.entries.items()}
+
+
+def encoded_key(store: FeatureStore, checkpoint_sha: str) -> str:
+    """The folder's name: the store's state and the head's weights."""
+    ident = {"store": store_key(store), "checkpoint": checkpoint_sha}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str], progress: bool = False,
+                   rebuild: bool = False) -> EncodedVideos:
+    """``run``'s ``head``'s encodings of every searchable video of ``store``: read from ``<store>/search-encoded/``
+    where they were kept for this store state and checkpoint, else encoded and kept there (where the folder is
+    writable), else held in memory for this search. ``rebuild``: encoded anew even where kept (a bench timing it).
+
+    Raises:
+        ConfigError: no video of ``store`` has a decoded frame; the disk under the store cannot hold the
+            encodings (checked before any is written: their size is a block's times the videos).
+    """
+    from tvrpipe.rundir import BEST, CHECKPOINTS
+
+    run = Path(run)
+    sha = file_sha256(run / CHECKPOINTS / BEST)
+    folder = Path(store.dir) / ENCODED_DIR / encoded_key(store, sha)
+    kept = None if rebuild else _load(folder)
+    if kept is not None:
+        return kept
+    t0 = time.perf_counter()
+    rows = searchable_rows(store)
+    check_searchable(store, rows)
+    first = _encode(head, store, rows[:_BLOCK])
+    per_video = sum(v[0].nbytes for v in first.values())
+    meta = {"store_key": store_key(store), "run": str(run.resolve()), "checkpoint_sha256": sha, "method": head.name,
+            "entries": {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype)} for k, v in first.items()},
+            "bytes_per_video": per_video}
+    _check_disk(folder, per_video * len(rows), head.name, len(rows))
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        out = {k: np.lib.format.open_memmap(tmp / f"{k}.npy", mode="w+", dtype=v.dtype, shape=(len(rows), *v.shape[1:]))
+               for k, v in first.items()}
+        _fill(head, store, rows, out, first, progress)
+        for v in out.values():
+            v.flush()
+        del out
+        np.save(tmp / "rows.npy", rows)
+        done = {**meta, "build_seconds": time.perf_counter() - t0,
+                "bytes": sum(f.stat().st_size for f in tmp.iterdir())}  # its files but this record
+        (tmp / "encoded.json").write_text(json.dumps(done, indent=2) + "\n")
+
+    try:
+        atomic_replace_folder(folder, write)
+        kept = _load(folder)
+        if kept is not None:
+            return kept
+    except (OSError, WriteError) as e:
+        log.info("%s: the encoded videos are not kept (%s); they are encoded again next time", folder, e)
+    out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in first.items()}
+    _fill(head, store, rows, out, first, progress)
+    # not kept: nothing on disk, and the encoding is paid again next time
+    return EncodedVideos(rows, out, {**meta, "build_seconds": time.perf_counter() - t0, "bytes": 0})
+
+
+@torch.inference_mode()
+def _encode(head: Head, store: FeatureStore, rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v.cpu().numpy() for k, v in head.encode_videos(video_batch(store, rows)).items()}
+
+
+def _fill(head: Head, store: FeatureStore, rows: np.ndarray, out: dict[str, np.ndarray],
+          first: dict[str, np.ndarray], progress: bool) -> None:
+    """``out`` gets the encodings of ``rows``, a block at a time (``first``: the first block's, already made)."""
+    from tvrpipe.progress import progress_bar
+
+    with progress_bar(enabled=progress, transient=True) as bar:
+        task = bar.add_task(f"{head.name}: encoding {len(rows):,} videos once, for every search", total=len(rows))
+        for a in range(0, len(rows), _BLOCK):
+            block = first if a == 0 else _encode(head, store, rows[a : a + _BLOCK])
+            for k, v in out.items():
+                if block[k].shape[1:] != v.shape[1:]:  # an encoding cut to its batch's longest video
+                    raise ConfigError(f"{head.name}'s video encoding {k!r} has shape {block[k].shape[1:]} for "
+                                      f"videos {a:,}-{a + len(block[k]) - 1:,} and {v.shape[1:]} for the first "
+                                      f"ones: it depends on the batch, so it cannot be kept; search without "
+                                      f"--encoded-videos")
+                v[a : a + len(block[k])] = block[k]
+            bar.advance(task, len(block[next(iter(block))]))
+
+
+def _check_disk(folder: Path, need: int, method: str, n: int) -> None:
+    from tvrpipe.lock import nearest_existing
+
+    free = shutil.disk_usage(nearest_existing(folder)).free
+    if need > free - _SPARE:
+        raise ConfigError(f"--encoded-videos: {method}'s encodings of {n:,} videos take {gb(need)} and the disk of "
+                          f"{folder.parent.parent} has {gb(free)} free; search without --encoded-videos (the head "
+                          f"then encodes each query's candidates), or free room")
+
+
+def _load(folder: Path) -> EncodedVideos | None:
+    """The kept encodings in ``folder``, or None where there are none whole (encoded again then)."""
+    try:
+        meta = json.loads((folder / "encoded.json").read_text())
+        rows = np.load(folder / "rows.npy")
+        entries = {k: np.load(folder / f"{k}.npy", mmap_mode="r") for k in meta["entries"]}
+    except (OSError, ValueError, KeyError) as e:
+        if folder.exists():
+            log.warning("%s: the encoded videos cannot be read (%s); encoding them again", folder, e)
+        return None
+    if any(len(v) != len(rows) for v in entries.values()):
+        return None
+    return EncodedVideos(rows, entries, meta)
