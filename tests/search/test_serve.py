@@ -911,3 +911,26 @@ def test_serve_refuses_a_head_built_first_stage_without_a_run_or_a_shortlist_bef
             "--port", "0")
     assert r.exit_code == 1 and "--first-stage distilled is fitted to a run's head: give --run" in r.output
     assert not (Path(store) / "search-distilled").exists()
+
+
+def test_a_server_reads_the_heads_kept_encodings_and_answers_as_search(site, tmp_path, cli):
+    """`--encoded-videos`: a prota run's encodings made at start and kept beside the store; a request's hits are
+    tvrpipe search's from the frames; zero-shot is refused before anything loads."""
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    store, root, _ = site
+    own = tmp_path / "store"
+    shutil.copytree(store, own, ignore=shutil.ignore_patterns(".tvrpipe.lock"))
+    run = tmp_path / "run"
+    fit(own, "prota", run, TrainConfig(epochs=1, batch_size=8), progress=False)
+    server = open_server(own, run, video_root=root, candidates=10, encoded_videos=True)
+    assert server.current.encoded is not None and len(list((own / "search-encoded").iterdir())) == 1
+    q = "a dog runs on a beach"
+    r = TestClient(make_app(server), base_url=BASE).get("/search", params={"q": q, "k": 3})
+    assert r.status_code == 200, r.text
+    want = search(open_searcher(own, run, video_root=root), [q], 3, candidates=10).hits
+    assert [h["video_id"] for h in r.json()["hits"]] == [h.video_id for h in want] and len(want) == 3
+    np.testing.assert_allclose([h["score"] for h in r.json()["hits"]], [h.score for h in want], rtol=1e-5, atol=1e-6)
+    r = cli("serve", "--features", store, "--video-root", root, "--encoded-videos", "--port", "0")
+    assert r.exit_code == 1 and "--encoded-videos keeps a trained head's encodings of the videos: give --run" in r.output
+    assert not (Path(store) / "search-encoded").exists()

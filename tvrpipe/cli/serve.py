@@ -50,6 +50,10 @@ def serve_cmd(
     address: Annotated[Optional[str], typer.Option(
         metavar="ADDRESS", help="The Ray cluster the --shards run on: auto, HOST:PORT, or local (a Ray started in this process).",
         show_default=False)] = None,
+    encoded_videos: Annotated[bool, typer.Option(
+        "--encoded-videos", help="Read the run's head's encodings of the videos, kept beside the store (made at "
+        "start where they are not), instead of encoding the candidates' frames for every request, as tvrpipe "
+        "search --encoded-videos.")] = False,
     video_root: Annotated[Optional[Path], typer.Option(
         help="Where the collection's videos are now, when they moved since extraction (default: the folder the "
              "store was extracted from). Only the store's videos under it are served, by id.")] = None,
@@ -73,8 +77,11 @@ def serve_cmd(
         if warning:
             err_console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
         server = open_server(features, run, device, pretrained, video_root, first_stage, candidates,
-                             first_stage_set or (), min_score, shards, address, progress=True)
+                             first_stage_set or (), min_score, shards, address, progress=True,
+                             encoded_videos=encoded_videos)
         where = f" (first stage: {server.stage.describe()}, at {address})" if shards else ""
+        if server.current.encoded is not None:
+            where += ", re-ranked from the head's kept encodings"
         console.print(f"{server.searcher.label} over {server.searcher.store.dir}: {len(server.stage):,} searchable "
                       f"videos{where}; serving {listener.url} (Ctrl-C stops)", markup=False, highlight=False)
         serve(server, listener, allow)

@@ -655,9 +655,7 @@ def search(searcher: Searcher, queries: Sequence[str], k: int | None = None, can
     k = hits_asked(k, len(stage), store, candidates)
     depth = ranking_depth(store.videos, k, per_video, len(stage) if candidates is None else min(candidates, len(stage)))
     whole = candidates is None or candidates >= len(stage)
-    encoded = None
-    if encoded_videos and (whole or not keeps_first_stage(searcher.head, stage)):
-        encoded = head_encodings(store, searcher.head, searcher.run, progress)
+    encoded = kept_encodings(searcher, stage, candidates, progress) if encoded_videos else None
     if whole:
         ranked = exhaustive(searcher.head, texts, store, stage.rows, depth, searcher.device, encoded)
     else:
@@ -679,9 +677,8 @@ def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, cand
     from tvrpipe.search.shards import check_sharding
 
     check_queries(queries)
-    if encoded_videos and searcher.run is None:
-        raise ConfigError("--encoded-videos keeps a trained head's encodings of the videos: give --run (zero-shot "
-                          "search ranks the pooled frames, which the store already holds)")
+    if encoded_videos:
+        check_encoded(searcher)
     if per_video is not None and per_video < 1:
         raise ConfigError(f"--per-video {per_video}: keep at least 1 hit of a file")
     if candidates is not None and candidates < 1:
@@ -698,6 +695,27 @@ def check_search(searcher: Searcher, queries: Sequence[str], k: int | None, cand
         store = searcher.store
         check_top_k(k, int(store.provenance.get("n_videos", len(store.videos))), store, "videos")
         check_candidates(candidates, k)
+
+
+def check_encoded(searcher: Searcher) -> None:
+    """``--encoded-videos`` needs a run's head.
+
+    Raises:
+        ConfigError: zero-shot search, whose pooled frames the store already holds.
+    """
+    if searcher.run is None:
+        raise ConfigError("--encoded-videos keeps a trained head's encodings of the videos: give --run (zero-shot "
+                          "search ranks the pooled frames, which the store already holds)")
+
+
+def kept_encodings(searcher: Searcher, stage: Any, candidates: int | None,
+                   progress: bool = False) -> EncodedVideos | None:
+    """The run's head's encodings of the store's videos (made and kept on first use, :mod:`tvrpipe.search.encoded`)
+    where a search with ``stage`` and ``candidates`` reads videos; None where its ranking is the first stage's."""
+    check_encoded(searcher)
+    if candidates is not None and candidates < len(stage) and keeps_first_stage(searcher.head, stage):
+        return None
+    return head_encodings(searcher.store, searcher.head, searcher.run, progress)
 
 
 def first_stage_for(store: FeatureStore, first_stage: str, settings: Sequence[str] | Mapping[str, Any] = (),

@@ -93,6 +93,7 @@ if TYPE_CHECKING:
     from starlette.routing import Route
 
     from tvrpipe.heads.base import TextBatch
+    from tvrpipe.search.encoded import EncodedVideos
     from tvrpipe.search.engine import Found, Searcher, Shortlister
 
 log = logging.getLogger(__name__)
@@ -169,12 +170,15 @@ class Served:
             (:class:`~tvrpipe.search.shards.ShardedFirstStage`, ``--shards``).
         files: each video id's file, relative to ``searcher.video_root`` (videos without a file left out).
         signature: the store's :func:`store_signature` when it was opened.
+        encoded: the head's encodings of the videos, read instead of their frames (``--encoded-videos``); None:
+            the frames are encoded per request.
     """
 
     searcher: Searcher
     stage: Shortlister
     files: Mapping[str, str] = field(default_factory=dict)
     signature: tuple = ()
+    encoded: EncodedVideos | None = None
 
 
 @dataclass
@@ -283,9 +287,9 @@ class Server:
             texts = s.encode_images(queries) if images else (self.encode or s.encode)(queries)
             try:
                 if self.candidates is None or self.candidates >= len(stage):
-                    ranked = exhaustive(s.head, texts, s.store, stage.rows, k, s.device)
+                    ranked = exhaustive(s.head, texts, s.store, stage.rows, k, s.device, cur.encoded)
                 else:
-                    ranked = two_stage(s.head, texts, s.store, stage, k, self.candidates, s.device)
+                    ranked = two_stage(s.head, texts, s.store, stage, k, self.candidates, s.device, cur.encoded)
             except Exception as e:
                 if self.reopen is None or store_signature(s.store.dir) == cur.signature:
                     raise
@@ -323,19 +327,22 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
                 first_stage: str = "auto", candidates: int | None = None,
                 first_stage_settings: Sequence[str] | Mapping[str, Any] = (), min_score: float | None = None,
                 shards: int | None = None, address: str | None = None,
-                encode: Callable[[Sequence[str]], TextBatch] | None = None, progress: bool = False) -> Server:
+                encode: Callable[[Sequence[str]], TextBatch] | None = None, progress: bool = False,
+                encoded_videos: bool = False) -> Server:
     """Load once what every request uses: the store, the head, the query CLIP and the first stage (with
     ``shards``, split over that many Ray actors on the cluster at ``address``, as ``tvrpipe search --shards``).
 
     ``encode`` replaces the query CLIP (:attr:`Server.encode`): none is then loaded, and a store of no CLIP (a
     generated one) is served. ``progress``: a bar while the first opening builds the first stage's index (a
-    reopen while serving shows none).
+    reopen while serving shows none). ``encoded_videos``: the head's encodings of the videos are kept beside the
+    store (made at start where they are not) and read instead of the frames, as ``tvrpipe search
+    --encoded-videos``; a reopened store's are made anew.
 
     Raises:
         StoreError, RunError, ConfigError: as :func:`~tvrpipe.search.engine.open_searcher`; a store whose
             sentences cannot be encoded (a generated one, a moved checkpoint); a bad first stage or ``candidates``;
             a ``min_score`` outside the head's scores; ``shards`` as :func:`~tvrpipe.search.engine.search` refuses
-            them.
+            them; ``encoded_videos`` as it refuses them.
     """
     from tvrpipe.search.engine import check_min_score
     from tvrpipe.search.shards import check_sharding
@@ -347,7 +354,8 @@ def open_server(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
     def reopen(old: Served | None) -> Served:
         sig = store_signature(features)
         served = open_served(features, run, device, pretrained, video_root, first_stage, first_stage_settings, old,
-                             shards, address, candidates, warm_up=encode is None, progress=progress and old is None)
+                             shards, address, candidates, warm_up=encode is None, progress=progress and old is None,
+                             encoded_videos=encoded_videos)
         if min_score is not None:
             check_min_score(served.searcher, min_score)
         return dataclasses.replace(served, signature=sig)
@@ -359,25 +367,35 @@ def open_served(features: str | os.PathLike[str], run: str | os.PathLike[str] | 
                 pretrained: str | None = None, video_root: str | os.PathLike[str] | None = None,
                 first_stage: str = "auto", first_stage_settings: Sequence[str] | Mapping[str, Any] = (),
                 old: Served | None = None, shards: int | None = None, address: str | None = None,
-                candidates: int | None = None, warm_up: bool = True, progress: bool = False) -> Served:
+                candidates: int | None = None, warm_up: bool = True, progress: bool = False,
+                encoded_videos: bool = False) -> Served:
     """One opening of the store (:class:`Served`); the query CLIP of ``old`` is kept where the store records the
     same one (a reopen after an extract), else loaded and tried on a warm-up query (``warm_up`` False: not loaded,
     for a server given another encoder). With ``shards``, the first stage is new Ray actors (``old``'s end when
     its last request drops them)."""
-    from tvrpipe.search.engine import check_head_aware, first_stage_for, open_searcher
+    from tvrpipe.search.engine import (
+        check_encoded,
+        check_head_aware,
+        first_stage_for,
+        kept_encodings,
+        open_searcher,
+    )
     from tvrpipe.search.shards import sharded_first_stage
 
     searcher = open_searcher(features, run, device, pretrained, video_root)
     check_head_aware(searcher, first_stage, candidates, shards)  # before the query CLIP loads
+    if encoded_videos:
+        check_encoded(searcher)
     if warm_up and (old is None or not searcher.share_clip(old.searcher)):
         searcher.encode(["a warm-up query"])  # loads the CLIP now (and refuses a store of no CLIP before serving)
     stage = (first_stage_for(searcher.store, first_stage, first_stage_settings, searcher.head, searcher.run,
                              progress) if shards is None else
              sharded_first_stage(searcher.store, first_stage, first_stage_settings, shards, address, candidates))
+    encoded = kept_encodings(searcher, stage, candidates, progress) if encoded_videos else None
     videos = searcher.store.videos
     paths = videos["path"] if "path" in videos.columns else [""] * len(videos)
     files = {str(v): str(p) for v, p in zip(videos["video_id"], paths) if isinstance(p, str) and p}
-    return Served(searcher, stage, files)
+    return Served(searcher, stage, files, encoded=encoded)
 
 
 def exposure_warning(host: str) -> str | None:
