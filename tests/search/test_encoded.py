@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_clip import as_tiny_clip_store
 
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import open_store
@@ -38,6 +39,16 @@ def gen(tmp_path_factory):
 def store(gen, tmp_path):
     shutil.copytree(gen, tmp_path / "store")
     return open_store(tmp_path / "store")
+
+
+@pytest.fixture
+def tiny_store(tmp_path):
+    """A store of the tiny CLIP's width (D = 64) relabelled as extracted with it, so sentences can be encoded."""
+    from tvrpipe.worlds.features import GenSpec, generate_store
+
+    spec = GenSpec(train_videos=24, test_videos=16, captions_per_train_video=1, frames=4, max_words=8,
+                   embed_dim=64, seed=5)
+    return as_tiny_clip_store(generate_store(tmp_path / "tiny", spec, video_shard=8, text_shard=16))
 
 
 def _run(tmp_path, name: str, seed: int = 0):
@@ -155,3 +166,27 @@ def test_an_encoding_that_depends_on_the_batch_and_a_full_disk_are_refused(store
                                           f"{store.dir} has 1.0 MB free; search without --encoded-videos"):
         head_encodings(store, head, run)
     assert not (store.dir / ENCODED_DIR).exists() or not any((store.dir / ENCODED_DIR).iterdir())
+
+
+def test_the_cli_searches_from_the_heads_kept_encodings(tiny_store, tmp_path, cli):
+    """`--encoded-videos`: a prota run's encodings kept in the store's search-encoded/ on the first search, read by
+    the next; the hits are those of encoding the frames; zero-shot is refused in one line."""
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    run = tmp_path / "run"
+    fit(tiny_store, "prota", run, TrainConfig(epochs=1, batch_size=8), progress=False)
+    args = ("search", "a dog", "--features", tiny_store, "--run", run, "--top-k", "3", "--candidates", "20")
+    r = cli(*args, "--encoded-videos", "--json", tmp_path / "e.json")
+    assert r.exit_code == 0, r.output
+    assert "scored by the head, from its kept encodings" in " ".join(r.output.split())
+    (kept,) = (tiny_store / "search-encoded").iterdir()
+    assert json.loads((kept / "encoded.json").read_text())["method"] == "prota"
+    r = cli(*args, "--json", tmp_path / "f.json")
+    assert r.exit_code == 0, r.output
+    assert "kept encodings" not in " ".join(r.output.split())
+    got, want = (json.loads((tmp_path / f).read_text()) for f in ("e.json", "f.json"))
+    assert [h["video_id"] for h in got] == [h["video_id"] for h in want] and len(got) == 3
+    np.testing.assert_allclose([h["score"] for h in got], [h["score"] for h in want], rtol=1e-5, atol=1e-6)
+    r = cli("search", "a dog", "--features", tiny_store, "--candidates", "5", "--encoded-videos")
+    assert r.exit_code == 1 and ("--encoded-videos keeps a trained head's encodings of the videos: give --run"
+                                 in " ".join(r.output.split()))

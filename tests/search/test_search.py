@@ -823,25 +823,3 @@ def test_the_cli_searches_a_token_wise_run_with_the_first_stage_made_for_it(tiny
     hits = lambda found: [(h["video_id"], round(h["score"], 5)) for h in found]  # noqa: E731
     assert hits(got) == hits(want) and len(hits(got)) == 3
 
-
-def test_the_cli_searches_from_the_heads_kept_encodings(tiny_copy, tmp_path, cli):
-    """`--encoded-videos`: a prota run's encodings kept in the store's search-encoded/ on the first search, read by
-    the next; the hits are those of encoding the frames; zero-shot is refused in one line."""
-    from tvrpipe.training.fit import TrainConfig, fit
-
-    run = tmp_path / "run"
-    fit(tiny_copy, "prota", run, TrainConfig(epochs=1, batch_size=8), progress=False)
-    args = ("search", "a dog", "--features", tiny_copy, "--run", run, "--top-k", "3", "--candidates", "20")
-    r = cli(*args, "--encoded-videos", "--json", tmp_path / "e.json")
-    assert r.exit_code == 0, r.output
-    assert "scored by the head, from its kept encodings" in _text(r)
-    (kept,) = (tiny_copy / "search-encoded").iterdir()
-    assert json.loads((kept / "encoded.json").read_text())["method"] == "prota"
-    r = cli(*args, "--json", tmp_path / "f.json")
-    assert r.exit_code == 0, r.output
-    assert "kept encodings" not in _text(r)
-    got, want = (json.loads((tmp_path / f).read_text()) for f in ("e.json", "f.json"))
-    hits = lambda found: [(h["video_id"], round(h["score"], 5)) for h in found]  # noqa: E731
-    assert hits(got) == hits(want) and len(hits(got)) == 3
-    r = cli("search", "a dog", "--features", tiny_copy, "--candidates", "5", "--encoded-videos")
-    assert r.exit_code == 1 and "--encoded-videos keeps a trained head's encodings of the videos: give --run" in _text(r)
