@@ -13,7 +13,8 @@ import torch
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import open_store
 from tvrpipe.heads.base import create_head
-from tvrpipe.search.distilled import DISTILLED_DIR, fit_scorer, head_stage, teacher_scores, text_batch
+from tvrpipe.search.batches import text_batch
+from tvrpipe.search.distilled import DISTILLED_DIR, fit_scorer, head_stage, teacher_scores
 from tvrpipe.search.first_stages import stage_config
 from tvrpipe.search.first_stages.distilled import Distilled, Scorer, segment_means
 from tvrpipe.search.index import searchable_rows

@@ -17,7 +17,7 @@ from tvrpipe.features.store import open_store
 from tvrpipe.heads.base import create_head
 from tvrpipe.rundir import BEST, CHECKPOINTS
 from tvrpipe.search import encoded as encoded_mod
-from tvrpipe.search.distilled import text_batch, video_batch
+from tvrpipe.search.batches import text_batch, video_batch
 from tvrpipe.search.encoded import ENCODED_DIR, head_encodings
 from tvrpipe.search.engine import Searcher, exhaustive, search, two_stage
 from tvrpipe.search.index import first_stage, searchable_rows

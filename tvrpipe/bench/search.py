@@ -293,7 +293,7 @@ def _arm(job: _Arm) -> dict:
 
     from tvrpipe.features.store import open_store
     from tvrpipe.rundir import load_head
-    from tvrpipe.search.distilled import text_batch
+    from tvrpipe.search.batches import text_batch
     from tvrpipe.search.encoded import head_encodings
     from tvrpipe.search.engine import exhaustive, first_stage_for, keeps_first_stage, two_stage
 
@@ -635,7 +635,7 @@ def _zero_shot_stage(plan: _Plan) -> tuple[SearchBench, _Shared]:
     the exact pooled stage's), the queries drawn, and the first stage's figures alone."""
     from tvrpipe.bench.extract import in_fresh_process
     from tvrpipe.features.store import open_store
-    from tvrpipe.search.distilled import text_batch
+    from tvrpipe.search.batches import text_batch
     from tvrpipe.search.first_stages.exact import exact_top
     from tvrpipe.search.index import first_stage as build_first_stage
 

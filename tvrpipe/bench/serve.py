@@ -153,7 +153,7 @@ class StoredCaptions:
 
     def __call__(self, queries: Sequence[str]):
         from tvrpipe.heads.base import TextBatch
-        from tvrpipe.search.distilled import text_batch
+        from tvrpipe.search.batches import text_batch
         from tvrpipe.search.engine import check_queries
 
         t = time.perf_counter()

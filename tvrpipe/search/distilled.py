@@ -37,6 +37,7 @@ from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.store import FeatureStore, open_store
 from tvrpipe.files import atomic_replace_folder, file_sha256
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
+from tvrpipe.search.batches import text_batch, video_batch
 from tvrpipe.search.first_stages.base import normalised
 from tvrpipe.search.first_stages.distilled import Distilled, Scorer, segment_means
 from tvrpipe.search.first_stages.head_embedding import HeadEmbedding, check_indexable
@@ -55,21 +56,6 @@ log = logging.getLogger(__name__)
 DISTILLED_DIR = "search-distilled"
 _BLOCK = 4096  # videos read at a time (their frames: 50 MB at F = 12, D = 512 in float16)
 _TEACHER_BLOCK = 256  # videos encoded, and captions and videos scored, at a time while teaching
-
-
-def text_batch(store: FeatureStore, rows: np.ndarray, tokens: bool = True) -> TextBatch:
-    """Captions ``rows`` (sorted) of a store as a float32 TextBatch (word tokens only where ``tokens``)."""
-    sentence = torch.from_numpy(store.read("texts/sentence", rows).astype(np.float32))
-    if not tokens:
-        return TextBatch.of_sentences(sentence)
-    return TextBatch(torch.from_numpy(store.read("texts/tokens", rows).astype(np.float32)),
-                     torch.from_numpy(store.read("texts/token_mask", rows)), sentence)
-
-
-def video_batch(store: FeatureStore, rows: np.ndarray) -> VideoBatch:
-    """Videos ``rows`` (sorted) of a store as a float32 VideoBatch."""
-    return VideoBatch(torch.from_numpy(store.read("videos/frames", rows).astype(np.float32)),
-                      torch.from_numpy(store.read("videos/frame_mask", rows)))
 
 
 @torch.inference_mode()

@@ -40,7 +40,7 @@ from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.store import FeatureStore
 from tvrpipe.files import atomic_replace_folder, file_sha256, gb
 from tvrpipe.heads.base import Head
-from tvrpipe.search.distilled import video_batch
+from tvrpipe.search.batches import video_batch
 from tvrpipe.search.index import check_searchable, searchable_rows, store_key
 
 log = logging.getLogger(__name__)

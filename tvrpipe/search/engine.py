@@ -40,7 +40,7 @@ import torch
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.features.store import FeatureStore, open_store
 from tvrpipe.heads.base import Head, TextBatch
-from tvrpipe.search.distilled import video_batch
+from tvrpipe.search.batches import video_batch
 from tvrpipe.search.encoded import EncodedVideos, head_encodings
 from tvrpipe.search.results import Hit
 
