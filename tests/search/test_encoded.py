@@ -190,3 +190,29 @@ def test_the_cli_searches_from_the_heads_kept_encodings(tiny_store, tmp_path, cl
     r = cli("search", "a dog", "--features", tiny_store, "--candidates", "5", "--encoded-videos")
     assert r.exit_code == 1 and ("--encoded-videos keeps a trained head's encodings of the videos: give --run"
                                  in " ".join(r.output.split()))
+
+
+def test_first_stages_of_the_heads_own_vectors_read_its_kept_encodings(store, tmp_path):
+    """head-embedding (seqtransf) and late-interaction (uatvr) built where the head's encodings are kept read them
+    (their record says so) and hold the vectors they would have encoded from the frames; the distilled stage,
+    whose vectors are not the head's, ignores them."""
+    from tvrpipe.rundir import BEST, CHECKPOINTS, load_head
+    from tvrpipe.search.distilled import head_stage
+    from tvrpipe.search.first_stages import stage_config
+    from tvrpipe.training.fit import TrainConfig, fit
+
+    for name, stage_name, settings in (("seqtransf", "head-embedding", ()),
+                                       ("uatvr", "late-interaction", ("captions=20", "videos=20", "dim=8"))):
+        run = tmp_path / name
+        fit(store.dir, name, run, TrainConfig(epochs=1, batch_size=16), progress=False)
+        head = load_head(run / CHECKPOINTS / BEST).eval()
+        config = stage_config(stage_name, settings)
+        frames = head_stage(store, head, run, stage_name, config, cache=False)
+        assert frames.record["from_encodings"] is False
+        head_encodings(store, head, run)
+        kept = head_stage(store, head, run, stage_name, config, rebuild=True)
+        assert kept.record["from_encodings"] is True
+        np.testing.assert_allclose(kept.pooled, frames.pooled, rtol=1e-5, atol=1e-6)
+    distilled = head_stage(store, head, run, "distilled", stage_config("distilled", ["steps=2", "dim=8",
+                                                                                    "captions=20", "videos=20"]))
+    assert distilled.record["from_encodings"] is False

@@ -187,6 +187,8 @@ class SearchBench:
                 fs = t["first_stage"]
                 how = ("every video encoded by the head" if fs["fit"] is None else
                        f"fit {fs['fit']['seconds']:.1f} s on {fs['fit']['head_pairs']:,} head scores")
+                if fs.get("from_encodings"):
+                    how += ", its vectors read from the head's kept encodings"
                 out.append(f"{m}: its first stage ({fs['describe']}) built in {fs['seconds']:.1f} s ({how}), "
                            f"{fs['bytes'] / 2**20:,.1f} MiB on disk, peak {fs['peak_gb']:.2f} GB")
             if t is not None and "encoded" in t:
@@ -363,7 +365,8 @@ def _build(job: _Build) -> dict:
         t = time.perf_counter()
         stage = head_stage(store, head, job.run, name, config, rebuild=True)  # this head's only: others kept
         return {"seconds": time.perf_counter() - t, "peak": _peak_bytes(), "describe": stage.describe(),
-                "fit": stage.record["fit"], "bytes": stage.record["bytes"]}
+                "fit": stage.record["fit"], "bytes": stage.record["bytes"],
+                "from_encodings": stage.record.get("from_encodings", False)}
     shutil.rmtree(Path(job.store) / INDEX_DIR, ignore_errors=True)
     t = time.perf_counter()
     stage = first_stage(store, job.first_stage, cache=True, settings=job.settings)
@@ -685,18 +688,19 @@ def _measure_head(plan: _Plan, shared: _Shared, bench: SearchBench, method: str,
     bar.update(task, description=f"{method}: training on the benchmark")
     run_dir = bench_run_dir(plan.out, plan.bench_dir, method, plan.train_epochs)
     bench.trained[method] = trained_run(plan.bench_dir, method, run_dir, plan.train_epochs)
+    checkpoint = str(run_dir / CHECKPOINTS / BEST)
+    if plan.encoded:  # first: a first stage made of the head's own vectors reads them instead of encoding again
+        bar.update(task, description=f"{method}: encoding every video once")
+        bench.trained[method]["encoded"] = in_fresh_process(
+            _encode, _Arm(str(plan.coll_dir), checkpoint, shared.qrows[:0], shared.rows, None, plan.kind,
+                          run=str(run_dir)), f"{method}: encoding every video")
     if plan.head_aware:
         bar.update(task, description=f"{method}: distilling its first stage")
         fs = in_fresh_process(_build, _Build(str(plan.coll_dir), plan.kind, plan.settings, str(run_dir)),
                               f"{method}: building its distilled first stage")
         bench.trained[method]["first_stage"] = {"seconds": fs["seconds"], "peak_gb": fs["peak"] / 2**30,
-                                                "bytes": fs["bytes"], "fit": fs["fit"], "describe": fs["describe"]}
-    checkpoint = str(run_dir / CHECKPOINTS / BEST)
-    if plan.encoded:
-        bar.update(task, description=f"{method}: encoding every video once")
-        bench.trained[method]["encoded"] = in_fresh_process(
-            _encode, _Arm(str(plan.coll_dir), checkpoint, shared.qrows[:0], shared.rows, None, plan.kind,
-                          run=str(run_dir)), f"{method}: encoding every video")
+                                                "bytes": fs["bytes"], "fit": fs["fit"], "describe": fs["describe"],
+                                                "from_encodings": fs["from_encodings"]}
     bar.advance(task)
     full = None
     for k in (None, *plan.ks):

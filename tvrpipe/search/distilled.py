@@ -38,6 +38,7 @@ from tvrpipe.features.store import FeatureStore, open_store
 from tvrpipe.files import atomic_replace_folder, file_sha256
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
 from tvrpipe.search.batches import text_batch, video_batch
+from tvrpipe.search.encoded import EncodedVideos, read_encodings
 from tvrpipe.search.first_stages.base import normalised
 from tvrpipe.search.first_stages.distilled import Distilled, Scorer, segment_means
 from tvrpipe.search.first_stages.head_embedding import HeadEmbedding, check_indexable
@@ -251,21 +252,30 @@ def distilled_key(store: FeatureStore, checkpoint_sha: str, config: Any, name: s
 @dataclass
 class _Recipe:
     """How a head-fitted first stage makes its vectors and its index: ``per_video`` vectors of ``dim`` a video
-    from ``encode(frames, mask)``; ``index(vectors)``; ``scorer``: the distilled maps (None: the head's own)."""
+    from ``encode(frames, mask)``, or from the head's kept encodings of the videos by ``from_encoded(batch)``
+    where the vectors are the head's own (None: from the frames only); ``index(vectors)``; ``scorer``: the
+    distilled maps (None: the head's own)."""
 
     per_video: int
     dim: int
     encode: Callable[[np.ndarray, np.ndarray], np.ndarray]
     index: Callable[[np.ndarray], Any]
     scorer: Scorer | TokenProjection | None = None
+    from_encoded: Callable[[dict[str, torch.Tensor]], np.ndarray] | None = None
 
 
 def _recipe(name: str, head: Head, store: FeatureStore, config: Any, scorer: Any) -> _Recipe:
     if name == Distilled.name:
         return _Recipe(scorer.segments, config.dim, scorer.videos, lambda v: Distilled.over(v, config, scorer), scorer)
     if name == LateInteraction.name:
+        vkey, mkey = head.token_wise_keys[2:]
+
+        def segments(e: dict[str, torch.Tensor]) -> np.ndarray:
+            vectors, mask = e[vkey].float().numpy(), e[mkey].numpy().astype(bool)
+            return scorer.from_segments(segment_means(vectors, mask, scorer.segments))
+
         return _Recipe(scorer.segments, scorer.axes.shape[1], scorer.videos,
-                       lambda v: LateInteraction.over(v, config, scorer), scorer)
+                       lambda v: LateInteraction.over(v, config, scorer), scorer, segments)
     _, video_key = head.indexable()
 
     @torch.inference_mode()
@@ -274,7 +284,7 @@ def _recipe(name: str, head: Head, store: FeatureStore, config: Any, scorer: Any
         return head.encode_videos(batch)[video_key].float().numpy()
 
     return _Recipe(1, int(store.array("videos/frames").shape[2]), encode,
-                   lambda v: HeadEmbedding.over(v, config, head))
+                   lambda v: HeadEmbedding.over(v, config, head), None, lambda e: e[video_key].float().numpy())
 
 
 def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], name: str, config: Any,
@@ -284,7 +294,9 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
     vectors of every searchable video in segments, projected on axes taken from the run's store;
     ``head-embedding``: every searchable video encoded by the head): read from ``<store>/search-distilled/`` where it was built for this store state,
     checkpoint, first stage and settings, else built and kept there (where the folder is writable and ``cache``);
-    ``rebuild``: built anew (and kept) even where it was kept (a bench timing the build).
+    ``rebuild``: built anew (and kept) even where it was kept (a bench timing the build). The late-interaction and
+    head-embedding stages read the head's encodings of the videos where they are kept for this store and
+    checkpoint (``--encoded-videos``, :mod:`tvrpipe.search.encoded`) instead of encoding every video again.
 
     Returns:
         A :class:`~tvrpipe.search.index.FirstStage` (pooled: its vectors; index: the first stage).
@@ -314,8 +326,10 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
     recipe = _recipe(name, head, store, config, scorer)
     rows = searchable_rows(store)
     check_searchable(store, rows)
+    encoded = read_encodings(store, sha) if recipe.from_encoded is not None else None
     meta = {"store_key": store_key(store), "run": str(run.resolve()), "checkpoint_sha256": sha, "method": head.name,
-            "first_stage": name, "settings": dataclasses.asdict(config), "fit": record}
+            "first_stage": name, "settings": dataclasses.asdict(config), "fit": record,
+            "from_encodings": encoded is not None}
 
     def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
@@ -326,7 +340,7 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
             np.savez(tmp / "scorer.npz", axes=scorer.axes, segments=np.int64(scorer.segments))
         vectors = np.lib.format.open_memmap(tmp / "vectors.npy", mode="w+", dtype=np.float32,
                                             shape=(len(rows) * recipe.per_video, recipe.dim))
-        _fill(store, rows, recipe, vectors, progress)
+        _fill(store, rows, recipe, vectors, progress, encoded)
         vectors.flush()
         del vectors
         np.save(tmp / "rows.npy", rows)
@@ -343,23 +357,30 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
         except (OSError, WriteError) as e:
             log.info("%s: the %s first stage is not kept (%s); it is built again next time", folder, name, e)
     vectors = np.empty((len(rows) * recipe.per_video, recipe.dim), np.float32)
-    _fill(store, rows, recipe, vectors, progress)
+    _fill(store, rows, recipe, vectors, progress, encoded)
     # not kept: nothing on disk, and the build is paid again next time
     return FirstStage(vectors, rows, recipe.index(vectors),
                       record={**meta, "build_seconds": time.perf_counter() - t0, "bytes": 0})
 
 
-def _fill(store: FeatureStore, rows: np.ndarray, recipe: _Recipe, out: np.ndarray, progress: bool) -> None:
-    """``out`` (n x per video, d) gets the vectors of ``rows``, a block of videos at a time."""
+def _fill(store: FeatureStore, rows: np.ndarray, recipe: _Recipe, out: np.ndarray, progress: bool,
+          encoded: EncodedVideos | None = None) -> None:
+    """``out`` (n x per video, d) gets the vectors of ``rows``, a block of videos at a time: from ``encoded`` (the
+    head's kept encodings) where given, else from the frames."""
     from tvrpipe.progress import progress_bar
 
     S = recipe.per_video
     with progress_bar(enabled=progress, transient=True) as bar:
-        task = bar.add_task(f"the first stage's vectors of {len(rows):,} videos", total=len(rows))
+        source = "the head's kept encodings of" if encoded is not None else ""
+        task = bar.add_task(f"the first stage's vectors of {source} {len(rows):,} videos".replace("  ", " "),
+                            total=len(rows))
         for a in range(0, len(rows), _BLOCK):
             part = rows[a : a + _BLOCK]
-            out[a * S : (a + len(part)) * S] = recipe.encode(store.read("videos/frames", part),
-                                                             store.read("videos/frame_mask", part))
+            if encoded is not None:
+                out[a * S : (a + len(part)) * S] = recipe.from_encoded(encoded.batch(part))
+            else:
+                out[a * S : (a + len(part)) * S] = recipe.encode(store.read("videos/frames", part),
+                                                                 store.read("videos/frame_mask", part))
             bar.advance(task, len(part))
 
 

@@ -82,6 +82,12 @@ def encoded_key(store: FeatureStore, checkpoint_sha: str) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def read_encodings(store: FeatureStore, checkpoint_sha: str) -> EncodedVideos | None:
+    """The encodings kept for this store state and checkpoint (sha256), or None where there are none whole;
+    nothing is encoded."""
+    return _load(Path(store.dir) / ENCODED_DIR / encoded_key(store, checkpoint_sha))
+
+
 def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str], progress: bool = False,
                    rebuild: bool = False) -> EncodedVideos:
     """``run``'s ``head``'s encodings of every searchable video of ``store``: read from ``<store>/search-encoded/``
