@@ -100,6 +100,20 @@ def test_kept_encodings_are_the_heads_and_rank_as_encoding_the_frames(store, tmp
         enc.batch(np.array([rows[-1] + 1]))
 
 
+def test_a_kept_entry_is_read_from_its_file_as_indexing_it_reads(tmp_path):
+    """Positions in any order, with runs, repeats and a single row; an entry of scalars and one of matrices."""
+    rng = np.random.default_rng(0)
+    for shape, dtype in (((50,), np.float32), ((50, 3, 4), np.float32), ((50, 2), np.bool_)):
+        np.save(tmp_path / "e.npy", (rng.random(shape) * 10).astype(dtype))
+        kept = np.load(tmp_path / "e.npy", mmap_mode="r")
+        for pos in ([3, 4, 5, 9, 10, 0, 49], [7], [12, 11, 10, 10], list(range(50)), []):
+            pos = np.array(pos, np.int64)
+            got = encoded_mod._gather(kept, pos)
+            assert got.shape == (len(pos), *shape[1:]) and got.dtype == dtype and not isinstance(got, np.memmap)
+            np.testing.assert_array_equal(got, np.asarray(kept)[pos])
+        del kept
+
+
 def test_encodings_are_kept_reused_and_made_anew_for_another_checkpoint(store, tmp_path):
     head, run = _run(tmp_path, "prota")
     enc = head_encodings(store, head, run)

@@ -73,7 +73,33 @@ class EncodedVideos:
         pos = np.searchsorted(self.rows, rows)
         if len(rows) and (pos.max() >= len(self.rows) or not np.array_equal(self.rows[pos], rows)):
             raise ValueError("rows outside the encoded videos")
-        return {k: torch.from_numpy(np.ascontiguousarray(v[pos])).to(device) for k, v in self.entries.items()}
+        return {k: torch.from_numpy(_gather(v, pos)).to(device) for k, v in self.entries.items()}
+
+
+def _gather(array: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """``array[pos]`` as a new array. A kept entry (a memory map) is read from its file, one read per run of
+    consecutive positions, rather than through the map: a page the map touches counts in the process's resident
+    memory, and the kernel maps pages around it too (measured: 6,000 random rows of ProTA's 5.3 GB of encodings,
+    0.32 GB of data, left 4.9 GB resident through the map and 0.35 GB read from the file, in the same time)."""
+    if not isinstance(array, np.memmap) or array.filename is None:
+        return np.ascontiguousarray(array[pos])
+    out = np.empty((len(pos), *array.shape[1:]), array.dtype)
+    if not len(pos) or not out.nbytes:
+        return out
+    per = out[0].nbytes
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    starts = np.flatnonzero(np.diff(pos, prepend=-2) != 1)  # each run of consecutive positions
+    ends = np.append(starts[1:], len(pos))
+    with open(array.filename, "rb", buffering=0) as f:
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            f.seek(array.offset + int(pos[a]) * per)
+            done, want = a * per, b * per
+            while done < want:  # a read may return less than asked (2 GB at most on Linux)
+                got = f.readinto(flat[done:want])
+                if not got:
+                    raise OSError(f"{array.filename}: shorter than its header says")
+                done += got
+    return out
 
 
 def encoded_key(store: FeatureStore, checkpoint_sha: str) -> str:
