@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from tiny_clip import as_tiny_clip_store
 
-from tvrpipe.errors import ConfigError
+from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.store import open_store
 from tvrpipe.heads.base import create_head
 from tvrpipe.rundir import BEST, CHECKPOINTS
@@ -158,7 +158,7 @@ def test_search_reads_the_encodings_and_refuses_without_a_run(store, tmp_path):
     assert not found.encoded and len(list((store.dir / ENCODED_DIR).iterdir())) == 1
 
 
-def test_an_encoding_that_depends_on_the_batch_and_a_full_disk_are_refused(store, tmp_path, monkeypatch):
+def test_an_encoding_that_depends_on_the_batch_a_full_disk_and_a_read_only_store_are_refused(store, tmp_path, monkeypatch):
     head, run = _run(tmp_path, "prota")
     monkeypatch.setattr(encoded_mod, "_BLOCK", 1)
 
@@ -180,6 +180,16 @@ def test_an_encoding_that_depends_on_the_batch_and_a_full_disk_are_refused(store
                                           f"{store.dir} has 1.0 MB free; search without --encoded-videos"):
         head_encodings(store, head, run)
     assert not (store.dir / ENCODED_DIR).exists() or not any((store.dir / ENCODED_DIR).iterdir())
+    monkeypatch.undo()
+
+    def unwritable(folder, write):
+        raise WriteError(f"{folder}: could not write (Read-only file system)")
+
+    monkeypatch.setattr(encoded_mod, "atomic_replace_folder", unwritable)
+    with pytest.raises(ConfigError, match=f"--encoded-videos: prota's encodings are kept beside the store, and "
+                                          f"{store.dir / ENCODED_DIR}/.*: could not write \\(Read-only file system\\); "
+                                          "search without --encoded-videos, or extract the store where you can write"):
+        head_encodings(store, head, run)
 
 
 def test_the_cli_searches_from_the_heads_kept_encodings(tiny_store, tmp_path, cli):

@@ -117,12 +117,13 @@ def read_encodings(store: FeatureStore, checkpoint_sha: str) -> EncodedVideos | 
 def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str], progress: bool = False,
                    rebuild: bool = False) -> EncodedVideos:
     """``run``'s ``head``'s encodings of every searchable video of ``store``: read from ``<store>/search-encoded/``
-    where they were kept for this store state and checkpoint, else encoded and kept there (where the folder is
-    writable), else held in memory for this search. ``rebuild``: encoded anew even where kept (a bench timing it).
+    where they were kept for this store state and checkpoint, else encoded and kept there. ``rebuild``: encoded
+    anew even where kept (a bench timing it).
 
     Raises:
         ConfigError: no video of ``store`` has a decoded frame; the disk under the store cannot hold the
-            encodings (checked before any is written: their size is a block's times the videos).
+            encodings (checked before any is written: their size is a block's times the videos); they cannot be
+            written there (a read-only store), or read back.
     """
     from tvrpipe.rundir import BEST, CHECKPOINTS
 
@@ -155,17 +156,18 @@ def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str],
                 "bytes": sum(f.stat().st_size for f in tmp.iterdir())}  # its files but this record
         (tmp / "encoded.json").write_text(json.dumps(done, indent=2) + "\n")
 
+    # encodings that cannot be kept are refused, not held for this search alone: every video encoded for one
+    # search is more work than the candidates' frames it would otherwise encode
     try:
         atomic_replace_folder(folder, write)
-        kept = _load(folder)
-        if kept is not None:
-            return kept
     except (OSError, WriteError) as e:
-        log.info("%s: the encoded videos are not kept (%s); they are encoded again next time", folder, e)
-    out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in first.items()}
-    _fill(head, store, rows, out, first, progress)
-    # not kept: nothing on disk, and the encoding is paid again next time
-    return EncodedVideos(rows, out, {**meta, "build_seconds": time.perf_counter() - t0, "bytes": 0})
+        raise ConfigError(f"--encoded-videos: {head.name}'s encodings are kept beside the store, and {e}; search "
+                          f"without --encoded-videos, or extract the store where you can write") from e
+    kept = _load(folder)
+    if kept is None:
+        raise ConfigError(f"--encoded-videos: {folder} was written but cannot be read back; search without "
+                          f"--encoded-videos, or remove it and search again")
+    return kept
 
 
 @torch.inference_mode()
