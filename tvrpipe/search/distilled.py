@@ -50,7 +50,7 @@ from tvrpipe.search.first_stages.late_interaction import (
     head_words,
     segment_token_wise,
 )
-from tvrpipe.search.index import searchable_rows, store_key
+from tvrpipe.search.index import finish_kept, searchable_rows, store_key
 
 log = logging.getLogger(__name__)
 
@@ -343,10 +343,7 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
         _fill(store, rows, recipe, vectors, progress, encoded)
         vectors.flush()
         del vectors
-        np.save(tmp / "rows.npy", rows)
-        done = {**meta, "build_seconds": time.perf_counter() - t0,
-                "bytes": sum(f.stat().st_size for f in tmp.iterdir())}  # its files but this record
-        (tmp / "distilled.json").write_text(json.dumps(done, indent=2) + "\n")
+        finish_kept(tmp, rows, "distilled.json", meta, t0)
 
     if cache:
         try:

@@ -41,7 +41,7 @@ from tvrpipe.features.store import FeatureStore
 from tvrpipe.files import atomic_replace_folder, file_sha256, gb
 from tvrpipe.heads.base import Head
 from tvrpipe.search.batches import video_batch
-from tvrpipe.search.index import check_searchable, searchable_rows, store_key
+from tvrpipe.search.index import check_searchable, finish_kept, searchable_rows, store_key
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +151,7 @@ def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str],
         for v in out.values():
             v.flush()
         del out
-        np.save(tmp / "rows.npy", rows)
-        done = {**meta, "build_seconds": time.perf_counter() - t0,
-                "bytes": sum(f.stat().st_size for f in tmp.iterdir())}  # its files but this record
-        (tmp / "encoded.json").write_text(json.dumps(done, indent=2) + "\n")
+        finish_kept(tmp, rows, "encoded.json", meta, t0)
 
     # encodings that cannot be kept are refused, not held for this search alone: every video encoded for one
     # search is more work than the candidates' frames it would otherwise encode

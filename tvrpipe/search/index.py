@@ -192,6 +192,18 @@ class _StoreChanged(TvrpipeError):
     through, as it is no failure to write)."""
 
 
+def finish_kept(tmp: Path, rows: np.ndarray, record: str, meta: Mapping[str, Any], started: float) -> None:
+    """Close a kept folder built from a run's head (``search-distilled/``, ``search-encoded/``) under its staged
+    name ``tmp``: its videos' store rows (``rows.npy``), then its record ``record`` (what it was built from,
+    ``meta``; the seconds since ``started``, a ``time.perf_counter()``; the bytes of its files but the record)."""
+    import time
+
+    np.save(tmp / "rows.npy", rows)
+    done = {**meta, "build_seconds": time.perf_counter() - started,
+            "bytes": sum(f.stat().st_size for f in tmp.iterdir())}
+    (tmp / record).write_text(json.dumps(done, indent=2) + "\n")
+
+
 def check_searchable(store: FeatureStore, rows: np.ndarray) -> None:
     if not len(rows):
         raise ConfigError(f"--features {store.dir}: no video has a decoded frame, so there is nothing to search "
