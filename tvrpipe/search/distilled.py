@@ -368,9 +368,8 @@ def _fill(store: FeatureStore, rows: np.ndarray, recipe: _Recipe, out: np.ndarra
 
     S = recipe.per_video
     with progress_bar(enabled=progress, transient=True) as bar:
-        source = "the head's kept encodings of" if encoded is not None else ""
-        task = bar.add_task(f"the first stage's vectors of {source} {len(rows):,} videos".replace("  ", " "),
-                            total=len(rows))
+        what = f"the head's kept encodings of {len(rows):,} videos" if encoded is not None else f"{len(rows):,} videos"
+        task = bar.add_task(f"the first stage's vectors of {what}", total=len(rows))
         for a in range(0, len(rows), _BLOCK):
             part = rows[a : a + _BLOCK]
             if encoded is not None:
