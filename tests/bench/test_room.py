@@ -100,3 +100,23 @@ def test_a_plan_that_fits_runs(cli, tmp_path):
     assert room.folder_bytes(store) > 0
     from tvrpipe.bench.worlds import world_spec
     assert stores_needs({store: world_spec("onescene", 40, 16)}).disk == 0
+
+
+def test_bench_search_counts_the_heads_encodings_in_its_plan(cli, small_disk, tmp_path, monkeypatch):
+    """--encoded-videos adds each head's encodings (their size from an untrained head: prota's 53.4 kB a video at
+    F = 12, D = 512) to the plan: a collection that fits without them is refused with them, naming the option."""
+    from tvrpipe.bench.search import collection_spec, encodings_bytes
+
+    assert encodings_bytes(["prota"], 512, 12) == 53_368
+    videos = 300_000  # its stores and index fit in FREE, prota's encodings (16 GB) do not
+    assert collection_spec(videos, 512).store_bytes() < FREE < videos * 53_368
+    out = tmp_path / "out"
+
+    def generate(*args, **kwargs):  # a plan let through would start here: fail at once, not after gigabytes
+        raise AssertionError("the plan was let through")
+
+    monkeypatch.setattr("tvrpipe.bench.search.generate_store", generate)
+    r = cli("bench", "search", "--out", out, "--videos", str(videos), "--method", "prota", "--encoded-videos")
+    said = _flat(r.output)
+    assert r.exit_code == 1 and "the heads' encodings of the videos (--encoded-videos)" in said, r.output
+    assert "or leave out --encoded-videos" in said and not out.exists()

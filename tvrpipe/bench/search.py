@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tvrpipe.bench.room import Needs, check_room, folder_bytes, stores_needs
+from tvrpipe.bench.room import Needs, check_room, stores_needs
 from tvrpipe.errors import ConfigError, RunError
 from tvrpipe.worlds.features import CALIBRATED, GenSpec, generate_store
 
@@ -608,11 +608,8 @@ def _plan(out_dir, videos, queries, candidates, methods, first_stage, first_stag
     bench_spec = benchmark_spec(coll_spec, train_videos)
     names = (f"collection-{videos}-d{dim}-s{seed}", f"benchmark-{train_videos}-d{dim}-s{seed}")
     needs = search_needs(out, coll_spec, bench_spec, names)
-    if encoded:  # each head's encodings, kept beside the collection (those already there count as written)
-        from tvrpipe.search.encoded import ENCODED_DIR
-
-        kept = folder_bytes(out / "stores" / names[0] / ENCODED_DIR)
-        needs += Needs(disk=max(0, videos * encodings_bytes(methods, dim, coll_spec.frames) - kept),
+    if encoded:  # each head's encodings beside the collection, made anew (timed) beside any kept before
+        needs += Needs(disk=videos * encodings_bytes(methods, dim, coll_spec.frames),
                        disk_what="the heads' encodings of the videos (--encoded-videos)")
     check_room("bench search", out, needs, "--videos, --train-videos or --dim" + (", or leave out --encoded-videos"
                                                                                    if encoded else ""))
