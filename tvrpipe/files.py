@@ -86,6 +86,16 @@ def gb(n: float) -> str:
     return f"{int(n)} bytes"
 
 
+DISK_SPARE = 2**30  # choice: a disk keeps a GiB free after what a command plans to write (logs, the OS's own writes)
+
+
+def free_disk(path: str | os.PathLike[str]) -> int:
+    """Free bytes on the file system ``path`` is (or would be created) on."""
+    from tvrpipe.lock import nearest_existing
+
+    return shutil.disk_usage(nearest_existing(path)).free
+
+
 def file_sha256(path: Path) -> str:
     """sha256 of a file's bytes, read 16 MiB at a time (a CLIP checkpoint is never all in memory)."""
     h = hashlib.sha256()

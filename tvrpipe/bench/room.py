@@ -11,18 +11,17 @@ files the benches write; what an earlier run already left under ``--out`` is cou
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tvrpipe.errors import ConfigError
+from tvrpipe.files import DISK_SPARE, free_disk
 
 if TYPE_CHECKING:
     from tvrpipe.worlds.features import GenSpec
 
-DISK_SPARE = 2**30  # choice: the disk keeps a GiB free after the plan (logs, the OS's own writes)
 # the bench videos' bytes per pixel and frame, over: 0.072-0.077 measured (x264 ultrafast, crf 23, 320x240 to 720p)
 VIDEO_BYTES_PER_PIXEL = 0.15
 
@@ -116,13 +115,6 @@ def videos_needs(count: int, width: int, height: int, seconds: float, fps: float
                  memory=decoders * width * height * 3 * 8,
                  disk_what=f"{count:,} rendered video{'s' if count != 1 else ''}",
                  memory_what=f"{decoders} decoder{'s' if decoders > 1 else ''} of {width}x{height} frames")
-
-
-def free_disk(path: str | os.PathLike[str]) -> int:
-    """Free bytes on the file system ``path`` is (or would be created) on."""
-    from tvrpipe.lock import nearest_existing
-
-    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def check_room(command: str, out: str | os.PathLike[str] | None, needs: Needs, lower: str) -> None:
