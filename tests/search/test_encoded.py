@@ -175,7 +175,7 @@ def test_an_encoding_that_depends_on_the_batch_a_full_disk_and_a_read_only_store
         head_encodings(store, head, run)
     monkeypatch.undo()
     head, run = _run(tmp_path, "prota", seed=2)
-    monkeypatch.setattr(encoded_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 10**6, 10**6))
+    monkeypatch.setattr(encoded_mod, "free_disk", lambda path: 10**6)
     with pytest.raises(ConfigError, match="--encoded-videos: prota's encodings of 70 videos take .* and the disk of "
                                           f"{store.dir} has 1.0 MB free; search without --encoded-videos"):
         head_encodings(store, head, run)

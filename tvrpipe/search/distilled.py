@@ -241,9 +241,10 @@ def _run_store(run: Path, config: dict) -> FeatureStore:
                           f"and it cannot be opened ({e}); use a pooled first stage (--first-stage exact)") from e
 
 
-def distilled_key(store: FeatureStore, checkpoint_sha: str, config: Any, name: str = Distilled.name) -> str:
-    """The cache folder's name: the store's state, the head's weights, the first stage and its build settings."""
-    ident = {"store": store_key(store), "checkpoint": checkpoint_sha, "settings": dataclasses.asdict(config)}
+def distilled_key(skey: str, checkpoint_sha: str, config: Any, name: str = Distilled.name) -> str:
+    """The cache folder's name: the store's state (``skey``, :func:`~tvrpipe.search.index.store_key`), the head's
+    weights, the first stage and its build settings."""
+    ident = {"store": skey, "checkpoint": checkpoint_sha, "settings": dataclasses.asdict(config)}
     if name != Distilled.name:  # the distilled stage's folders keep the name they had before there were others
         ident["first_stage"] = name
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -316,7 +317,8 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
         check_token_wise(head)
     run = Path(run)
     sha = file_sha256(run / CHECKPOINTS / BEST)
-    folder = Path(store.dir) / DISTILLED_DIR / distilled_key(store, sha, config, name)
+    skey = store_key(store)  # once: a fifth of a second at a million videos
+    folder = Path(store.dir) / DISTILLED_DIR / distilled_key(skey, sha, config, name)
     kept = None if rebuild else _load(folder, name, head, store, config)
     if kept is not None:
         return kept
@@ -326,8 +328,8 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
     recipe = _recipe(name, head, store, config, scorer)
     rows = searchable_rows(store)
     check_searchable(store, rows)
-    encoded = read_encodings(store, sha) if recipe.from_encoded is not None else None
-    meta = {"store_key": store_key(store), "run": str(run.resolve()), "checkpoint_sha256": sha, "method": head.name,
+    encoded = read_encodings(store, skey, sha) if recipe.from_encoded is not None else None
+    meta = {"store_key": skey, "run": str(run.resolve()), "checkpoint_sha256": sha, "method": head.name,
             "first_stage": name, "settings": dataclasses.asdict(config), "fit": record,
             "from_encodings": encoded is not None}
 

@@ -4,12 +4,12 @@ frames, so the head's per-video work is done once, not once a query.
 A head's score is ``similarity(encode_texts(t), encode_videos(v))``. Where ``encode_videos`` is heavy and the same
 for every query (ProTA's and UATVR's transformer over frames: 2-3 ms a video on 2 cores), it is most of a
 re-ranking's time: ProTA re-ranking 200 candidates spends 95 % of its second encoding them. Kept here, a search
-reads the candidates' encodings (every entry of the head's video encoding, in its dtype) from memory maps, and
-only the sentence's side and the pair scores are left to compute. The ranking is the head's own (up to float
+reads the candidates' encodings (every entry of the head's video encoding, in its dtype) from the files
+(:func:`_gather`), and only the sentence's side and the pair scores are left to compute. The ranking is the head's own (up to float
 rounding): the same encodings, computed once.
 
     <store>/search-encoded/<key>/
-      <entry>.npy    one per entry of the head's video encoding, ``(n, ...)``: the searchable videos' (memory-mapped)
+      <entry>.npy    one per entry of the head's video encoding, ``(n, ...)``: the searchable videos'
       rows.npy       int64 (n,): their rows in the store, sorted
       encoded.json   what it was built from (the store's key, the run, its checkpoint's sha256, the head), each
                      entry's shape and dtype, the bytes a video and the build's cost
@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 
 from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.store import FeatureStore
-from tvrpipe.files import atomic_replace_folder, file_sha256, gb
+from tvrpipe.files import DISK_SPARE, atomic_replace_folder, file_sha256, free_disk, gb
 from tvrpipe.heads.base import Head
 from tvrpipe.search.batches import video_batch
 from tvrpipe.search.index import check_searchable, finish_kept, searchable_rows, store_key
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 
 ENCODED_DIR = "search-encoded"
 _BLOCK = 256  # videos encoded at a time (ProTA: 14 MB of encodings a block)
-_SPARE = 2**30  # choice: the disk keeps a GiB free after the encodings are written
 
 
 @dataclass
@@ -102,16 +100,17 @@ def _gather(array: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return out
 
 
-def encoded_key(store: FeatureStore, checkpoint_sha: str) -> str:
-    """The folder's name: the store's state and the head's weights."""
-    ident = {"store": store_key(store), "checkpoint": checkpoint_sha}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+def encoded_folder(store: FeatureStore, skey: str, checkpoint_sha: str) -> Path:
+    """Where the encodings of ``store`` (its state: ``skey``, :func:`~tvrpipe.search.index.store_key`, read
+    once by the caller: a fifth of a second at a million videos) by the head of ``checkpoint_sha`` are kept."""
+    ident = {"store": skey, "checkpoint": checkpoint_sha}
+    return Path(store.dir) / ENCODED_DIR / hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_encodings(store: FeatureStore, checkpoint_sha: str) -> EncodedVideos | None:
-    """The encodings kept for this store state and checkpoint (sha256), or None where there are none whole;
-    nothing is encoded."""
-    return _load(Path(store.dir) / ENCODED_DIR / encoded_key(store, checkpoint_sha))
+def read_encodings(store: FeatureStore, skey: str, checkpoint_sha: str) -> EncodedVideos | None:
+    """The encodings kept for this store state (``skey``) and checkpoint (sha256), or None where there are none
+    whole; nothing is encoded."""
+    return _load(encoded_folder(store, skey, checkpoint_sha))
 
 
 def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str], progress: bool = False,
@@ -129,7 +128,8 @@ def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str],
 
     run = Path(run)
     sha = file_sha256(run / CHECKPOINTS / BEST)
-    folder = Path(store.dir) / ENCODED_DIR / encoded_key(store, sha)
+    skey = store_key(store)
+    folder = encoded_folder(store, skey, sha)
     kept = None if rebuild else _load(folder)
     if kept is not None:
         return kept
@@ -138,7 +138,7 @@ def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str],
     check_searchable(store, rows)
     first = _encode(head, store, rows[:_BLOCK])
     per_video = sum(v[0].nbytes for v in first.values())
-    meta = {"store_key": store_key(store), "run": str(run.resolve()), "checkpoint_sha256": sha, "method": head.name,
+    meta = {"store_key": skey, "run": str(run.resolve()), "checkpoint_sha256": sha, "method": head.name,
             "entries": {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype)} for k, v in first.items()},
             "bytes_per_video": per_video}
     _check_disk(folder, per_video * len(rows), head.name, len(rows))
@@ -192,10 +192,8 @@ def _fill(head: Head, store: FeatureStore, rows: np.ndarray, out: dict[str, np.n
 
 
 def _check_disk(folder: Path, need: int, method: str, n: int) -> None:
-    from tvrpipe.lock import nearest_existing
-
-    free = shutil.disk_usage(nearest_existing(folder)).free
-    if need > free - _SPARE:
+    free = free_disk(folder)
+    if need > free - DISK_SPARE:
         raise ConfigError(f"--encoded-videos: {method}'s encodings of {n:,} videos take {gb(need)} and the disk of "
                           f"{folder.parent.parent} has {gb(free)} free; search without --encoded-videos (the head "
                           f"then encodes each query's candidates), or free room")

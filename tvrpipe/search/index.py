@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shlex
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,8 +197,6 @@ def finish_kept(tmp: Path, rows: np.ndarray, record: str, meta: Mapping[str, Any
     """Close a kept folder built from a run's head (``search-distilled/``, ``search-encoded/``) under its staged
     name ``tmp``: its videos' store rows (``rows.npy``), then its record ``record`` (what it was built from,
     ``meta``; the seconds since ``started``, a ``time.perf_counter()``; the bytes of its files but the record)."""
-    import time
-
     np.save(tmp / "rows.npy", rows)
     done = {**meta, "build_seconds": time.perf_counter() - started,
             "bytes": sum(f.stat().st_size for f in tmp.iterdir())}
