@@ -12,7 +12,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tvrpipe.errors import WriteError, writing
 
@@ -103,6 +103,60 @@ def file_sha256(path: Path) -> str:
         while block := f.read(1 << 24):
             h.update(block)
     return h.hexdigest()
+
+
+class NpyWriter:
+    """A ``.npy`` file of ``shape`` and ``dtype`` filled in row order, a block at a time: ``writer[a:b] = block``
+    with ``a`` the first row not yet written, as into an array. Written through the file rather than a memory
+    map: the pages a map writes count in the process's resident memory until it is unmapped (a million
+    videos' ProTA encodings are 53 GB), a file's writes only in the page cache, which the kernel writes back
+    and reclaims. Used as a context manager, it checks on leaving that every row was written.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], dtype: Any, shape: tuple[int, ...]):
+        import numpy as np
+
+        self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(int(s) for s in shape)
+        self._row_bytes = self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+        self.written = 0
+        with writing(self.path):
+            self._f = open(self.path, "wb")
+            try:
+                np.lib.format.write_array_header_1_0(self._f, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                                "fortran_order": False, "shape": self.shape})
+            except BaseException:
+                self._f.close()
+                raise
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __setitem__(self, key: slice, block: Any) -> None:
+        import numpy as np
+
+        start, stop, step = key.indices(self.shape[0]) if isinstance(key, slice) else (None, None, None)
+        if start != self.written or step != 1:
+            raise ValueError(f"{self.path.name}: rows are written in order; rows {key} given, row "
+                             f"{self.written:,} is next")
+        block = np.ascontiguousarray(block, dtype=self.dtype)
+        if block.shape != (stop - start, *self.shape[1:]):
+            raise ValueError(f"{self.path.name}: a block of shape {block.shape} for rows {start:,}-{stop - 1:,} "
+                             f"of {self.shape}")
+        with writing(self.path):
+            self._f.write(memoryview(block.reshape(-1).view(np.uint8)))
+        self.written = stop
+
+    def close(self) -> None:
+        with writing(self.path):
+            self._f.close()
+
+    def __enter__(self) -> NpyWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if exc[0] is None and self.written != self.shape[0]:
+            raise ValueError(f"{self.path.name}: {self.written:,} of {self.shape[0]:,} rows written")
 
 
 def _discard(tmp: Path) -> None:

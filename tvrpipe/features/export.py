@@ -22,7 +22,7 @@ import numpy as np
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.features.store import open_store
-from tvrpipe.files import atomic_write
+from tvrpipe.files import NpyWriter, atomic_write
 from tvrpipe.lock import check_writable, nearest_existing
 from tvrpipe.progress import track
 
@@ -108,11 +108,11 @@ def pooled_blocks(store, rows: int = 4096,
 
 
 def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None,
-                      out: np.ndarray | None = None, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                      out: np.ndarray | NpyWriter | None = None, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Every video's embedding as the meanpool head computes it (:func:`pooled_blocks`), read ``rows`` videos
     at a time; ``which``: only these store rows (sorted), in that order (one shard of a search's first stage
-    reads its own rows alone); ``out``: the ``(N, D)`` float32 array to fill (a memory map of a file, so that the
-    embeddings are never all in RAM), else a new one; ``progress``: a bar over the blocks.
+    reads its own rows alone); ``out``: the ``(N, D)`` float32 array to fill in row order (a
+    :class:`tvrpipe.files.NpyWriter`, so that the embeddings are never all in RAM), else a new one; ``progress``: a bar over the blocks.
 
     Returns:
         ``(embeddings (N, D) float32, has_frames (N,) bool)``, N the store's videos (or ``which``'s); a video

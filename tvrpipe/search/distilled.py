@@ -35,7 +35,7 @@ import torch
 
 from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.store import FeatureStore, open_store
-from tvrpipe.files import atomic_replace_folder, file_sha256
+from tvrpipe.files import NpyWriter, atomic_replace_folder, file_sha256
 from tvrpipe.heads.base import Head, TextBatch, VideoBatch
 from tvrpipe.search.batches import text_batch, video_batch
 from tvrpipe.search.encoded import EncodedVideos, read_encodings
@@ -340,11 +340,8 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
                      segments=np.int64(scorer.segments))
         elif scorer is not None:
             np.savez(tmp / "scorer.npz", axes=scorer.axes, segments=np.int64(scorer.segments))
-        vectors = np.lib.format.open_memmap(tmp / "vectors.npy", mode="w+", dtype=np.float32,
-                                            shape=(len(rows) * recipe.per_video, recipe.dim))
-        _fill(store, rows, recipe, vectors, progress, encoded)
-        vectors.flush()
-        del vectors
+        with NpyWriter(tmp / "vectors.npy", np.float32, (len(rows) * recipe.per_video, recipe.dim)) as vectors:
+            _fill(store, rows, recipe, vectors, progress, encoded)
         finish_kept(tmp, rows, "distilled.json", meta, t0)
 
     if cache:
@@ -362,7 +359,7 @@ def head_stage(store: FeatureStore, head: Head, run: str | os.PathLike[str], nam
                       record={**meta, "build_seconds": time.perf_counter() - t0, "bytes": 0})
 
 
-def _fill(store: FeatureStore, rows: np.ndarray, recipe: _Recipe, out: np.ndarray, progress: bool,
+def _fill(store: FeatureStore, rows: np.ndarray, recipe: _Recipe, out: np.ndarray | NpyWriter, progress: bool,
           encoded: EncodedVideos | None = None) -> None:
     """``out`` (n x per video, d) gets the vectors of ``rows``, a block of videos at a time: from ``encoded`` (the
     head's kept encodings) where given, else from the frames."""

@@ -24,6 +24,7 @@ no faster). docs/search.md has the measured figures.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ import torch
 
 from tvrpipe.errors import ConfigError, WriteError
 from tvrpipe.features.store import FeatureStore
-from tvrpipe.files import DISK_SPARE, atomic_replace_folder, file_sha256, free_disk, gb
+from tvrpipe.files import DISK_SPARE, NpyWriter, atomic_replace_folder, file_sha256, free_disk, gb
 from tvrpipe.heads.base import Head
 from tvrpipe.search.batches import video_batch
 from tvrpipe.search.index import check_searchable, finish_kept, searchable_rows, store_key
@@ -145,12 +146,10 @@ def head_encodings(store: FeatureStore, head: Head, run: str | os.PathLike[str],
 
     def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
-        out = {k: np.lib.format.open_memmap(tmp / f"{k}.npy", mode="w+", dtype=v.dtype, shape=(len(rows), *v.shape[1:]))
-               for k, v in first.items()}
-        _fill(head, store, rows, out, first, progress)
-        for v in out.values():
-            v.flush()
-        del out
+        with contextlib.ExitStack() as files:
+            out = {k: files.enter_context(NpyWriter(tmp / f"{k}.npy", v.dtype, (len(rows), *v.shape[1:])))
+                   for k, v in first.items()}
+            _fill(head, store, rows, out, first, progress)
         finish_kept(tmp, rows, "encoded.json", meta, t0)
 
     # encodings that cannot be kept are refused, not held for this search alone: every video encoded for one
@@ -172,7 +171,7 @@ def _encode(head: Head, store: FeatureStore, rows: np.ndarray) -> dict[str, np.n
     return {k: v.cpu().numpy() for k, v in head.encode_videos(video_batch(store, rows)).items()}
 
 
-def _fill(head: Head, store: FeatureStore, rows: np.ndarray, out: dict[str, np.ndarray],
+def _fill(head: Head, store: FeatureStore, rows: np.ndarray, out: dict[str, NpyWriter],
           first: dict[str, np.ndarray], progress: bool) -> None:
     """``out`` gets the encodings of ``rows``, a block at a time (``first``: the first block's, already made)."""
     from tvrpipe.progress import progress_bar

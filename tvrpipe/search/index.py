@@ -36,7 +36,7 @@ import numpy as np
 
 from tvrpipe.errors import ConfigError, TvrpipeError, WriteError
 from tvrpipe.features.store import FeatureStore, store_identity, written_state
-from tvrpipe.files import atomic_replace_folder, atomic_write, remove_staged
+from tvrpipe.files import NpyWriter, atomic_replace_folder, atomic_write, remove_staged
 from tvrpipe.search.first_stages import (
     FirstStageIndex,
     exportable_first_stages,
@@ -121,10 +121,8 @@ def pooled_rows(store: FeatureStore, out: Path | None = None, progress: bool = F
     rows = searchable_rows(store)  # first: the output's size
     if out is None:
         return pooled_embeddings(store, which=rows, progress=progress)[0], rows
-    pooled = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(len(rows), d))
-    pooled_embeddings(store, which=rows, out=pooled, progress=progress)
-    pooled.flush()
-    del pooled
+    with NpyWriter(out, np.float32, (len(rows), d)) as pooled:
+        pooled_embeddings(store, which=rows, out=pooled, progress=progress)
     return np.load(out, mmap_mode="r"), rows
 
 
