@@ -117,7 +117,6 @@ class NpyWriter:
         import numpy as np
 
         self.path, self.dtype, self.shape = Path(path), np.dtype(dtype), tuple(int(s) for s in shape)
-        self._row_bytes = self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
         self.written = 0
         with writing(self.path):
             self._f = open(self.path, "wb")

@@ -112,7 +112,8 @@ def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None,
     """Every video's embedding as the meanpool head computes it (:func:`pooled_blocks`), read ``rows`` videos
     at a time; ``which``: only these store rows (sorted), in that order (one shard of a search's first stage
     reads its own rows alone); ``out``: the ``(N, D)`` float32 array to fill in row order (a
-    :class:`tvrpipe.files.NpyWriter`, so that the embeddings are never all in RAM), else a new one; ``progress``: a bar over the blocks.
+    :class:`tvrpipe.files.NpyWriter`, so that the embeddings are never all in RAM), else a new one;
+    ``progress``: a bar over the blocks.
 
     Returns:
         ``(embeddings (N, D) float32, has_frames (N,) bool)``, N the store's videos (or ``which``'s); a video
