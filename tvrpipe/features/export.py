@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 from tvrpipe.errors import ConfigError
 from tvrpipe.features.store import ARRAYS as STORE_ARRAYS
 from tvrpipe.features.store import open_store
-from tvrpipe.files import NpyWriter, atomic_write
+from tvrpipe.files import NpyWriter, atomic_write, free_disk
 from tvrpipe.lock import check_writable, nearest_existing
 from tvrpipe.progress import track
 
@@ -50,7 +49,7 @@ def export_hdf5(features_dir: str | os.PathLike[str], out_file: str | os.PathLik
     # h5py crashes the process (not an exception) when the disk fills as it closes a file: check the room first
     need = sum(store.array(name).nbytes for name in ARRAYS) * 1.02 + (16 << 20)  # + ids, attributes, headers
     ancestor = nearest_existing(out.parent)
-    free = shutil.disk_usage(ancestor).free
+    free = free_disk(ancestor)
     if free < need:
         raise ConfigError(f"--out {out}: the export needs about {need / 1e9:.2f} GB and {ancestor} has "
                           f"{free / 1e9:.2f} GB free; make room or write it elsewhere")
