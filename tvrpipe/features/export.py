@@ -107,7 +107,8 @@ def pooled_blocks(store, rows: int = 4096,
 
 
 def pooled_embeddings(store, rows: int = 4096, which: np.ndarray | None = None,
-                      out: np.ndarray | NpyWriter | None = None, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                      out: np.ndarray | NpyWriter | None = None,
+                      progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Every video's embedding as the meanpool head computes it (:func:`pooled_blocks`), read ``rows`` videos
     at a time; ``which``: only these store rows (sorted), in that order (one shard of a search's first stage
     reads its own rows alone); ``out``: the ``(N, D)`` float32 array to fill in row order (a

@@ -5,8 +5,8 @@ A head's score is ``similarity(encode_texts(t), encode_videos(v))``. Where ``enc
 for every query (ProTA's and UATVR's transformer over frames: 2-3 ms a video on 2 cores), it is most of a
 re-ranking's time: ProTA re-ranking 200 candidates spends 95 % of its second encoding them. Kept here, a search
 reads the candidates' encodings (every entry of the head's video encoding, in its dtype) from the files
-(:func:`_gather`), and only the sentence's side and the pair scores are left to compute. The ranking is the head's own (up to float
-rounding): the same encodings, computed once.
+(:func:`_gather`), and only the sentence's side and the pair scores are left to compute. The ranking is the
+head's own (up to float rounding): the same encodings, computed once.
 
     <store>/search-encoded/<key>/
       <entry>.npy    one per entry of the head's video encoding, ``(n, ...)``: the searchable videos'
